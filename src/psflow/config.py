@@ -1,0 +1,95 @@
+"""Training configuration that travels from the launcher (or the script) to every task and the ps.
+
+``TrainConfig`` is the single source of truth for the update mode; the launcher writes it into the
+task's environment as JSON (read in psflow.task), the trainer sends it to the ps with the initial values.
+
+Modes:
+- ``async``: every pushed gradient is applied at once (seed 001, first half);
+- ``sync``: each step the ps averages ``replicas_to_aggregate`` (N) fresh gradients out of
+  ``total_num_replicas`` (M) workers; stale gradients are dropped; M > N gives M - N backup workers;
+- ``ssp``: asynchronous updates, but no worker runs more than ``staleness`` steps ahead of the slowest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from psflow.errors import ConfigError
+
+MODES = ("async", "sync", "ssp")
+STRATEGIES = ("ps", "allreduce")
+PLACEMENTS = ("round_robin", "greedy")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    mode: str = "async"
+    strategy: str = "ps"
+    replicas_to_aggregate: int | None = None  # sync: N; None = every worker
+    total_num_replicas: int | None = None  # sync: M; None = every worker
+    staleness: int = 4  # ssp: how far a worker may run ahead of the slowest
+    sync_timeout_s: float = 60.0  # sync/ssp: the longest wait for a step before the job fails
+    placement: str = "round_robin"
+    split_bytes: int | None = None  # split tensors above this many bytes across ps shards
+    ready_timeout_s: float = 120.0  # non-chief: the longest wait for the chief to initialize the ps
+    log_placement: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"Unknown mode {self.mode!r}. Allowed: {', '.join(MODES)}.")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"Unknown strategy {self.strategy!r}. Allowed: {', '.join(STRATEGIES)}.")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"Unknown placement {self.placement!r}. Allowed: {', '.join(PLACEMENTS)}.")
+        for name in ("replicas_to_aggregate", "total_num_replicas"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be a positive integer; received {v!r}.")
+        if self.staleness < 0:
+            raise ConfigError(f"staleness must be >= 0; received {self.staleness!r}.")
+        for name in ("sync_timeout_s", "ready_timeout_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ConfigError(f"{name} must be a positive number of seconds; received {v!r}.")
+
+    def resolved(self, num_workers: int) -> TrainConfig:
+        """Fill N and M from the worker count and check them against it."""
+        m = self.total_num_replicas or num_workers
+        n = self.replicas_to_aggregate or m
+        if m > num_workers:
+            raise ConfigError(
+                f"total_num_replicas={m} exceeds the {num_workers} workers of the cluster. "
+                "Set it to at most the number of workers."
+            )
+        if n > m:
+            raise ConfigError(
+                f"replicas_to_aggregate={n} exceeds total_num_replicas={m}. N gradients are averaged out of M workers, so N <= M."
+            )
+        return replace(self, replicas_to_aggregate=n, total_num_replicas=m)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"Unknown training setting(s) {sorted(unknown)}. Known: {sorted(known)}.")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"Training config is not valid JSON ({e}). Received: {text[:80]!r}.") from e
+        if not isinstance(d, dict):
+            raise ConfigError(f"Training config must be a JSON object; received {text[:80]!r}.")
+        return cls.from_dict(d)

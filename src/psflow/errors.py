@@ -1,0 +1,47 @@
+"""The exception hierarchy of psflow.
+
+Every error a user can meet derives from :class:`PsflowError`. Messages follow one shape:
+what went wrong, the value received, and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class PsflowError(Exception):
+    """Base class of every psflow error."""
+
+
+class ConfigError(PsflowError, ValueError):
+    """A cluster spec, flag, environment variable or argument is invalid."""
+
+
+class ClusterError(PsflowError):
+    """A task of the cluster cannot be reached or misbehaves."""
+
+
+class TransportError(ClusterError):
+    """A connection failed, timed out, or carried a malformed or refused frame."""
+
+
+class AuthError(TransportError):
+    """A peer did not prove that it holds the job's secret."""
+
+
+class RemoteError(ClusterError):
+    """A remote task refused or failed a request; the message is the remote's own."""
+
+
+class TaskFailedError(PsflowError):
+    """A task of the job failed; the launcher reports the first one as the root cause."""
+
+
+class CheckpointError(PsflowError):
+    """A checkpoint is missing, partial or corrupt."""
+
+
+class DataError(PsflowError):
+    """A dataset is unavailable or does not match its checksum."""
+
+
+class TrainingError(PsflowError):
+    """Training cannot go on (a NaN, a sync step that can never complete, ...)."""

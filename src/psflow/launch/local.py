@@ -1,0 +1,226 @@
+"""LocalBackend: every task of a plan as a process on this machine.
+
+Starts the coordinator (rendezvous + reports) in this process, then each task in its own process
+group with a fresh job secret (a 0600 file in the log dir), prefixes every output line with the
+task id (and keeps a log file per task), and watches exits:
+
+- a training task (chief/worker) that fails fails the run: the others are stopped, and the first
+  failure is printed first as the root cause, from the task's JSON error report;
+- once every training task has exited cleanly, the ps tasks exit by themselves (they are told the
+  workers are done); one that does not within ``ps_exit_timeout_s`` is stopped, with a warning;
+- Ctrl-C or SIGTERM stops every task: SIGTERM to each process group, SIGKILL after ``grace_s``.
+  No process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+import click
+
+from psflow.launch.backend import Backend, RunResult
+from psflow.launch.coordinator import Coordinator
+from psflow.launch.plan import LaunchPlan
+from psflow.server import Server
+
+_COLORS = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green"]
+
+
+class _Stop(Exception):
+    """Raised in the main thread by SIGTERM, handled like Ctrl-C."""
+
+
+class LocalBackend(Backend):
+    def __init__(self, *, echo: Callable[[str], None] | None = None, register_timeout_s: float = 120.0) -> None:
+        self.echo = echo or (lambda line: click.echo(line))
+        self.register_timeout_s = register_timeout_s
+        self._echo_lock = threading.Lock()
+
+    def run(self, plan: LaunchPlan) -> RunResult:
+        logdir = Path(plan.logdir)
+        (logdir / "logs").mkdir(parents=True, exist_ok=True)
+        (logdir / "errors").mkdir(parents=True, exist_ok=True)
+        for stale in (logdir / "errors").glob("*.json"):
+            stale.unlink()
+        secret = secrets.token_hex(32).encode()
+        secret_file = logdir / ".secret"
+        secret_file.touch(mode=0o600)
+        secret_file.write_bytes(secret)
+        server = Server("launcher", secret=secret)
+        coord = Coordinator(server, plan.task_names(), register_timeout_s=self.register_timeout_s,
+                            require_ps=plan.config.strategy == "ps")
+        address = server.start()
+        t0 = time.time()
+        procs: dict[str, subprocess.Popen] = {}
+        exits: queue.Queue[tuple[str, int]] = queue.Queue()
+        codes: dict[str, int] = {}
+        root: str | None = None
+        stopped_by: str | None = None
+        old_term = signal.signal(signal.SIGTERM, _raise_stop)
+        try:
+            for i, tp in enumerate(plan.tasks):
+                env = {**os.environ, **dict(tp.env), "PSFLOW_COORDINATOR": address, "PSFLOW_SECRET_FILE": str(secret_file)}
+                env.pop("PSFLOW_SECRET", None)
+                p = subprocess.Popen(
+                    tp.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, text=True, bufsize=1,
+                )
+                procs[tp.task] = p
+                log_file = open(logdir / "logs" / f"{tp.file_stem}.log", "w")
+                threading.Thread(target=self._pump, args=(tp.task, p.stdout, log_file, _COLORS[i % len(_COLORS)]), daemon=True).start()
+                threading.Thread(target=lambda t=tp.task, p=p: exits.put((t, p.wait())), daemon=True).start()
+            trainers = [t.task for t in plan.tasks if t.job in ("chief", "worker")]
+            ps_deadline: float | None = None
+            while len(codes) < len(procs):
+                try:
+                    task, code = exits.get(timeout=0.5)
+                except queue.Empty:
+                    if ps_deadline is not None and time.monotonic() > ps_deadline:
+                        left = [t for t in procs if t not in codes]
+                        self.echo(click.style(f"psflow: {', '.join(left)} did not exit {plan.ps_exit_timeout_s:.0f} s after the workers finished; stopping them.", fg="yellow"))
+                        self._stop_all(procs, codes, plan.grace_s)
+                        ps_deadline = None
+                    continue
+                codes[task] = code
+                if code != 0 and root is None and stopped_by is None:
+                    root = task
+                    self._stop_all(procs, codes, plan.grace_s)
+                if ps_deadline is None and all(codes.get(t) == 0 for t in trainers):
+                    ps_deadline = time.monotonic() + plan.ps_exit_timeout_s
+        except (KeyboardInterrupt, _Stop) as e:
+            stopped_by = "SIGTERM" if isinstance(e, _Stop) else "Ctrl-C"
+            self.echo(click.style(f"psflow: {stopped_by}: stopping every task (SIGTERM, then SIGKILL after {plan.grace_s:.0f} s)", fg="yellow"))
+            self._stop_all(procs, codes, plan.grace_s)
+        finally:
+            signal.signal(signal.SIGTERM, old_term)
+            self._stop_all(procs, codes, plan.grace_s)
+            server.stop()
+        wall_s = time.time() - t0
+        summary = build_summary(plan, coord, procs, codes, wall_s, root, stopped_by)
+        (logdir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if root is not None:
+            self._print_root_cause(plan, root, codes)
+        exit_code = 0 if root is None and stopped_by is None else (130 if stopped_by else 1)
+        return RunResult(exit_code, summary, root)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _pump(self, task: str, stream: TextIO, log_file: TextIO, color: str) -> None:
+        prefix = click.style(f"[{task}]", fg=color)
+        with log_file:
+            for line in stream:
+                log_file.write(line)
+                log_file.flush()
+                with self._echo_lock:
+                    self.echo(f"{prefix} {line.rstrip()}")
+
+    def _stop_all(self, procs: dict[str, subprocess.Popen], codes: dict[str, int], grace_s: float) -> None:
+        alive = [p for p in procs.values() if p.poll() is None]
+        for p in alive:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.wait(timeout=10)
+        for p in procs.values():  # children the tasks may have left in their groups
+            _signal_group(p, signal.SIGKILL)
+        for t, p in procs.items():
+            codes.setdefault(t, p.returncode if p.returncode is not None else -9)
+
+    def _print_root_cause(self, plan: LaunchPlan, root: str, codes: dict[str, int]) -> None:
+        report = _error_report(plan, root)
+        self.echo(click.style(f"psflow: the run failed. Root cause: {root} exited with code {codes[root]}", fg="red", bold=True))
+        if report:
+            self.echo(f"  {report.get('exception')}: {report.get('message')}")
+            self.echo("  " + report.get("traceback", "").rstrip().replace("\n", "\n  "))
+        else:
+            self.echo(f"  (no error report; last lines of {Path(plan.logdir) / 'logs' / (root.replace(':', '-') + '.log')}:)")
+            self.echo(_tail(Path(plan.logdir) / "logs" / f"{root.replace(':', '-')}.log"))
+        others = [t for t, c in codes.items() if t != root and c != 0]
+        for t in others:
+            r = _error_report(plan, t)
+            why = f"{r.get('exception')}: {r.get('message')}" if r else f"exit code {codes[t]} (stopped after the root cause)"
+            self.echo(f"  then {t}: {why}")
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop()
+
+
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _error_report(plan: LaunchPlan, task: str) -> dict[str, Any] | None:
+    path = Path(plan.logdir) / "errors" / f"{task.replace(':', '-')}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join("  " + line for line in path.read_text().splitlines()[-n:])
+    except OSError:
+        return "  (no log)"
+
+
+def build_summary(
+    plan: LaunchPlan, coord: Coordinator, procs: dict[str, subprocess.Popen], codes: dict[str, int],
+    wall_s: float, root: str | None, stopped_by: str | None,
+) -> dict[str, Any]:
+    """The run's summary.json: headline figures first, then every task and its reports."""
+    reports = coord.reports
+    trainer_stats = [r["trainer"] for r in reports.values() if isinstance(r.get("trainer"), dict)]
+    examples = sum(s.get("examples", 0) for s in trainer_stats)
+    train_s = max((s.get("train_time_s", 0.0) for s in trainer_stats), default=0.0)
+    steps = [r.get("global_step") for r in reports.values() if isinstance(r.get("global_step"), int)]
+    steps += [s.get("global_step", 0) for s in trainer_stats]
+    accs = {t: r["test_accuracy"] for t, r in reports.items() if "test_accuracy" in r}
+    chief = next((t for t in plan.task_names() if t.startswith(("chief", "worker"))), None)
+    ps_stats = {t: r["ps_stats"] for t, r in reports.items() if "ps_stats" in r}
+    return {
+        "run_id": plan.run_id,
+        "status": "succeeded" if root is None and stopped_by is None else ("stopped" if stopped_by else "failed"),
+        "root_cause": root,
+        "mode": plan.config.mode,
+        "strategy": plan.config.strategy,
+        "global_step": max(steps, default=0),
+        "test_accuracy": accs.get(chief, next(iter(accs.values()), None)),
+        "test_accuracy_by_task": accs,
+        "examples": examples,
+        "examples_per_sec": round(examples / train_s, 1) if train_s else 0.0,
+        "wall_s": round(wall_s, 3),
+        "counters": {
+            "stale_dropped": sum(s.get("stale_dropped", 0) for s in ps_stats.values()),
+            "steps_without_all_workers": max((s.get("steps_without_all", 0) for s in ps_stats.values()), default=0),
+            "wait_s": round(sum(s.get("wait_s", 0.0) for s in ps_stats.values()), 3),
+        },
+        "tasks": [
+            {
+                "task": t,
+                "pid": p.pid,
+                "address": coord.addresses.get(t),
+                "exit_code": codes.get(t),
+                "attempts": 1,
+                "log": str(Path(plan.logdir) / "logs" / f"{t.replace(':', '-')}.log"),
+            }
+            for t, p in procs.items()
+        ],
+        "reports": reports,
+    }

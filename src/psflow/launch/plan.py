@@ -1,0 +1,95 @@
+"""A launch plan: the tasks of a run as plain data (command, environment, restart policy).
+
+Pure: building a plan starts nothing. Every backend (local processes today; Slurm and Kubernetes
+next) carries out the same plan, and a plan can be printed, compared and rendered.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from psflow.config import TrainConfig
+from psflow.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    task: str  # "worker:1"
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def job(self) -> str:
+        return self.task.split(":")[0]
+
+    @property
+    def file_stem(self) -> str:
+        return self.task.replace(":", "-")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    run_id: str
+    logdir: str
+    tasks: tuple[TaskPlan, ...]
+    config: TrainConfig = field(default_factory=TrainConfig)
+    max_restarts: int = 0  # per task; restarts come with the failure-recovery work
+    grace_s: float = 20.0  # how long a stopped task gets between SIGTERM and SIGKILL
+    ps_exit_timeout_s: float = 60.0  # how long ps tasks get to exit by themselves once workers are done
+
+    def task_names(self) -> list[str]:
+        return [t.task for t in self.tasks]
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["config"] = self.config.to_dict()
+        return json.dumps(d, indent=1)
+
+
+def make_plan(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    num_ps: int = 1,
+    num_workers: int = 2,
+    chief: bool = False,
+    evaluator: bool = False,
+    logdir: str | None = None,
+    config: TrainConfig = TrainConfig(),
+    python: str = sys.executable,
+    fail_at: str | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> LaunchPlan:
+    """Plan a run of ``script`` with ``num_ps`` ps and ``num_workers`` workers on this machine.
+
+    Raises:
+        ConfigError: a missing script or impossible counts.
+    """
+    if not Path(script).is_file():
+        raise ConfigError(f"Training script {script!r} does not exist. Give the path of a Python file.")
+    if config.strategy == "ps" and num_ps < 1:
+        raise ConfigError(f"--ps must be at least 1 for parameter-server training; received {num_ps}.")
+    if num_workers < (0 if chief else 1):
+        raise ConfigError(f"--workers must be at least 1; received {num_workers}.")
+    run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    logdir = logdir or str(Path("runs") / run_id)
+    names = (["chief:0"] if chief else []) + [f"ps:{i}" for i in range(num_ps if config.strategy == "ps" else 0)]
+    names += [f"worker:{i}" for i in range(num_workers)] + (["evaluator:0"] if evaluator else [])
+    tasks = []
+    for name in names:
+        env = {
+            "PSFLOW_TASK": name,
+            "PSFLOW_TRAIN_CONFIG": config.to_json(),
+            "PSFLOW_LOGDIR": logdir,
+            "PSFLOW_ERROR_FILE": str(Path(logdir) / "errors" / f"{name.replace(':', '-')}.json"),
+            **({"PSFLOW_FAIL_AT": fail_at} if fail_at else {}),
+            **(extra_env or {}),
+        }
+        tasks.append(TaskPlan(name, (python, "-u", script, *script_args), tuple(sorted(env.items()))))
+    return LaunchPlan(run_id=run_id, logdir=logdir, tasks=tuple(tasks), config=config)

@@ -1,0 +1,151 @@
+"""The ps task's service: wire requests -> :class:`ParameterStore` calls, on the task's Server.
+
+Called by psflow.task for a ps task. ``join()`` returns when every worker has said it is done (or a
+shutdown request came), which is how a psflow ps exits by itself at the end of a job, unlike
+TensorFlow's ``server.join()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from psflow.config import TrainConfig
+from psflow.errors import ConfigError, TrainingError
+from psflow.ps.store import ParameterStore
+from psflow.server import Reply, Request, Server
+from psflow.wire.ops import Op
+
+
+class PsService:
+    """Serve one ps shard.
+
+    Args:
+        server: the task's started or not-yet-started Server.
+        shard: this ps task's index.
+        num_workers: the cluster's worker count (chief included when it trains).
+    """
+
+    def __init__(self, server: Server, shard: int, num_workers: int) -> None:
+        self.server = server
+        self.shard = shard
+        self.store = ParameterStore(shard, num_workers)
+        self._shutdown = threading.Event()
+        self.on_save: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        routes = {
+            Op.PS_INIT: self._init,
+            Op.PS_READY: self._ready,
+            Op.PS_PULL: self._pull,
+            Op.PS_PUSH: self._push,
+            Op.PS_CLOCK: self._clock,
+            Op.PS_DONE: self._done,
+            Op.PS_STATUS: self._status,
+            Op.PS_SHUTDOWN: self._stop,
+            Op.PS_SAVE: self._save,
+        }
+        for op, fn in routes.items():
+            server.register(op, fn)
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Block until every worker is done or shutdown was requested. Returns False on timeout."""
+        return self._shutdown.wait(timeout_s)
+
+    # -- handlers --------------------------------------------------------------------------
+    def _init(self, req: Request) -> Reply:
+        m = req.meta
+        values = {k: v for k, v in req.tensors.items() if not k.startswith("opt/")}
+        opt_state = {k[4:]: v for k, v in req.tensors.items() if k.startswith("opt/")}
+        first = self.store.initialize(
+            values,
+            optimizer=m["optimizer"],
+            config=TrainConfig.from_dict(m["config"]),
+            placement_digest=str(m.get("placement_digest", "")),
+            version=int(m.get("version", 0)),
+            schedule=m.get("schedule"),
+            ema_decay=m.get("ema_decay"),
+            meta=m.get("meta"),
+            optimizer_state=opt_state or None,
+        )
+        return Reply({"initialized": first, "version": self.store.version})
+
+    def _ready(self, req: Request) -> Reply:
+        timeout_s = float(req.meta.get("timeout_s", 60.0))
+        if not self.store.wait_initialized(timeout_s):
+            raise TrainingError(
+                f"ps:{self.shard} is still not initialized after {timeout_s:.1f} s: it waits for the chief to send "
+                "the initial parameters. Is the chief running? Raise the wait with ready_timeout_s (PSFLOW_READY_TIMEOUT_S)."
+            )
+        digest = str(req.meta.get("placement_digest", ""))
+        if digest and digest != self.store.placement_digest:
+            raise ConfigError(
+                f"{req.peer} places the model differently from the chief on ps:{self.shard} "
+                f"(placement digest {digest[:12]} vs {self.store.placement_digest[:12]}). "
+                "Every worker must build the same model with the same --placement and number of ps."
+            )
+        return Reply({"version": self.store.version, "config": self.store.config.to_dict(), "meta": self.store.meta})
+
+    def _pull(self, req: Request) -> Reply:
+        version, values = self.store.pull(
+            min_version=int(req.meta.get("min_version", 0)),
+            timeout_s=float(req.meta.get("timeout_s", self.store.config.sync_timeout_s)),
+            averages=bool(req.meta.get("averages", False)),
+        )
+        return Reply({"version": version}, list(values.items()))
+
+    def _push(self, req: Request) -> Reply:
+        result = self.store.push(int(req.meta["worker"]), int(req.meta.get("version", 0)), req.tensors)
+        return Reply(result)
+
+    def _clock(self, req: Request) -> Reply:
+        slowest = self.store.clock(
+            int(req.meta["worker"]), int(req.meta["clock"]), timeout_s=float(req.meta.get("timeout_s", 60.0))
+        )
+        return Reply({"slowest": slowest})
+
+    def _done(self, req: Request) -> Reply:
+        self.store.worker_done(int(req.meta["worker"]))
+        if self.store.all_done():
+            self._shutdown.set()
+        return Reply({"done": sorted(self.store.done_workers)})
+
+    def _status(self, req: Request) -> Reply:
+        s = self.store
+        meta: dict[str, Any] = {
+            "shard": self.shard,
+            "initialized": s.initialized,
+            "version": s.version,
+            "done_workers": sorted(s.done_workers),
+            "stats": s.stats.to_dict(),
+        }
+        if req.meta.get("clock_log"):
+            meta["clock_log"] = s.stats.clock_log
+        return Reply(meta)
+
+    def _stop(self, req: Request) -> Reply:
+        self._shutdown.set()
+        return Reply({})
+
+    def _save(self, req: Request) -> Reply:
+        if self.on_save is None:
+            raise ConfigError(f"ps:{self.shard} cannot save checkpoints: no checkpoint writer is attached.")
+        return Reply(self.on_save(req.meta))
+
+
+def default_save(service: PsService) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The PS_SAVE handler: this shard writes its own checkpoint file (no parameter leaves the ps)."""
+    from psflow import checkpoint
+
+    def save(meta: dict[str, Any]) -> dict[str, Any]:
+        version, tensors = service.store.snapshot()
+        record = checkpoint.write_shard(
+            Path(meta["root"]),
+            int(meta["step"]),
+            service.shard,
+            int(meta["num_shards"]),
+            tensors,
+            _crash_after_bytes=meta.get("crash_after_bytes"),
+        )
+        return {"record": record.to_dict(), "version": version}
+
+    return save

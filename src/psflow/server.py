@@ -1,0 +1,216 @@
+"""The task's endpoint (TensorFlow's ``tf.train.Server``): binds, authenticates, routes requests.
+
+One Server per task. It accepts connections on a background thread and serves each connection on
+its own thread, so a slow or blocked request (a sync step waiting for gradients) never stalls the
+others. Services (the parameter store, the launcher's coordinator) register one handler per op.
+
+Invariants:
+- nothing is served before the peer proves the job's secret (``Connection.server_handshake``);
+- a malformed, oversized or unauthenticated frame closes only that connection, with an ERROR frame
+  saying why when the stream still allows it; an unknown op or a failing handler gets an ERROR
+  reply and the connection stays usable;
+- ``stop()`` closes the listener and every connection; handler threads are daemons.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from psflow.errors import AuthError, ConfigError, PsflowError, TransportError
+from psflow.wire.conn import Connection
+from psflow.wire.frame import FrameError, Limits, TensorSpec
+from psflow.wire.ops import Op
+
+log = logging.getLogger("psflow.server")
+
+
+@dataclass
+class Request:
+    peer: str
+    op: int
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class Reply:
+    meta: dict[str, Any] = field(default_factory=dict)
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+
+Handler = Callable[[Request], Reply]
+
+
+@dataclass
+class _Route:
+    handler: Handler
+    reuse_buffers: bool
+
+
+class Server:
+    """Serve registered handlers on ``host:port`` (port 0 picks a free port; see ``address``).
+
+    Example:
+        >>> srv = Server("ps:0", secret=b"s3cret")
+        >>> srv.register(Op.PING, lambda req: Reply({"pong": True}))
+        >>> addr = srv.start()   # "127.0.0.1:54321"
+        >>> srv.stop()
+    """
+
+    def __init__(
+        self,
+        task: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes = b"",
+        limits: Limits = Limits(),
+        handshake_timeout_s: float = 10.0,
+    ) -> None:
+        self.task = task
+        self.host, self.port = host, port
+        self.secret = secret
+        self.limits = limits
+        self.handshake_timeout_s = handshake_timeout_s
+        self.routes: dict[int, _Route] = {}
+        self.refused = 0  # connections or frames refused (auth, malformed, unknown op)
+        self._lsock: socket.socket | None = None
+        self._conns: set[Connection] = set()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.register(Op.PING, lambda req: Reply({"task": self.task}))
+
+    def register(self, op: int, handler: Handler, *, reuse_buffers: bool = False) -> None:
+        """Route ``op`` to ``handler``. With ``reuse_buffers`` the received tensors are reused
+        between requests of one connection, so the handler must not keep references to them."""
+        self.routes[int(op)] = _Route(handler, reuse_buffers)
+
+    @property
+    def address(self) -> str:
+        if self._lsock is None:
+            raise PsflowError(f"Server of {self.task} is not started; call start() first.")
+        host, port = self._lsock.getsockname()[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def start(self) -> str:
+        """Bind and start accepting. Returns the bound address. Raises ConfigError on a busy port."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        lsock = socket.socket(family, socket.SOCK_STREAM)
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            lsock.bind((self.host, self.port))
+        except OSError as e:
+            lsock.close()
+            raise ConfigError(
+                f"Task {self.task} cannot listen on {self.host}:{self.port}: {e.strerror}. "
+                "Another process holds that port, or the host is not this machine's address. "
+                "Pick a free port in the cluster spec, or stop the process that uses it."
+            ) from e
+        lsock.listen(128)
+        self._lsock = lsock
+        threading.Thread(target=self._accept_loop, name=f"{self.task}-accept", daemon=True).start()
+        return self.address
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._lsock is not None:
+            try:
+                self._lsock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._lsock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
+    def _accept_loop(self) -> None:
+        assert self._lsock is not None
+        while not self._stopped.is_set():
+            try:
+                sock, addr = self._lsock.accept()
+            except OSError:
+                return
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            conn = Connection(sock, peer=peer, limits=self.limits)
+            threading.Thread(target=self._serve, args=(conn,), name=f"{self.task}-conn", daemon=True).start()
+
+    def _refuse(self, conn: Connection, message: str) -> None:
+        self.refused += 1
+        log.warning("%s refused %s: %s", self.task, conn.peer, message)
+        try:
+            conn.sock.settimeout(1.0)
+            conn.send(Op.ERROR, {"error": message, "kind": "refused"})
+        except (TransportError, OSError):
+            pass
+
+    def _serve(self, conn: Connection) -> None:
+        with self._lock:
+            self._conns.add(conn)
+        try:
+            try:
+                conn.server_handshake(self.secret, self.handshake_timeout_s)
+            except (AuthError, FrameError) as e:
+                self._refuse(conn, str(e))
+                return
+            except TransportError:
+                return
+            cache: dict[str, torch.Tensor] = {}
+            while not self._stopped.is_set():
+                if not self._serve_one(conn, cache):
+                    return
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _serve_one(self, conn: Connection, cache: dict[str, torch.Tensor]) -> bool:
+        """Serve one request. Returns False when the connection should close."""
+        try:
+            frame = conn.recv(alloc=lambda spec: _cached(cache, spec))
+        except FrameError as e:
+            self._refuse(conn, str(e))
+            return False
+        except TransportError:
+            return False
+        route = self.routes.get(frame.op)
+        if route is None:
+            self._refuse(conn, f"Unknown op {frame.op}; this server ({self.task}) serves ops {sorted(self.routes)}.")
+            return True
+        if not route.reuse_buffers:
+            cache.clear()
+        try:
+            reply = route.handler(Request(conn.peer, frame.op, frame.meta, frame.tensors))
+        except PsflowError as e:
+            return self._send(conn, Op.ERROR, {"error": str(e), "kind": type(e).__name__})
+        except Exception as e:  # a handler bug must not take the server down
+            log.exception("%s: handler for op %s failed", self.task, frame.op)
+            return self._send(conn, Op.ERROR, {"error": f"internal error in {self.task}: {e!r}", "kind": "internal"})
+        return self._send(conn, Op.OK, reply.meta, reply.tensors)
+
+    @staticmethod
+    def _send(conn: Connection, op: int, meta: dict[str, Any], tensors: list[tuple[str, torch.Tensor]] = ()) -> bool:
+        try:
+            conn.sock.settimeout(None)
+            conn.send(op, meta, tensors)
+            return True
+        except TransportError:
+            return False
+
+
+def _cached(cache: dict[str, torch.Tensor], spec: TensorSpec) -> torch.Tensor:
+    t = cache.get(spec.name)
+    if t is None or t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+        t = torch.empty(spec.shape, dtype=spec.dtype)
+        cache[spec.name] = t
+    return t

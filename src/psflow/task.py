@@ -1,0 +1,327 @@
+"""The task: which role this process plays in the cluster, and its server (the seed's steps 1-3).
+
+``init()`` resolves the cluster and this task's role from, in order: explicit arguments, the
+launcher's environment, the seeds' flags in ``sys.argv`` (``--ps_hosts --worker_hosts --job_name
+--task_index``), ``TF_CONFIG``. It starts the task's Server (a ps also hosts its shard) and returns
+the :class:`Task`.
+
+This is the one place that reads ``PSFLOW_*`` environment variables (see ``ENV``).
+
+Launcher mode: the launcher sets ``PSFLOW_TASK`` and ``PSFLOW_COORDINATOR``; the task binds port 0,
+registers the address it got with the launcher's coordinator and receives the whole cluster once
+every task has registered. No free-port guessing, so no races.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+from psflow.cluster import ClusterSpec, TaskId, is_loopback_host, parse_address, parse_cluster_flags
+from psflow.config import TrainConfig
+from psflow.errors import ConfigError, PsflowError
+from psflow.server import Server
+from psflow.wire.conn import connect
+from psflow.wire.ops import Op
+
+log = logging.getLogger("psflow")
+
+# Every environment variable psflow reads, with its meaning.
+ENV = {
+    "PSFLOW_TASK": "this task's id, e.g. worker:1 (set by the launcher)",
+    "PSFLOW_COORDINATOR": "host:port of the launcher's coordinator (set by the launcher)",
+    "PSFLOW_CLUSTER": "the cluster spec as JSON (an alternative to flags / TF_CONFIG)",
+    "PSFLOW_SECRET": "the job's secret",
+    "PSFLOW_SECRET_FILE": "a file holding the job's secret",
+    "PSFLOW_TRAIN_CONFIG": "TrainConfig as JSON (mode, replicas_to_aggregate, staleness, ...)",
+    "PSFLOW_ERROR_FILE": "where a failing task writes its JSON error report",
+    "PSFLOW_LOGDIR": "the run's log directory",
+    "PSFLOW_BIND_HOST": "the interface a by-hand task binds (default: the host in its cluster address)",
+    "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
+    "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
+    "TF_CONFIG": "Kubeflow TFJob's cluster and task JSON",
+}
+
+_current: Task | None = None
+
+
+class Task:
+    """This process's place in the job. Created by :func:`init`."""
+
+    def __init__(
+        self,
+        task_id: TaskId,
+        cluster: ClusterSpec,
+        *,
+        secret: bytes,
+        server: Server,
+        config: TrainConfig,
+        argv: list[str],
+        coordinator: str | None,
+        logdir: str | None,
+        connect_timeout_s: float,
+        fail_at: str | None = None,
+    ) -> None:
+        self.task_id = task_id
+        self.cluster = cluster
+        self.secret = secret
+        self.server = server
+        self.config = config
+        self.argv = argv
+        self.coordinator = coordinator
+        self.logdir = logdir
+        self.connect_timeout_s = connect_timeout_s
+        self.fail_at = fail_at
+        self.ps_service = None
+        self.trainers: list[Any] = []
+        self.reports: dict[str, Any] = {}
+        self._finished = False
+        self._co_conn = None
+        self._co_lock = threading.Lock()
+        if self.is_ps:
+            from psflow.ps.service import PsService, default_save
+
+            self.ps_service = PsService(server, task_id.index, self.num_replicas)
+            self.ps_service.on_save = default_save(self.ps_service)
+
+    # -- roles -----------------------------------------------------------------------------
+    job_name = property(lambda self: self.task_id.job)
+    task_index = property(lambda self: self.task_id.index)
+    is_ps = property(lambda self: self.task_id.job == "ps")
+    is_worker = property(lambda self: self.task_id.job in ("worker", "chief"))
+    is_evaluator = property(lambda self: self.task_id.job == "evaluator")
+    is_chief = property(lambda self: self.cluster.is_chief(self.task_id))
+    num_ps = property(lambda self: self.cluster.num_tasks("ps"))
+    num_workers = property(lambda self: self.cluster.num_tasks("worker"))
+
+    @property
+    def num_replicas(self) -> int:
+        """Training replicas: the chief (if the cluster has a chief job) plus every worker."""
+        return self.cluster.num_tasks("chief") + self.cluster.num_tasks("worker")
+
+    @property
+    def replica_index(self) -> int:
+        if self.task_id.job == "chief":
+            return 0
+        if self.task_id.job == "worker":
+            return self.cluster.num_tasks("chief") + self.task_id.index
+        raise ConfigError(f"{self.task_id} is not a training replica; only chief and worker tasks train.")
+
+    shard_index = property(lambda self: self.replica_index)
+    num_shards = property(lambda self: self.num_replicas)
+
+    def __repr__(self) -> str:
+        return f"Task({self.task_id}, address={self.server.address}, chief={self.is_chief})"
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def join(self, timeout_s: float | None = None) -> None:
+        """A ps serves until every worker is done (then returns, so the process exits)."""
+        if self.ps_service is None:
+            raise ConfigError(f"join() is for ps tasks; {self.task_id} is a {self.job_name}.")
+        self.ps_service.join(timeout_s)
+        self.report(ps_stats=self.ps_service.store.stats.to_dict(), global_step=self.ps_service.store.version)
+        self.finish()
+
+    def report(self, **metrics: Any) -> None:
+        """Send metrics to the launcher (they reach the job summary); a no-op without a launcher.
+
+        Example:
+            >>> task.report(test_accuracy=0.9012)
+        """
+        self.reports.update(metrics)
+        if not self.coordinator:
+            return
+        with self._co_lock:
+            try:
+                if self._co_conn is None:
+                    self._co_conn = connect(
+                        self.coordinator, secret=self.secret, task=str(self.task_id), peer="launcher",
+                        deadline_s=self.connect_timeout_s,
+                    )
+                self._co_conn.request(Op.CO_REPORT, {"task": str(self.task_id), "metrics": metrics}, timeout_s=30)
+            except PsflowError as e:
+                log.warning("%s could not report to the launcher: %s", self.task_id, e)
+
+    def _attach_trainer(self, trainer: Any) -> None:
+        self.trainers.append(trainer)
+
+    def finish(self) -> None:
+        """Close trainers (telling the ps this worker is done), report final stats, stop the server."""
+        if self._finished:
+            return
+        self._finished = True
+        for t in self.trainers:
+            try:
+                t.close()
+            except PsflowError as e:
+                log.warning("%s: closing the trainer failed: %s", self.task_id, e)
+        if self.trainers:
+            self.report(trainer=self.trainers[0].stats())
+        if self._co_conn is not None:
+            self._co_conn.close()
+        self.server.stop()
+
+
+def current_task() -> Task:
+    if _current is None:
+        raise ConfigError("No psflow task in this process. Call psflow.init() first (it returns the task).")
+    return _current
+
+
+def _read_secret(env: dict[str, str], secret_file: str | None) -> bytes:
+    path = secret_file or env.get("PSFLOW_SECRET_FILE")
+    if path:
+        try:
+            return Path(path).read_bytes().strip()
+        except OSError as e:
+            raise ConfigError(f"Cannot read the job secret file {path!r}: {e.strerror}. Check the path and permissions.") from e
+    return env.get("PSFLOW_SECRET", "").encode()
+
+
+def init(
+    argv: Sequence[str] | None = None,
+    *,
+    cluster: ClusterSpec | dict | None = None,
+    job_name: str | None = None,
+    task_index: int = 0,
+    secret: bytes | str | None = None,
+    config: TrainConfig | None = None,
+    env: dict[str, str] | None = None,
+) -> Task:
+    """Resolve this task's cluster and role, start its server, and return the :class:`Task`.
+
+    Args:
+        argv: the arguments to look for the seeds' flags in (default ``sys.argv[1:]``); the rest
+            is kept in ``task.argv`` for the script's own parser.
+        cluster, job_name, task_index: an explicit cluster, overriding flags and environment.
+        secret: the job secret, overriding ``PSFLOW_SECRET`` / ``--secret-file``.
+        config: training settings, overriding ``PSFLOW_TRAIN_CONFIG``.
+
+    Raises:
+        ConfigError: no cluster found, a bad spec or flag, a busy port, a missing secret off loopback.
+
+    Example:
+        >>> task = psflow.init()     # python train.py --ps_hosts=localhost:9001 --worker_hosts=... --job_name=ps --task_index=0
+        >>> if task.is_ps: task.join()
+    """
+    global _current
+    env = dict(os.environ if env is None else env)
+    args = list(sys.argv[1:] if argv is None else argv)
+    secret_file = None
+    for i, a in enumerate(list(args)):
+        if a.startswith("--secret-file="):
+            secret_file = a.split("=", 1)[1]
+            args.remove(a)
+            break
+        if a == "--secret-file" and i + 1 < len(args):
+            secret_file = args[i + 1]
+            del args[i : i + 2]
+            break
+    key = secret.encode() if isinstance(secret, str) else (secret if secret is not None else _read_secret(env, secret_file))
+    cfg = config or (TrainConfig.from_json(env["PSFLOW_TRAIN_CONFIG"]) if env.get("PSFLOW_TRAIN_CONFIG") else TrainConfig())
+    require_ps = cfg.strategy == "ps"
+    connect_timeout_s = float(env.get("PSFLOW_CONNECT_TIMEOUT_S", "60"))
+    flags = parse_cluster_flags(args, require_ps=require_ps)
+    coordinator = env.get("PSFLOW_COORDINATOR") if cluster is None else None
+
+    if cluster is not None:
+        spec = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec.from_dict(cluster, require_ps=require_ps)
+        if job_name is None:
+            raise ConfigError("init(cluster=...) needs job_name (and task_index) to know which task this process is.")
+        task_id: TaskId | None = TaskId(job_name, task_index)
+    elif coordinator:
+        spec, task_id = None, TaskId.parse(env.get("PSFLOW_TASK", ""))  # type: ignore[assignment]
+    elif flags.cluster is not None:
+        spec, task_id = flags.cluster, flags.task
+    elif env.get("PSFLOW_CLUSTER"):
+        spec, task_id = ClusterSpec.from_json(env["PSFLOW_CLUSTER"], require_ps=require_ps), TaskId.parse(env.get("PSFLOW_TASK", ""))
+    elif env.get("TF_CONFIG"):
+        spec, task_id = ClusterSpec.from_tf_config(env["TF_CONFIG"], require_ps=require_ps)
+    else:
+        raise ConfigError(
+            "No cluster given. Pass the seeds' flags (--ps_hosts=localhost:2222 --worker_hosts=localhost:2223 "
+            "--job_name=worker --task_index=0), set TF_CONFIG, or start the script with `psflow run`."
+        )
+    if task_id is None:
+        raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index (or TF_CONFIG's task).")
+
+    if coordinator:
+        server = Server(str(task_id), host=env.get("PSFLOW_BIND_HOST", "127.0.0.1"), port=0, secret=key)
+        address = server.start()
+        spec = _register(coordinator, task_id, address, key, connect_timeout_s, require_ps)
+    else:
+        assert spec is not None
+        spec.check_task(task_id)
+        host, port = parse_address(spec.address(task_id))
+        _check_secret(spec, key)
+        server = Server(str(task_id), host=env.get("PSFLOW_BIND_HOST", host), port=port, secret=key)
+        server.start()
+
+    task = Task(
+        task_id, spec, secret=key, server=server, config=cfg, argv=flags.rest, coordinator=coordinator,
+        logdir=env.get("PSFLOW_LOGDIR"), connect_timeout_s=connect_timeout_s, fail_at=env.get("PSFLOW_FAIL_AT"),
+    )
+    _install_error_report(task, env.get("PSFLOW_ERROR_FILE"))
+    atexit.register(task.finish)
+    _current = task
+    return task
+
+
+def _check_secret(spec: ClusterSpec, key: bytes) -> None:
+    if key:
+        return
+    off_loopback = sorted(h for h in spec.hosts() if not is_loopback_host(h))
+    if off_loopback:
+        raise ConfigError(
+            f"No job secret, and the cluster has tasks off loopback ({', '.join(off_loopback)}). "
+            "Anyone who can reach those ports could join the job. Give every task the same secret: "
+            "PSFLOW_SECRET=... or --secret-file=PATH."
+        )
+    warnings.warn(
+        "Running without a job secret (allowed because every task is on loopback). "
+        "Set PSFLOW_SECRET or --secret-file to authenticate tasks.",
+        stacklevel=3,
+    )
+
+
+def _register(coordinator: str, task_id: TaskId, address: str, key: bytes, timeout_s: float, require_ps: bool) -> ClusterSpec:
+    conn = connect(coordinator, secret=key, task=str(task_id), peer="launcher", deadline_s=timeout_s)
+    try:
+        reply = conn.request(Op.CO_REGISTER, {"task": str(task_id), "address": address, "pid": os.getpid()}, timeout_s=timeout_s + 30)
+    finally:
+        conn.close()
+    return ClusterSpec.from_dict(reply.meta["cluster"], require_ps=require_ps)
+
+
+def _install_error_report(task: Task, path: str | None) -> None:
+    """On an uncaught exception, write {task, exception, message, traceback} as JSON for the launcher."""
+    if not path:
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        report = {
+            "task": str(task.task_id),
+            "exception": exc_type.__name__,
+            "message": str(exc),
+            "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
+            "time_unix": time.time(),
+        }
+        try:
+            tmp = f"{path}.tmp"
+            Path(tmp).write_text(json.dumps(report, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook

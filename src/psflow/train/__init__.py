@@ -1,0 +1,1 @@
+"""Training: the worker-side step (pull -> forward/backward -> push) and its modes."""

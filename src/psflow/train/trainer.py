@@ -1,0 +1,233 @@
+"""The worker's training step (between-graph replication): pull -> forward/backward -> push.
+
+Every worker holds the whole model. Each step it pulls the parameters from the ps shards straight
+into the model's own tensors, runs the user's closure (forward + loss) and autograd's backward, and
+pushes the gradients straight from ``param.grad`` to the shards that own them. The ps applies the
+optimizer. The update rule (async / sync N-of-M / ssp) is the ps's; the trainer only follows its
+protocol:
+
+- async: pull, compute, push.
+- sync:  pull the version the ps is at, compute, push tagged with that version; the next pull waits
+         for the version after it (the step every worker contributes to).
+- ssp:   before computing step c, report clock c and wait until the slowest worker is within s.
+
+Initialization: the chief sends the model's initial values (or restored ones, from the Supervisor)
+to every shard once; every other worker waits until the shards are ready.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import replace
+from typing import Any, Callable, Mapping
+
+import torch
+
+from psflow.config import TrainConfig
+from psflow.errors import ConfigError, TrainingError
+from psflow.optim import OptimizerSpec, Schedule
+from psflow.ps.client import PsClient
+from psflow.ps.placement import ParamInfo, Placement, place, split_tensor
+
+
+class Trainer:
+    """Train an ordinary ``torch.nn.Module`` against the job's parameter servers.
+
+    Args:
+        model: the model; its parameters are overwritten by the ps values at each step.
+        optimizer: the optimizer the ps applies, e.g. ``pf.optim.SGD(lr=0.01)``.
+        task: the task from ``pf.init()``; default the current one.
+        schedule: learning rate by global step, e.g. ``pf.optim.ExponentialDecay(...)``.
+        ema_decay: keep moving averages of the parameters on the ps (read with ``pull(averages=True)``).
+        **settings: TrainConfig fields (``mode``, ``replicas_to_aggregate``, ``staleness``...);
+            given here they override the launcher's.
+
+    Example:
+        >>> trainer = pf.Trainer(model, pf.optim.SGD(lr=0.01), task, mode="sync")
+        >>> loss = trainer.step(lambda: F.cross_entropy(model(x), y), batch_size=len(x))
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: OptimizerSpec,
+        task: Any = None,
+        *,
+        schedule: Schedule | None = None,
+        ema_decay: float | None = None,
+        **settings: Any,
+    ) -> None:
+        if task is None:
+            from psflow.task import current_task
+
+            task = current_task()
+        if not isinstance(optimizer, OptimizerSpec):
+            raise ConfigError(
+                f"optimizer must be a psflow optimizer spec such as pf.optim.SGD(lr=0.01); received {type(optimizer).__name__}. "
+                "The parameter servers apply it, so it travels as data, not as a torch.optim object."
+            )
+        self.model = model
+        self.task = task
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.ema_decay = ema_decay
+        try:
+            self.config = replace(task.config, **settings).resolved(task.num_replicas)
+        except TypeError as e:
+            raise ConfigError(f"Unknown Trainer setting in {sorted(settings)}: {e}. See psflow.TrainConfig for the fields.") from e
+        self.worker = task.replica_index
+        self.params = dict(model.named_parameters())
+        for name, p in self.params.items():
+            if not p.is_contiguous() or p.device.type != "cpu":
+                raise ConfigError(f"Parameter {name!r} must be a contiguous CPU tensor to train against parameter servers.")
+        self.placement: Placement = place(
+            ParamInfo.from_module(model), task.num_ps, strategy=self.config.placement, split_bytes=self.config.split_bytes
+        )
+        self.digest = hashlib.sha256(json.dumps(self.placement.to_dict(), sort_keys=True).encode()).hexdigest()
+        self._dests = [
+            {pc.key: split_tensor(self.params[pc.param].data, pc) for pc in self.placement.pieces_on(s)}
+            for s in range(task.num_ps)
+        ]
+        self.client = PsClient(task.cluster, task.task_id, task.secret, connect_timeout_s=task.connect_timeout_s)
+        self.versions = [0] * task.num_ps
+        self.global_step = 0
+        self.local_step = 0
+        self.examples = 0
+        self.train_time_s = 0.0
+        self.compute_s = 0.0
+        self.stale_pushes = 0
+        self._ready = False
+        self._closed = False
+        self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        task._attach_trainer(self)
+        if self.config.log_placement and task.is_chief:
+            print(self.placement.format_table(), flush=True)
+
+    # -- readiness -------------------------------------------------------------------------
+    def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Make the chief initialize the ps from these values (a checkpoint) instead of the model's."""
+        self._restore = (step, tensors)
+
+    def prepare(self) -> int:
+        """Chief: initialize the ps shards. Others: wait until they are. Returns the global step."""
+        if self._ready:
+            return self.global_step
+        if self.task.is_chief:
+            self._initialize()
+        info = self.client.wait_ready(self.digest, self.config.ready_timeout_s)
+        self.global_step = int(info["version"])
+        self.versions = self.client.pull(self._dests)
+        self._ready = True
+        return self.global_step
+
+    def _initialize(self) -> None:
+        step, source = 0, {n: p.detach() for n, p in self.params.items()}
+        extra: Mapping[str, torch.Tensor] = {}
+        if self._restore is not None:
+            step, restored = self._restore
+            source = {n: restored[n] for n in self.params}
+            extra = restored
+        per_shard = []
+        for s in range(self.task.num_ps):
+            values: dict[str, torch.Tensor] = {}
+            for pc in self.placement.pieces_on(s):
+                values[pc.key] = split_tensor(source[pc.param], pc).contiguous()
+                for k, v in extra.items():  # optimizer state saved under opt/<piece>/<slot>
+                    if k.startswith(f"opt/{pc.key}/"):
+                        values[k] = v
+            per_shard.append(values)
+        meta = {
+            "optimizer": self.optimizer.to_dict(),
+            "config": self.config.to_dict(),
+            "placement_digest": self.digest,
+            "version": step,
+            "schedule": self.schedule.to_dict() if self.schedule else None,
+            "ema_decay": self.ema_decay,
+            "meta": {"placement": self.placement.to_dict()},
+        }
+        self.client.initialize(per_shard, meta)
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self, closure: Callable[[], torch.Tensor], *, batch_size: int | None = None) -> float:
+        """One training step. ``closure`` runs the forward pass and returns the loss.
+
+        Returns the loss as a float. The model holds the parameters the gradients were computed from.
+        """
+        t0 = time.perf_counter()
+        self.prepare()
+        cfg = self.config
+        if cfg.mode == "ssp":
+            self.client.clock(self.worker, self.local_step, cfg.sync_timeout_s)
+        if cfg.mode == "sync":
+            mins = self.versions if self.local_step == 0 else [v + 1 for v in self.versions]
+            self.versions = self.client.pull(self._dests, min_versions=mins, wait_s=cfg.sync_timeout_s)
+        elif self.local_step > 0:
+            self.versions = self.client.pull(self._dests)
+        t1 = time.perf_counter()
+        for p in self.params.values():
+            p.grad = None
+        loss = closure()
+        loss.backward()
+        self.compute_s += time.perf_counter() - t1
+        grads = self._grads()
+        replies = self.client.push(self.worker, self.versions, grads)
+        if replies[0].get("stale"):
+            self.stale_pushes += 1
+        self.global_step = int(replies[0]["version"])
+        self.local_step += 1
+        if batch_size is not None:
+            self.examples += batch_size
+        value = float(loss.detach())
+        self.train_time_s += time.perf_counter() - t0
+        return value
+
+    def _grads(self) -> list[list[tuple[str, torch.Tensor]]]:
+        out = []
+        for s in range(self.task.num_ps):
+            shard = []
+            for pc in self.placement.pieces_on(s):
+                p = self.params[pc.param]
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                shard.append((pc.key, split_tensor(g, pc).contiguous()))
+            out.append(shard)
+        return out
+
+    def pull(self, *, averages: bool = False) -> int:
+        """Load the newest ps values (or their moving averages) into the model. Returns the global step."""
+        self.prepare()
+        versions = self.client.pull(self._dests, averages=averages)
+        if not averages:
+            self.versions = versions
+        self.global_step = versions[0]
+        return self.global_step
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "local_step": self.local_step,
+            "examples": self.examples,
+            "train_time_s": round(self.train_time_s, 4),
+            "compute_s": round(self.compute_s, 4),
+            "examples_per_sec": round(self.examples / self.train_time_s, 1) if self.train_time_s else 0.0,
+            "stale_pushes": self.stale_pushes,
+            "mode": self.config.mode,
+        }
+
+    def close(self) -> None:
+        """Tell the ps this worker is done (they exit when every worker is) and disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._ready or not self.task.is_chief:
+                self.client.done(self.worker)
+        finally:
+            self.client.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

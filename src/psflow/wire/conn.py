@@ -1,0 +1,260 @@
+"""A framed, authenticated connection over a stream socket (TCP or Unix).
+
+Owns: sending a frame with its tensors' bytes straight from their storage (``sendmsg`` over
+memoryviews, no copy), receiving a frame with tensors read straight into their destination
+(``recv_into``), the job-secret handshake on both sides, and client-side connect retries with backoff.
+
+Handshake (before anything else is served)::
+
+    server -> HELLO  {"nonce": N}
+    client -> AUTH   {"task": "worker:0", "cnonce": C, "mac": HMAC(secret, "c|" N C task)}
+    server -> AUTH_OK {"mac": HMAC(secret, "s|" C N)}   (or ERROR, then close)
+
+A job without a secret uses the empty key: that proves nothing, which is why only loopback tasks may
+run without one (psflow.task enforces it). The client checks the server's proof too.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from psflow.errors import AuthError, RemoteError, TransportError
+from psflow.wire.frame import (
+    HEADER_SIZE,
+    FrameError,
+    Limits,
+    TensorSpec,
+    byte_view,
+    decode_header,
+    decode_meta,
+    encode_head,
+    tensor_specs,
+)
+from psflow.wire.ops import Op
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+Allocator = Callable[[TensorSpec], "torch.Tensor | None"]
+_IOV_MAX = 512
+
+
+@dataclass
+class Frame:
+    op: int
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+def _mac(secret: bytes, *parts: bytes) -> str:
+    return hmac.new(secret, b"|".join(parts), "sha256").hexdigest()
+
+
+class Connection:
+    """One framed connection. Not thread-safe: one request at a time per connection."""
+
+    def __init__(self, sock: socket.socket, *, peer: str = "?", limits: Limits = Limits()) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.limits = limits
+        self._hdr = bytearray(HEADER_SIZE)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, op: int, meta: dict[str, Any] | None = None, tensors: NamedTensors = ()) -> None:
+        meta = dict(meta or {})
+        bufs: list[memoryview] = []
+        if tensors:
+            meta["t"] = tensor_specs(tensors)
+            bufs = [byte_view(t) for _, t in tensors]
+        payload_len = sum(b.nbytes for b in bufs)
+        head = encode_head(int(op), meta, payload_len)
+        self._sendall([memoryview(head), *[b for b in bufs if b.nbytes]])
+
+    def _sendall(self, bufs: list[memoryview]) -> None:
+        try:
+            while bufs:
+                sent = self.sock.sendmsg(bufs[:_IOV_MAX])
+                while sent:
+                    n = bufs[0].nbytes
+                    if sent >= n:
+                        sent -= n
+                        bufs.pop(0)
+                    else:
+                        bufs[0] = bufs[0][sent:]
+                        sent = 0
+        except socket.timeout as e:
+            raise TransportError(f"Timed out sending to {self.peer}.") from e
+        except OSError as e:
+            raise TransportError(f"Lost the connection to {self.peer} while sending: {e}.") from e
+
+    # -- receiving -------------------------------------------------------------------------
+    def _recv_exact(self, view: memoryview) -> None:
+        got, n = 0, view.nbytes
+        while got < n:
+            k = self.sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise TransportError(f"{self.peer} closed the connection.")
+            got += k
+
+    def recv(self, alloc: Allocator | None = None) -> Frame:
+        """Receive one frame. ``alloc(spec)`` may return a destination tensor (same dtype and
+        shape) to receive into; otherwise a fresh tensor is allocated."""
+        try:
+            self._recv_exact(memoryview(self._hdr))
+            op, _flags, meta_len, payload_len = decode_header(bytes(self._hdr), self.limits)
+            meta_raw = bytearray(meta_len)
+            if meta_len:
+                self._recv_exact(memoryview(meta_raw))
+            meta, specs = decode_meta(bytes(meta_raw), payload_len, self.limits)
+            tensors: dict[str, torch.Tensor] = {}
+            for spec in specs:
+                dest = alloc(spec) if alloc else None
+                if dest is None or dest.dtype != spec.dtype or tuple(dest.shape) != spec.shape or not dest.is_contiguous():
+                    dest = torch.empty(spec.shape, dtype=spec.dtype)
+                if spec.nbytes:
+                    self._recv_exact(byte_view(dest))
+                tensors[spec.name] = dest
+            meta.pop("t", None)
+            return Frame(op, meta, tensors)
+        except socket.timeout as e:
+            raise TransportError(f"Timed out waiting for {self.peer}.") from e
+        except (ConnectionError, OSError) as e:
+            if isinstance(e, TransportError):
+                raise
+            raise TransportError(f"Lost the connection to {self.peer}: {e}.") from e
+
+    # -- request/reply (client side) -------------------------------------------------------
+    def request(
+        self,
+        op: int,
+        meta: dict[str, Any] | None = None,
+        tensors: NamedTensors = (),
+        *,
+        alloc: Allocator | None = None,
+        timeout_s: float | None = None,
+    ) -> Frame:
+        self.sock.settimeout(timeout_s)
+        self.send(op, meta, tensors)
+        reply = self.recv(alloc)
+        if reply.op == Op.ERROR:
+            raise RemoteError(f"{self.peer}: {reply.meta.get('error', 'unknown error')}")
+        return reply
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    # -- handshake -------------------------------------------------------------------------
+    def server_handshake(self, secret: bytes, timeout_s: float) -> str:
+        """Run the server side of the handshake. Returns the client's task id. Raises AuthError/FrameError."""
+        self.sock.settimeout(timeout_s)
+        nonce = os.urandom(16).hex()
+        self.send(Op.HELLO, {"nonce": nonce, "v": 1})
+        frame = self.recv()
+        if frame.op != Op.AUTH or frame.tensors:
+            raise AuthError(
+                f"Expected an AUTH frame first, received op {frame.op}. Every connection must prove the job's secret first."
+            )
+        task, cnonce, mac = (str(frame.meta.get(k, "")) for k in ("task", "cnonce", "mac"))
+        expected = _mac(secret, b"c", nonce.encode(), cnonce.encode(), task.encode())
+        if not hmac.compare_digest(mac, expected):
+            raise AuthError(
+                f"Task {task or '?'} from {self.peer} did not prove the job's secret. "
+                "Give every task the same secret (PSFLOW_SECRET or --secret-file)."
+            )
+        self.send(Op.AUTH_OK, {"mac": _mac(secret, b"s", cnonce.encode(), nonce.encode())})
+        self.sock.settimeout(None)
+        self.peer = task
+        return task
+
+    def client_handshake(self, secret: bytes, task: str, timeout_s: float) -> None:
+        self.sock.settimeout(timeout_s)
+        hello = self.recv()
+        if hello.op != Op.HELLO:
+            raise AuthError(f"{self.peer} did not greet with HELLO (op {hello.op}); is it a psflow task?")
+        nonce = str(hello.meta.get("nonce", ""))
+        cnonce = os.urandom(16).hex()
+        mac = _mac(secret, b"c", nonce.encode(), cnonce.encode(), task.encode())
+        self.send(Op.AUTH, {"task": task, "cnonce": cnonce, "mac": mac})
+        reply = self.recv()
+        if reply.op == Op.ERROR:
+            raise AuthError(f"{self.peer} refused this task: {reply.meta.get('error')}")
+        expected = _mac(secret, b"s", cnonce.encode(), nonce.encode())
+        if reply.op != Op.AUTH_OK or not hmac.compare_digest(str(reply.meta.get("mac", "")), expected):
+            raise AuthError(
+                f"{self.peer} does not hold this job's secret (its proof did not match). "
+                "Check that every task was given the same secret."
+            )
+
+
+def _open_socket(address: str, timeout_s: float) -> socket.socket:
+    if address.startswith("unix:"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout_s)
+        s.connect(address[5:])
+        return s
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    return socket.create_connection((host, int(port)), timeout=timeout_s)
+
+
+def connect(
+    address: str,
+    *,
+    secret: bytes,
+    task: str,
+    peer: str | None = None,
+    deadline_s: float = 60.0,
+    handshake_timeout_s: float = 10.0,
+    limits: Limits = Limits(),
+) -> Connection:
+    """Connect to a psflow server, retrying with backoff until ``deadline_s``, and authenticate.
+
+    Args:
+        address: "host:port" or "unix:/path".
+        secret: the job's secret (b"" for an unauthenticated loopback job).
+        task: this task's id, e.g. "worker:0".
+        peer: the remote task's id for messages, e.g. "ps:0".
+        deadline_s: how long to keep retrying a refused or unreachable address.
+
+    Raises:
+        TransportError: the address stayed unreachable until the deadline.
+        AuthError: either side failed to prove the job's secret (not retried).
+    """
+    name = peer or address
+    t_end = time.monotonic() + deadline_s
+    delay, last = 0.02, None
+    while True:
+        try:
+            sock = _open_socket(address, min(handshake_timeout_s, max(0.05, t_end - time.monotonic())))
+        except OSError as e:
+            last = e
+            if time.monotonic() + delay > t_end:
+                raise TransportError(
+                    f"Cannot reach {name} at {address} after {deadline_s:.1f} s (last error: {last}). "
+                    "Is that task running and is the address right? Raise the wait with connect_timeout_s "
+                    "(PSFLOW_CONNECT_TIMEOUT_S)."
+                ) from e
+            time.sleep(delay)  # backoff between connection attempts, not synchronisation
+            delay = min(delay * 2, 1.0)
+            continue
+        conn = Connection(sock, peer=name, limits=limits)
+        try:
+            conn.client_handshake(secret, task, handshake_timeout_s)
+        except FrameError as e:
+            conn.close()
+            raise TransportError(f"{name} at {address} does not speak the psflow protocol: {e}") from e
+        except BaseException:
+            conn.close()
+            raise
+        sock.settimeout(None)
+        return conn

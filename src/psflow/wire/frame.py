@@ -1,0 +1,161 @@
+"""Frame format of the psflow wire protocol (pure: bytes in, values out; no sockets).
+
+A frame is::
+
+    header  = struct "<4sHHIQ": magic b"PSF1", op (uint16), flags (uint16), meta_len (uint32), payload_len (uint64)
+    meta    = meta_len bytes of UTF-8 JSON: an object; key "t" lists the tensors as [name, dtype, shape]
+    payload = payload_len bytes: the raw bytes of each tensor in "t" order, C-contiguous, little-endian
+
+Invariants: nothing is unpickled; the sum of the tensors' sizes equals payload_len; every dtype is in
+DTYPES; meta_len and payload_len are bounded by :class:`Limits` before any byte of the body is read, so an
+oversized frame is refused before memory is allocated for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from psflow.errors import TransportError
+
+MAGIC = b"PSF1"
+HEADER = struct.Struct("<4sHHIQ")
+HEADER_SIZE = HEADER.size
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+MAX_NDIM = 8
+
+
+class FrameError(TransportError):
+    """A frame violates the protocol; the connection that sent it is closed."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what a peer may send. Every limit is a field so tests and users can set it."""
+
+    max_meta_bytes: int = 1 << 20
+    max_payload_bytes: int = 8 << 30
+    max_tensors: int = 100_000
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor described in a frame's meta."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+_ITEMSIZE = {dt: _itemsize(dt) for dt in DTYPES.values()}
+
+
+def tensor_specs(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[list[Any]]:
+    """Describe tensors for the meta's "t" key."""
+    out = []
+    for name, t in tensors:
+        if t.dtype not in DTYPE_NAMES:
+            raise TransportError(
+                f"Tensor {name!r} has dtype {t.dtype}, which psflow cannot send. "
+                f"Supported: {sorted(DTYPES)}. Cast it (e.g. .float()) before sending."
+            )
+        out.append([name, DTYPE_NAMES[t.dtype], list(t.shape)])
+    return out
+
+
+def encode_head(op: int, meta: dict[str, Any], payload_len: int, flags: int = 0) -> bytes:
+    """Header plus meta bytes of a frame. The tensors' bytes follow separately (zero copy)."""
+    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+    return HEADER.pack(MAGIC, op, flags, len(meta_bytes), payload_len) + meta_bytes
+
+
+def decode_header(data: bytes, limits: Limits) -> tuple[int, int, int, int]:
+    """Validate a header. Returns (op, flags, meta_len, payload_len). Raises FrameError."""
+    if len(data) != HEADER_SIZE:
+        raise FrameError(f"Frame header is {len(data)} bytes; expected {HEADER_SIZE}.")
+    magic, op, flags, meta_len, payload_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise FrameError(
+            f"Not a psflow frame: magic {magic!r}, expected {MAGIC!r}. "
+            "Is something other than a psflow task talking to this port?"
+        )
+    if meta_len > limits.max_meta_bytes:
+        raise FrameError(f"Frame meta of {meta_len} bytes exceeds the limit of {limits.max_meta_bytes} bytes.")
+    if payload_len > limits.max_payload_bytes:
+        raise FrameError(
+            f"Frame payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes} bytes "
+            "(Limits.max_payload_bytes)."
+        )
+    return op, flags, meta_len, payload_len
+
+
+def decode_meta(data: bytes, payload_len: int, limits: Limits) -> tuple[dict[str, Any], list[TensorSpec]]:
+    """Parse and validate a frame's meta against its payload length. Raises FrameError."""
+    try:
+        meta = json.loads(data.decode("utf-8")) if data else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FrameError(f"Frame meta is not valid UTF-8 JSON: {e}. Received {data[:64]!r}...") from e
+    if not isinstance(meta, dict):
+        raise FrameError(f"Frame meta must be a JSON object; received {type(meta).__name__}.")
+    specs = _parse_specs(meta.get("t", []), limits)
+    total = sum(s.nbytes for s in specs)
+    if total != payload_len:
+        raise FrameError(f"Frame declares tensors of {total} bytes but a payload of {payload_len} bytes.")
+    return meta, specs
+
+
+def _parse_specs(raw: Any, limits: Limits) -> list[TensorSpec]:
+    if not isinstance(raw, list) or len(raw) > limits.max_tensors:
+        raise FrameError(f"Frame tensor list must be a list of at most {limits.max_tensors} entries.")
+    specs = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise FrameError(f"Tensor entry must be [name, dtype, shape]; received {entry!r:.80}.")
+        name, dtype, shape = entry
+        if not isinstance(name, str) or dtype not in DTYPES:
+            raise FrameError(f"Tensor entry has a bad name or an unknown dtype: {entry!r:.80}. Known dtypes: {sorted(DTYPES)}.")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 40) for d in shape)
+        ):
+            raise FrameError(f"Tensor {name!r} has a bad shape {shape!r:.80}.")
+        specs.append(TensorSpec(name, DTYPES[dtype], tuple(shape)))
+    return specs
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A flat byte memoryview over a contiguous CPU tensor's storage (no copy)."""
+    if t.device.type != "cpu":
+        raise TransportError(f"Tensor on {t.device} cannot be sent directly; move it to the CPU first.")
+    if not t.is_contiguous():
+        raise TransportError("Tensor is not contiguous; call .contiguous() before sending.")
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
