@@ -186,6 +186,9 @@ class Server:
         route = self.routes.get(frame.op)
         if route is None:
             self._refuse(conn, f"Unknown op {frame.op}; this server ({self.task}) serves ops {sorted(self.routes)}.")
+            # _refuse bounded its send with a timeout; the connection stays open, so an idle client
+            # must not be dropped by it when the next recv waits.
+            conn.sock.settimeout(None)
             return True
         if not route.reuse_buffers:
             cache.clear()

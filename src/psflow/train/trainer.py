@@ -27,6 +27,7 @@ import torch
 
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
+from psflow.fault import inject, parse_faults
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.ps.client import PsClient
 from psflow.ps.placement import ParamInfo, Placement, place, split_tensor
@@ -101,6 +102,7 @@ class Trainer:
         self._ready = False
         self._closed = False
         self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        self._faults = parse_faults(getattr(task, "fail_at", None))
         task._attach_trainer(self)
         if self.config.log_placement and task.is_chief:
             print(self.placement.format_table(), flush=True)
@@ -155,6 +157,8 @@ class Trainer:
 
         Returns the loss as a float. The model holds the parameters the gradients were computed from.
         """
+        if self._faults:
+            inject(self._faults, str(self.task.task_id), self.local_step)
         t0 = time.perf_counter()
         self.prepare()
         cfg = self.config

@@ -66,7 +66,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -106,7 +106,7 @@ def decode_header(data: bytes, limits: Limits) -> tuple[int, int, int, int]:
             "Is something other than a psflow task talking to this port?"
         )
     if meta_len > limits.max_meta_bytes:
-        raise FrameError(f"Frame meta of {meta_len} bytes exceeds the limit of {limits.max_meta_bytes} bytes.")
+        raise FrameError(f"Frame meta of {meta_len} bytes exceeds the limit of {limits.max_meta_bytes} bytes (Limits.max_meta_bytes).")
     if payload_len > limits.max_payload_bytes:
         raise FrameError(
             f"Frame payload of {payload_len} bytes exceeds the limit of {limits.max_payload_bytes} bytes "
@@ -117,9 +117,10 @@ def decode_header(data: bytes, limits: Limits) -> tuple[int, int, int, int]:
 
 def decode_meta(data: bytes, payload_len: int, limits: Limits) -> tuple[dict[str, Any], list[TensorSpec]]:
     """Parse and validate a frame's meta against its payload length. Raises FrameError."""
+    # ValueError covers JSONDecodeError and ints past Python's digit limit; RecursionError, deep nesting.
     try:
         meta = json.loads(data.decode("utf-8")) if data else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FrameError(f"Frame meta is not valid UTF-8 JSON: {e}. Received {data[:64]!r}...") from e
     if not isinstance(meta, dict):
         raise FrameError(f"Frame meta must be a JSON object; received {type(meta).__name__}.")
@@ -132,13 +133,14 @@ def decode_meta(data: bytes, payload_len: int, limits: Limits) -> tuple[dict[str
 
 def _parse_specs(raw: Any, limits: Limits) -> list[TensorSpec]:
     if not isinstance(raw, list) or len(raw) > limits.max_tensors:
-        raise FrameError(f"Frame tensor list must be a list of at most {limits.max_tensors} entries.")
+        received = f"{len(raw)} entries" if isinstance(raw, list) else type(raw).__name__
+        raise FrameError(f"Frame tensor list must be a list of at most {limits.max_tensors} entries; received {received}.")
     specs = []
     for entry in raw:
         if not (isinstance(entry, list) and len(entry) == 3):
             raise FrameError(f"Tensor entry must be [name, dtype, shape]; received {entry!r:.80}.")
         name, dtype, shape = entry
-        if not isinstance(name, str) or dtype not in DTYPES:
+        if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in DTYPES:
             raise FrameError(f"Tensor entry has a bad name or an unknown dtype: {entry!r:.80}. Known dtypes: {sorted(DTYPES)}.")
         if (
             not isinstance(shape, list)
@@ -147,6 +149,8 @@ def _parse_specs(raw: Any, limits: Limits) -> list[TensorSpec]:
         ):
             raise FrameError(f"Tensor {name!r} has a bad shape {shape!r:.80}.")
         specs.append(TensorSpec(name, DTYPES[dtype], tuple(shape)))
+    if len({s.name for s in specs}) != len(specs):
+        raise FrameError("Frame names the same tensor twice; every tensor in a frame needs a unique name.")
     return specs
 
 
