@@ -54,8 +54,9 @@ class PsService:
     # -- handlers --------------------------------------------------------------------------
     def _init(self, req: Request) -> Reply:
         m = req.meta
-        values = {k: v for k, v in req.tensors.items() if not k.startswith("opt/")}
+        values = {k: v for k, v in req.tensors.items() if not k.startswith(("opt/", "ema/"))}
         opt_state = {k[4:]: v for k, v in req.tensors.items() if k.startswith("opt/")}
+        ema_state = {k[4:]: v for k, v in req.tensors.items() if k.startswith("ema/")}
         first = self.store.initialize(
             values,
             optimizer=m["optimizer"],
@@ -66,6 +67,7 @@ class PsService:
             ema_decay=m.get("ema_decay"),
             meta=m.get("meta"),
             optimizer_state=opt_state or None,
+            ema_state=ema_state or None,
         )
         return Reply({"initialized": first, "version": self.store.version})
 

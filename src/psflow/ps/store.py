@@ -92,6 +92,7 @@ class ParameterStore:
         ema_decay: float | None = None,
         meta: dict[str, Any] | None = None,
         optimizer_state: Mapping[str, torch.Tensor] | None = None,
+        ema_state: Mapping[str, torch.Tensor] | None = None,
     ) -> bool:
         """Set the shard's values once. Returns False (and changes nothing) if already initialized."""
         with self._cond:
@@ -109,7 +110,7 @@ class ParameterStore:
                 load_optimizer_state_tensors(self._optimizer, self._keys, optimizer_state)
             if ema_decay is not None:
                 self._ema = MovingAverage(ema_decay)
-                self._ema.register(self.values)
+                self._ema.register({k: ema_state.get(k, v) for k, v in self.values.items()} if ema_state else self.values)
             self.config = config
             self.placement_digest = placement_digest
             self.version = version

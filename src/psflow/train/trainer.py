@@ -109,7 +109,20 @@ class Trainer:
 
     # -- readiness -------------------------------------------------------------------------
     def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Make the chief initialize the ps from these values (a checkpoint) instead of the model's."""
+        """Make the chief initialize the ps from a checkpoint instead of the model's own values.
+
+        Args:
+            step: the global step to resume at.
+            tensors: whole (unsplit) tensors by parameter name, plus optional optimizer slots
+                ``opt/<param>/<slot>`` and moving averages ``ema/<param>``. The current placement
+                splits them, so a checkpoint restores into any number of ps.
+        """
+        missing = [n for n in self.params if n not in tensors]
+        if missing:
+            raise ConfigError(
+                f"The checkpoint has no values for {missing[:5]}. It was written for a different model; "
+                "point logdir elsewhere or build the same model."
+            )
         self._restore = (step, tensors)
 
     def prepare(self) -> int:
@@ -126,19 +139,22 @@ class Trainer:
 
     def _initialize(self) -> None:
         step, source = 0, {n: p.detach() for n, p in self.params.items()}
-        extra: Mapping[str, torch.Tensor] = {}
         if self._restore is not None:
-            step, restored = self._restore
-            source = {n: restored[n] for n in self.params}
-            extra = restored
+            step, source = self._restore
         per_shard = []
         for s in range(self.task.num_ps):
             values: dict[str, torch.Tensor] = {}
             for pc in self.placement.pieces_on(s):
-                values[pc.key] = split_tensor(source[pc.param], pc).contiguous()
-                for k, v in extra.items():  # optimizer state saved under opt/<piece>/<slot>
-                    if k.startswith(f"opt/{pc.key}/"):
-                        values[k] = v
+                full = source[pc.param]
+                values[pc.key] = split_tensor(full, pc).contiguous()
+                for prefix in (f"opt/{pc.param}/", f"ema/{pc.param}"):
+                    for k, v in source.items():
+                        if not k.startswith(prefix) or (prefix.startswith("ema") and k != prefix):
+                            continue
+                        slot = k[len(prefix):]
+                        # Slots shaped like the parameter are split like it; scalars (Adam's step) are shared.
+                        piece = split_tensor(v, pc).contiguous() if tuple(v.shape) == tuple(full.shape) else v
+                        values[f"opt/{pc.key}/{slot}" if slot else f"ema/{pc.key}"] = piece
             per_shard.append(values)
         meta = {
             "optimizer": self.optimizer.to_dict(),
