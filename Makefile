@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/psflow run --ps 1 --workers 2 --logdir runs/demo examples/mnist_softmax.py -- --epochs 4
+	$(BIN)/psflow run --ps 1 --workers 2 --logdir runs/demo examples/mnist_softmax.py -- --epochs 8 --init zeros --print_every 2
 
 test: setup
 	$(BIN)/python -m pytest -q tests

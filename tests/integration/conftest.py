@@ -1,0 +1,78 @@
+"""Helpers for integration tests: real processes on loopback, every wait with a deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PSFLOW = str(Path(sys.executable).parent / "psflow")
+SOFTMAX = str(ROOT / "examples" / "mnist_softmax.py")
+
+
+def task_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PSFLOW_", "TF_CONFIG"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_psflow(args: list[str], *, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """Run the `psflow` CLI to completion (deadline ``timeout_s``)."""
+    return subprocess.run([PSFLOW, *args], capture_output=True, text=True, timeout=timeout_s, env=task_env(), cwd=ROOT)
+
+
+def read_summary(logdir: Path) -> dict:
+    return json.loads((logdir / "summary.json").read_text())
+
+
+def log_tails(logdir: Path, n: int = 20) -> str:
+    out = []
+    for f in sorted((logdir / "logs").glob("*.log")):
+        lines = f.read_text().splitlines()[-n:]
+        out.append(f"--- {f.name}\n" + "\n".join(lines))
+    return "\n".join(out)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def free_ports(n: int) -> list[int]:
+    """Ports for by-hand launches, which need them in their flags before the tasks start.
+    (The launcher itself never does this: its tasks bind port 0 and report.)"""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture
+def procs():
+    """Processes started by a test; killed (whole groups) at teardown."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=10)

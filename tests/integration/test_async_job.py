@@ -1,0 +1,167 @@
+"""The seed's asynchronous MNIST job, end to end, through the launcher and by hand."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PSFLOW, ROOT, SOFTMAX, free_ports, log_tails, pid_alive, read_summary, run_psflow, task_env
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("async") / "run"
+    r = run_psflow(["run", "--ps", "1", "--workers", "2", "--logdir", str(logdir), SOFTMAX, "--",
+                    "--epochs", "6", "--init", "zeros", "--print_every", "2"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:] + log_tails(logdir)
+    return logdir, r, read_summary(logdir)
+
+
+def test_async_job_converges(async_run):
+    logdir, r, s = async_run
+    assert s["status"] == "succeeded" and s["mode"] == "async"
+    assert s["test_accuracy"] >= 0.88, s
+    assert "[worker:0] worker=0,epoch=1,global_step=" in r.stdout
+    assert "final accuracy = " in r.stdout
+
+
+def test_global_step_counts_every_update_of_both_workers(async_run):
+    _, _, s = async_run
+    local = {t: rep["trainer"]["local_step"] for t, rep in s["reports"].items() if "trainer" in rep}
+    assert set(local) == {"worker:0", "worker:1"} and all(v > 0 for v in local.values())
+    ps = s["reports"]["ps:0"]
+    assert ps["global_step"] == sum(local.values()) == s["global_step"]
+    assert ps["ps_stats"]["applied_updates"] == ps["ps_stats"]["pushes"] == sum(local.values())
+
+
+def test_ps_exits_by_itself_and_no_process_is_left(async_run):
+    _, _, s = async_run
+    codes = {t["task"]: t["exit_code"] for t in s["tasks"]}
+    assert codes == {"ps:0": 0, "worker:0": 0, "worker:1": 0}
+    assert not any(pid_alive(t["pid"]) for t in s["tasks"])
+    assert s["examples_per_sec"] > 0 and s["wall_s"] > 0
+
+
+def test_failing_worker_fails_the_job_with_its_error_first(tmp_path):
+    logdir = tmp_path / "fail"
+    r = run_psflow(["run", "--ps", "1", "--workers", "2", "--logdir", str(logdir), "--fail-at", "worker:1@step=5",
+                    SOFTMAX, "--", "--epochs", "1", "--init", "zeros"])
+    assert r.returncode == 1, r.stdout[-2000:]
+    out = r.stdout
+    root_line = out.index("Root cause: worker:1")
+    assert "Injected failure in worker:1 at step 5" in out[root_line:]
+    s = read_summary(logdir)
+    assert s["status"] == "failed" and s["root_cause"] == "worker:1"
+    assert not any(pid_alive(t["pid"]) for t in s["tasks"])
+
+
+def test_sigterm_to_the_launcher_stops_every_task(tmp_path):
+    logdir = tmp_path / "term"
+    p = subprocess.Popen([PSFLOW, "run", "--ps", "1", "--workers", "2", "--logdir", str(logdir), SOFTMAX, "--",
+                          "--epochs", "200", "--init", "zeros", "--print_every", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=task_env(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        for line in p.stdout:  # wait until training is under way
+            if "global_step=" in line or time.monotonic() > deadline:
+                break
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130
+    s = read_summary(logdir)
+    assert s["status"] == "stopped"
+    assert not any(pid_alive(t["pid"]) for t in s["tasks"])
+
+
+def _by_hand(procs, ports, job, index, extra_env=None, args=("--epochs", "1", "--init", "zeros")):
+    flags = [f"--ps_hosts=localhost:{ports[0]}", f"--worker_hosts=localhost:{ports[1]},localhost:{ports[2]}",
+             f"--job_name={job}", f"--task_index={index}"]
+    p = subprocess.Popen([sys.executable, SOFTMAX, *flags, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=task_env(**(extra_env or {})), cwd=ROOT, start_new_session=True)
+    procs.append(p)
+    return p
+
+
+def _wait_for_port(port: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)  # polling a port that a separate process opens; bounded by the deadline
+    raise AssertionError(f"nothing listened on port {port} within {timeout_s} s")
+
+
+def test_by_hand_launch_with_the_seeds_flags(procs):
+    ports = free_ports(3)
+    ps = _by_hand(procs, ports, "ps", 0)
+    workers = [_by_hand(procs, ports, "worker", i) for i in range(2)]
+    outs = [w.communicate(timeout=180)[0] for w in workers]
+    for i, (w, out) in enumerate(zip(workers, outs)):
+        assert w.returncode == 0, out[-2000:]
+        assert f"worker={i}, final accuracy = " in out
+    ps_out = ps.communicate(timeout=60)[0]  # the ps exits by itself once both workers are done
+    assert ps.returncode == 0, ps_out[-2000:]
+
+
+def test_garbage_and_wrong_secret_do_not_hurt_a_real_ps(procs):
+    from psflow.errors import AuthError
+    from psflow.wire.conn import connect
+
+    ports = free_ports(3)
+    secret = {"PSFLOW_SECRET": "right-secret"}
+    ps = _by_hand(procs, ports, "ps", 0, secret)
+    _wait_for_port(ports[0])
+    for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 64, bytes(range(256)) * 4):
+        with socket.create_connection(("127.0.0.1", ports[0]), timeout=10) as s:
+            s.sendall(junk)
+            s.settimeout(10)
+            try:
+                while s.recv(4096):
+                    pass
+            except (ConnectionResetError, socket.timeout):
+                pass
+    with pytest.raises(AuthError, match="did not prove the job's secret"):
+        connect(f"127.0.0.1:{ports[0]}", secret=b"wrong", task="worker:9", peer="ps:0", deadline_s=10)
+    workers = [_by_hand(procs, ports, "worker", i, secret) for i in range(2)]
+    for w in workers:
+        out = w.communicate(timeout=180)[0]
+        assert w.returncode == 0, out[-2000:]
+    ps.communicate(timeout=60)
+    assert ps.returncode == 0
+
+
+def test_busy_port_is_one_clear_error(procs):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        ports = [port, *free_ports(2)]
+        p = _by_hand(procs, ports, "ps", 0)
+        out = p.communicate(timeout=60)[0]
+    finally:
+        holder.close()
+    assert p.returncode != 0
+    assert f"cannot listen on localhost:{port}" in out and "Pick a free port" in out
+
+
+def test_a_spec_without_ps_is_one_clear_error(procs):
+    p = subprocess.Popen([sys.executable, SOFTMAX, "--worker_hosts=localhost:2223", "--job_name=worker", "--task_index=0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=task_env(), cwd=ROOT)
+    procs.append(p)
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode != 0
+    assert "has no 'ps' task" in out and "localhost:2223" in out
