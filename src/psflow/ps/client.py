@@ -104,11 +104,7 @@ class PsClient:
         mins = list(min_versions) if min_versions is not None else [0] * self.num_shards
         metas = [{"min_version": v, "timeout_s": wait_s, "averages": averages} for v in mins]
         frames = self._all(Op.PS_PULL, metas, dests=dests, wait_s=wait_s)
-        for shard, (f, dest) in enumerate(zip(frames, dests)):
-            for k, t in f.tensors.items():
-                d = dest.get(k)
-                if d is not None and d.data_ptr() != t.data_ptr():
-                    d.copy_(t)  # only when the destination could not be received into directly
+        _land(frames, dests)
         return [int(f.meta["version"]) for f in frames]
 
     def push(
@@ -117,6 +113,24 @@ class PsClient:
         """Send one worker's gradients; ``versions[shard]`` is the version they were computed from."""
         metas = [{"worker": worker, "version": v} for v in versions]
         return [f.meta for f in self._all(Op.PS_PUSH, metas, per_shard)]
+
+    def push_pull(
+        self,
+        worker: int,
+        versions: Sequence[int],
+        per_shard: Sequence[Sequence[tuple[str, torch.Tensor]]],
+        dests: Sequence[Mapping[str, torch.Tensor]],
+        *,
+        wait_s: float,
+    ) -> list[dict[str, Any]]:
+        """Push gradients and receive the values after the update, one round trip per shard.
+
+        In sync mode each shard answers once the step this gradient belongs to is applied (at most
+        ``wait_s``). Returns each shard's reply meta; ``version`` is the version of the values received."""
+        metas = [{"worker": worker, "version": v, "pull": True, "timeout_s": wait_s} for v in versions]
+        frames = self._all(Op.PS_PUSH, metas, per_shard, dests=dests, wait_s=wait_s)
+        _land(frames, dests)
+        return [f.meta for f in frames]
 
     def clock(self, worker: int, clock: int, timeout_s: float) -> int:
         meta = {"worker": worker, "clock": clock, "timeout_s": timeout_s}
@@ -138,3 +152,12 @@ class PsClient:
         for c in self.conns:
             c.close()
         self.conns = []
+
+
+def _land(frames: Sequence[Frame], dests: Sequence[Mapping[str, torch.Tensor]]) -> None:
+    """Copy received values into their destinations where they could not be received in place."""
+    for f, dest in zip(frames, dests):
+        for k, t in f.tensors.items():
+            d = dest.get(k)
+            if d is not None and d.data_ptr() != t.data_ptr():
+                d.copy_(t)

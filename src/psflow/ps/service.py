@@ -51,6 +51,10 @@ class PsService:
         """Block until every worker is done or shutdown was requested. Returns False on timeout."""
         return self._shutdown.wait(timeout_s)
 
+    def stop(self) -> None:
+        """Make :meth:`join` return (as a PS_SHUTDOWN request does)."""
+        self._shutdown.set()
+
     # -- handlers --------------------------------------------------------------------------
     def _init(self, req: Request) -> Reply:
         m = req.meta
@@ -96,8 +100,18 @@ class PsService:
         return Reply({"version": version}, list(values.items()))
 
     def _push(self, req: Request) -> Reply:
-        result = self.store.push(int(req.meta["worker"]), int(req.meta.get("version", 0)), req.tensors)
-        return Reply(result)
+        version = int(req.meta.get("version", 0))
+        result = self.store.push(int(req.meta["worker"]), version, req.tensors)
+        if not req.meta.get("pull"):
+            return Reply(result)
+        # Push-pull in one round trip: reply with the values after this update. In sync mode an
+        # accepted gradient waits for its step to complete (a stale one gets the newest values now).
+        wait_for_step = self.store.config.mode == "sync" and result.get("applied")
+        current, values = self.store.pull(
+            min_version=version + 1 if wait_for_step else 0,
+            timeout_s=float(req.meta.get("timeout_s", self.store.config.sync_timeout_s)),
+        )
+        return Reply({**result, "version": current}, list(values.items()))
 
     def _clock(self, req: Request) -> Reply:
         slowest = self.store.clock(

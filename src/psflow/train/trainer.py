@@ -6,10 +6,13 @@ pushes the gradients straight from ``param.grad`` to the shards that own them. T
 optimizer. The update rule (async / sync N-of-M / ssp) is the ps's; the trainer only follows its
 protocol:
 
-- async: pull, compute, push.
-- sync:  pull the version the ps is at, compute, push tagged with that version; the next pull waits
-         for the version after it (the step every worker contributes to).
+- async: compute, then push the gradients and receive the updated values in the same round trip.
+- sync:  the push is tagged with the version the gradients were computed from; the reply comes once
+         that step is applied (N gradients averaged) and carries the next version's values.
 - ssp:   before computing step c, report clock c and wait until the slowest worker is within s.
+
+The first values come from an explicit pull in ``prepare()``; after that every step is one round
+trip per shard (push-pull, as ps-lite does), which halves the latency of a pull then a push.
 
 Initialization: the chief sends the model's initial values (or restored ones, from the Supervisor)
 to every shard once; every other worker waits until the shards are ready.
@@ -171,7 +174,7 @@ class Trainer:
     def step(self, closure: Callable[[], torch.Tensor], *, batch_size: int | None = None) -> float:
         """One training step. ``closure`` runs the forward pass and returns the loss.
 
-        Returns the loss as a float. The model holds the parameters the gradients were computed from.
+        Returns the loss as a float. Afterwards the model holds the newest values from the ps.
         """
         if self._faults:
             inject(self._faults, str(self.task.task_id), self.local_step)
@@ -180,11 +183,6 @@ class Trainer:
         cfg = self.config
         if cfg.mode == "ssp":
             self.client.clock(self.worker, self.local_step, cfg.sync_timeout_s)
-        if cfg.mode == "sync":
-            mins = self.versions if self.local_step == 0 else [v + 1 for v in self.versions]
-            self.versions = self.client.pull(self._dests, min_versions=mins, wait_s=cfg.sync_timeout_s)
-        elif self.local_step > 0:
-            self.versions = self.client.pull(self._dests)
         t1 = time.perf_counter()
         for p in self.params.values():
             p.grad = None
@@ -192,10 +190,13 @@ class Trainer:
         loss.backward()
         self.compute_s += time.perf_counter() - t1
         grads = self._grads()
-        replies = self.client.push(self.worker, self.versions, grads)
+        # One round trip per shard: the gradients go out, the values after the update come back
+        # straight into the model (in sync mode, once the step they belong to is applied).
+        replies = self.client.push_pull(self.worker, self.versions, grads, self._dests, wait_s=cfg.sync_timeout_s)
+        self.versions = [int(r["version"]) for r in replies]
         if replies[0].get("stale"):
             self.stale_pushes += 1
-        self.global_step = int(replies[0]["version"])
+        self.global_step = self.versions[0]
         self.local_step += 1
         if batch_size is not None:
             self.examples += batch_size
