@@ -63,10 +63,11 @@ def main() -> None:
 
     model = Softmax(args.init)  # step 4: an ordinary PyTorch model
     trainer = pf.Trainer(model, pf.optim.SGD(lr=args.learning_rate), task)
-    train = pf.data.mnist("train", source=args.data_dir)
+    data_dir = args.data_dir or task.data_dir
+    train = pf.data.mnist("train", source=data_dir)
     if args.shard == "split":
         train = train.shard(task)
-    test = pf.data.mnist("test", source=args.data_dir)
+    test = pf.data.mnist("test", source=data_dir)
 
     batches = train.batches(args.batch_size, epochs=args.epochs, seed=args.seed + task.replica_index)
     loss = float("nan")
