@@ -165,3 +165,38 @@ def test_a_spec_without_ps_is_one_clear_error(procs):
     out = p.communicate(timeout=60)[0]
     assert p.returncode != 0
     assert "has no 'ps' task" in out and "localhost:2223" in out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def test_killing_the_launcher_leaves_no_orphan_task(tmp_path):
+    logdir = tmp_path / "kill"
+    p = subprocess.Popen([PSFLOW, "run", "--ps", "1", "--workers", "2", "--logdir", str(logdir), SOFTMAX, "--",
+                          "--epochs", "200", "--init", "zeros", "--print_every", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=task_env(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        for line in p.stdout:
+            if "global_step=" in line or time.monotonic() > deadline:
+                break
+        kids = _children(p.pid)
+        assert len(kids) == 3, kids
+        p.kill()  # SIGKILL: the launcher gets no chance to clean up
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(pid_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling other processes' exit, bounded by the deadline
+        assert not any(pid_alive(k) for k in kids)
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -72,7 +72,7 @@ class LocalBackend(Backend):
                 env.pop("PSFLOW_SECRET", None)
                 p = subprocess.Popen(
                     tp.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, text=True, bufsize=1,
+                    start_new_session=True, text=True, bufsize=1, preexec_fn=_die_with_parent,
                 )
                 procs[tp.task] = p
                 log_file = open(logdir / "logs" / f"{tp.file_stem}.log", "w")
@@ -152,6 +152,16 @@ class LocalBackend(Backend):
             r = _error_report(plan, t)
             why = f"{r.get('exception')}: {r.get('message')}" if r else f"exit code {codes[t]} (stopped after the root cause)"
             self.echo(f"  then {t}: {why}")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the launcher dies (even by SIGKILL), so no task is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own cleanup still stops every task
 
 
 def _raise_stop(signum: int, frame: Any) -> None:
