@@ -1,0 +1,91 @@
+"""Pure pieces around the launcher: TrainConfig validation, launch plans, fault specs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from psflow.config import TrainConfig
+from psflow.errors import ConfigError
+from psflow.fault import Fault, parse_faults
+from psflow.launch.plan import make_plan
+
+
+def test_train_config_rejects_unknown_mode_with_the_allowed_ones():
+    with pytest.raises(ConfigError, match=r"Unknown mode 'fast'. Allowed: async, sync, ssp"):
+        TrainConfig(mode="fast")
+
+
+@pytest.mark.parametrize("field,value", [("replicas_to_aggregate", 0), ("total_num_replicas", -1), ("staleness", -2),
+                                         ("sync_timeout_s", 0), ("ready_timeout_s", float("inf"))])
+def test_train_config_rejects_bad_numbers_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        TrainConfig(**{field: value})
+
+
+def test_resolved_fills_n_and_m_from_the_worker_count():
+    cfg = TrainConfig(mode="sync").resolved(3)
+    assert (cfg.replicas_to_aggregate, cfg.total_num_replicas) == (3, 3)
+    cfg = TrainConfig(mode="sync", replicas_to_aggregate=2).resolved(3)
+    assert (cfg.replicas_to_aggregate, cfg.total_num_replicas) == (2, 3)
+
+
+def test_resolved_refuses_more_replicas_than_workers_and_n_above_m():
+    with pytest.raises(ConfigError, match="total_num_replicas=4 exceeds the 3 workers"):
+        TrainConfig(total_num_replicas=4).resolved(3)
+    with pytest.raises(ConfigError, match="replicas_to_aggregate=3 exceeds total_num_replicas=2"):
+        TrainConfig(replicas_to_aggregate=3, total_num_replicas=2).resolved(3)
+
+
+def test_train_config_json_round_trip_and_unknown_keys():
+    cfg = TrainConfig(mode="ssp", staleness=2)
+    assert TrainConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ConfigError, match="Unknown training setting"):
+        TrainConfig.from_dict({"mode": "sync", "speed": 3})
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        TrainConfig.from_json("{mode")
+
+
+def test_plan_lists_every_task_with_its_environment(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    plan = make_plan(str(script), ["--epochs", "2"], num_ps=2, num_workers=3, logdir=str(tmp_path / "run"),
+                     config=TrainConfig(mode="sync"), fail_at="worker:1@step=3")
+    assert plan.task_names() == ["ps:0", "ps:1", "worker:0", "worker:1", "worker:2"]
+    t = plan.tasks[3]
+    env = dict(t.env)
+    assert t.argv[-3:] == (str(script), "--epochs", "2")
+    assert env["PSFLOW_TASK"] == "worker:1" and env["PSFLOW_FAIL_AT"] == "worker:1@step=3"
+    assert TrainConfig.from_json(env["PSFLOW_TRAIN_CONFIG"]).mode == "sync"
+    assert env["PSFLOW_ERROR_FILE"].endswith("errors/worker-1.json")
+    assert json.loads(plan.to_json())["tasks"][0]["task"] == "ps:0"
+
+
+def test_plan_is_pure_data_equal_for_equal_inputs(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    a = make_plan(str(script), num_ps=1, num_workers=2, logdir="x")
+    b = make_plan(str(script), num_ps=1, num_workers=2, logdir="x")
+    assert a.tasks == b.tasks
+
+
+def test_plan_refuses_a_missing_script_and_no_ps():
+    with pytest.raises(ConfigError, match="does not exist"):
+        make_plan("/nonexistent/train.py")
+
+
+def test_plan_without_ps_for_parameter_servers_is_refused(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(ConfigError, match="--ps must be at least 1"):
+        make_plan(str(script), num_ps=0)
+
+
+def test_fault_specs_parse_and_bad_ones_name_the_syntax():
+    assert parse_faults("worker:1@step=30:kill, worker:0@step=2:stall=1.5") == [
+        Fault("worker:1", 30, "kill"), Fault("worker:0", 2, "stall", 1.5)]
+    assert parse_faults("worker:0@step=5") == [Fault("worker:0", 5, "raise")]
+    assert parse_faults(None) == []
+    with pytest.raises(ConfigError, match="Bad fault spec 'worker1@30'"):
+        parse_faults("worker1@30")
