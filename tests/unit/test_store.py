@@ -1,0 +1,134 @@
+"""The ps shard's update rules (ParameterStore), stepped by hand: no sockets, no threads unless a wait is the point."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from psflow.config import TrainConfig
+from psflow.errors import ConfigError, TrainingError
+from psflow.optim import SGD, Adam
+from psflow.ps.store import ParameterStore
+
+
+def make_store(mode="async", workers=3, n=None, m=None, optimizer=SGD(lr=0.1), staleness=1, timeout=0.2):
+    store = ParameterStore(shard=0, num_workers=workers)
+    cfg = TrainConfig(mode=mode, replicas_to_aggregate=n, total_num_replicas=m, staleness=staleness,
+                      sync_timeout_s=timeout).resolved(workers)
+    store.initialize({"w": torch.ones(4, 2), "b": torch.zeros(2)}, optimizer=optimizer.to_dict(), config=cfg,
+                     placement_digest="d")
+    return store
+
+
+def grads(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4, 2, generator=g), "b": torch.randn(2, generator=g)}
+
+
+def test_async_applies_each_push_and_counts_versions():
+    store = make_store("async")
+    for w in range(3):
+        assert store.push(w, 0, grads(w))["applied"]
+    expected = torch.ones(4, 2) - 0.1 * (grads(0)["w"] + grads(1)["w"] + grads(2)["w"])
+    assert torch.allclose(store.values["w"], expected, atol=1e-6)
+    assert store.version == 3 and store.stats.applied_updates == 3
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.permutations([0, 1, 2]))
+def test_sync_result_does_not_depend_on_arrival_order(order):
+    reference = make_store("sync", optimizer=Adam(lr=0.01))
+    for w in range(3):
+        reference.push(w, 0, grads(w))
+    store = make_store("sync", optimizer=Adam(lr=0.01))
+    for w in order:
+        store.push(w, 0, grads(w))
+    assert store.version == reference.version == 1
+    assert all(torch.equal(store.values[k], reference.values[k]) for k in store.values)
+
+
+def test_sync_waits_for_n_then_applies_the_average_once():
+    store = make_store("sync")
+    store.push(0, 0, grads(0))
+    store.push(1, 0, grads(1))
+    assert store.version == 0  # two of three
+    store.push(2, 0, grads(2))
+    assert store.version == 1
+    mean_w = (grads(0)["w"] + grads(1)["w"] + grads(2)["w"]) / 3
+    assert torch.allclose(store.values["w"], torch.ones(4, 2) - 0.1 * mean_w, atol=1e-6)
+
+
+def test_backup_worker_gradient_arriving_late_is_stale_and_counted():
+    store = make_store("sync", n=2, m=3)
+    store.push(2, 0, grads(2))
+    store.push(0, 0, grads(0))
+    assert store.version == 1 and store.stats.steps_without_all == 1
+    reply = store.push(1, 0, grads(1))  # the slow one, computed from version 0
+    assert reply["stale"] and not reply["applied"]
+    assert store.stats.stale_dropped == 1 and store.stats.stale_by_worker == {1: 1}
+    assert store.version == 1
+
+
+def test_sync_wait_deadline_names_the_missing_worker():
+    store = make_store("sync", workers=2, timeout=0.2)
+    store.push(0, 0, grads(0))
+    with pytest.raises(TrainingError, match=r"missing worker:1.*no backup workers.*sync_timeout_s"):
+        store.pull(min_version=1, timeout_s=0.2)
+
+
+def test_a_finished_worker_lowers_the_quorum():
+    store = make_store("sync", workers=2)
+    store.push(0, 0, grads(0))
+    store.worker_done(1)
+    assert store.version == 1  # the step completed with the one live worker
+
+
+def test_ssp_lets_a_worker_run_at_most_staleness_ahead():
+    store = make_store("ssp", workers=2, staleness=1)
+    store.clock(0, 0, timeout_s=1)
+    store.clock(1, 0, timeout_s=1)
+    store.clock(0, 1, timeout_s=1)  # 1 ahead of worker 1: allowed
+    with pytest.raises(TrainingError, match=r"worker:0 at clock 2 waited .* staleness 1"):
+        store.clock(0, 2, timeout_s=0.2)
+    for worker, clock, slowest in store.stats.clock_log:
+        assert clock - slowest <= 1
+
+
+def test_gradients_for_unknown_parameters_are_refused_by_name():
+    store = make_store("async")
+    with pytest.raises(ConfigError, match=r"missing \['b'\], unexpected \['x'\]"):
+        store.push(0, 0, {"w": torch.zeros(4, 2), "x": torch.zeros(1)})
+    with pytest.raises(ConfigError, match=r"Gradient 'w' has shape \(2, 4\)"):
+        store.push(0, 0, {"w": torch.zeros(2, 4), "b": torch.zeros(2)})
+
+
+def test_uninitialized_store_says_it_waits_for_the_chief():
+    store = ParameterStore(shard=3, num_workers=1)
+    with pytest.raises(TrainingError, match="ps shard 3 is not initialized yet"):
+        store.pull()
+    assert not store.wait_initialized(0.01)
+
+
+def test_second_initialize_changes_nothing():
+    store = make_store("async")
+    store.push(0, 0, grads(0))
+    before = store.values["w"].clone()
+    assert not store.initialize({"w": torch.zeros(4, 2), "b": torch.zeros(2)}, optimizer=SGD().to_dict(),
+                                config=TrainConfig(), placement_digest="d")
+    assert torch.equal(store.values["w"], before)
+
+
+def test_snapshot_holds_values_optimizer_slots_and_averages():
+    store = ParameterStore(shard=0, num_workers=1)
+    store.initialize({"w": torch.ones(3)}, optimizer=Adam(lr=0.1).to_dict(), config=TrainConfig(),
+                     placement_digest="d", ema_decay=0.5)
+    store.push(0, 0, {"w": torch.ones(3)})
+    version, snap = store.snapshot()
+    assert version == 1
+    assert {"w", "ema/w"} <= set(snap) and any(k.startswith("opt/w/") for k in snap)
+    snap["w"].add_(1)  # a copy, not the live tensor
+    assert not torch.equal(snap["w"], store.values["w"])
