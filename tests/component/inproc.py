@@ -1,0 +1,193 @@
+"""An in-process psflow cluster for component tests: real servers, real sockets, workers as threads.
+
+Owns: starting one real :class:`~psflow.server.Server` per task on 127.0.0.1 port 0 (each ps task
+hosts a real :class:`~psflow.ps.service.PsService`), the resulting :class:`ClusterSpec`, and
+:class:`InprocTask`, the few attributes of :class:`psflow.task.Task` that the Trainer reads, so a
+worker can run as a thread of the test process. Nothing is faked: workers reach the ps over TCP with
+the job secret, exactly as separate processes do.
+
+Invariants: every server binds port 0 and the cluster is built from the addresses they got (no
+free-port guessing); ``close()`` stops every server and closes every client it handed out; every
+wait has a deadline (``run_threads`` joins with a timeout and fails naming the threads still alive).
+
+Used by tests/component/test_sync_modes.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from psflow.cluster import ClusterSpec, TaskId
+from psflow.config import TrainConfig
+from psflow.optim import OptimizerSpec
+from psflow.ps.client import PsClient
+from psflow.ps.service import PsService
+from psflow.server import Server
+from psflow.train.trainer import Trainer
+
+SECRET = b"inproc-job-secret"
+
+
+@dataclass
+class InprocTask:
+    """What the Trainer needs of a task, for a worker running as a thread in this process."""
+
+    cluster: ClusterSpec
+    task_id: TaskId
+    secret: bytes
+    config: TrainConfig
+    connect_timeout_s: float = 5.0
+    fail_at: str | None = None
+    trainers: list[Trainer] = field(default_factory=list)
+
+    @property
+    def num_ps(self) -> int:
+        return self.cluster.num_tasks("ps")
+
+    @property
+    def num_replicas(self) -> int:
+        return self.cluster.num_tasks("chief") + self.cluster.num_tasks("worker")
+
+    @property
+    def replica_index(self) -> int:
+        return self.cluster.num_tasks("chief") + self.task_id.index if self.task_id.job == "worker" else 0
+
+    @property
+    def is_chief(self) -> bool:
+        return self.cluster.is_chief(self.task_id)
+
+    def _attach_trainer(self, trainer: Trainer) -> None:
+        self.trainers.append(trainer)
+
+
+class InprocCluster:
+    """``num_ps`` ps tasks and ``num_workers`` worker tasks, each with a started Server on 127.0.0.1.
+
+    Args:
+        num_ps: ps tasks; each hosts a PsService (one shard).
+        num_workers: worker tasks; worker:0 is the chief.
+        config: the job's TrainConfig (each Trainer may override fields, as in a real job).
+
+    Example:
+        >>> with InprocCluster(1, 2, TrainConfig(mode="sync")) as c:
+        ...     trainer = c.trainer(0, torch.nn.Linear(8, 3), pf.optim.SGD(lr=0.1))
+    """
+
+    def __init__(self, num_ps: int, num_workers: int, config: TrainConfig = TrainConfig()) -> None:
+        self.config = config
+        self.servers: dict[TaskId, Server] = {}
+        self.services: list[PsService] = []
+        self._clients: list[PsClient] = []
+        try:
+            for job, n in (("ps", num_ps), ("worker", num_workers)):
+                for i in range(n):
+                    tid = TaskId(job, i)
+                    server = Server(str(tid), host="127.0.0.1", port=0, secret=SECRET, handshake_timeout_s=5.0)
+                    if job == "ps":
+                        self.services.append(PsService(server, i, num_workers))
+                    server.start()
+                    self.servers[tid] = server
+            addrs: dict[str, list[str]] = {"ps": [], "worker": []}
+            for tid, server in self.servers.items():
+                addrs[tid.job].append(server.address)
+            self.cluster = ClusterSpec.from_dict(addrs)
+        except BaseException:
+            self.close()
+            raise
+
+    def task(self, index: int, *, fail_at: str | None = None, **config: Any) -> InprocTask:
+        """The task of ``worker:index``; ``config`` overrides fields of the job's TrainConfig."""
+        return InprocTask(self.cluster, TaskId("worker", index), SECRET, replace(self.config, **config), fail_at=fail_at)
+
+    def trainer(
+        self, index: int, model: torch.nn.Module, optimizer: OptimizerSpec, *, fail_at: str | None = None, **settings: Any
+    ) -> Trainer:
+        """A Trainer for ``worker:index``, connected to every ps shard."""
+        trainer = Trainer(model, optimizer, self.task(index, fail_at=fail_at), **settings)
+        self._clients.append(trainer.client)
+        return trainer
+
+    def client(self) -> PsClient:
+        """A separate connection to every ps shard (for status), as an evaluator would hold."""
+        c = PsClient(self.cluster, TaskId("evaluator", 0), SECRET, connect_timeout_s=5.0, request_timeout_s=5.0)
+        self._clients.append(c)
+        return c
+
+    def status(self, *, clock_log: bool = False) -> list[dict[str, Any]]:
+        """Every shard's PS_STATUS reply, fetched over the wire."""
+        c = self.client()
+        try:
+            return c.status(clock_log=clock_log)
+        finally:
+            c.close()
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.close()
+        for server in self.servers.values():
+            server.stop()
+
+    def __enter__(self) -> InprocCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ThreadGroup:
+    """Named targets, each on its own daemon thread; their results and exceptions come back to the test.
+
+    Example:
+        >>> g = ThreadGroup({"worker:0": lambda: 1}).start()
+        >>> g.join(timeout_s=5)["worker:0"]
+        1
+    """
+
+    def __init__(self, targets: dict[str, Callable[[], Any]]) -> None:
+        self.results: dict[str, Any] = {}
+        self.errors: dict[str, BaseException] = {}
+        self.threads = {name: threading.Thread(target=self._run, args=(name, fn), name=name, daemon=True)
+                        for name, fn in targets.items()}
+
+    def _run(self, name: str, fn: Callable[[], Any]) -> None:
+        try:
+            self.results[name] = fn()
+        except BaseException as e:  # handed to the test thread by join()
+            self.errors[name] = e
+
+    def start(self) -> ThreadGroup:
+        for t in self.threads.values():
+            t.start()
+        return self
+
+    def is_alive(self, name: str) -> bool:
+        return self.threads[name].is_alive()
+
+    def join(self, names: Sequence[str] | None = None, *, timeout_s: float) -> dict[str, Any]:
+        """Join ``names`` (default all) within ``timeout_s`` in all; return their results by name.
+
+        Raises the first exception one of them raised (in ``names`` order; a root cause comes before
+        the hang it may have caused), else AssertionError naming the threads still running.
+        """
+        names = list(self.threads) if names is None else list(names)
+        deadline = time.monotonic() + timeout_s
+        for n in names:
+            self.threads[n].join(max(0.0, deadline - time.monotonic()))
+        for n in names:
+            if n in self.errors:
+                raise self.errors[n]
+        alive = [n for n in names if self.threads[n].is_alive()]
+        if alive:
+            raise AssertionError(f"{alive} still running after {timeout_s} s: a hang (see the ps stats)")
+        return {n: self.results.get(n) for n in names}
+
+
+def run_threads(targets: Sequence[Callable[[], Any]], *, timeout_s: float) -> list[Any]:
+    """Run each target on its own thread; return their results in order (see :meth:`ThreadGroup.join`)."""
+    group = ThreadGroup({f"target-{i}": fn for i, fn in enumerate(targets)}).start()
+    return list(group.join(timeout_s=timeout_s).values())
