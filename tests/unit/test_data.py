@@ -20,7 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psflow import data
+from psflow.data import epoch_permutation
+from psflow.data import sources as data
 from psflow.errors import ConfigError, DataError
 
 IDX_NAMES = {
@@ -439,10 +440,10 @@ def test_resume_from_state_dict_gives_the_identical_remaining_batches(
 
 
 def test_permutation_depends_on_seed_and_epoch_only() -> None:
-    first = data.epoch_permutation(100, seed=3, epoch=0)
-    assert torch.equal(first, data.epoch_permutation(100, seed=3, epoch=0))
-    assert not torch.equal(first, data.epoch_permutation(100, seed=3, epoch=1))
-    assert not torch.equal(first, data.epoch_permutation(100, seed=4, epoch=0))
+    first = epoch_permutation(100, seed=3, epoch=0)
+    assert torch.equal(first, epoch_permutation(100, seed=3, epoch=0))
+    assert not torch.equal(first, epoch_permutation(100, seed=3, epoch=1))
+    assert not torch.equal(first, epoch_permutation(100, seed=4, epoch=0))
     assert not torch.equal(first, torch.arange(100))
 
 
