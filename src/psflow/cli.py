@@ -67,3 +67,49 @@ def summary(summary: str) -> None:
     data = json.loads(p.read_text())
     for k in ("run_id", "status", "mode", "global_step", "test_accuracy", "examples_per_sec", "wall_s"):
         click.echo(f"{k:>18}: {data.get(k)}")
+
+
+@main.command()
+@click.argument("logdir", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--averages/--values", default=None,
+              help="Export the moving averages (or the values); default: what the run chose (ema_for_export).")
+def export(logdir: str, out: str, averages: bool | None) -> None:
+    """Write the newest checkpoint of LOGDIR as OUT.safetensors: a plain PyTorch state dict.
+
+    LOGDIR may also be a checkpoints/ directory or one ckpt-<step> directory. Load it with
+    torch + safetensors alone: model.load_state_dict(safetensors.torch.load_file(OUT)).
+    """
+    from psflow.supervisor import export_checkpoint
+
+    try:
+        path, ckpt, used_averages = export_checkpoint(logdir, out, averages=averages,
+                                                      warn=lambda m: click.echo(f"psflow: warning: {m}", err=True))
+    except PsflowError as e:
+        raise click.ClickException(str(e)) from e
+    names = [p["name"] for p in ckpt.meta["placement"]["params"]]
+    click.echo(f"psflow: exported {len(names)} tensors ({'moving averages' if used_averages else 'values'}) "
+               f"of step {ckpt.step} from {ckpt.path} to {path}")
+
+
+@main.command()
+@click.argument("logdir", type=click.Path(exists=True, file_okay=False))
+def checkpoints(logdir: str) -> None:
+    """List the checkpoints of LOGDIR (or of a checkpoints/ directory), newest first, verified."""
+    from pathlib import Path
+
+    from psflow import checkpoint
+
+    root = Path(logdir) / "checkpoints" if (Path(logdir) / "checkpoints").is_dir() else Path(logdir)
+    found = checkpoint.list_checkpoints(root)
+    if not found:
+        click.echo(f"psflow: no checkpoints under {root}")
+        return
+    for path in found:
+        try:
+            ckpt = checkpoint.read_checkpoint(path)
+        except PsflowError as e:
+            click.echo(f"{path.name}  CORRUPT: {e}")
+            continue
+        size = sum(r.size_bytes for r in ckpt.shards)
+        click.echo(f"{path.name}  step={ckpt.step}  shards={ckpt.num_shards}  {size / 1e6:.2f} MB  ok")

@@ -4,7 +4,11 @@ Syntax: ``TASK@step=N[:ACTION]`` with ACTION one of ``raise`` (default: an excep
 writes its error report), ``kill`` (SIGKILL itself: no report, like an OOM kill) or ``stall=S``
 (sleep S seconds once, like a slow or hung worker). Several faults are separated by commas.
 
-Example: ``psflow run --fail-at worker:1@step=30:kill ...``
+Checkpoint faults: ``ps:K@save=N:crash_after=BYTES`` makes ps task K die (SIGKILL itself) while it
+writes its shard of the N-th checkpoint it is asked for (counted from 1), leaving exactly BYTES bytes
+of the shard's temporary file on disk, as a process killed mid-write would.
+
+Example: ``psflow run --fail-at worker:1@step=30:kill ...``, ``--fail-at ps:0@save=2:crash_after=100``
 """
 
 from __future__ import annotations
@@ -13,19 +17,23 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from psflow.errors import ConfigError, TrainingError
+from psflow.errors import CheckpointError, ConfigError, TrainingError
 
 _RE = re.compile(r"^(?P<task>[a-z]+:\d+)@step=(?P<step>\d+)(?::(?P<action>raise|kill|stall=(?P<stall>[0-9.]+)|delay=(?P<delay>[0-9.]+)))?$")
+_SAVE_RE = re.compile(r"^(?P<task>[a-z]+:\d+)@save=(?P<save>[1-9]\d*):crash_after=(?P<bytes>\d+)$")
 
 
 @dataclass(frozen=True)
 class Fault:
     task: str
     step: int
-    action: str = "raise"  # raise | kill | stall | delay (delay: sleep before every step from `step` on)
+    action: str = "raise"  # raise | kill | stall | delay (delay: sleep before every step from `step` on) | crash_save
     seconds: float = 0.0
+    crash_after_bytes: int = 0  # crash_save: bytes of the shard file left on disk; `step` is the save number
 
 
 def parse_faults(text: str | None) -> list[Fault]:
@@ -35,10 +43,15 @@ def parse_faults(text: str | None) -> list[Fault]:
         part = part.strip()
         if not part:
             continue
+        saving = _SAVE_RE.match(part)
+        if saving:
+            faults.append(Fault(saving["task"], int(saving["save"]), "crash_save", crash_after_bytes=int(saving["bytes"])))
+            continue
         m = _RE.match(part)
         if not m:
             raise ConfigError(
-                f"Bad fault spec {part!r}. Use TASK@step=N[:raise|:kill|:stall=SECONDS|:delay=SECONDS], e.g. worker:1@step=30:kill."
+                f"Bad fault spec {part!r}. Use TASK@step=N[:raise|:kill|:stall=SECONDS|:delay=SECONDS], e.g. worker:1@step=30:kill, "
+                "or ps:K@save=N:crash_after=BYTES."
             )
         action = (m["action"] or "raise").split("=")[0]
         faults.append(Fault(m["task"], int(m["step"]), action, float(m["stall"] or m["delay"] or 0.0)))
@@ -48,7 +61,7 @@ def parse_faults(text: str | None) -> list[Fault]:
 def inject(faults: list[Fault], task: str, step: int) -> None:
     """Carry out the faults planned for ``task`` at ``step`` (called by the trainer before each step)."""
     for f in faults:
-        if f.task != task:
+        if f.task != task or f.action == "crash_save":
             continue
         if f.action == "delay" and step >= f.step:
             time.sleep(f.seconds)  # a deliberately slow worker
@@ -60,3 +73,30 @@ def inject(faults: list[Fault], task: str, step: int) -> None:
             time.sleep(f.seconds)  # a deliberately stalled worker
         elif f.action == "raise":
             raise TrainingError(f"Injected failure in {task} at step {step} (--fail-at).")
+
+
+def crashing_save(save: Callable[[dict[str, Any]], dict[str, Any]], faults: list[Fault], task: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Wrap a ps's PS_SAVE handler so that the ``crash_save`` faults of ``task`` fire on their save.
+
+    The N-th call writes only ``crash_after_bytes`` of the shard's temporary file, then the process
+    SIGKILLs itself: the chief sees a dead ps, and the disk holds what a real crash leaves.
+    """
+    planned = {f.step: f.crash_after_bytes for f in faults if f.task == task and f.action == "crash_save"}
+    if not planned:
+        return save
+    count = 0
+
+    def save_or_crash(meta: dict[str, Any]) -> dict[str, Any]:
+        nonlocal count
+        count += 1
+        if count not in planned:
+            return save(meta)
+        try:
+            save({**meta, "crash_after_bytes": planned[count]})
+        except CheckpointError:
+            pass  # the injected truncation; now die like a killed process
+        print(f"{task}: injected crash while writing checkpoint {count} (step {meta.get('step')}) (--fail-at)", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise TrainingError("unreachable: SIGKILL did not end the process")
+
+    return save_or_crash

@@ -98,6 +98,12 @@ class Server:
         host, port = self._lsock.getsockname()[:2]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
+    @property
+    def num_connections(self) -> int:
+        """Connections open now (authenticated or still in the handshake)."""
+        with self._lock:
+            return len(self._conns)
+
     def start(self) -> str:
         """Bind and start accepting. Returns the bound address. Raises ConfigError on a busy port."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET

