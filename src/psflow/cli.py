@@ -21,6 +21,7 @@ def main() -> None:
 @click.option("--ps", "num_ps", default=1, show_default=True, help="Parameter-server tasks.")
 @click.option("--workers", "num_workers", default=2, show_default=True, help="Worker tasks.")
 @click.option("--chief/--no-chief", default=False, help="Add a separate chief task (default: worker:0 is chief).")
+@click.option("--evaluator/--no-evaluator", default=False, help="Add an evaluator task that evaluates every new checkpoint.")
 @click.option("--logdir", default=None, help="Where logs, errors and summary.json go (default runs/<run id>).")
 @click.option("--mode", type=click.Choice(["async", "sync", "ssp"]), default=None, help="Update mode.")
 @click.option("--strategy", type=click.Choice(["ps", "allreduce"]), default=None, help="Parameter servers or all-reduce.")
@@ -33,7 +34,7 @@ def main() -> None:
 @click.option("--fail-at", default=None, help="Fault injection, e.g. worker:1@step=30 or worker:1@step=30:kill.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def run(num_ps: int, num_workers: int, chief: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
+def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
         fail_at: str | None, log_placement: bool, **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
     from psflow.launch import LocalBackend, make_plan
@@ -42,7 +43,7 @@ def run(num_ps: int, num_workers: int, chief: bool, logdir: str | None, script: 
         overrides = {k: v for k, v in settings.items() if v is not None}
         config = TrainConfig(**overrides, log_placement=log_placement)
         plan = make_plan(script, [a for a in script_args if a != "--"], num_ps=num_ps, num_workers=num_workers,
-                         chief=chief, logdir=logdir, config=config, fail_at=fail_at)
+                         chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=fail_at)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; logs in {plan.logdir}")
