@@ -17,6 +17,7 @@ from __future__ import annotations
 from psflow import data, optim
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
+from psflow.devices import format_device_placement, resolve_device
 from psflow.errors import (
     AuthError,
     CheckpointError,
@@ -30,12 +31,16 @@ from psflow.errors import (
     TransportError,
 )
 from psflow.server import Server
+from psflow.supervisor import Supervisor
 from psflow.task import Task, current_task, init
+from psflow.train.allreduce import AllReduceTrainer
+from psflow.train.towers import Towers
 from psflow.train.trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllReduceTrainer",
     "AuthError",
     "CheckpointError",
     "ClusterError",
@@ -45,15 +50,19 @@ __all__ = [
     "PsflowError",
     "RemoteError",
     "Server",
+    "Supervisor",
     "Task",
     "TaskFailedError",
     "TaskId",
+    "Towers",
     "TrainConfig",
     "Trainer",
     "TrainingError",
     "TransportError",
     "current_task",
     "data",
+    "format_device_placement",
     "init",
     "optim",
+    "resolve_device",
 ]

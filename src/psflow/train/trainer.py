@@ -9,7 +9,8 @@ protocol:
 - async: compute, then push the gradients and receive the updated values in the same round trip.
 - sync:  the push is tagged with the version the gradients were computed from; the reply comes once
          that step is applied (N gradients averaged) and carries the next version's values.
-- ssp:   before computing step c, report clock c and wait until the slowest worker is within s.
+- ssp:   before computing step c, report clock c, wait until the slowest worker is within s, then
+         pull (the push-pull reply of step c - 1 predates the wait, so it may be staler than s).
 
 The first values come from an explicit pull in ``prepare()``; after that every step is one round
 trip per shard (push-pull, as ps-lite does), which halves the latency of a pull then a push.
@@ -24,7 +25,7 @@ import hashlib
 import json
 import time
 from dataclasses import replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -34,6 +35,7 @@ from psflow.fault import inject, parse_faults
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.ps.client import PsClient
 from psflow.ps.placement import ParamInfo, Placement, place, split_tensor
+from psflow.train.towers import Batch, Towers, batch_examples, run_step_closure
 
 
 class Trainer:
@@ -45,13 +47,37 @@ class Trainer:
         task: the task from ``pf.init()``; default the current one.
         schedule: learning rate by global step, e.g. ``pf.optim.ExponentialDecay(...)``.
         ema_decay: keep moving averages of the parameters on the ps (read with ``pull(averages=True)``).
+        devices: compute on several local devices (in-graph towers, e.g. ``["cuda:0", "cuda:1"]``):
+            ``model`` stays the master copy on the CPU; each step's batch is split across one replica
+            per device and their averaged gradients are pushed (see :class:`psflow.train.towers.Towers`).
         **settings: TrainConfig fields (``mode``, ``replicas_to_aggregate``, ``staleness``...);
             given here they override the launcher's.
 
+    With ``strategy="allreduce"`` (``psflow run --strategy allreduce``) ``Trainer(...)`` returns an
+    :class:`psflow.train.allreduce.AllReduceTrainer` instead: same arguments and surface, no ps.
+
     Example:
         >>> trainer = pf.Trainer(model, pf.optim.SGD(lr=0.01), task, mode="sync")
-        >>> loss = trainer.step(lambda: F.cross_entropy(model(x), y), batch_size=len(x))
+        >>> loss = trainer.step(lambda m, x, y: F.cross_entropy(m(x), y), batch=(x, y))  # 1 or N devices
+        >>> loss = trainer.step(lambda: F.cross_entropy(model(x), y), batch_size=len(x))  # 1 device
     """
+
+    def __new__(cls, model: torch.nn.Module, optimizer: OptimizerSpec, task: Any = None, **kwargs: Any) -> Any:
+        # The strategy picks the implementation, so a script runs unchanged under --strategy ps|allreduce.
+        # AllReduceTrainer is not a subclass, so Python does not run Trainer.__init__ on it.
+        if cls is Trainer:
+            strategy = kwargs.get("strategy")
+            if strategy is None:
+                if task is None:
+                    from psflow.task import current_task
+
+                    task = current_task()
+                strategy = task.config.strategy
+            if strategy == "allreduce":
+                from psflow.train.allreduce import AllReduceTrainer
+
+                return AllReduceTrainer(model, optimizer, task, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -61,6 +87,7 @@ class Trainer:
         *,
         schedule: Schedule | None = None,
         ema_decay: float | None = None,
+        devices: Sequence[str | torch.device] | None = None,
         **settings: Any,
     ) -> None:
         if task is None:
@@ -72,6 +99,7 @@ class Trainer:
                 f"optimizer must be a psflow optimizer spec such as pf.optim.SGD(lr=0.01); received {type(optimizer).__name__}. "
                 "The parameter servers apply it, so it travels as data, not as a torch.optim object."
             )
+        self.towers = Towers(model, devices) if devices else None
         self.model = model
         self.task = task
         self.optimizer = optimizer
@@ -104,11 +132,14 @@ class Trainer:
         self.stale_pushes = 0
         self._ready = False
         self._closed = False
+        self._holds_averages = False  # pull(averages=True) put moving averages into the model
         self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._faults = parse_faults(getattr(task, "fail_at", None))
         task._attach_trainer(self)
         if self.config.log_placement and task.is_chief:
             print(self.placement.format_table(), flush=True)
+        if self.config.log_placement and self.towers is not None:
+            print(self.towers.format_placement(str(task.task_id)), flush=True)
 
     # -- readiness -------------------------------------------------------------------------
     def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -171,8 +202,22 @@ class Trainer:
         self.client.initialize(per_shard, meta)
 
     # -- the step --------------------------------------------------------------------------
-    def step(self, closure: Callable[[], torch.Tensor], *, batch_size: int | None = None) -> float:
+    def step(
+        self,
+        closure: Callable[..., torch.Tensor],
+        *,
+        batch: Batch | torch.Tensor | None = None,
+        batches: Sequence[Batch | torch.Tensor] | None = None,
+        batch_size: int | None = None,
+    ) -> float:
         """One training step. ``closure`` runs the forward pass and returns the loss.
+
+        Args:
+            closure: with ``batch=``, ``closure(model, *batch)`` (the same line runs on one device or
+                split across ``devices``); without, ``closure()`` using the model directly.
+            batch: the step's batch, e.g. ``(x, y)``.
+            batches: with ``devices``, one batch per device instead of one split batch.
+            batch_size: examples in the step, for the throughput figures (default: from the batch).
 
         Returns the loss as a float. Afterwards the model holds the newest values from the ps.
         """
@@ -183,11 +228,17 @@ class Trainer:
         cfg = self.config
         if cfg.mode == "ssp":
             self.client.clock(self.worker, self.local_step, cfg.sync_timeout_s)
+        # ssp: the values from the last push-pull predate the clock wait, and ssp bounds the staleness
+        # of the values a step computes from. After pull(averages=True) the model holds averages.
+        if (cfg.mode == "ssp" and self.local_step > 0) or self._holds_averages:
+            self.versions = self.client.pull(self._dests)
+            self._holds_averages = False
         t1 = time.perf_counter()
         for p in self.params.values():
             p.grad = None
-        loss = closure()
-        loss.backward()
+        if self.towers is not None:
+            self.towers.refresh()  # the replicas compute from the values the model holds now
+        value = run_step_closure(closure, self.model, towers=self.towers, batch=batch, batches=batches)
         self.compute_s += time.perf_counter() - t1
         grads = self._grads()
         # One round trip per shard: the gradients go out, the values after the update come back
@@ -198,9 +249,10 @@ class Trainer:
             self.stale_pushes += 1
         self.global_step = self.versions[0]
         self.local_step += 1
+        if batch_size is None:
+            batch_size = batch_examples(batch, batches)
         if batch_size is not None:
             self.examples += batch_size
-        value = float(loss.detach())
         self.train_time_s += time.perf_counter() - t0
         return value
 
@@ -219,6 +271,7 @@ class Trainer:
         """Load the newest ps values (or their moving averages) into the model. Returns the global step."""
         self.prepare()
         versions = self.client.pull(self._dests, averages=averages)
+        self._holds_averages = averages  # then the next step() pulls the values to compute from
         if not averages:
             self.versions = versions
         self.global_step = versions[0]

@@ -1,0 +1,409 @@
+"""All-reduce data parallelism: the same user script, with PyTorch's collectives instead of ps tasks.
+
+``psflow run --strategy allreduce`` starts only training tasks (no ps). ``pf.Trainer(...)`` then
+returns an :class:`AllReduceTrainer`: every task keeps the whole model and a real ``torch.optim``
+optimizer built from the same spec; each step the gradients are averaged across tasks with an
+all-reduce (gloo on CPU, NCCL when the model is on CUDA) and every task applies the same update,
+so every task holds identical parameters after every step. The surface is the ps Trainer's:
+``step``, ``pull``, ``stats``, ``close``, ``global_step`` (= local steps, equal on every task).
+
+Rendezvous (who is rank r, where to meet): replica 0 (``cluster.chief()``, i.e. ``chief:0`` or
+``worker:0``) is the rank-0 process, and **its cluster address is the rendezvous address**, where
+it serves a ``torch.distributed.TCPStore`` (PyTorch's MASTER_ADDR:MASTER_PORT). Under the launcher
+``psflow.task.init`` binds that store on port 0 before registering and registers the store's
+address as the task's address, so every task learns it from the cluster, race-free. By hand
+(``--worker_hosts``/``TF_CONFIG``) worker:0's address in the spec is the store's address. Nothing
+else contacts a worker's address in this strategy.
+
+How a step reaches the all-reduce:
+
+- ``trainer.step(lambda m, x, y: loss(m(x), y), batch=(x, y))``: ``m`` is the model wrapped in
+  ``DistributedDataParallel``, which all-reduces bucketed gradients during backward;
+- ``trainer.step(lambda: loss(model(x), y))``: the closure calls the bare model, which DDP cannot
+  see, so the trainer all-reduces the gradients itself after backward (one flat buffer per dtype);
+- ``devices=[...]``: towers average their gradients onto the master, then the same explicit all-reduce.
+
+Invariants: every task takes the same number of steps (a collective waits for every rank; a task
+that stops early makes the others fail after ``sync_timeout_s`` with a TrainingError); ranks are
+``task.replica_index``; parameters, buffers, moving averages and the step start from rank 0's.
+The ``mode`` setting does not apply (all-reduce is synchronous); ``ssp`` and backup workers
+(``replicas_to_aggregate`` < workers) need parameter servers and are rejected.
+
+Security: the TCPStore and gloo's connections are NOT authenticated (the job secret does not cover
+them). The launcher binds them to loopback (127.0.0.1) by default, and a loopback rendezvous pins
+gloo to the loopback interface too; only bind them to other interfaces on a trusted network.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Self
+
+import torch
+import torch.distributed as dist
+
+from psflow.cluster import TaskId, is_loopback_host, parse_address
+from psflow.errors import ClusterError, ConfigError, TrainingError
+from psflow.fault import inject, parse_faults
+from psflow.optim import (
+    MovingAverage,
+    OptimizerSpec,
+    Schedule,
+    load_optimizer_state_tensors,
+    set_lr,
+)
+from psflow.train.towers import Batch, Towers, batch_examples, run_step_closure
+
+__all__ = ["AllReduceTrainer", "bind_rendezvous", "rendezvous_task"]
+
+
+def rendezvous_task(cluster: Any) -> TaskId:
+    """The task that serves the rendezvous and is rank 0: the chief (``chief:0`` or ``worker:0``)."""
+    return cluster.chief()
+
+
+def bind_rendezvous(host: str, port: int = 0, *, timeout_s: float = 120.0) -> dist.TCPStore:
+    """Rank 0: serve the collective rendezvous (a TCPStore) on ``host:port``; port 0 picks a free one.
+
+    Read the bound port from ``store.port``. The store is unauthenticated: bind it to loopback
+    unless every host that can reach it is trusted.
+
+    Raises:
+        ConfigError: the address cannot be bound (busy port, unknown interface).
+    """
+    try:
+        return dist.TCPStore(
+            host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+    except (RuntimeError, OSError) as e:
+        raise ConfigError(
+            f"Cannot serve the all-reduce rendezvous on {host}:{port}: {e}. "
+            "Pick a free port for the chief's address, or stop the process that uses it."
+        ) from e
+
+
+def _pin_gloo_to_loopback() -> None:
+    # gloo listens on the address its host name resolves to, which may face the network; its
+    # connections are unauthenticated, so a loopback job keeps them on loopback. An explicit
+    # GLOO_SOCKET_IFNAME set by the user wins.
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if names:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", names[0])
+
+
+class AllReduceTrainer:
+    """Train an ordinary ``torch.nn.Module`` with all-reduced gradients (no parameter servers).
+
+    Created by ``pf.Trainer(...)`` when the task's strategy is ``allreduce``; the arguments are the
+    Trainer's. The optimizer spec is built locally (``spec.build(model.parameters())``).
+
+    Example:
+        >>> trainer = pf.Trainer(model, pf.optim.Adam(lr=1e-3), task)   # psflow run --strategy allreduce
+        >>> loss = trainer.step(lambda m, x, y: F.cross_entropy(m(x), y), batch=(x, y))
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: OptimizerSpec,
+        task: Any = None,
+        *,
+        schedule: Schedule | None = None,
+        ema_decay: float | None = None,
+        devices: Sequence[str | torch.device] | None = None,
+        **settings: Any,
+    ) -> None:
+        if task is None:
+            from psflow.task import current_task
+
+            task = current_task()
+        if not isinstance(optimizer, OptimizerSpec):
+            raise ConfigError(
+                f"optimizer must be a psflow optimizer spec such as pf.optim.SGD(lr=0.01); received "
+                f"{type(optimizer).__name__}. Every task builds the same torch.optim optimizer from it."
+            )
+        try:
+            self.config = replace(task.config, **settings).resolved(task.num_replicas)
+        except TypeError as e:
+            raise ConfigError(f"Unknown Trainer setting in {sorted(settings)}: {e}. See psflow.TrainConfig for the fields.") from e
+        if self.config.mode == "ssp" or self.config.replicas_to_aggregate != task.num_replicas:
+            raise ConfigError(
+                f"strategy='allreduce' averages every worker's gradient each step; mode={self.config.mode!r} with "
+                f"replicas_to_aggregate={self.config.replicas_to_aggregate} of {task.num_replicas} needs parameter "
+                "servers. Use --strategy ps for ssp or backup workers."
+            )
+        self.model = model
+        self.task = task
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.ema_decay = ema_decay
+        self.worker = task.replica_index
+        self.world_size = task.num_replicas
+        self.towers = Towers(model, devices) if devices else None
+        self.params = dict(model.named_parameters())
+        self.torch_optimizer = optimizer.build(list(self.params.values()))
+        self.ema: MovingAverage | None = None
+        if ema_decay is not None:
+            self.ema = MovingAverage(ema_decay)
+            self.ema.register({n: p.detach() for n, p in self.params.items()})
+        self.placement = None  # no ps shards in this strategy
+        self.backend = "nccl" if self._on_cuda() and dist.is_nccl_available() else "gloo"
+        self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        self.global_step = 0
+        self.local_step = 0
+        self.examples = 0
+        self.train_time_s = 0.0
+        self.compute_s = 0.0
+        self.allreduce_s = 0.0
+        self._live: dict[str, torch.Tensor] | None = None  # the live values while averages are loaded
+        self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        self._owns_group = False
+        self._ready = False
+        self._closed = False
+        self._faults = parse_faults(getattr(task, "fail_at", None))
+        task._attach_trainer(self)
+        if self.config.log_placement and self.towers is not None:
+            print(self.towers.format_placement(str(task.task_id)), flush=True)
+
+    def _on_cuda(self) -> bool:
+        return any(p.device.type == "cuda" for p in self.params.values())
+
+    # -- readiness -------------------------------------------------------------------------
+    def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Start from a checkpoint (whole tensors by parameter name, ``opt/<param>/<slot>``, ``ema/<param>``).
+
+        Rank 0's parameters, buffers, moving averages and step reach every task at :meth:`prepare`;
+        optimizer slots are restored on each task that calls this (call it on every task).
+        """
+        missing = [n for n in self.params if n not in tensors]
+        if missing:
+            raise ConfigError(
+                f"The checkpoint has no values for {missing[:5]}. It was written for a different model; "
+                "point logdir elsewhere or build the same model."
+            )
+        self._restore = (step, tensors)
+
+    def prepare(self) -> int:
+        """Join the other tasks (rendezvous + process group), start from rank 0's state. Returns the step."""
+        if self._ready:
+            return self.global_step
+        if self._restore is not None:
+            self._apply_restore(*self._restore)
+        self._init_group()
+        self._broadcast_state()
+        if self.towers is None:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+        else:
+            self.towers.refresh()
+        self._ready = True
+        return self.global_step
+
+    @torch.no_grad()
+    def _apply_restore(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        for n, p in self.params.items():
+            p.copy_(tensors[n])
+        if self.ema is not None:
+            for n, shadow in self.ema.shadow().items():
+                shadow.copy_(tensors.get(f"ema/{n}", self.params[n]))
+        slots = {k[len("opt/"):]: v for k, v in tensors.items() if k.startswith("opt/")}
+        if slots:
+            load_optimizer_state_tensors(self.torch_optimizer, list(self.params), slots)
+        self.global_step = int(step)
+
+    def _init_group(self) -> None:
+        if dist.is_initialized():
+            if dist.get_world_size() != self.world_size or dist.get_rank() != self.worker:
+                raise ConfigError(
+                    f"torch.distributed is already initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                    f"but this task is replica {self.worker} of {self.world_size}. Let psflow initialize it."
+                )
+            return
+        cluster = self.task.cluster
+        chief = rendezvous_task(cluster)
+        host, port = parse_address(cluster.address(chief))
+        wait = datetime.timedelta(seconds=self.config.ready_timeout_s)
+        store = getattr(self.task, "rendezvous", None) if self.task.task_id == chief else None
+        try:
+            if store is None and self.task.task_id == chief:
+                store = bind_rendezvous(host, port, timeout_s=self.config.ready_timeout_s)
+            elif store is None:
+                store = dist.TCPStore(host, port, None, False, timeout=wait)
+            if self.backend == "gloo" and is_loopback_host(host):
+                _pin_gloo_to_loopback()
+            dist.init_process_group(
+                self.backend, store=store, rank=self.worker, world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=self.config.sync_timeout_s),
+            )
+        except dist.DistError as e:
+            raise ClusterError(
+                f"{self.task.task_id} could not join the all-reduce group at {host}:{port} (rank {self.worker} of "
+                f"{self.world_size}) within {self.config.ready_timeout_s:.0f} s: {e}. Check that every worker started "
+                "(their logs); raise ready_timeout_s if they start slowly."
+            ) from e
+        self._owns_group = True
+
+    @torch.no_grad()
+    def _broadcast_state(self) -> None:
+        tensors = list(self.params.values()) + list(self.model.buffers())
+        if self.ema is not None:
+            tensors += list(self.ema.shadow().values())
+        step = torch.tensor([self.global_step], dtype=torch.int64, device=self._comm_device())
+        self._collective("broadcasting the initial step", dist.broadcast, step, src=0)
+        self.global_step = int(step.item())
+        for bucket in _buckets(tensors):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            self._collective("broadcasting rank 0's parameters", dist.broadcast, flat, src=0)
+            _unflatten_into(flat, bucket)
+
+    def _comm_device(self) -> torch.device:
+        # NCCL communicates on the model's GPU; gloo here on the CPU.
+        return next(iter(self.params.values())).device if self.backend == "nccl" else torch.device("cpu")
+
+    # -- the step --------------------------------------------------------------------------
+    def step(
+        self,
+        closure: Callable[..., torch.Tensor],
+        *,
+        batch: Batch | torch.Tensor | None = None,
+        batches: Sequence[Batch | torch.Tensor] | None = None,
+        batch_size: int | None = None,
+    ) -> float:
+        """One synchronous step on every task: gradients, all-reduce (mean), optimizer update.
+
+        Args:
+            closure: ``closure(model, *batch)`` with ``batch=``, else ``closure()`` (see the module doc).
+            batch: this task's batch, e.g. ``(x, y)`` (split across ``devices`` when given).
+            batches: one batch per device (with ``devices``).
+            batch_size: examples in this step for the throughput figures (default: from the batch).
+
+        Returns:
+            This task's loss as a float. Parameters are identical on every task afterwards.
+
+        Raises:
+            TrainingError: a collective failed or timed out (another task died or stalled).
+        """
+        if self._faults:
+            inject(self._faults, str(self.task.task_id), self.local_step)
+        t0 = time.perf_counter()
+        self.prepare()
+        self._load_live()
+        if self.schedule is not None:
+            set_lr(self.torch_optimizer, self.schedule.lr_at(self.optimizer.lr, self.global_step))
+        self.torch_optimizer.zero_grad(set_to_none=True)
+        through_ddp = self.ddp is not None and (batch is not None or batches is not None)
+        loss = run_step_closure(
+            closure, self.ddp if through_ddp else self.model, towers=self.towers, batch=batch, batches=batches
+        )
+        t1 = time.perf_counter()
+        if not through_ddp:
+            self._allreduce_grads()
+        self.allreduce_s += time.perf_counter() - t1
+        self.compute_s += t1 - t0
+        self.torch_optimizer.step()
+        self.global_step += 1
+        self.local_step += 1
+        if self.ema is not None:
+            self.ema.update({n: p.detach() for n, p in self.params.items()}, num_updates=self.global_step)
+        if self.towers is not None:
+            self.towers.refresh()
+        n = batch_size if batch_size is not None else batch_examples(batch, batches)
+        self.examples += n or 0
+        self.train_time_s += time.perf_counter() - t0
+        return loss
+
+    @torch.no_grad()
+    def _allreduce_grads(self) -> None:
+        grads = []
+        for p in self.params.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # every rank must contribute the same layout
+            grads.append(p.grad)
+        for bucket in _buckets(grads):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            self._collective(f"all-reducing the gradients of step {self.global_step}", dist.all_reduce, flat)
+            flat.div_(self.world_size)
+            _unflatten_into(flat, bucket)
+
+    def _collective(self, what: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        try:
+            call(*args, **kwargs)
+        except RuntimeError as e:  # gloo reports a dead peer as a plain RuntimeError, not a DistError
+            raise TrainingError(
+                f"{self.task.task_id} failed {what}: {e}. Another worker died, stalled or stopped early "
+                f"(every worker must take the same number of steps); the wait limit is sync_timeout_s="
+                f"{self.config.sync_timeout_s:g}."
+            ) from e
+
+    # -- reading the model -----------------------------------------------------------------
+    @torch.no_grad()
+    def pull(self, *, averages: bool = False) -> int:
+        """Load the live parameters, or (``averages=True``) their moving averages, into the model.
+
+        The model already holds the live values after each step; after ``pull(averages=True)``
+        the next ``step`` or ``pull()`` puts the live values back. Returns the global step.
+        """
+        self.prepare()
+        self._load_live()
+        if averages and self.ema is not None:
+            self._live = {n: p.detach().clone() for n, p in self.params.items()}
+            for n, shadow in self.ema.shadow().items():
+                self.params[n].copy_(shadow)
+        return self.global_step
+
+    @torch.no_grad()
+    def _load_live(self) -> None:
+        if self._live is not None:
+            for n, v in self._live.items():
+                self.params[n].copy_(v)
+            self._live = None
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "local_step": self.local_step,
+            "examples": self.examples,
+            "train_time_s": round(self.train_time_s, 4),
+            "compute_s": round(self.compute_s, 4),
+            "allreduce_s": round(self.allreduce_s, 4),
+            "examples_per_sec": round(self.examples / self.train_time_s, 1) if self.train_time_s else 0.0,
+            "stale_pushes": 0,
+            "mode": "sync",
+            "strategy": "allreduce",
+            "backend": self.backend,
+        }
+
+    def close(self) -> None:
+        """Leave the process group (no collective: a peer that already failed cannot block this)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.ddp = None
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group tensors by (device, dtype), keeping their order, so each group flattens into one buffer."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
