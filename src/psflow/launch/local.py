@@ -105,6 +105,8 @@ class LocalBackend(Backend):
             self._stop_all(procs, codes, plan.grace_s)
             server.stop()
         wall_s = time.time() - t0
+        if root is not None:
+            root = _earliest_failure(plan, codes, root)
         summary = build_summary(plan, coord, procs, codes, wall_s, root, stopped_by)
         (logdir / "summary.json").write_text(json.dumps(summary, indent=1))
         if root is not None:
@@ -173,6 +175,17 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         os.killpg(p.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _earliest_failure(plan: LaunchPlan, codes: dict[str, int], first_exit: str) -> str:
+    """The root cause is the task whose error report is oldest, not the first exit noticed: a peer
+    that lost its connection to the failing task may exit before the failing task finishes exiting."""
+    times = {}
+    for task in codes:
+        report = _error_report(plan, task)
+        if report and isinstance(report.get("time_unix"), (int, float)):
+            times[task] = report["time_unix"]
+    return min(times, key=times.__getitem__) if times else first_exit
 
 
 def _error_report(plan: LaunchPlan, task: str) -> dict[str, Any] | None:

@@ -29,8 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from psflow.config import TrainConfig
-from psflow.errors import ConfigError, TrainingError
+from psflow.errors import ConfigError
 from psflow.fault import inject, parse_faults
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.ps.client import PsClient
