@@ -29,7 +29,7 @@ def main() -> None:
 @click.option("--total-num-replicas", type=int, default=None, help="sync: workers taking part (M); M - N are backups.")
 @click.option("--staleness", type=int, default=None, help="ssp: how many steps a worker may run ahead.")
 @click.option("--sync-timeout", "sync_timeout_s", type=float, default=None, help="sync/ssp: longest wait for a step (s).")
-@click.option("--placement", type=click.Choice(["round_robin", "greedy"]), default=None, help="How parameters go on ps shards.")
+@click.option("--placement", type=click.Choice(["round_robin", "greedy", "contiguous"]), default=None, help="How parameters go on ps shards.")
 @click.option("--log-placement", is_flag=True, help="Print where each parameter lives (like log_device_placement).")
 @click.option("--fail-at", default=None, help="Fault injection, e.g. worker:1@step=30 or worker:1@step=30:kill.")
 @click.argument("script", type=click.Path(dir_okay=False))

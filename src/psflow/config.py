@@ -21,7 +21,7 @@ from psflow.errors import ConfigError
 
 MODES = ("async", "sync", "ssp")
 STRATEGIES = ("ps", "allreduce")
-PLACEMENTS = ("round_robin", "greedy")
+PLACEMENTS = ("round_robin", "greedy", "contiguous")
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,7 @@ def test_from_dict_rejects_malformed_placements_with_the_value(mutate, message: 
 
 
 def test_unknown_strategy_is_rejected_listing_the_allowed_ones() -> None:
-    with pytest.raises(ConfigError, match=r"'fastest'.*\['round_robin', 'greedy'\]"):
+    with pytest.raises(ConfigError, match=r"'fastest'.*\['round_robin', 'greedy', 'contiguous'\]"):
         place([_vec("a", 1)], 1, strategy="fastest")
 
 
@@ -241,3 +241,16 @@ def test_duplicate_parameter_names_are_rejected() -> None:
 def test_negative_split_bytes_is_rejected() -> None:
     with pytest.raises(ConfigError, match="split_bytes.*Received: -1"):
         place([_vec("a", 1)], 1, split_bytes=-1)
+
+
+def test_contiguous_keeps_model_order_in_byte_balanced_runs():
+    params = [ParamInfo(f"l{i}.weight", (10, 10)) for i in range(6)]
+    pl = place(params, 3, strategy="contiguous")
+    shards = [pl.pieces_of(p.name)[0].shard for p in params]
+    assert shards == sorted(shards) == [0, 0, 1, 1, 2, 2]
+
+
+def test_contiguous_places_a_split_parameter_on_distinct_shards():
+    params = [ParamInfo("a", (2,)), ParamInfo("big", (9, 4)), ParamInfo("c", (2,))]
+    pl = place(params, 3, strategy="contiguous", split_bytes=16)
+    assert sorted(pc.shard for pc in pl.pieces_of("big")) == [0, 1, 2]

@@ -8,12 +8,12 @@ their storage.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from psflow.cluster import ClusterSpec, TaskId
-from psflow.errors import PsflowError
+from psflow.errors import PsflowError, RemoteError
 from psflow.wire.conn import Connection, Frame, connect
 from psflow.wire.frame import Limits
 from psflow.wire.ops import Op
@@ -71,8 +71,6 @@ class PsClient:
             dest = dests[j] if dests else None
             frame = self.conns[i].recv(alloc=(lambda spec, d=dest: d.get(spec.name)) if dest else None)
             if frame.op == Op.ERROR and first_error is None:
-                from psflow.errors import RemoteError
-
                 first_error = RemoteError(f"ps:{i}: {frame.meta.get('error', 'unknown error')}")
             frames.append(frame)
         if first_error is not None:
@@ -127,10 +125,32 @@ class PsClient:
 
         In sync mode each shard answers once the step this gradient belongs to is applied (at most
         ``wait_s``). Returns each shard's reply meta; ``version`` is the version of the values received."""
-        metas = [{"worker": worker, "version": v, "pull": True, "timeout_s": wait_s} for v in versions]
-        frames = self._all(Op.PS_PUSH, metas, per_shard, dests=dests, wait_s=wait_s)
-        _land(frames, dests)
-        return [f.meta for f in frames]
+        for shard in range(self.num_shards):
+            self.send_push(shard, worker, versions[shard], per_shard[shard], wait_s=wait_s)
+        return self.recv_push_replies(range(self.num_shards), dests)
+
+    def send_push(
+        self, shard: int, worker: int, version: int, grads: Sequence[tuple[str, torch.Tensor]], *, wait_s: float
+    ) -> None:
+        """Send one shard's push-pull request without waiting for the reply (the trainer sends each
+        shard's gradients as soon as backward has produced them)."""
+        conn = self.conns[shard]
+        conn.sock.settimeout(self.request_timeout_s + wait_s + _MARGIN_S)
+        conn.send(Op.PS_PUSH, {"worker": worker, "version": version, "pull": True, "timeout_s": wait_s}, grads)
+
+    def recv_push_replies(self, shards: Iterable[int], dests: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, Any]]:
+        """Receive the replies of requests sent with :meth:`send_push`, values straight into ``dests``."""
+        metas, first_error = [], None
+        for shard in shards:
+            dest = dests[shard]
+            frame = self.conns[shard].recv(alloc=lambda spec, d=dest: d.get(spec.name))
+            if frame.op == Op.ERROR and first_error is None:
+                first_error = RemoteError(f"ps:{shard}: {frame.meta.get('error', 'unknown error')}")
+            _land([frame], [dest])
+            metas.append(frame.meta)
+        if first_error is not None:
+            raise first_error
+        return metas
 
     def clock(self, worker: int, clock: int, timeout_s: float) -> int:
         meta = {"worker": worker, "clock": clock, "timeout_s": timeout_s}

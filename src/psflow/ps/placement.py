@@ -19,6 +19,10 @@ Strategies (mirroring TensorFlow 1.x):
   split parameter count as variables, as TF's partitioned variables do, so they continue the count.
 * ``greedy`` (TF's ``GreedyLoadBalancingStrategy`` with a byte-size load function): largest first,
   each onto the shard with the fewest bytes so far; ties go to the lowest shard index.
+* ``contiguous`` (psflow's): parameters in model order, cut into ``num_shards`` runs of about equal
+  bytes (a parameter goes to the shard whose byte range holds its midpoint). Backward produces the
+  last layers' gradients first, so a shard holding only late layers can receive its gradients while
+  backward still runs on the earlier ones: this is the placement that lets communication overlap.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 
 from psflow.errors import ConfigError
 
-STRATEGIES: tuple[str, ...] = ("round_robin", "greedy")
+STRATEGIES: tuple[str, ...] = ("round_robin", "greedy", "contiguous")
 
 
 def _dtype_itemsize(dtype: str) -> int:
@@ -299,7 +303,8 @@ def place(
     Args:
         params: The trainable parameters in model order (see :meth:`ParamInfo.from_module`).
         num_shards: Number of ps shards, at least 1.
-        strategy: ``"round_robin"`` (TF's default) or ``"greedy"`` (least bytes first).
+        strategy: ``"round_robin"`` (TF's default), ``"greedy"`` (least bytes first) or
+            ``"contiguous"`` (model order in byte-balanced runs; lets communication overlap backward).
         split_bytes: If set, a parameter larger than this many bytes with ``shape[0] >= 2`` is
             split along dim 0 into ``min(num_shards, shape[0])`` nearly equal row ranges on
             distinct shards (TF's ``fixed_size_partitioner``); the first ranges get the extra rows.
@@ -336,6 +341,8 @@ def place(
     units = {p.name: _row_ranges(p, num_shards, split_bytes) for p in params}
     if strategy == "round_robin":
         assigned = _round_robin(params, units, num_shards)
+    elif strategy == "contiguous":
+        assigned = _contiguous(params, units, num_shards)
     else:
         assigned = _greedy(params, units, num_shards)
     pieces = tuple(
@@ -374,6 +381,20 @@ def _round_robin(
         # n <= num_shards consecutive indices mod num_shards are distinct.
         assigned[p.name] = [(counter + i) % num_shards for i in range(n)]
         counter += n
+    return assigned
+
+
+def _contiguous(
+    params: Sequence[ParamInfo], units: Mapping[str, list[Any]], num_shards: int
+) -> dict[str, list[int]]:
+    total = sum(p.nbytes for p in params) or 1
+    done = 0
+    assigned: dict[str, list[int]] = {}
+    for p in params:
+        home = min(num_shards - 1, int((done + p.nbytes / 2) * num_shards / total))
+        # A split parameter's pieces need distinct shards: consecutive ones from its home shard.
+        assigned[p.name] = [(home + i) % num_shards for i in range(len(units[p.name]))]
+        done += p.nbytes
     return assigned
 
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from psflow.errors import ConfigError
+from psflow.errors import ConfigError, PsflowError
 from psflow.fault import inject, parse_faults
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.ps.client import PsClient
@@ -134,6 +134,7 @@ class Trainer:
         self._holds_averages = False  # pull(averages=True) put moving averages into the model
         self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._faults = parse_faults(getattr(task, "fail_at", None))
+        self._install_grad_hooks()
         task._attach_trainer(self)
         if self.config.log_placement and task.is_chief:
             print(self.placement.format_table(), flush=True)
@@ -237,12 +238,25 @@ class Trainer:
             p.grad = None
         if self.towers is not None:
             self.towers.refresh()  # the replicas compute from the values the model holds now
-        value = run_step_closure(closure, self.model, towers=self.towers, batch=batch, batches=batches)
-        self.compute_s += time.perf_counter() - t1
-        grads = self._grads()
         # One round trip per shard: the gradients go out, the values after the update come back
-        # straight into the model (in sync mode, once the step they belong to is applied).
-        replies = self.client.push_pull(self.worker, self.versions, grads, self._dests, wait_s=cfg.sync_timeout_s)
+        # straight into the model (in sync mode, once the step they belong to is applied). A shard's
+        # gradients leave as soon as backward has produced all of them (see _on_grad), so the
+        # transfer to one shard overlaps the backward pass of the layers that live on the others.
+        self._sent = set()
+        self._remaining = {s: set(names) for s, names in self._shard_params.items()}
+        try:
+            value = run_step_closure(closure, self.model, towers=self.towers, batch=batch, batches=batches)
+            self.compute_s += time.perf_counter() - t1
+            for shard in range(self.task.num_ps):
+                if shard not in self._sent:
+                    self._send_shard(shard)
+        except BaseException:
+            self._drain_sent()
+            raise
+        sent, self._sent = self._sent, None
+        replies = self.client.recv_push_replies(range(self.task.num_ps), self._dests)
+        self.early_pushes += len(sent) - len(self._late)
+        self._late.clear()
         self.versions = [int(r["version"]) for r in replies]
         if replies[0].get("stale"):
             self.stale_pushes += 1
@@ -255,16 +269,58 @@ class Trainer:
         self.train_time_s += time.perf_counter() - t0
         return value
 
-    def _grads(self) -> list[list[tuple[str, torch.Tensor]]]:
+    def _grads(self, shard: int) -> list[tuple[str, torch.Tensor]]:
         out = []
-        for s in range(self.task.num_ps):
-            shard = []
-            for pc in self.placement.pieces_on(s):
-                p = self.params[pc.param]
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                shard.append((pc.key, split_tensor(g, pc).contiguous()))
-            out.append(shard)
+        for pc in self.placement.pieces_on(shard):
+            p = self.params[pc.param]
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            out.append((pc.key, split_tensor(g, pc).contiguous()))
         return out
+
+    # -- overlap: send a shard's gradients as soon as backward has produced them --------------
+    def _install_grad_hooks(self) -> None:
+        self._shard_params = {s: {pc.param for pc in self.placement.pieces_on(s)} for s in range(self.task.num_ps)}
+        self._param_shards: dict[str, list[int]] = {}
+        for s, names in self._shard_params.items():
+            for n in names:
+                self._param_shards.setdefault(n, []).append(s)
+        self._sent: set[int] | None = None
+        self._remaining: dict[int, set[str]] = {}
+        self._late: set[int] = set()
+        self.early_pushes = 0
+        if self.towers is not None:
+            return  # towers average onto the master's .grad after backward: nothing to overlap with
+        for name, p in self.params.items():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _p, name=name: self._on_grad(name))
+
+    def _on_grad(self, name: str) -> None:
+        if self._sent is None:
+            return  # a backward outside step(): nothing to send
+        for shard in self._param_shards.get(name, ()):
+            left = self._remaining[shard]
+            left.discard(name)
+            if not left and shard not in self._sent:
+                # "early" only when backward still owes another shard gradients: that is the overlap
+                early = any(self._remaining[t] for t in self._remaining if t != shard)
+                self._send_shard(shard, during_backward=early)
+
+    def _send_shard(self, shard: int, *, during_backward: bool = False) -> None:
+        assert self._sent is not None
+        self.client.send_push(shard, self.worker, self.versions[shard], self._grads(shard), wait_s=self.config.sync_timeout_s)
+        self._sent.add(shard)
+        if not during_backward:
+            self._late.add(shard)
+
+    def _drain_sent(self) -> None:
+        """The step failed after some shards got their gradients: read those replies so the
+        connections stay in step (or close them if even that fails)."""
+        sent, self._sent = self._sent or set(), None
+        self._late.clear()
+        try:
+            self.client.recv_push_replies(sorted(sent), self._dests)
+        except PsflowError:
+            self.client.close()
 
     def pull(self, *, averages: bool = False) -> int:
         """Load the newest ps values (or their moving averages) into the model. Returns the global step."""
@@ -285,6 +341,7 @@ class Trainer:
             "compute_s": round(self.compute_s, 4),
             "examples_per_sec": round(self.examples / self.train_time_s, 1) if self.train_time_s else 0.0,
             "stale_pushes": self.stale_pushes,
+            "early_pushes": self.early_pushes,
             "mode": self.config.mode,
         }
 

@@ -1,0 +1,66 @@
+"""Communication overlaps backward: a shard's gradients leave as soon as backward produced them."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inproc import InprocCluster
+from psflow import optim
+from psflow.config import TrainConfig
+
+pytestmark = pytest.mark.timeout(60)
+STEPS = 4
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 3))
+
+
+def train(placement: str, num_ps: int = 2) -> tuple[torch.nn.Module, dict]:
+    model = mlp()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(STEPS)]
+    with InprocCluster(num_ps, 1, TrainConfig(mode="async", placement=placement)) as c:
+        trainer = c.trainer(0, model, optim.SGD(lr=0.1, momentum=0.9))
+        for x, y in batches:
+            trainer.step(lambda m, x, y: F.cross_entropy(m(x), y), batch=(x, y))
+        return model, trainer.stats()
+
+
+def test_gradients_of_late_layers_leave_during_backward_with_contiguous_placement():
+    _, stats = train("contiguous")
+    # ps:1 holds only the last layers, whose gradients backward produces first: sent early every step.
+    assert stats["early_pushes"] >= STEPS
+
+
+def test_overlap_does_not_change_the_result():
+    overlapped, _ = train("contiguous")
+    reference, stats = train("round_robin", num_ps=1)  # one shard: nothing can leave early
+    assert stats["early_pushes"] == 0
+    for a, b in zip(overlapped.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_failing_closure_after_an_early_push_leaves_the_connections_usable():
+    model = mlp()
+    with InprocCluster(2, 1, TrainConfig(mode="async", placement="contiguous")) as c:
+        trainer = c.trainer(0, model, optim.SGD(lr=0.1))
+        x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+
+        def failing(m, x, y):
+            loss = F.cross_entropy(m(x), y)
+            # hooks fire during this backward; the error comes after some shards were sent
+            loss.backward(retain_graph=True)
+            raise RuntimeError("boom after backward")
+
+        before = trainer.global_step
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.step(failing, batch=(x, y))
+        trainer.step(lambda m, x, y: F.cross_entropy(m(x), y), batch=(x, y))
+        assert trainer.global_step > before
