@@ -41,6 +41,8 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
 
     try:
         overrides = {k: v for k, v in settings.items() if v is not None}
+        if overrides.get("strategy") == "allreduce":
+            overrides.setdefault("mode", "sync")  # all-reduce steps are synchronous by nature
         config = TrainConfig(**overrides, log_placement=log_placement)
         plan = make_plan(script, [a for a in script_args if a != "--"], num_ps=num_ps, num_workers=num_workers,
                          chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=fail_at)

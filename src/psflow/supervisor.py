@@ -363,6 +363,7 @@ class Supervisor:
 
     # -- properties ------------------------------------------------------------------------
     is_chief = property(lambda self: bool(self.task.is_chief))
+    _allreduce = property(lambda self: self.trainer.config.strategy == "allreduce")
     global_step = property(lambda self: int(self.trainer.global_step))
     local_step = property(lambda self: int(self.trainer.local_step))
     stop_reason = property(lambda self: self._stop_reason)
@@ -383,9 +384,11 @@ class Supervisor:
         ckpt = None
         if self.is_chief:
             (self.logdir / DONE_FILE).unlink(missing_ok=True)
-            ckpt = self._restore()
-        else:
-            self._say(f"waiting for the chief to initialize the parameter servers (up to ready_timeout_s={self.trainer.config.ready_timeout_s:g} s)")
+        if self.is_chief or self._allreduce:
+            ckpt = self._restore()  # all-reduce: every task restores its own optimizer slots
+        if not self.is_chief:
+            self._say(f"waiting for the chief to initialize the parameter servers (up to ready_timeout_s={self.trainer.config.ready_timeout_s:g} s)"
+                      if not self._allreduce else "joining the all-reduce group")
         self.start_step = int(self.trainer.prepare())
         if ckpt is not None and self.start_step != ckpt.step:
             # Only the chief restarted: the ps kept their state, which is newer than any checkpoint.
@@ -419,7 +422,12 @@ class Supervisor:
                     f"{tuple(p.shape)} {p.dtype}. Build the same model, or point logdir elsewhere to start afresh."
                 )
         self.trainer.restore_from(ckpt.step, tensors)
-        position = (ckpt.meta.get("data_position") or {}).get(str(self.task.task_id))
+        positions = ckpt.meta.get("data_position") or {}
+        position = positions.get(str(self.task.task_id))
+        if position is None and self._allreduce and self.data is not None and positions:
+            # All-reduce ranks step in lockstep: the chief's (epoch, batch) is every rank's position.
+            chief = next(iter(positions.values()))
+            position = {**self.data.state_dict(), "epoch": chief["epoch"], "batch_index": chief["batch_index"]}
         if self.data is not None and position is not None:
             try:
                 self.data.load_state_dict(position)
@@ -489,12 +497,12 @@ class Supervisor:
         """
         if not self.is_chief:
             raise ConfigError(f"Only the chief saves checkpoints; {self.task.task_id} is not the chief.")
-        n = int(self.task.num_ps)
         t0 = time.perf_counter()
         step = self.global_step
         try:
             step = self._ps_step()
-            replies = self.trainer.client.save({"root": str(self.checkpoint_dir), "step": step, "num_shards": n})
+            replies = self.trainer.save_shards(str(self.checkpoint_dir), step)
+            n = len(replies)
             records = [ShardRecord.from_dict(r["record"]) for r in replies]
             meta = self._manifest_meta(step, [int(r.get("version", step)) for r in replies])
             path = checkpoint.commit(self.checkpoint_dir, step, records, meta=meta, keep=self.keep_checkpoints)
@@ -512,7 +520,7 @@ class Supervisor:
 
     def _ps_step(self) -> int:
         """The job's global step now: shard 0's version (other workers may have stepped since our last push)."""
-        return int(self.trainer.client.status()[0]["version"])
+        return int(self.trainer.job_step())
 
     def _manifest_meta(self, step: int, versions: Sequence[int]) -> dict[str, Any]:
         trainer = self.trainer
@@ -567,7 +575,7 @@ class Supervisor:
                 self._quietly(failing, f"hook {type(hook).__name__}.end", lambda h=hook: h.end(self))
             self._quietly(failing, "the last summary", self._write_scalars)
             if self.is_chief:
-                if not failing and not self.diverged and self.trainer.config.mode == "async":
+                if not failing and not self.diverged and self.trainer.config.mode == "async" and not self._allreduce:
                     self._wait_for_other_workers()
                 self._final_checkpoint(failing)
                 if not failing:

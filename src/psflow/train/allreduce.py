@@ -47,7 +47,9 @@ from typing import Any, Self
 import torch
 import torch.distributed as dist
 
+from psflow import checkpoint
 from psflow.cluster import TaskId, is_loopback_host, parse_address
+from psflow.ps.placement import ParamInfo, place
 from psflow.errors import ClusterError, ConfigError, TrainingError
 from psflow.fault import inject, parse_faults
 from psflow.optim import (
@@ -55,6 +57,7 @@ from psflow.optim import (
     OptimizerSpec,
     Schedule,
     load_optimizer_state_tensors,
+    optimizer_state_tensors,
     set_lr,
 )
 from psflow.train.towers import Batch, Towers, batch_examples, run_step_closure
@@ -151,7 +154,8 @@ class AllReduceTrainer:
         if ema_decay is not None:
             self.ema = MovingAverage(ema_decay)
             self.ema.register({n: p.detach() for n, p in self.params.items()})
-        self.placement = None  # no ps shards in this strategy
+        # No ps shards in this strategy; the one-shard placement describes rank 0's checkpoints.
+        self.placement = place(ParamInfo.from_module(model), 1)
         self.backend = "nccl" if self._on_cuda() and dist.is_nccl_available() else "gloo"
         self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self.global_step = 0
@@ -361,6 +365,22 @@ class AllReduceTrainer:
             for n, v in self._live.items():
                 self.params[n].copy_(v)
             self._live = None
+
+    # -- what the Supervisor needs (the ps Trainer offers the same) ---------------------------
+    def save_shards(self, root: str, step: int) -> list[dict[str, Any]]:
+        """The chief writes the whole state as one shard: every rank holds the same values."""
+        with torch.no_grad():
+            tensors = {n: p.detach().cpu().clone() for n, p in self.params.items()}
+            for k, v in optimizer_state_tensors(self.torch_optimizer, list(self.params)).items():
+                tensors[f"opt/{k}"] = v.detach().cpu().clone()
+            if self.ema is not None:
+                for k, v in self.ema.shadow().items():
+                    tensors[f"ema/{k}"] = v.detach().cpu().clone()
+        record = checkpoint.write_shard(root, step, 0, 1, tensors)
+        return [{"record": record.to_dict(), "version": step}]
+
+    def job_step(self) -> int:
+        return self.global_step
 
     def stats(self) -> dict[str, Any]:
         return {

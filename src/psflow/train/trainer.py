@@ -332,6 +332,16 @@ class Trainer:
         self.global_step = versions[0]
         return self.global_step
 
+    # -- what the Supervisor needs (AllReduceTrainer offers the same) ---------------------------
+    def save_shards(self, root: str, step: int) -> list[dict[str, Any]]:
+        """Every ps writes its own shard of checkpoint ``step`` under ``root`` (in parallel; no
+        parameter passes through this task). Returns each shard's ``{"record", "version"}``."""
+        return self.client.save({"root": root, "step": step, "num_shards": self.task.num_ps})
+
+    def job_step(self) -> int:
+        """The job's global step now (shard 0's version), not just as of this worker's last push."""
+        return int(self.client.status()[0]["version"])
+
     def stats(self) -> dict[str, Any]:
         return {
             "global_step": self.global_step,
