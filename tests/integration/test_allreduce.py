@@ -168,7 +168,7 @@ def test_trainer_returns_the_allreduce_trainer_for_that_strategy():
     from psflow.train.trainer import Trainer
 
     trainer = Trainer(torch.nn.Linear(2, 2), optim.SGD(lr=0.1), OneTask())
-    assert isinstance(trainer, AllReduceTrainer) and trainer.placement is None
+    assert isinstance(trainer, AllReduceTrainer) and trainer.placement.num_shards == 1
     trainer.close()  # never joined a group: nothing to leave
 
 
