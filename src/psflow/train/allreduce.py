@@ -41,7 +41,6 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any, Self
 
 import torch
@@ -51,7 +50,7 @@ from psflow import checkpoint
 from psflow.cluster import TaskId, is_loopback_host, parse_address
 from psflow.ps.placement import ParamInfo, place
 from psflow.errors import ClusterError, ConfigError, TrainingError
-from psflow.fault import inject, parse_faults
+from psflow.fault import inject
 from psflow.optim import (
     MovingAverage,
     OptimizerSpec,
@@ -60,7 +59,8 @@ from psflow.optim import (
     optimizer_state_tensors,
     set_lr,
 )
-from psflow.train.towers import Batch, Towers, batch_examples, run_step_closure
+from psflow.train.base import TrainerBase
+from psflow.train.towers import Batch, batch_examples, run_step_closure
 
 __all__ = ["AllReduceTrainer", "bind_rendezvous", "rendezvous_task"]
 
@@ -99,7 +99,7 @@ def _pin_gloo_to_loopback() -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", names[0])
 
 
-class AllReduceTrainer:
+class AllReduceTrainer(TrainerBase):
     """Train an ordinary ``torch.nn.Module`` with all-reduced gradients (no parameter servers).
 
     Created by ``pf.Trainer(...)`` when the task's strategy is ``allreduce``; the arguments are the
@@ -121,34 +121,16 @@ class AllReduceTrainer:
         devices: Sequence[str | torch.device] | None = None,
         **settings: Any,
     ) -> None:
-        if task is None:
-            from psflow.task import current_task
-
-            task = current_task()
-        if not isinstance(optimizer, OptimizerSpec):
-            raise ConfigError(
-                f"optimizer must be a psflow optimizer spec such as pf.optim.SGD(lr=0.01); received "
-                f"{type(optimizer).__name__}. Every task builds the same torch.optim optimizer from it."
-            )
-        try:
-            self.config = replace(task.config, **settings).resolved(task.num_replicas)
-        except TypeError as e:
-            raise ConfigError(f"Unknown Trainer setting in {sorted(settings)}: {e}. See psflow.TrainConfig for the fields.") from e
+        self._setup(model, optimizer, task, schedule=schedule, ema_decay=ema_decay, devices=devices, settings=settings,
+                    why_spec="Every task builds the same torch.optim optimizer from it.")
+        task = self.task
         if self.config.mode == "ssp" or self.config.replicas_to_aggregate != task.num_replicas:
             raise ConfigError(
                 f"strategy='allreduce' averages every worker's gradient each step; mode={self.config.mode!r} with "
                 f"replicas_to_aggregate={self.config.replicas_to_aggregate} of {task.num_replicas} needs parameter "
                 "servers. Use --strategy ps for ssp or backup workers."
             )
-        self.model = model
-        self.task = task
-        self.optimizer = optimizer
-        self.schedule = schedule
-        self.ema_decay = ema_decay
-        self.worker = task.replica_index
         self.world_size = task.num_replicas
-        self.towers = Towers(model, devices) if devices else None
-        self.params = dict(model.named_parameters())
         self.torch_optimizer = optimizer.build(list(self.params.values()))
         self.ema: MovingAverage | None = None
         if ema_decay is not None:
@@ -158,18 +140,9 @@ class AllReduceTrainer:
         self.placement = place(ParamInfo.from_module(model), 1)
         self.backend = "nccl" if self._on_cuda() and dist.is_nccl_available() else "gloo"
         self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
-        self.global_step = 0
-        self.local_step = 0
-        self.examples = 0
-        self.train_time_s = 0.0
-        self.compute_s = 0.0
         self.allreduce_s = 0.0
         self._live: dict[str, torch.Tensor] | None = None  # the live values while averages are loaded
-        self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._owns_group = False
-        self._ready = False
-        self._closed = False
-        self._faults = parse_faults(getattr(task, "fail_at", None))
         task._attach_trainer(self)
         if self.config.log_placement and self.towers is not None:
             print(self.towers.format_placement(str(task.task_id)), flush=True)

@@ -24,20 +24,20 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from psflow.errors import ConfigError, PsflowError
-from psflow.fault import inject, parse_faults
+from psflow.fault import inject
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.ps.client import PsClient
 from psflow.ps.placement import ParamInfo, Placement, place, split_tensor
-from psflow.train.towers import Batch, Towers, batch_examples, run_step_closure
+from psflow.train.base import TrainerBase
+from psflow.train.towers import Batch, batch_examples, run_step_closure
 
 
-class Trainer:
+class Trainer(TrainerBase):
     """Train an ordinary ``torch.nn.Module`` against the job's parameter servers.
 
     Args:
@@ -89,27 +89,9 @@ class Trainer:
         devices: Sequence[str | torch.device] | None = None,
         **settings: Any,
     ) -> None:
-        if task is None:
-            from psflow.task import current_task
-
-            task = current_task()
-        if not isinstance(optimizer, OptimizerSpec):
-            raise ConfigError(
-                f"optimizer must be a psflow optimizer spec such as pf.optim.SGD(lr=0.01); received {type(optimizer).__name__}. "
-                "The parameter servers apply it, so it travels as data, not as a torch.optim object."
-            )
-        self.towers = Towers(model, devices) if devices else None
-        self.model = model
-        self.task = task
-        self.optimizer = optimizer
-        self.schedule = schedule
-        self.ema_decay = ema_decay
-        try:
-            self.config = replace(task.config, **settings).resolved(task.num_replicas)
-        except TypeError as e:
-            raise ConfigError(f"Unknown Trainer setting in {sorted(settings)}: {e}. See psflow.TrainConfig for the fields.") from e
-        self.worker = task.replica_index
-        self.params = dict(model.named_parameters())
+        self._setup(model, optimizer, task, schedule=schedule, ema_decay=ema_decay, devices=devices, settings=settings,
+                    why_spec="The parameter servers apply it, so it travels as data, not as a torch.optim object.")
+        task = self.task
         for name, p in self.params.items():
             if not p.is_contiguous() or p.device.type != "cpu":
                 raise ConfigError(f"Parameter {name!r} must be a contiguous CPU tensor to train against parameter servers.")
@@ -123,17 +105,8 @@ class Trainer:
         ]
         self.client = PsClient(task.cluster, task.task_id, task.secret, connect_timeout_s=task.connect_timeout_s)
         self.versions = [0] * task.num_ps
-        self.global_step = 0
-        self.local_step = 0
-        self.examples = 0
-        self.train_time_s = 0.0
-        self.compute_s = 0.0
         self.stale_pushes = 0
-        self._ready = False
-        self._closed = False
         self._holds_averages = False  # pull(averages=True) put moving averages into the model
-        self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
-        self._faults = parse_faults(getattr(task, "fail_at", None))
         self._install_grad_hooks()
         task._attach_trainer(self)
         if self.config.log_placement and task.is_chief:

@@ -1,0 +1,66 @@
+"""What every trainer shares, whatever carries its gradients (parameter servers or all-reduce).
+
+``TrainerBase._setup`` resolves the task and the training settings, checks the optimizer spec,
+builds the towers for multi-device replicas and zeroes the counters; ``Trainer`` (ps) and
+``AllReduceTrainer`` add their own transport on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from psflow.config import TrainConfig
+from psflow.errors import ConfigError
+from psflow.fault import parse_faults
+from psflow.optim import OptimizerSpec, Schedule
+from psflow.train.towers import Towers
+
+
+class TrainerBase:
+    config: TrainConfig
+
+    def _setup(
+        self,
+        model: torch.nn.Module,
+        optimizer: OptimizerSpec,
+        task: Any,
+        *,
+        schedule: Schedule | None,
+        ema_decay: float | None,
+        devices: Sequence[str | torch.device] | None,
+        settings: Mapping[str, Any],
+        why_spec: str,
+    ) -> None:
+        if task is None:
+            from psflow.task import current_task
+
+            task = current_task()
+        if not isinstance(optimizer, OptimizerSpec):
+            raise ConfigError(
+                f"optimizer must be a psflow optimizer spec such as pf.optim.SGD(lr=0.01); received "
+                f"{type(optimizer).__name__}. {why_spec}"
+            )
+        try:
+            self.config = replace(task.config, **settings).resolved(task.num_replicas)
+        except TypeError as e:
+            raise ConfigError(f"Unknown Trainer setting in {sorted(settings)}: {e}. See psflow.TrainConfig for the fields.") from e
+        self.model = model
+        self.task = task
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.ema_decay = ema_decay
+        self.worker = task.replica_index
+        self.towers = Towers(model, devices) if devices else None
+        self.params = dict(model.named_parameters())
+        self.global_step = 0
+        self.local_step = 0
+        self.examples = 0
+        self.train_time_s = 0.0
+        self.compute_s = 0.0
+        self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        self._ready = False
+        self._closed = False
+        self._faults = parse_faults(getattr(task, "fail_at", None))
