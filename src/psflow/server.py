@@ -155,7 +155,7 @@ class Server:
         self.refused += 1
         log.warning("%s refused %s: %s", self.task, conn.peer, message)
         try:
-            conn.sock.settimeout(1.0)
+            conn.set_timeout(1.0)
             conn.send(Op.ERROR, {"error": message, "kind": "refused"})
         except (TransportError, OSError):
             pass
@@ -194,7 +194,7 @@ class Server:
             self._refuse(conn, f"Unknown op {frame.op}; this server ({self.task}) serves ops {sorted(self.routes)}.")
             # _refuse bounded its send with a timeout; the connection stays open, so an idle client
             # must not be dropped by it when the next recv waits.
-            conn.sock.settimeout(None)
+            conn.set_timeout(None)
             return True
         if frame.tensors and not route.reuse_buffers:
             cache.clear()  # the handler may keep what it received: never hand those buffers out again
@@ -210,7 +210,7 @@ class Server:
     @staticmethod
     def _send(conn: Connection, op: int, meta: dict[str, Any], tensors: list[tuple[str, torch.Tensor]] = ()) -> bool:
         try:
-            conn.sock.settimeout(None)
+            conn.set_timeout(None)
             conn.send(op, meta, tensors)
             return True
         except TransportError:

@@ -63,7 +63,7 @@ class PsClient:
         shards = list(range(self.num_shards)) if shards is None else list(shards)
         timeout = self.request_timeout_s + wait_s + _MARGIN_S
         for j, i in enumerate(shards):
-            self.conns[i].sock.settimeout(timeout)
+            self.conns[i].set_timeout(timeout)
             self.conns[i].send(op, metas[j], tensors[j] if tensors else ())
         frames: list[Frame] = []
         first_error: PsflowError | None = None
@@ -135,7 +135,7 @@ class PsClient:
         """Send one shard's push-pull request without waiting for the reply (the trainer sends each
         shard's gradients as soon as backward has produced them)."""
         conn = self.conns[shard]
-        conn.sock.settimeout(self.request_timeout_s + wait_s + _MARGIN_S)
+        conn.set_timeout(self.request_timeout_s + wait_s + _MARGIN_S)
         conn.send(Op.PS_PUSH, {"worker": worker, "version": version, "pull": True, "timeout_s": wait_s}, grads)
 
     def recv_push_replies(self, shards: Iterable[int], dests: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, Any]]:

@@ -63,8 +63,15 @@ class Connection:
         self.peer = peer
         self.limits = limits
         self._hdr = bytearray(HEADER_SIZE)
+        self._timeout: float | None | bool = False  # False: unknown; settimeout costs a syscall, so skip repeats
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def set_timeout(self, timeout_s: float | None) -> None:
+        """Socket timeout for the next sends/receives (None: block). A no-op when unchanged."""
+        if timeout_s != self._timeout or self._timeout is False:
+            self.sock.settimeout(timeout_s)
+            self._timeout = timeout_s
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, op: int, meta: dict[str, Any] | None = None, tensors: NamedTensors = ()) -> None:
@@ -140,7 +147,7 @@ class Connection:
         alloc: Allocator | None = None,
         timeout_s: float | None = None,
     ) -> Frame:
-        self.sock.settimeout(timeout_s)
+        self.set_timeout(timeout_s)
         self.send(op, meta, tensors)
         reply = self.recv(alloc)
         if reply.op == Op.ERROR:
@@ -156,7 +163,7 @@ class Connection:
     # -- handshake -------------------------------------------------------------------------
     def server_handshake(self, secret: bytes, timeout_s: float) -> str:
         """Run the server side of the handshake. Returns the client's task id. Raises AuthError/FrameError."""
-        self.sock.settimeout(timeout_s)
+        self.set_timeout(timeout_s)
         nonce = os.urandom(16).hex()
         self.send(Op.HELLO, {"nonce": nonce, "v": 1})
         frame = self.recv()
@@ -172,12 +179,12 @@ class Connection:
                 "Give every task the same secret (PSFLOW_SECRET or --secret-file)."
             )
         self.send(Op.AUTH_OK, {"mac": _mac(secret, b"s", cnonce.encode(), nonce.encode())})
-        self.sock.settimeout(None)
+        self.set_timeout(None)
         self.peer = task
         return task
 
     def client_handshake(self, secret: bytes, task: str, timeout_s: float) -> None:
-        self.sock.settimeout(timeout_s)
+        self.set_timeout(timeout_s)
         hello = self.recv()
         if hello.op != Op.HELLO:
             raise AuthError(f"{self.peer} did not greet with HELLO (op {hello.op}); is it a psflow task?")
@@ -256,5 +263,5 @@ def connect(
         except BaseException:
             conn.close()
             raise
-        sock.settimeout(None)
+        conn.set_timeout(None)
         return conn
