@@ -20,9 +20,10 @@ Throughput (the configurations run in interleaved rounds, order reversed every o
 psflow workers and DDP ranks use one torch thread each (the example's default; 2 cores).
 
 Slow worker: 3 workers, ``worker:2`` slowed by ``--fail-at worker:2@step=0:delay=D`` (it sleeps D
-seconds before each of its steps). D defaults to twice the per-worker step time measured in the
-sync N = M = 2 rounds above (same contention: two busy workers and a ps), so the slow worker is
-about 3x slower; the report gives the slowdown actually measured. Compared, interleaved: sync with
+seconds before each of its steps). D defaults to twice the per-worker median step time of the sync
+N = M = 2 rounds above (the same contention as the two fast workers here: two busy workers and a
+ps on the machine's cores), so the slow worker's step takes about three of the others'; the report
+gives the slowdown actually measured (it moves with the machine's load; ``--delay`` fixes D). Compared, interleaved: sync with
 one backup worker (``--replicas-to-aggregate 2 --total-num-replicas 3``) against sync without
 (N = M = 3). Measured: the chief's time from global step ``start`` to global step ``target`` (a
 fixed number of steps, not time to 0.98: that takes several minutes per run on 2 shared cores),
@@ -42,8 +43,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -51,7 +53,7 @@ import harness
 from harness import REPO, log, md_table, median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-import cnn_steps  # noqa: E402  (the shared measuring loop; a sibling directory, not a package)
+import cnn_steps  # the shared measuring loop (a sibling directory, not a package)
 
 TASK_SCRIPT = "benchmarks/scripts/cnn_steps.py"
 CHILD_TIMEOUT_S = 300
@@ -81,7 +83,7 @@ def psflow_run(launch: list[str], script_args: list[str], workdir: Path, *, fail
     if fail_at:
         cmd += ["--fail-at", fail_at]
     cmd += [TASK_SCRIPT, "--", *script_args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
     summary_path = logdir / "summary.json"
     if proc.returncode != 0 or not summary_path.exists():
         raise RuntimeError(f"`{' '.join(cmd)}` failed with code {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
@@ -109,6 +111,7 @@ def throughput(windows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def psflow_throughput(launch: list[str], warmup: int, steps: int, workdir: Path) -> dict[str, Any]:
+    """One throughput run of the task script under ``psflow run LAUNCH``; see :func:`throughput`."""
     run = psflow_run(launch, ["--warmup", str(warmup), "--steps", str(steps)], workdir)
     return throughput(list(run["workers"].values()))
 
@@ -137,10 +140,9 @@ def child_single(warmup: int, steps: int, threads: int = 2) -> dict[str, Any]:
 
 
 def _ddp_rank(rank: int, init_file: str, out_dir: str, warmup: int, steps: int) -> None:
+    import psflow as pf
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-
-    import psflow as pf
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -162,6 +164,7 @@ def _ddp_rank(rank: int, init_file: str, out_dir: str, warmup: int, steps: int) 
 
 
 def child_ddp(warmup: int, steps: int) -> dict[str, Any]:
+    """Raw DDP: 2 spawned ranks (gloo, file rendezvous), 1 thread each, each its half of the data."""
     import torch.multiprocessing as tmp
 
     with tempfile.TemporaryDirectory(prefix="psflow-bench-ddp-") as d:
@@ -182,7 +185,7 @@ def baseline_run(kind: str, warmup: int, steps: int, workdir: Path) -> dict[str,
     out = workdir / f"{kind}-{time.monotonic_ns()}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind,
            "--warmup", str(warmup), "--steps", str(steps), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"baseline {kind} failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -228,6 +231,7 @@ def logged(name: str, fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str
 def report(
     res: dict[str, list[dict[str, Any]]], slow: dict[str, list[dict[str, Any]]], settings: dict[str, Any], header: str
 ) -> str:
+    """The markdown report: throughput table and ratios, then the slow-worker table (if it ran)."""
     eps = {name: median([r["examples_per_sec"] for r in runs]) for name, runs in res.items()}
     med = {name: median([r["median_step_ex_per_sec"] for r in runs]) for name, runs in res.items()}
     rows = [
@@ -244,6 +248,8 @@ def report(
         ratio("psflow async / single process (2 threads)", ASYNC, SINGLE, ">= 0.90"),
         ratio("psflow sync / single process (2 threads)", SYNC, SINGLE, ">= 0.90"),
         ratio("psflow all-reduce / raw DDP", ALLREDUCE, DDP, "0.95 - 1.05"),
+        ratio("psflow async / raw DDP", ASYNC, DDP, "(context: cost beyond splitting into 2 processes)"),
+        ratio("psflow sync / raw DDP", SYNC, DDP, "(context)"),
         ratio("psflow async / single process (1 thread)", ASYNC, SINGLE1, "(context)"),
         ratio("psflow sync / single process (1 thread)", SYNC, SINGLE1, "(context)"),
         ratio("raw DDP / single process (2 threads)", DDP, SINGLE, "(context)"),
@@ -254,21 +260,21 @@ def report(
         f"`{harness.command_line()}`  ",
         header,
         "",
-        f"{settings['reps']} interleaved round(s); per process {settings['warmup']} warm-up + {settings['steps']} timed "
+        (f"{settings['reps']} interleaved round(s); per process {settings['warmup']} warm-up + {settings['steps']} timed "
         "steps of batch 100; Adam lr 1e-3, "
         "no schedule, no moving averages; psflow workers and DDP ranks 1 torch thread each. examples/sec = examples of "
         "every process / span from the first timed step's start to the last one's end; \"median step\" = sum over "
-        "processes of 100 / the process's median step time (robust to a neighbour's burst of load); medians over rounds.",
+        "processes of 100 / the process's median step time (robust to a neighbour's burst of load); medians over rounds."),
         "",
         md_table(["configuration", "examples/sec", "spread", "ex/s (median step)", "median ms/step per process",
                   "vs single 2 threads", "vs single 1 thread"], rows),
         "",
         md_table(["ratio (same run)", "examples/sec", "median step", "target"], ratios),
         "",
-        f"Orientation, from the issue, NOT measured here (another machine): PyTorch single process ~{ISSUE_SINGLE_EX_PER_SEC:,} "
+        (f"Orientation, from the issue, NOT measured here (another machine): PyTorch single process ~{ISSUE_SINGLE_EX_PER_SEC:,} "
         f"ex/s, DDP ~{ISSUE_DDP_EX_PER_SEC:,}, TensorFlow 1.x runtime async 1 ps + 2 workers ~{ISSUE_TF_ASYNC_EX_PER_SEC:,}. "
         f"Measured psflow async / the issue's TF figure: {eps[ASYNC] / ISSUE_TF_ASYNC_EX_PER_SEC:.2f} (machines differ: "
-        "read the ratios above, not this one).",
+        "read the ratios above, not this one)."),
         "",
     ]
     if slow:
@@ -283,28 +289,29 @@ def report(
         lines += [
             "## Slow worker: sync with and without a backup worker (CNN, 3 workers + 1 ps)",
             "",
-            f"`worker:2` slowed by `--fail-at worker:2@step=0:delay={settings['delay_s']:.3f}` "
+            (f"`worker:2` slowed by `--fail-at worker:2@step=0:delay={settings['delay_s']:.3f}` "
             f"({settings['delay_source']}). Measured: the chief's time from global step {settings['start']} to global "
             f"step {settings['target']} (a fixed number of steps, NOT time to 0.98 accuracy), and the test accuracy "
             f"of the parameters at step {settings['target']} on {settings['test_examples']:,} test images. "
-            f"{settings['reps_slow']} interleaved round(s), medians.",
+            f"{settings['reps_slow']} interleaved round(s), medians."),
             "",
             md_table(["configuration", f"time to step {settings['target']} (s)", "spread", "test accuracy",
                       "slow worker step / fast", "slow worker's steps", "launcher wall (s)"], srows),
             "",
-            f"Backup worker speed-up (no-backup time / backup time): {t_no / t_yes:.2f}x. \"slow worker step / fast\": "
+            (f"Backup worker speed-up (no-backup time / backup time): {t_no / t_yes:.2f}x. \"slow worker step / fast\": "
             "worker:2's median step time over workers 0-1's in the same run; without a backup every worker waits for "
-            "worker:2 each step, so it reads ~1x there, and the backup run shows how much slower worker:2 is.",
+            "worker:2 each step, so it reads ~1x there, and the backup run shows how much slower worker:2 is."),
             "",
         ]
     return "\n".join(lines)
 
 
 def main() -> None:
+    """Parse the flags, run the interleaved rounds (or one ``--child`` baseline), print the report."""
     p = harness.arg_parser(__doc__.splitlines()[0])
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per process (default 10, quick 3)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per process (default 40, quick 10)")
-    p.add_argument("--delay", type=float, default=None, help="slow worker's delay per step, s (default: 2x sync step time)")
+    p.add_argument("--delay", type=float, default=None, help="slow worker's delay per step, s (default: 2x the sync N = M = 2 step)")
     p.add_argument("--target-step", type=int, default=None, help="slow worker: global step to reach (default 60, quick 10)")
     p.add_argument("--no-slow-worker", action="store_true", help="skip the slow-worker comparison")
     p.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -342,7 +349,7 @@ def main() -> None:
                 delay_s, source = args.delay, "--delay"
             else:
                 delay_s = 2 * median([r["per_worker_step_s"] for r in res[SYNC]])
-                source = "2x the per-worker step time of the sync N = M = 2 rounds"
+                source = "2x the per-worker median step time of the sync N = M = 2 rounds"
             test_examples = 1000 if args.quick else 10000
             settings.update(delay_s=delay_s, delay_source=source, start=start, target=target,
                             test_examples=test_examples, reps_slow=reps)

@@ -6,8 +6,9 @@ concatenated under one header, and their progress (stderr) goes to the terminal.
 fails is reported as failed in the file and makes this script exit non-zero, after the others ran.
 
 Flags: ``--quick`` is passed to every benchmark (a smoke run of a few minutes in all). The checkpoint
-benchmark (``bench_checkpoint.py``, when present) always runs with ``--quick``: its small size keeps
-``make bench`` within about six minutes.
+and CNN benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's few
+steps per round) so that ``make bench`` stays within about a quarter of an hour; run
+``benchmarks/bench_cnn.py`` and ``benchmarks/bench_checkpoint.py`` without it for the full figures.
 
 Run: ``.venv/bin/python benchmarks/run_all.py [--quick] [--only transport,training]``.
 """
@@ -29,6 +30,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "transport": [],
     "training": [],
     "checkpoint": ["--quick"],
+    "cnn": ["--quick"],
 }
 TIMEOUT_S = 900
 

@@ -27,8 +27,9 @@ import argparse
 import importlib.util
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,7 @@ def cnn() -> torch.nn.Module:
 
 
 def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The example's loss: cross-entropy of ``model(x)`` against ``y``."""
     return F.cross_entropy(model(x), y)
 
 
@@ -122,6 +124,7 @@ def run_to_step(trainer: Any, task: Any, batches: Iterable[tuple[torch.Tensor, t
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The script's own flags (``task.argv``: what follows ``--`` on the ``psflow run`` line)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--warmup", type=int, default=10, help="untimed local steps first (throughput mode)")
     p.add_argument("--steps", type=int, default=60, help="timed local steps per worker (throughput mode)")
@@ -136,6 +139,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main() -> None:
+    """One psflow task: a ps serves; a worker trains and reports its ``bench`` figures."""
     import psflow as pf
 
     task = pf.init()
