@@ -83,7 +83,9 @@ def psflow_run(epochs: int, mode: str, workdir: Path) -> dict[str, Any]:
     if mode != "async":
         cmd += ["--mode", mode]
     cmd += ["examples/mnist_softmax.py", "--", "--epochs", str(epochs), "--init", "zeros", "--print_every", "100000"]
+    t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    command_s = time.perf_counter() - t0
     summary_path = logdir / "summary.json"
     if proc.returncode != 0 or not summary_path.exists():
         raise RuntimeError(f"`{' '.join(cmd)}` failed with code {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}")
@@ -93,7 +95,8 @@ def psflow_run(epochs: int, mode: str, workdir: Path) -> dict[str, Any]:
         raise RuntimeError(f"`{' '.join(cmd)}` trained {s['examples']} examples; expected {TRAIN_EXAMPLES * epochs}.")
     return {
         "examples_per_sec": float(s["examples_per_sec"]),
-        "wall_s": float(s["wall_s"]),
+        "wall_s": command_s,  # the whole `psflow run` command: the launcher's own start and exit included
+        "tasks_wall_s": float(s["wall_s"]),  # the summary's: from starting the tasks to their exit
         "test_accuracy": float(s["test_accuracy"]),
         "examples": int(s["examples"]),
     }
@@ -387,8 +390,9 @@ def report(
         accs = [r["test_accuracy"] for r in target_runs]
         hits = sum(a >= TARGET_ACCURACY for a in accs)
         lines.append(
-            f"Launch to {TARGET_ACCURACY} test accuracy (psflow async, 1 ps + 2 workers; the launcher's wall time from "
-            f"starting the tasks to their exit, Python and torch imports included): **{median(walls):.1f} s**, the "
+            f"Launch to {TARGET_ACCURACY} test accuracy (psflow async, 1 ps + 2 workers; the wall time of the whole "
+            f"`psflow run` command, from its start to its exit: the launcher's and every task's Python and torch "
+            f"imports included): **{median(walls):.1f} s**, the "
             f"median of {len(walls)} run(s) of {target_epochs} epoch(s), the fewest whose first run reached it "
             f"({hits} of {len(walls)} reached it; wall {harness.spread(walls, '.1f')} s, accuracy "
             f"{harness.spread(accs, '.4f')}). TensorFlow 1.x (issue, not measured here): {TF_LAUNCH_TO_088_S} s; "

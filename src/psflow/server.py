@@ -18,14 +18,15 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from psflow.errors import AuthError, ConfigError, PsflowError, TransportError
 from psflow.wire.conn import Connection
 from psflow.wire.frame import FrameError, Limits, TensorSpec
 from psflow.wire.ops import Op
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("psflow.server")
 
@@ -220,6 +221,8 @@ class Server:
 def _cached(cache: dict[str, torch.Tensor], spec: TensorSpec) -> torch.Tensor:
     t = cache.get(spec.name)
     if t is None or t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+        import torch  # already loaded: the spec's dtype is torch's
+
         t = torch.empty(spec.shape, dtype=spec.dtype)
         cache[spec.name] = t
     return t

@@ -15,6 +15,7 @@ every task has registered. No free-port guessing, so no races.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import logging
 import os
@@ -287,6 +288,11 @@ def init(
         )
     if task_id is None:
         raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index (or TF_CONFIG's task).")
+    if task_id.job == "ps":
+        from psflow.ps.service import warm_up
+
+        warm_up()  # torch's lazy imports, in the background, while the cluster assembles
+    atexit.register(_quick_interpreter_exit)
 
     # All-reduce: replica 0's cluster address is the collective rendezvous, a TCPStore it serves
     # (see psflow.train.allreduce); its psflow server, which nothing contacts then, moves aside.
@@ -326,6 +332,15 @@ def init(
     atexit.register(task.finish)
     _current = task
     return task
+
+
+def _quick_interpreter_exit() -> None:
+    """Registered before the task's other exit handlers, so it runs after them: moves every object
+    into the garbage collector's permanent generation, so that the interpreter's final collections
+    skip them. With torch loaded, that cuts the exit from about 0.6-1.3 s to 0.3 s, per task. Objects
+    are still released by reference counting; only cycles left at exit are not collected (their
+    ``__del__`` would not be guaranteed to run at exit anyway)."""
+    gc.freeze()
 
 
 def _check_secret(spec: ClusterSpec, key: bytes) -> None:

@@ -89,3 +89,22 @@ def test_fault_specs_parse_and_bad_ones_name_the_syntax():
     assert parse_faults(None) == []
     with pytest.raises(ConfigError, match="Bad fault spec 'worker1@30'"):
         parse_faults("worker1@30")
+
+
+def test_the_launcher_side_of_psflow_starts_without_torch():
+    """`psflow run` and `psflow --help` must not pay torch's ~2 s import: the launcher, its
+    coordinator server and the wire's JSON frames work without it; torch loads on first tensor use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, psflow, psflow.cli, psflow.launch, psflow.launch.local, psflow.launch.coordinator\n"
+        "from psflow.wire.frame import HEADER_SIZE, decode_meta, encode_head, Limits, tensor_specs\n"
+        "head = encode_head(1, {'hello': 'world'}, 0)\n"
+        "meta, specs = decode_meta(head[HEADER_SIZE:], 0, Limits())\n"
+        "assert meta == {'hello': 'world'} and specs == [] and tensor_specs([]) == []\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert psflow.Trainer.__name__ == 'Trainer' and 'torch' in sys.modules\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr

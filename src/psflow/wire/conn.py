@@ -21,9 +21,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from psflow.errors import AuthError, RemoteError, TransportError
 from psflow.wire.frame import (
@@ -39,7 +37,10 @@ from psflow.wire.frame import (
 )
 from psflow.wire.ops import Op
 
-NamedTensors = Sequence[tuple[str, torch.Tensor]]
+if TYPE_CHECKING:
+    import torch
+
+NamedTensors = Sequence[tuple[str, "torch.Tensor"]]
 Allocator = Callable[[TensorSpec], "torch.Tensor | None"]
 _IOV_MAX = 512
 
@@ -124,6 +125,8 @@ class Connection:
             for spec in specs:
                 dest = alloc(spec) if alloc else None
                 if dest is None or dest.dtype != spec.dtype or tuple(dest.shape) != spec.shape or not dest.is_contiguous():
+                    import torch  # already loaded: the specs' dtypes are torch's
+
                     dest = torch.empty(spec.shape, dtype=spec.dtype)
                 if spec.nbytes:
                     self._recv_exact(byte_view(dest))

@@ -7,40 +7,58 @@ A frame is::
     payload = payload_len bytes: the raw bytes of each tensor in "t" order, C-contiguous, little-endian
 
 Invariants: nothing is unpickled; the sum of the tensors' sizes equals payload_len; every dtype is in
-DTYPES; meta_len and payload_len are bounded by :class:`Limits` before any byte of the body is read, so an
+ITEMSIZE; meta_len and payload_len are bounded by :class:`Limits` before any byte of the body is read, so an
 oversized frame is refused before memory is allocated for it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from psflow.errors import TransportError
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"PSF1"
 HEADER = struct.Struct("<4sHHIQ")
 HEADER_SIZE = HEADER.size
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+# dtype name on the wire -> bytes per element. torch itself is imported only when a frame carries
+# tensors, so that processes which exchange JSON-only frames (the launcher) start without it.
+ITEMSIZE: dict[str, int] = {
+    "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_NDIM = 8
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Wire dtype name -> torch dtype (imports torch on first use)."""
+    import torch
+
+    return {name: getattr(torch, name) for name in ITEMSIZE}
+
+
+@functools.cache
+def dtype_names() -> dict[torch.dtype, str]:
+    """torch dtype -> wire dtype name."""
+    return {v: k for k, v in torch_dtypes().items()}
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` and ``DTYPE_NAMES``: the two tables above, built (with torch) on first access."""
+    if name == "DTYPES":
+        return torch_dtypes()
+    if name == "DTYPE_NAMES":
+        return dtype_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class FrameError(TransportError):
@@ -66,26 +84,20 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-_ITEMSIZE = {dt: _itemsize(dt) for dt in DTYPES.values()}
+        return math.prod(self.shape) * ITEMSIZE[dtype_names()[self.dtype]]
 
 
 def tensor_specs(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[list[Any]]:
     """Describe tensors for the meta's "t" key."""
     out = []
+    names = dtype_names() if tensors else {}
     for name, t in tensors:
-        if t.dtype not in DTYPE_NAMES:
+        if t.dtype not in names:
             raise TransportError(
                 f"Tensor {name!r} has dtype {t.dtype}, which psflow cannot send. "
-                f"Supported: {sorted(DTYPES)}. Cast it (e.g. .float()) before sending."
+                f"Supported: {sorted(ITEMSIZE)}. Cast it (e.g. .float()) before sending."
             )
-        out.append([name, DTYPE_NAMES[t.dtype], list(t.shape)])
+        out.append([name, names[t.dtype], list(t.shape)])
     return out
 
 
@@ -140,15 +152,15 @@ def _parse_specs(raw: Any, limits: Limits) -> list[TensorSpec]:
         if not (isinstance(entry, list) and len(entry) == 3):
             raise FrameError(f"Tensor entry must be [name, dtype, shape]; received {entry!r:.80}.")
         name, dtype, shape = entry
-        if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in DTYPES:
-            raise FrameError(f"Tensor entry has a bad name or an unknown dtype: {entry!r:.80}. Known dtypes: {sorted(DTYPES)}.")
+        if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise FrameError(f"Tensor entry has a bad name or an unknown dtype: {entry!r:.80}. Known dtypes: {sorted(ITEMSIZE)}.")
         if (
             not isinstance(shape, list)
             or len(shape) > MAX_NDIM
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 40) for d in shape)
         ):
             raise FrameError(f"Tensor {name!r} has a bad shape {shape!r:.80}.")
-        specs.append(TensorSpec(name, DTYPES[dtype], tuple(shape)))
+        specs.append(TensorSpec(name, torch_dtypes()[dtype], tuple(shape)))
     if len({s.name for s in specs}) != len(specs):
         raise FrameError("Frame names the same tensor twice; every tensor in a frame needs a unique name.")
     return specs
@@ -162,4 +174,6 @@ def byte_view(t: torch.Tensor) -> memoryview:
         raise TransportError("Tensor is not contiguous; call .contiguous() before sending.")
     if t.numel() == 0:
         return memoryview(b"")
+    import torch
+
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
