@@ -18,6 +18,8 @@ from typing import Callable, Iterator
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from psflow.errors import AuthError, ConfigError, PsflowError, RemoteError, TransportError
 from psflow.server import Reply, Request, Server
@@ -428,3 +430,43 @@ def test_eight_clients_with_fifty_requests_each_all_get_their_own_answers(make_s
     join_all(threads)
     assert errors == []
     assert done == [50] * 8
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 7, 1000, 16_000, 40_000, 70_000]), min_size=1, max_size=6),
+    chunk=st.integers(1, 100_000),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_back_to_back_frames_cut_anywhere_arrive_whole_and_in_order(sizes: list[int], chunk: int, seed: int) -> None:
+    """The receive buffer (small frames in one recv, large payloads straight into the tensor) must
+    give every frame back whole, whatever the segmentation: frames sent back to back, delivered in
+    pieces of any size, straddling the buffer and its large-payload threshold."""
+    g = torch.Generator().manual_seed(seed)
+    frames = [(Op.PING, {"i": i, "pad": "x" * (i * 37)}, [("v", torch.randn(n // 4, generator=g))] if n else [])
+              for i, n in enumerate(sizes)]
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(WAIT_S)
+        wire = bytearray()
+        encoder = Connection(socket.socket(), peer="encoder")  # only its framing is used, via a capturing _sendall
+        encoder._sendall = lambda bufs: wire.extend(b"".join(bytes(x) for x in bufs))  # type: ignore[method-assign]
+        for op, meta, tensors in frames:
+            encoder.send(op, meta, tensors)
+        encoder.sock.close()
+
+        def feed() -> None:
+            for i in range(0, len(wire), chunk):
+                a.sendall(wire[i:i + chunk])
+
+        sender = threading.Thread(target=feed, daemon=True)
+        sender.start()
+        conn = Connection(b, peer="sender")
+        for op, meta, tensors in frames:
+            got = conn.recv()
+            assert (got.op, got.meta) == (op, meta)
+            assert list(got.tensors) == [n for n, _ in tensors]
+            for name, t in tensors:
+                assert torch.equal(got.tensors[name], t)
+        sender.join(WAIT_S)
+        assert not sender.is_alive()

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 NamedTensors = Sequence[tuple[str, "torch.Tensor"]]
 Allocator = Callable[[TensorSpec], "torch.Tensor | None"]
 _IOV_MAX = 512
+_RECV_BUF = 64 * 1024
 
 
 @dataclass
@@ -63,7 +64,10 @@ class Connection:
         self.sock = sock
         self.peer = peer
         self.limits = limits
-        self._hdr = bytearray(HEADER_SIZE)
+        # Receive buffer: one recv usually brings a small frame whole (header, meta and a small
+        # payload), so a request costs one syscall, not three. Large payloads bypass it.
+        self._rbuf = memoryview(bytearray(_RECV_BUF))
+        self._rpos = self._rend = 0
         self._timeout: float | None | bool = False  # False: unknown; settimeout costs a syscall, so skip repeats
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -76,11 +80,11 @@ class Connection:
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, op: int, meta: dict[str, Any] | None = None, tensors: NamedTensors = ()) -> None:
-        meta = dict(meta or {})
-        bufs: list[memoryview] = []
-        if tensors:
-            meta["t"] = tensor_specs(tensors)
-            bufs = [byte_view(t) for _, t in tensors]
+        if not tensors:  # the common small request or reply: one buffer, one syscall
+            self._sendall([memoryview(encode_head(int(op), meta or {}, 0))])
+            return
+        meta = {**(meta or {}), "t": tensor_specs(tensors)}
+        bufs = [byte_view(t) for _, t in tensors]
         payload_len = sum(b.nbytes for b in bufs)
         head = encode_head(int(op), meta, payload_len)
         self._sendall([memoryview(head), *[b for b in bufs if b.nbytes]])
@@ -104,23 +108,53 @@ class Connection:
 
     # -- receiving -------------------------------------------------------------------------
     def _recv_exact(self, view: memoryview) -> None:
-        got, n = 0, view.nbytes
-        while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
+        """Fill ``view``: first from the receive buffer, then from the socket."""
+        n = view.nbytes
+        got = min(self._rend - self._rpos, n)
+        if got:
+            view[:got] = self._rbuf[self._rpos:self._rpos + got]
+            self._rpos += got
+        if got == n:
+            return
+        if n - got >= _RECV_BUF // 2:  # large: straight into the destination, no copy
+            while got < n:
+                k = self.sock.recv_into(view[got:], n - got)
+                if k == 0:
+                    raise TransportError(f"{self.peer} closed the connection.")
+                got += k
+            return
+        need = n - got  # small: refill the (now empty) buffer with whatever has arrived
+        self._rpos = self._rend = 0
+        while self._rend < need:
+            k = self.sock.recv_into(self._rbuf[self._rend:])
             if k == 0:
                 raise TransportError(f"{self.peer} closed the connection.")
-            got += k
+            self._rend += k
+        view[got:] = self._rbuf[:need]
+        self._rpos = need
+
+    def _take(self, n: int) -> bytes:
+        """The next ``n`` bytes (``n`` at most half the buffer), usually without a syscall."""
+        if self._rend - self._rpos >= n:
+            out = bytes(self._rbuf[self._rpos:self._rpos + n])
+            self._rpos += n
+            return out
+        out = bytearray(n)
+        self._recv_exact(memoryview(out))
+        return bytes(out)
 
     def recv(self, alloc: Allocator | None = None) -> Frame:
         """Receive one frame. ``alloc(spec)`` may return a destination tensor (same dtype and
         shape) to receive into; otherwise a fresh tensor is allocated."""
         try:
-            self._recv_exact(memoryview(self._hdr))
-            op, _flags, meta_len, payload_len = decode_header(bytes(self._hdr), self.limits)
-            meta_raw = bytearray(meta_len)
-            if meta_len:
-                self._recv_exact(memoryview(meta_raw))
-            meta, specs = decode_meta(bytes(meta_raw), payload_len, self.limits)
+            op, _flags, meta_len, payload_len = decode_header(self._take(HEADER_SIZE), self.limits)
+            if meta_len <= _RECV_BUF // 2:
+                meta_raw = self._take(meta_len)
+            else:
+                buf = bytearray(meta_len)
+                self._recv_exact(memoryview(buf))
+                meta_raw = bytes(buf)
+            meta, specs = decode_meta(meta_raw, payload_len, self.limits)
             tensors: dict[str, torch.Tensor] = {}
             for spec in specs:
                 dest = alloc(spec) if alloc else None

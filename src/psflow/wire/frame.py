@@ -36,6 +36,7 @@ ITEMSIZE: dict[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
 MAX_NDIM = 8
+_JSON = json.JSONEncoder(separators=(",", ":"))  # reused: json.dumps builds a new encoder per call
 
 
 @functools.cache
@@ -103,7 +104,7 @@ def tensor_specs(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[list[Any]]
 
 def encode_head(op: int, meta: dict[str, Any], payload_len: int, flags: int = 0) -> bytes:
     """Header plus meta bytes of a frame. The tensors' bytes follow separately (zero copy)."""
-    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+    meta_bytes = _JSON.encode(meta).encode()
     return HEADER.pack(MAGIC, op, flags, len(meta_bytes), payload_len) + meta_bytes
 
 
