@@ -2,7 +2,8 @@
 
 Owns: sending a frame with its tensors' bytes straight from their storage (``sendmsg`` over
 memoryviews, no copy), receiving a frame with tensors read straight into their destination
-(``recv_into``), the job-secret handshake on both sides, and client-side connect retries with backoff.
+(``recv_into``; header, meta and small payloads through a 64 KiB receive buffer, so that a small
+frame costs one syscall), the job-secret handshake on both sides, and client-side connect retries with backoff.
 
 Handshake (before anything else is served)::
 
