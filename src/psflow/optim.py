@@ -19,6 +19,7 @@ Callers: the Trainer (user-facing ``pf.optim.SGD(...)``), the ps service (``buil
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -122,7 +123,7 @@ def _from_dict(kind: str, registry: Mapping[str, type], d: object) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-class OptimizerSpec:
+class OptimizerSpec(abc.ABC):
     """Base of the optimizer specs: an update rule as data, built into ``torch.optim`` on a ps.
 
     Subclasses are frozen dataclasses with a class-level ``name`` and an ``lr`` field.
@@ -148,9 +149,9 @@ class OptimizerSpec:
         """
         return _from_dict("optimizer", _OPTIMIZERS, d)
 
+    @abc.abstractmethod
     def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """Create the ``torch.optim`` optimizer for ``params`` with this spec's settings."""
-        raise NotImplementedError
 
     def _check_common(self) -> None:
         _check_fields(self)
@@ -309,14 +310,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class Schedule:
+class Schedule(abc.ABC):
     """Base of the learning-rate schedules: a pure function of ``(base_lr, global_step)``."""
 
     name: ClassVar[str]
 
+    @abc.abstractmethod
     def lr_at(self, base_lr: float, global_step: int) -> float:
         """The learning rate to use at ``global_step`` (>= 0)."""
-        raise NotImplementedError
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict: ``{"name": ..., <field>: <value>, ...}``."""
