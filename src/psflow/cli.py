@@ -32,10 +32,12 @@ def main() -> None:
 @click.option("--placement", type=click.Choice(["round_robin", "greedy", "contiguous"]), default=None, help="How parameters go on ps shards.")
 @click.option("--log-placement", is_flag=True, help="Print where each parameter lives (like log_device_placement).")
 @click.option("--fail-at", default=None, help="Fault injection, e.g. worker:1@step=30 or worker:1@step=30:kill.")
+@click.option("--preload/--no-preload", default=True, show_default=True,
+              help="Fork the tasks from one process that imported torch once (faster start), or start each afresh.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
-        fail_at: str | None, log_placement: bool, **settings: object) -> None:
+        fail_at: str | None, log_placement: bool, preload: bool, **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
     from psflow.launch import LocalBackend, make_plan
 
@@ -49,7 +51,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; logs in {plan.logdir}")
-    result = LocalBackend().run(plan)
+    result = LocalBackend(preload=preload).run(plan)
     s = result.summary
     click.echo(
         f"psflow: {s['status']}: global_step={s['global_step']} test_accuracy={s['test_accuracy']} "

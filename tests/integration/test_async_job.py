@@ -43,11 +43,22 @@ def test_global_step_counts_every_update_of_both_workers(async_run):
 
 
 def test_ps_exits_by_itself_and_no_process_is_left(async_run):
-    _, _, s = async_run
+    logdir, _, s = async_run
+    assert (logdir / "logs" / "forkserver.log").exists()  # the default: tasks forked from the preloaded server
     codes = {t["task"]: t["exit_code"] for t in s["tasks"]}
     assert codes == {"ps:0": 0, "worker:0": 0, "worker:1": 0}
     assert not any(pid_alive(t["pid"]) for t in s["tasks"])
     assert s["examples_per_sec"] > 0 and s["wall_s"] > 0
+
+
+def test_no_preload_starts_every_task_as_a_fresh_process(tmp_path):
+    logdir = tmp_path / "run"
+    r = run_psflow(["run", "--no-preload", "--ps", "1", "--workers", "1", "--logdir", str(logdir), SOFTMAX, "--",
+                    "--epochs", "1", "--init", "zeros", "--print_every", "1"])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:] + log_tails(logdir)
+    assert not (logdir / "logs" / "forkserver.log").exists()
+    s = read_summary(logdir)
+    assert s["status"] == "succeeded" and s["global_step"] == 600 and s["test_accuracy"] > 0.8
 
 
 def test_failing_worker_fails_the_job_with_its_error_first(tmp_path):
@@ -189,8 +200,10 @@ def test_killing_the_launcher_leaves_no_orphan_task(tmp_path):
         for line in p.stdout:
             if "global_step=" in line or time.monotonic() > deadline:
                 break
+        # The fork server and the three tasks it forked (`psflow run --no-preload`: the tasks alone).
         kids = _children(p.pid)
-        assert len(kids) == 3, kids
+        kids += [g for k in kids for g in _children(k)]
+        assert len(kids) == 4, kids
         p.kill()  # SIGKILL: the launcher gets no chance to clean up
         p.wait(timeout=10)
         deadline = time.monotonic() + 30

@@ -9,7 +9,11 @@ task id (and keeps a log file per task), and watches exits:
 - once every training task has exited cleanly, the ps tasks exit by themselves (they are told the
   workers are done); one that does not within ``ps_exit_timeout_s`` is stopped, with a warning;
 - Ctrl-C or SIGTERM stops every task: SIGTERM to each process group, SIGKILL after ``grace_s``.
-  No process is left behind.
+  No process is left behind (each task, and the fork server, dies with its parent).
+
+Tasks are forked from a fork server that imported torch once (``forkserver.py``; ``preload=False``
+or ``psflow run --no-preload`` starts each as a fresh interpreter): with six tasks on two cores
+that starts the run ~3.5 s sooner.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -29,9 +34,11 @@ import click
 
 from psflow.launch.backend import Backend, RunResult
 from psflow.launch.coordinator import Coordinator
+from psflow.launch.forkserver import ForkServer, die_with_parent
 from psflow.launch.plan import LaunchPlan
 from psflow.server import Server
 
+_FORK_SERVER_READY_S = 60.0
 _COLORS = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green"]
 
 
@@ -40,9 +47,12 @@ class _Stop(Exception):
 
 
 class LocalBackend(Backend):
-    def __init__(self, *, echo: Callable[[str], None] | None = None, register_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, *, echo: Callable[[str], None] | None = None, register_timeout_s: float = 120.0, preload: bool = True,
+    ) -> None:
         self.echo = echo or (lambda line: click.echo(line))
         self.register_timeout_s = register_timeout_s
+        self.preload = preload  # fork tasks from a server that imported torch once (see forkserver.py)
         self._echo_lock = threading.Lock()
 
     def run(self, plan: LaunchPlan) -> RunResult:
@@ -60,6 +70,7 @@ class LocalBackend(Backend):
                             require_ps=plan.config.strategy == "ps")
         address = server.start()
         t0 = time.time()
+        fork_server = forks = self._start_fork_server(plan) if self.preload else None
         procs: dict[str, subprocess.Popen] = {}
         exits: queue.Queue[tuple[str, int]] = queue.Queue()
         codes: dict[str, int] = {}
@@ -70,10 +81,7 @@ class LocalBackend(Backend):
             for i, tp in enumerate(plan.tasks):
                 env = {**os.environ, **dict(tp.env), "PSFLOW_COORDINATOR": address, "PSFLOW_SECRET_FILE": str(secret_file)}
                 env.pop("PSFLOW_SECRET", None)
-                p = subprocess.Popen(
-                    tp.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, text=True, bufsize=1, preexec_fn=_die_with_parent,
-                )
+                p, forks = self._start_task(tp.argv, env, forks)
                 procs[tp.task] = p
                 log_file = open(logdir / "logs" / f"{tp.file_stem}.log", "w")
                 threading.Thread(target=self._pump, args=(tp.task, p.stdout, log_file, _COLORS[i % len(_COLORS)]), daemon=True).start()
@@ -103,6 +111,8 @@ class LocalBackend(Backend):
         finally:
             signal.signal(signal.SIGTERM, old_term)
             self._stop_all(procs, codes, plan.grace_s)
+            if fork_server is not None:
+                fork_server.close()
             server.stop()
         wall_s = time.time() - t0
         if root is not None:
@@ -115,6 +125,38 @@ class LocalBackend(Backend):
         return RunResult(exit_code, summary, root)
 
     # -- helpers ---------------------------------------------------------------------------
+    def _start_fork_server(self, plan: LaunchPlan) -> ForkServer | None:
+        """The fork server, once it has imported torch; None (fresh processes) where it cannot run."""
+        if not plan.tasks or not hasattr(os, "pidfd_open") or not hasattr(socket, "send_fds"):
+            return None
+        try:
+            forks = ForkServer(plan.tasks[0].argv[0], log_path=Path(plan.logdir) / "logs" / "forkserver.log")
+        except OSError as e:
+            self.echo(click.style(f"psflow: cannot start the fork server ({e}); starting every task as a fresh process.",
+                                  fg="yellow"))
+            return None
+        if forks.wait_ready(_FORK_SERVER_READY_S):
+            return forks
+        forks.close()
+        self.echo(click.style(f"psflow: the fork server did not start within {_FORK_SERVER_READY_S:.0f} s (see "
+                              f"{plan.logdir}/logs/forkserver.log); starting every task as a fresh process.", fg="yellow"))
+        return None
+
+    def _start_task(self, argv: tuple[str, ...], env: dict[str, str], forks: ForkServer | None) -> tuple[Any, ForkServer | None]:
+        """Fork the task from the fork server when it can be, else start a fresh process. Returns the
+        process (Popen or ForkedTask) and the fork server still to use (None after it failed)."""
+        if forks is not None and forks.usable_for(argv, env, os.environ):
+            try:
+                return forks.spawn(argv, env, os.getcwd()), forks
+            except OSError as e:  # it stays up for the tasks it forked already; the run closes it
+                self.echo(click.style(f"psflow: {e}; starting the remaining tasks as fresh processes.", fg="yellow"))
+                forks = None
+        p = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, text=True, bufsize=1, preexec_fn=die_with_parent,
+        )
+        return p, forks
+
     def _pump(self, task: str, stream: TextIO, log_file: TextIO, color: str) -> None:
         prefix = click.style(f"[{task}]", fg=color)
         with log_file:
@@ -154,16 +196,6 @@ class LocalBackend(Backend):
             r = _error_report(plan, t)
             why = f"{r.get('exception')}: {r.get('message')}" if r else f"exit code {codes[t]} (stopped after the root cause)"
             self.echo(f"  then {t}: {why}")
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if the launcher dies (even by SIGKILL), so no task is orphaned."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own cleanup still stops every task
 
 
 def _raise_stop(signum: int, frame: Any) -> None:
