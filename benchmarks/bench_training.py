@@ -76,11 +76,13 @@ def accuracy_on_test_set(model: torch.nn.Module) -> float:
 # --------------------------------------------------------------------------- psflow through the launcher
 
 
-def psflow_run(epochs: int, mode: str, workdir: Path) -> dict[str, Any]:
+def psflow_run(epochs: int, mode: str, workdir: Path, *, preload: bool = True) -> dict[str, Any]:
     """One ``psflow run`` of the example; returns the summary's headline figures."""
     logdir = Path(tempfile.mkdtemp(prefix=f"psflow-{mode}-", dir=workdir))
     exe = Path(sys.executable).with_name("psflow")
     cmd = [str(exe), "run", "--ps", "1", "--workers", "2", "--logdir", str(logdir)]
+    if not preload:
+        cmd.append("--no-preload")
     if mode != "async":
         cmd += ["--mode", mode]
     cmd += ["examples/mnist_softmax.py", "--", "--epochs", str(epochs), "--init", "zeros", "--print_every", "100000"]
@@ -347,12 +349,19 @@ def main() -> None:
             target_runs.append(psflow_run(target_epochs, "async", workdir))
             log(f"launch-to-{TARGET_ACCURACY}: another run of {target_epochs} epoch(s): "
                 f"accuracy={target_runs[-1]['test_accuracy']:.4f} wall={target_runs[-1]['wall_s']:.1f}s")
-    print(report(res, epochs, reps, header, target_epochs, target_runs, args.quick))
+        preload_ab: dict[str, list[dict[str, Any]]] = {"preload": [], "no-preload": []}
+        if target_epochs is not None and not args.quick:
+            log(f"launch: {want} interleaved pairs of {target_epochs}-epoch runs, fork server (default) vs --no-preload")
+            for i in range(want):
+                for name in (("preload", "no-preload") if i % 2 == 0 else ("no-preload", "preload")):
+                    preload_ab[name].append(psflow_run(target_epochs, "async", workdir, preload=name == "preload"))
+    print(report(res, epochs, reps, header, target_epochs, target_runs, args.quick, preload_ab))
 
 
 def report(
     res: dict[str, list[dict[str, Any]]], epochs: int, reps: int, header: str,
     target_epochs: int | None, target_runs: list[dict[str, Any]], quick: bool,
+    preload_ab: dict[str, list[dict[str, Any]]] | None = None,
 ) -> str:
     eps = {name: median([r["examples_per_sec"] for r in runs]) for name, runs in res.items()}
     single = eps["PyTorch single process, 2 threads"]
@@ -402,6 +411,15 @@ def report(
             f"{harness.spread(accs, '.4f')}). TensorFlow 1.x (issue, not measured here): {TF_LAUNCH_TO_088_S} s; "
             f"psflow/TF time {median(walls) / TF_LAUNCH_TO_088_S:.2f}."
         )
+        if preload_ab and preload_ab["preload"] and preload_ab["no-preload"]:
+            pre = [r["wall_s"] for r in preload_ab["preload"]]
+            fresh = [r["wall_s"] for r in preload_ab["no-preload"]]
+            lines += ["", (
+                f"Fork server (the default) vs `--no-preload` (every task a fresh interpreter), {len(pre)} interleaved "
+                f"pairs of {target_epochs}-epoch runs, whole command: **{median(pre):.1f} s** "
+                f"({harness.spread(pre, '.1f')}) vs **{median(fresh):.1f} s** ({harness.spread(fresh, '.1f')}); "
+                f"{median(fresh) - median(pre):.1f} s sooner with the fork server."
+            )]
     else:
         lines.append(
             f"Launch to {TARGET_ACCURACY}: not reached within the epochs tried"
