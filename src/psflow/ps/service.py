@@ -7,6 +7,7 @@ TensorFlow's ``server.join()``.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -31,8 +32,8 @@ def warm_up() -> None:
 
         try:
             torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-        except Exception:  # a warm-up only: the real optimizer reports any real problem
-            pass
+        except Exception as e:  # a warm-up only: the real optimizer, built on PS_INIT, reports real problems
+            logging.getLogger("psflow.ps").debug("optimizer warm-up failed: %r", e)
 
     threading.Thread(target=build, name="psflow-warm-up", daemon=True).start()
 
