@@ -34,10 +34,12 @@ def main() -> None:
 @click.option("--fail-at", default=None, help="Fault injection, e.g. worker:1@step=30 or worker:1@step=30:kill.")
 @click.option("--preload/--no-preload", default=True, show_default=True,
               help="Fork the tasks from one process that imported torch once (faster start), or start each afresh.")
+@click.option("--live/--no-live", default=None,
+              help="Show a live table of the tasks under their output (default: when printing to a terminal).")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
-        fail_at: str | None, log_placement: bool, preload: bool, **settings: object) -> None:
+        fail_at: str | None, log_placement: bool, preload: bool, live: bool | None, **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
     from psflow.launch import LocalBackend, make_plan
 
@@ -51,7 +53,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; logs in {plan.logdir}")
-    result = LocalBackend(preload=preload).run(plan)
+    result = LocalBackend(preload=preload, live=live).run(plan)
     s = result.summary
     click.echo(
         f"psflow: {s['status']}: global_step={s['global_step']} test_accuracy={s['test_accuracy']} "
@@ -59,6 +61,24 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     )
     click.echo(f"psflow: summary: {plan.logdir}/summary.json   logs: {plan.logdir}/logs/")
     sys.exit(result.exit_code)
+
+
+@main.command()
+@click.argument("logdir", type=click.Path(exists=True, file_okay=False))
+def status(logdir: str) -> None:
+    """Show a run's tasks and progress from LOGDIR/status.json (live while the run goes on)."""
+    from rich.console import Console
+
+    from psflow.launch.status import STATUS_FILE, headline, read_status, render
+
+    try:
+        state = read_status(logdir)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(
+            f"Cannot read {logdir}/{STATUS_FILE}: {e}. Give the --logdir of a `psflow run` (it writes that file)."
+        ) from e
+    state.update(headline(state))
+    Console().print(render(state))
 
 
 @main.command()

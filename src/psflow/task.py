@@ -94,6 +94,8 @@ class Task:
         self._finished = False
         self._co_conn = None
         self._co_lock = threading.Lock()
+        self._report_error: Exception | None = None
+        self._progress_warned = False
         if self.is_ps:
             from psflow.fault import crashing_save, parse_faults
             from psflow.ps.service import PsService, default_save
@@ -173,8 +175,27 @@ class Task:
             >>> task.report(test_accuracy=0.9012)
         """
         self.reports.update(metrics)
+        if self.coordinator and not self._send_report(metrics, timeout_s=30):
+            log.warning("%s could not report to the launcher: %s", self.task_id, self._report_error)
+
+    def report_progress(self, **progress: Any) -> None:
+        """Live progress for the launcher's status table and ``status.json`` (trainers call it about
+        once a second). Never raises; a launcher that does not answer within 2 s is warned about once.
+
+        Example:
+            >>> task.report_progress(global_step=1200, local_step=600, loss=0.41)
+        """
         if not self.coordinator:
             return
+        if not self._send_report({"progress": {**progress, "time_unix": round(time.time(), 3)}}, timeout_s=2.0):
+            if not self._progress_warned:
+                self._progress_warned = True
+                log.warning("%s could not send progress to the launcher (%s); the run goes on, its live status may lag.",
+                            self.task_id, self._report_error)
+
+    def _send_report(self, metrics: dict[str, Any], *, timeout_s: float) -> bool:
+        """One CO_REPORT request on the task's connection to the launcher. False (and the connection
+        dropped, so that a late reply cannot be taken for the next one's) if it failed."""
         with self._co_lock:
             try:
                 if self._co_conn is None:
@@ -182,9 +203,14 @@ class Task:
                         self.coordinator, secret=self.secret, task=str(self.task_id), peer="launcher",
                         deadline_s=5.0,  # the launcher is local and up, or it is gone: never hold up an exit
                     )
-                self._co_conn.request(Op.CO_REPORT, {"task": str(self.task_id), "metrics": metrics}, timeout_s=30)
+                self._co_conn.request(Op.CO_REPORT, {"task": str(self.task_id), "metrics": metrics}, timeout_s=timeout_s)
+                return True
             except PsflowError as e:
-                log.warning("%s could not report to the launcher: %s", self.task_id, e)
+                self._report_error = e
+                if self._co_conn is not None:
+                    self._co_conn.close()
+                    self._co_conn = None
+                return False
 
     def _attach_trainer(self, trainer: Any) -> None:
         self.trainers.append(trainer)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import signal
 import socket
 import subprocess
@@ -84,6 +87,10 @@ def test_sigterm_to_the_launcher_stops_every_task(tmp_path):
         for line in p.stdout:  # wait until training is under way
             if "global_step=" in line or time.monotonic() > deadline:
                 break
+        live = _wait_for_live_progress(logdir, deadline_s=30)  # status.json follows the run while it goes on
+        assert live["state"] == "running" and live["tasks"]["worker:0"]["state"] == "running"
+        shown = run_psflow(["status", str(logdir)], timeout_s=60)
+        assert shown.returncode == 0 and "worker:1" in shown.stdout and "running" in shown.stdout, shown.stdout
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=60)
     finally:
@@ -93,6 +100,24 @@ def test_sigterm_to_the_launcher_stops_every_task(tmp_path):
     s = read_summary(logdir)
     assert s["status"] == "stopped"
     assert not any(pid_alive(t["pid"]) for t in s["tasks"])
+    final = json.loads((logdir / "status.json").read_text())
+    assert final["state"] == "stopped" and all(t["exit_code"] is not None for t in final["tasks"].values())
+
+
+def _wait_for_live_progress(logdir: Path, deadline_s: float) -> dict:
+    """Poll status.json (bounded by the deadline) until both workers have reported progress."""
+    end = time.monotonic() + deadline_s
+    state: dict = {}
+    while time.monotonic() < end:
+        try:
+            state = json.loads((logdir / "status.json").read_text())
+        except (OSError, ValueError):
+            state = {}
+        tasks = state.get("tasks", {})
+        if all(tasks.get(w, {}).get("progress", {}).get("global_step", 0) > 0 for w in ("worker:0", "worker:1")):
+            return state
+        time.sleep(0.05)  # polling a file another process writes, bounded by the deadline
+    raise AssertionError(f"no live progress from both workers within {deadline_s} s: {state}")
 
 
 def _by_hand(procs, ports, job, index, extra_env=None, args=("--epochs", "1", "--init", "zeros")):
@@ -213,3 +238,34 @@ def test_killing_the_launcher_leaves_no_orphan_task(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_on_a_terminal_the_launcher_keeps_a_live_table_of_the_tasks(tmp_path):
+    import pty
+
+    logdir = tmp_path / "tty"
+    master, slave = pty.openpty()
+    p = subprocess.Popen([PSFLOW, "run", "--ps", "1", "--workers", "1", "--logdir", str(logdir), SOFTMAX, "--",
+                          "--epochs", "2", "--init", "zeros", "--print_every", "1"],
+                         stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=task_env(COLUMNS="120"), cwd=ROOT)
+    os.close(slave)
+    chunks = []
+    try:
+        while True:  # read until the launcher exits and the terminal closes (EIO), bounded by the test timeout
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        p.wait(timeout=60)
+    finally:
+        os.close(master)
+        if p.poll() is None:
+            p.kill()
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))  # no colours
+    assert p.returncode == 0, out[-3000:]
+    assert "global step" in out and "examples/s" in out  # the table's header
+    assert "[worker:0] worker=0, final accuracy" in out  # the tasks' output still comes through
+    assert "(succeeded, async)" in out  # the final table

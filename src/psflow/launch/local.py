@@ -18,6 +18,7 @@ that starts the run ~3.5 s sooner.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -25,10 +26,11 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 import click
 
@@ -36,6 +38,7 @@ from psflow.launch.backend import Backend, RunResult
 from psflow.launch.coordinator import Coordinator
 from psflow.launch.forkserver import ForkServer, die_with_parent
 from psflow.launch.plan import LaunchPlan
+from psflow.launch.status import RunStatus, render
 from psflow.server import Server
 
 _FORK_SERVER_READY_S = 60.0
@@ -49,11 +52,35 @@ class _Stop(Exception):
 class LocalBackend(Backend):
     def __init__(
         self, *, echo: Callable[[str], None] | None = None, register_timeout_s: float = 120.0, preload: bool = True,
+        live: bool | None = None,
     ) -> None:
         self.echo = echo or (lambda line: click.echo(line))
         self.register_timeout_s = register_timeout_s
         self.preload = preload  # fork tasks from a server that imported torch once (see forkserver.py)
+        # A live table of the tasks under their output: by default when printing to a terminal.
+        self.live = live if live is not None else (echo is None and sys.stdout.isatty())
         self._echo_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _live_table(self, status: RunStatus) -> Iterator[None]:
+        """While the run lasts, keep the status table at the bottom of the terminal (rich), with the
+        tasks' output scrolling above it. (The final table is printed once the run is over.)"""
+        if not self.live:
+            yield
+            return
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        console = Console()
+        plain = self.echo
+        with Live(get_renderable=lambda: render(status.snapshot()), console=console, refresh_per_second=2,
+                  transient=True) as live:
+            self.echo = lambda line: live.console.print(Text.from_ansi(line), soft_wrap=True)
+            try:
+                yield
+            finally:
+                self.echo = plain
 
     def run(self, plan: LaunchPlan) -> RunResult:
         logdir = Path(plan.logdir)
@@ -66,8 +93,9 @@ class LocalBackend(Backend):
         secret_file.touch(mode=0o600)
         secret_file.write_bytes(secret)
         server = Server("launcher", secret=secret)
+        status = RunStatus(plan.run_id, plan.task_names(), logdir, mode=plan.config.mode, strategy=plan.config.strategy)
         coord = Coordinator(server, plan.task_names(), register_timeout_s=self.register_timeout_s,
-                            require_ps=plan.config.strategy == "ps")
+                            require_ps=plan.config.strategy == "ps", on_event=status.on_event)
         address = server.start()
         t0 = time.time()
         fork_server = forks = self._start_fork_server(plan) if self.preload else None
@@ -76,49 +104,60 @@ class LocalBackend(Backend):
         codes: dict[str, int] = {}
         root: str | None = None
         stopped_by: str | None = None
-        old_term = signal.signal(signal.SIGTERM, _raise_stop)
-        try:
-            for i, tp in enumerate(plan.tasks):
-                env = {**os.environ, **dict(tp.env), "PSFLOW_COORDINATOR": address, "PSFLOW_SECRET_FILE": str(secret_file)}
-                env.pop("PSFLOW_SECRET", None)
-                p, forks = self._start_task(tp.argv, env, forks)
-                procs[tp.task] = p
-                log_file = open(logdir / "logs" / f"{tp.file_stem}.log", "w")
-                threading.Thread(target=self._pump, args=(tp.task, p.stdout, log_file, _COLORS[i % len(_COLORS)]), daemon=True).start()
-                threading.Thread(target=lambda t=tp.task, p=p: exits.put((t, p.wait())), daemon=True).start()
-            trainers = [t.task for t in plan.tasks if t.job in ("chief", "worker")]
-            ps_deadline: float | None = None
-            while len(codes) < len(procs):
-                try:
-                    task, code = exits.get(timeout=0.5)
-                except queue.Empty:
-                    if ps_deadline is not None and time.monotonic() > ps_deadline:
-                        left = [t for t in procs if t not in codes]
-                        self.echo(click.style(f"psflow: {', '.join(left)} did not exit {plan.ps_exit_timeout_s:.0f} s after the workers finished; stopping them.", fg="yellow"))
+        with self._live_table(status):
+            old_term = signal.signal(signal.SIGTERM, _raise_stop)
+            try:
+                for i, tp in enumerate(plan.tasks):
+                    env = {**os.environ, **dict(tp.env), "PSFLOW_COORDINATOR": address, "PSFLOW_SECRET_FILE": str(secret_file)}
+                    env.pop("PSFLOW_SECRET", None)
+                    p, forks = self._start_task(tp.argv, env, forks)
+                    procs[tp.task] = p
+                    status.started(tp.task, p.pid)
+                    log_file = open(logdir / "logs" / f"{tp.file_stem}.log", "w")
+                    threading.Thread(target=self._pump, args=(tp.task, p.stdout, log_file, _COLORS[i % len(_COLORS)]), daemon=True).start()
+                    threading.Thread(target=lambda t=tp.task, p=p: exits.put((t, p.wait())), daemon=True).start()
+                trainers = [t.task for t in plan.tasks if t.job in ("chief", "worker")]
+                ps_deadline: float | None = None
+                while len(codes) < len(procs):
+                    try:
+                        task, code = exits.get(timeout=0.5)
+                    except queue.Empty:
+                        status.write()  # publish the last changes of a quiet spell
+                        if ps_deadline is not None and time.monotonic() > ps_deadline:
+                            left = [t for t in procs if t not in codes]
+                            self.echo(click.style(f"psflow: {', '.join(left)} did not exit {plan.ps_exit_timeout_s:.0f} s after the workers finished; stopping them.", fg="yellow"))
+                            self._stop_all(procs, codes, plan.grace_s)
+                            ps_deadline = None
+                        continue
+                    codes[task] = code
+                    status.exited(task, code)
+                    if code != 0 and root is None and stopped_by is None:
+                        root = task
                         self._stop_all(procs, codes, plan.grace_s)
-                        ps_deadline = None
-                    continue
-                codes[task] = code
-                if code != 0 and root is None and stopped_by is None:
-                    root = task
-                    self._stop_all(procs, codes, plan.grace_s)
-                if ps_deadline is None and all(codes.get(t) == 0 for t in trainers):
-                    ps_deadline = time.monotonic() + plan.ps_exit_timeout_s
-        except (KeyboardInterrupt, _Stop) as e:
-            stopped_by = "SIGTERM" if isinstance(e, _Stop) else "Ctrl-C"
-            self.echo(click.style(f"psflow: {stopped_by}: stopping every task (SIGTERM, then SIGKILL after {plan.grace_s:.0f} s)", fg="yellow"))
-            self._stop_all(procs, codes, plan.grace_s)
-        finally:
-            signal.signal(signal.SIGTERM, old_term)
-            self._stop_all(procs, codes, plan.grace_s)
-            if fork_server is not None:
-                fork_server.close()
-            server.stop()
+                    if ps_deadline is None and all(codes.get(t) == 0 for t in trainers):
+                        ps_deadline = time.monotonic() + plan.ps_exit_timeout_s
+            except (KeyboardInterrupt, _Stop) as e:
+                stopped_by = "SIGTERM" if isinstance(e, _Stop) else "Ctrl-C"
+                self.echo(click.style(f"psflow: {stopped_by}: stopping every task (SIGTERM, then SIGKILL after {plan.grace_s:.0f} s)", fg="yellow"))
+                self._stop_all(procs, codes, plan.grace_s)
+            finally:
+                signal.signal(signal.SIGTERM, old_term)
+                self._stop_all(procs, codes, plan.grace_s)
+                if fork_server is not None:
+                    fork_server.close()
+                server.stop()
         wall_s = time.time() - t0
         if root is not None:
             root = _earliest_failure(plan, codes, root)
         summary = build_summary(plan, coord, procs, codes, wall_s, root, stopped_by)
         (logdir / "summary.json").write_text(json.dumps(summary, indent=1))
+        for task, code in codes.items():  # the tasks stopped at the end
+            status.exited(task, code)
+        status.finished(summary["status"])
+        if self.live:
+            from rich.console import Console
+
+            Console().print(render(status.snapshot()))
         if root is not None:
             self._print_root_cause(plan, root, codes)
         exit_code = 0 if root is None and stopped_by is None else (130 if stopped_by else 1)

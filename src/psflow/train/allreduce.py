@@ -291,6 +291,7 @@ class AllReduceTrainer(TrainerBase):
         n = batch_size if batch_size is not None else batch_examples(batch, batches)
         self.examples += n or 0
         self.train_time_s += time.perf_counter() - t0
+        self._report_progress(loss)
         return loss
 
     @torch.no_grad()

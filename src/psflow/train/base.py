@@ -7,6 +7,7 @@ builds the towers for multi-device replicas and zeroes the counters; ``Trainer``
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
@@ -17,6 +18,9 @@ from psflow.errors import ConfigError
 from psflow.fault import parse_faults
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.train.towers import Towers
+
+
+PROGRESS_EVERY_S = 1.0  # how often a trainer sends its counters to the launcher's live status
 
 
 class TrainerBase:
@@ -60,7 +64,20 @@ class TrainerBase:
         self.examples = 0
         self.train_time_s = 0.0
         self.compute_s = 0.0
+        self._progress_at: float | None = None
         self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._ready = False
         self._closed = False
         self._faults = parse_faults(getattr(task, "fail_at", None))
+
+    def _report_progress(self, loss: float) -> None:
+        """After a step, at most every PROGRESS_EVERY_S: the counters and the loss, to the launcher."""
+        now = time.monotonic()
+        if self._progress_at is not None and now - self._progress_at < PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        send = getattr(self.task, "report_progress", None)  # tasks without a launcher: a no-op there
+        if send is not None:
+            send(global_step=self.global_step, local_step=self.local_step, examples=self.examples,
+                 examples_per_sec=round(self.examples / self.train_time_s, 1) if self.train_time_s else 0.0,
+                 loss=float(loss))

@@ -240,6 +240,7 @@ class Trainer(TrainerBase):
         if batch_size is not None:
             self.examples += batch_size
         self.train_time_s += time.perf_counter() - t0
+        self._report_progress(value)
         return value
 
     def _grads(self, shard: int) -> list[tuple[str, torch.Tensor]]:

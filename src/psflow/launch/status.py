@@ -1,0 +1,159 @@
+"""The live state of a run: kept by the launcher, written to ``LOGDIR/status.json``, shown as a table.
+
+Owns: every task's state (``starting`` -> ``running`` once registered -> ``exited`` with its code),
+pid, address and last progress report (global step, local step, examples, examples/sec, loss), and
+the run's state (``running`` -> ``succeeded`` | ``failed`` | ``stopped``). Updates are pure and
+under a lock (they come from the launcher's threads); :meth:`RunStatus.write` publishes the whole
+state atomically (temporary file + rename), at most every ``min_interval_s`` unless forced, so a
+reader — ``psflow status``, a dashboard, a test — never sees half a file.
+
+:func:`render` turns a status dict into a rich table: the launcher's live display on a terminal,
+and ``psflow status LOGDIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+STATUS_FILE = "status.json"
+_PROGRESS_KEYS = ("global_step", "local_step", "examples", "examples_per_sec", "loss", "time_unix")
+
+
+class RunStatus:
+    """The launcher's view of a run, for ``status.json`` and the live table."""
+
+    def __init__(self, run_id: str, tasks: Sequence[str], logdir: str | os.PathLike[str], *,
+                 mode: str = "async", strategy: str = "ps", min_interval_s: float = 0.5) -> None:
+        self.path = Path(logdir) / STATUS_FILE
+        self.min_interval_s = min_interval_s
+        self._lock = threading.Lock()
+        self._written = 0.0
+        self._dirty = True
+        self._state: dict[str, Any] = {
+            "run_id": run_id,
+            "state": "running",
+            "mode": mode,
+            "strategy": strategy,
+            "started_unix": time.time(),
+            "updated_unix": time.time(),
+            "tasks": {t: {"state": "starting", "pid": None, "address": None, "exit_code": None, "progress": {}}
+                      for t in tasks},
+        }
+
+    # -- updates (any thread) ------------------------------------------------------------------
+    def started(self, task: str, pid: int) -> None:
+        self._update(task, pid=pid)
+
+    def on_event(self, kind: str, data: dict[str, Any]) -> None:
+        """The coordinator's events: ``registered`` (a task is up) and ``report`` (its metrics)."""
+        task = str(data.get("task"))
+        if kind == "registered":
+            self._update(task, state="running", address=data.get("address"))
+        elif kind == "report":
+            metrics = data.get("metrics") or {}
+            # Live progress from trainers; at the end, a trainer's final stats or a ps's global step.
+            for key in ("progress", "trainer"):
+                if isinstance(metrics.get(key), dict):
+                    self._progress(task, metrics[key])
+            if isinstance(metrics.get("global_step"), int):
+                self._progress(task, {"global_step": metrics["global_step"]})
+
+    def exited(self, task: str, code: int) -> None:
+        self._update(task, state="exited", exit_code=code)
+        self.write(force=True)
+
+    def finished(self, state: str) -> None:
+        with self._lock:
+            self._state["state"] = state
+            self._dirty = True
+        self.write(force=True)
+
+    def _progress(self, task: str, figures: dict[str, Any]) -> None:
+        self._update(task, progress={k: figures[k] for k in _PROGRESS_KEYS if k in figures})
+
+    def _update(self, task: str, *, progress: dict[str, Any] | None = None, **fields: Any) -> None:
+        with self._lock:
+            entry = self._state["tasks"].get(task)
+            if entry is None:
+                return
+            entry.update(fields)
+            entry["progress"].update(progress or {})
+            self._state["updated_unix"] = time.time()
+            self._dirty = True
+        self.write()
+
+    # -- reading and publishing -------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of the state, with the run's headline figures (see :func:`headline`)."""
+        with self._lock:
+            state = json.loads(json.dumps(self._state))
+        state.update(headline(state))
+        return state
+
+    def write(self, *, force: bool = False) -> None:
+        """Publish ``status.json`` atomically. Unless forced, only if something changed since the last
+        write and that write is ``min_interval_s`` old: call it periodically too, so that the last
+        change of a quiet spell is published."""
+        now = time.monotonic()
+        with self._lock:
+            if not force and (not self._dirty or now - self._written < self.min_interval_s):
+                return
+            self._written, self._dirty = now, False
+        state = self.snapshot()
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            tmp.write_text(json.dumps(state, indent=1))
+            os.replace(tmp, self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # the log directory went away: the run's own output still shows it
+
+
+def headline(state: dict[str, Any]) -> dict[str, Any]:
+    """The run's figures from its tasks' last progress: the job's global step (the largest any
+    task reported), the sum of the tasks' last examples/sec, the number of running tasks."""
+    tasks = state.get("tasks", {})
+    progress = [t.get("progress") or {} for t in tasks.values()]
+    steps = [p["global_step"] for p in progress if isinstance(p.get("global_step"), int)]
+    rates = [float(p["examples_per_sec"]) for p in progress if isinstance(p.get("examples_per_sec"), (int, float))]
+    return {
+        "global_step": max(steps, default=0),
+        "examples_per_sec": round(sum(rates), 1),
+        "running": sum(1 for t in tasks.values() if t.get("state") == "running"),
+    }
+
+
+def read_status(logdir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read ``LOGDIR/status.json`` (raises FileNotFoundError or json.JSONDecodeError)."""
+    return json.loads((Path(logdir) / STATUS_FILE).read_text())
+
+
+def render(state: dict[str, Any]) -> Any:
+    """A rich Table of the run: one row per task, the headline in the title."""
+    from rich.table import Table
+    from rich.text import Text
+
+    title = (f"psflow run {state.get('run_id')} ({state.get('state')}, {state.get('mode')}): global step "
+             f"{state.get('global_step', 0):,}, {state.get('examples_per_sec', 0):,.0f} examples/s")
+    table = Table(title=Text(title), title_justify="left", expand=False)  # Text: no rich markup in names
+    for col in ("task", "state", "pid", "global step", "local step", "examples/s", "loss"):
+        table.add_column(col, justify="left" if col in ("task", "state") else "right")
+    for name, t in state.get("tasks", {}).items():
+        p = t.get("progress") or {}
+        code = t.get("exit_code")
+        shown = t.get("state", "?") if code is None else ("done" if code == 0 else f"exit {code}")
+        table.add_row(
+            name,
+            shown,
+            str(t.get("pid") or ""),
+            f"{p['global_step']:,}" if "global_step" in p else "",
+            f"{p['local_step']:,}" if "local_step" in p else "",
+            f"{p['examples_per_sec']:,.0f}" if "examples_per_sec" in p else "",
+            f"{p['loss']:.4g}" if isinstance(p.get("loss"), (int, float)) else "",
+        )
+    return table

@@ -1,0 +1,79 @@
+"""Unit tests of psflow.launch.status: the run's live state, status.json and its table."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+
+from psflow.launch.status import RunStatus, headline, read_status, render
+
+TASKS = ["ps:0", "worker:0", "worker:1"]
+
+
+def _status(tmp_path, **kw) -> RunStatus:
+    return RunStatus("run-1", TASKS, tmp_path, mode="sync", **kw)
+
+
+def test_tasks_go_from_starting_to_running_to_exited_and_the_file_follows(tmp_path):
+    st = _status(tmp_path, min_interval_s=0.0)
+    assert [t["state"] for t in st.snapshot()["tasks"].values()] == ["starting"] * 3
+    st.started("worker:0", 101)
+    st.on_event("registered", {"task": "worker:0", "address": "127.0.0.1:5000"})
+    st.on_event("report", {"task": "worker:0", "metrics": {"progress": {
+        "global_step": 7, "local_step": 4, "examples": 400, "examples_per_sec": 1234.5, "loss": 0.5, "junk": 1}}})
+    on_disk = read_status(tmp_path)
+    w0 = on_disk["tasks"]["worker:0"]
+    assert (w0["state"], w0["pid"], w0["address"]) == ("running", 101, "127.0.0.1:5000")
+    assert w0["progress"] == {"global_step": 7, "local_step": 4, "examples": 400, "examples_per_sec": 1234.5, "loss": 0.5}
+    assert on_disk["global_step"] == 7 and on_disk["running"] == 1 and on_disk["mode"] == "sync"
+    st.exited("worker:0", 0)
+    st.finished("succeeded")
+    on_disk = read_status(tmp_path)
+    assert on_disk["state"] == "succeeded"
+    assert on_disk["tasks"]["worker:0"]["state"] == "exited" and on_disk["tasks"]["worker:0"]["exit_code"] == 0
+
+
+def test_final_reports_update_progress_and_unknown_tasks_are_ignored(tmp_path):
+    st = _status(tmp_path)
+    st.on_event("report", {"task": "worker:1", "metrics": {"trainer": {"global_step": 90, "local_step": 45, "mode": "sync"}}})
+    st.on_event("report", {"task": "ps:0", "metrics": {"global_step": 91, "ps_stats": {"pushes": 3}}})
+    st.on_event("report", {"task": "worker:9", "metrics": {"progress": {"global_step": 10**6}}})
+    snap = st.snapshot()
+    assert snap["tasks"]["worker:1"]["progress"] == {"global_step": 90, "local_step": 45}
+    assert snap["tasks"]["ps:0"]["progress"] == {"global_step": 91}
+    assert "worker:9" not in snap["tasks"] and snap["global_step"] == 91
+
+
+def test_writes_are_throttled_but_the_last_change_is_published_by_a_later_call(tmp_path):
+    st = _status(tmp_path, min_interval_s=3600.0)
+    st.started("ps:0", 5)  # the first write goes out
+    assert read_status(tmp_path)["tasks"]["ps:0"]["pid"] == 5
+    st.started("ps:0", 6)  # within the interval: not written yet
+    assert read_status(tmp_path)["tasks"]["ps:0"]["pid"] == 5
+    st.write(force=True)
+    assert read_status(tmp_path)["tasks"]["ps:0"]["pid"] == 6
+    assert not list(tmp_path.glob(".status.json.*"))  # no temporary file left behind
+
+
+def test_headline_sums_rates_and_takes_the_largest_step():
+    state = {"tasks": {
+        "worker:0": {"state": "running", "progress": {"global_step": 10, "examples_per_sec": 100.0}},
+        "worker:1": {"state": "exited", "progress": {"global_step": 12, "examples_per_sec": 50}},
+        "ps:0": {"state": "running", "progress": {}},
+    }}
+    assert headline(state) == {"global_step": 12, "examples_per_sec": 150.0, "running": 2}
+
+
+def test_render_shows_every_task_and_does_not_read_names_as_markup(tmp_path):
+    st = _status(tmp_path)
+    st.on_event("report", {"task": "worker:1", "metrics": {"progress": {"global_step": 1500, "loss": 0.25}}})
+    st.exited("ps:0", 0)
+    st.exited("worker:0", -15)
+    buf = io.StringIO()
+    Console(file=buf, width=140, color_system=None).print(render(st.snapshot()))
+    out = buf.getvalue()
+    assert "psflow run run-1 (running, sync): global step 1,500" in out
+    assert "done" in out and "exit -15" in out and "starting" in out and "0.25" in out
+    json.dumps(st.snapshot())  # the state stays plain JSON
