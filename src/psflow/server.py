@@ -83,6 +83,9 @@ class Server:
         self.refused = 0  # connections or frames refused (auth, malformed, unknown op)
         self._lsock: socket.socket | None = None
         self._conns: set[Connection] = set()
+        self._peer_conns: dict[str, int] = {}  # authenticated task id -> its open connections
+        # Called (from a connection thread) with a task id when its last connection closes.
+        self.on_peer_gone: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self.register(Op.PING, lambda req: Reply({"task": self.task}))
@@ -172,10 +175,21 @@ class Server:
                 return
             except TransportError:
                 return
-            cache: dict[str, torch.Tensor] = {}
-            while not self._stopped.is_set():
-                if not self._serve_one(conn, cache):
-                    return
+            with self._lock:
+                self._peer_conns[conn.peer] = self._peer_conns.get(conn.peer, 0) + 1
+            try:
+                cache: dict[str, torch.Tensor] = {}
+                while not self._stopped.is_set():
+                    if not self._serve_one(conn, cache):
+                        return
+            finally:
+                with self._lock:
+                    self._peer_conns[conn.peer] -= 1
+                    gone = self._peer_conns[conn.peer] == 0
+                    if gone:
+                        del self._peer_conns[conn.peer]
+                if gone and self.on_peer_gone is not None:
+                    self.on_peer_gone(conn.peer)
         finally:
             with self._lock:
                 self._conns.discard(conn)

@@ -165,7 +165,8 @@ class Task:
         finally:
             if in_main:
                 signal.signal(signal.SIGTERM, previous)
-        self.report(ps_stats=self.ps_service.store.stats.to_dict(), global_step=self.ps_service.store.version)
+        store = self.ps_service.store
+        self.report(ps_stats=store.stats.to_dict(), global_step=store.version, lost_workers=sorted(store.lost_workers))
         self.finish()
 
     def report(self, **metrics: Any) -> None:

@@ -470,3 +470,22 @@ def test_back_to_back_frames_cut_anywhere_arrive_whole_and_in_order(sizes: list[
                 assert torch.equal(got.tensors[name], t)
         sender.join(WAIT_S)
         assert not sender.is_alive()
+
+
+def test_peer_gone_fires_once_per_task_after_its_last_connection_closes(make_server: MakeServer) -> None:
+    srv = make_server()
+    gone: list[str] = []
+    event = threading.Event()
+    srv.on_peer_gone = lambda peer: (gone.append(peer), event.set())
+    a1, a2, b = client(srv, "worker:1"), client(srv, "worker:1"), client(srv, "worker:2")
+    for c in (a1, a2, b):
+        c.request(ECHO, timeout_s=WAIT_S)  # each connection is past its handshake and served
+    a1.close()
+    b.close()
+    assert event.wait(WAIT_S)
+    a2.request(ECHO, timeout_s=WAIT_S)  # worker:1 still has a connection: not gone
+    assert gone == ["worker:2"]
+    event.clear()
+    a2.close()
+    assert event.wait(WAIT_S)
+    assert gone == ["worker:2", "worker:1"]

@@ -270,6 +270,87 @@ def test_worker_done_lowers_the_quorum() -> None:
     assert st["stats"]["stale_dropped"] == 0 and st["done_workers"] == [0, 1]
 
 
+def test_a_lost_worker_without_backups_fails_the_step_at_once_naming_it() -> None:
+    """N = M = 2: worker:1's connections close without PS_DONE (what SIGKILL does). worker:0's next
+    step fails with the lost worker's name at once, not after sync_timeout_s (60 s here)."""
+    cfg = TrainConfig(mode="sync", sync_timeout_s=60.0)
+    batches = make_batches(2, 1)[0]
+    with InprocCluster(1, 2, cfg) as c:
+        models = [make_model() for _ in range(2)]
+        trainers = [c.trainer(w, models[w], optim.SGD(lr=0.1)) for w in range(2)]
+        start_all(trainers)
+
+        def dies() -> None:
+            for _ in range(2):
+                trainers[1].step(loss_fn(models[1], batches[1]))
+            trainers[1].client.close()
+
+        def keeps_going() -> None:
+            for _ in range(STEPS):
+                trainers[0].step(loss_fn(models[0], batches[0]))
+
+        with pytest.raises((TrainingError, RemoteError)) as err:
+            run_threads([keeps_going, dies], timeout_s=WAIT_S)  # WAIT_S (8 s) < sync_timeout_s
+        (st,) = c.status()
+    msg = str(err.value)
+    assert "worker:1 lost its connection to ps shard 0" in msg and "backup workers" in msg, msg
+    assert st["lost_workers"] == [1] and st["done_workers"] == []
+
+
+def test_a_lost_worker_with_backups_no_longer_counts_once_the_others_finish_at_different_times() -> None:
+    """N = 2 of M = 3: worker:2 dies after 2 steps; worker:0 finishes after 6 steps (PS_DONE);
+    worker:1 goes on to 12 steps alone. Without knowing worker:2 is gone, worker:1 would wait for a
+    second gradient until the deadline."""
+    cfg = TrainConfig(mode="sync", replicas_to_aggregate=2, total_num_replicas=3, sync_timeout_s=60.0)
+    batches = make_batches(3, 1)[0]
+    with InprocCluster(1, 3, cfg) as c:
+        models = [make_model() for _ in range(3)]
+        trainers = [c.trainer(w, models[w], optim.SGD(lr=0.1)) for w in range(3)]
+        start_all(trainers)
+        died = threading.Event()
+
+        def dies() -> int:
+            for _ in range(2):
+                trainers[2].step(loss_fn(models[2], batches[2]))
+            trainers[2].client.close()
+            died.set()
+            return trainers[2].local_step
+
+        def works(w: int, steps: int) -> int:
+            for i in range(steps):
+                if i == 3:
+                    assert died.wait(WAIT_S)  # the death happens mid-run, before anyone finishes
+                trainers[w].step(loss_fn(models[w], batches[w]))
+            trainers[w].close()
+            return trainers[w].local_step
+
+        assert run_threads([lambda: works(0, 6), lambda: works(1, 12), dies], timeout_s=WAIT_S) == [6, 12, 2]
+        (st,) = c.status()
+    assert st["done_workers"] == [0, 1] and st["lost_workers"] == [2]
+
+
+def test_ssp_goes_on_when_the_slowest_worker_is_lost() -> None:
+    """staleness 1: worker:1 dies at clock 1; worker:0 runs 8 steps ahead without waiting for it."""
+    cfg = TrainConfig(mode="ssp", staleness=1, sync_timeout_s=60.0)
+    batches = make_batches(2, 1)[0]
+    with InprocCluster(1, 2, cfg) as c:
+        models = [make_model() for _ in range(2)]
+        trainers = [c.trainer(w, models[w], optim.SGD(lr=0.1)) for w in range(2)]
+        start_all(trainers)
+        trainers[1].step(loss_fn(models[1], batches[1]))
+        trainers[1].client.close()
+
+        def runs_ahead() -> int:
+            for _ in range(8):
+                trainers[0].step(loss_fn(models[0], batches[0]))
+            trainers[0].close()
+            return trainers[0].local_step
+
+        assert run_threads([runs_ahead], timeout_s=WAIT_S) == [8]
+        (st,) = c.status()
+    assert st["lost_workers"] == [1]
+
+
 def test_evaluation_pull_between_sync_steps_does_not_stall() -> None:
     """A worker that reads the newest parameters mid-training (e.g. to evaluate) keeps its sync step."""
     cfg = TrainConfig(mode="sync", sync_timeout_s=WAIT_S)

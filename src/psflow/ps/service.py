@@ -52,6 +52,8 @@ class PsService:
         self.shard = shard
         self.store = ParameterStore(shard, num_workers)
         self._shutdown = threading.Event()
+        self._peer_worker: dict[str, int] = {}  # authenticated task id -> the worker index it pushes as
+        server.on_peer_gone = self._peer_gone
         self.on_save: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         routes = {
             Op.PS_INIT: self._init,
@@ -121,8 +123,16 @@ class PsService:
         )
         return Reply({"version": version}, list(values.items()))
 
+    def _peer_gone(self, peer: str) -> None:
+        """The server's callback: ``peer``'s last connection closed. A worker that never said
+        PS_DONE is lost (see ParameterStore.worker_lost)."""
+        worker = self._peer_worker.get(peer)
+        if worker is not None:
+            self.store.worker_lost(worker)
+
     def _push(self, req: Request) -> Reply:
         version = int(req.meta.get("version", 0))
+        self._peer_worker[req.peer] = int(req.meta["worker"])
         result = self.store.push(int(req.meta["worker"]), version, req.tensors)
         if not req.meta.get("pull"):
             return Reply(result)
@@ -136,6 +146,7 @@ class PsService:
         return Reply({**result, "version": current}, list(values.items()))
 
     def _clock(self, req: Request) -> Reply:
+        self._peer_worker[req.peer] = int(req.meta["worker"])
         slowest = self.store.clock(
             int(req.meta["worker"]), int(req.meta["clock"]), timeout_s=float(req.meta.get("timeout_s", 60.0))
         )
@@ -154,6 +165,7 @@ class PsService:
             "initialized": s.initialized,
             "version": s.version,
             "done_workers": sorted(s.done_workers),
+            "lost_workers": sorted(s.lost_workers),
             "stats": s.stats.to_dict(),
         }
         if req.meta.get("clock_log"):

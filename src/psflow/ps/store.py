@@ -65,6 +65,9 @@ class ParameterStore:
         self.meta: dict[str, Any] = {}
         self.stats = StoreStats()
         self.done_workers: set[int] = set()
+        # Workers whose connections closed without PS_DONE (killed, crashed): not waited for where
+        # backups allow it; a sync step without backups fails at once, naming them. A push clears it.
+        self.lost_workers: set[int] = set()
         self._optimizer: torch.optim.Optimizer | None = None
         self._keys: list[str] = []
         self._base_lr = 0.0
@@ -130,7 +133,11 @@ class ParameterStore:
         self._require_init()
         with self._cond:
             if self.version < min_version:
-                self._wait(lambda: self.version >= min_version, timeout_s, lambda: self._sync_wait_error(min_version, timeout_s))
+                fatal = lambda: self.config.mode == "sync" and bool(self.lost_workers) and not self._has_backups()  # noqa: E731
+                self._wait(lambda: self.version >= min_version or fatal(), timeout_s,
+                           lambda: self._sync_wait_error(min_version, timeout_s))
+                if self.version < min_version:
+                    raise self._lost_error()
             src = self._ema.shadow() if (averages and self._ema) else self.values
             if self.config.mode == "async" and not averages:
                 # Hogwild reads, as TensorFlow's default (use_locking=False): no copy on the hot path.
@@ -144,6 +151,7 @@ class ParameterStore:
         self._check_grads(grads)
         with self._cond:
             self.stats.pushes += 1
+            self.lost_workers.discard(worker)  # back (a restarted worker)
             if self.config.mode != "sync":
                 self._apply(grads)
                 return {"version": self.version, "applied": True}
@@ -169,8 +177,23 @@ class ParameterStore:
 
     def _needed(self) -> int:
         n = self.config.replicas_to_aggregate or self.num_workers
-        live = self.num_workers - len(self.done_workers)
-        return max(1, min(n, live))
+        # Finished workers lower the quorum; lost ones only where backups stand in for them (without
+        # backups a step never goes on without a worker that did not finish: it fails, naming it).
+        gone = self.done_workers | self.lost_workers if self._has_backups() else self.done_workers
+        return max(1, min(n, self.num_workers - len(gone)))
+
+    def _has_backups(self) -> bool:
+        return (self.config.replicas_to_aggregate or self.num_workers) < (self.config.total_num_replicas or self.num_workers)
+
+    def _lost_error(self) -> TrainingError:
+        names = ", ".join(f"worker:{w}" for w in sorted(self.lost_workers))
+        n = self.config.replicas_to_aggregate or self.num_workers
+        return TrainingError(
+            f"{names} lost its connection to ps shard {self.shard} without finishing (killed or crashed?), and sync "
+            f"training without backup workers (replicas_to_aggregate = total_num_replicas = {n}) cannot take a step "
+            "without it. Restart the run (it resumes from the last checkpoint under a Supervisor), or give it backup "
+            "workers (total_num_replicas > replicas_to_aggregate) so that steps go on without a lost worker."
+        )
 
     def _maybe_complete_step(self) -> None:
         if not self._pending or len(self._pending) < self._needed():
@@ -184,7 +207,7 @@ class ParameterStore:
         for g in total.values():
             g.div_(n)
         m = self.config.total_num_replicas or self.num_workers
-        if n < m - len(self.done_workers):
+        if n < m - len(self.done_workers):  # lost workers count as missing here
             self.stats.steps_without_all += 1
         self._pending.clear()
         self._apply(total)
@@ -213,8 +236,9 @@ class ParameterStore:
             self._cond.notify_all()
 
             def slowest() -> int:
-                live = [c for w, c in self._clocks.items() if w not in self.done_workers]
-                missing = self.num_workers - len(self.done_workers) - len(live)
+                gone = self.done_workers | self.lost_workers
+                live = [c for w, c in self._clocks.items() if w not in gone]
+                missing = self.num_workers - len(gone) - len(live)
                 return 0 if missing > 0 else min(live, default=clock)
 
             self._wait(
@@ -236,6 +260,20 @@ class ParameterStore:
             self._clocks.pop(worker, None)
             if self.config.mode == "sync":
                 # Fewer live workers lower the number a step needs; the step may now be complete.
+                self._maybe_complete_step()
+            self._cond.notify_all()
+
+    def worker_lost(self, worker: int) -> None:
+        """``worker``'s connections closed without PS_DONE: stop waiting for it where the mode allows
+        (async: nothing to do; ssp: it no longer holds the others back; sync with backups: steps
+        need one gradient fewer; sync without backups: waiting steps fail, naming it)."""
+        with self._cond:
+            if worker in self.done_workers:
+                return
+            self.lost_workers.add(worker)
+            self._clocks.pop(worker, None)
+            if self.config.mode == "sync" and self._initialized:
+                self._pending.pop(worker, None)
                 self._maybe_complete_step()
             self._cond.notify_all()
 
@@ -291,7 +329,7 @@ class ParameterStore:
             raise error()
 
     def _sync_wait_error(self, min_version: int, timeout_s: float) -> TrainingError:
-        expected = set(range(self.config.total_num_replicas or self.num_workers)) - self.done_workers
+        expected = set(range(self.config.total_num_replicas or self.num_workers)) - self.done_workers - self.lost_workers
         missing = sorted(expected - set(self._pending))
         names = ", ".join(f"worker:{w}" for w in missing) or "none"
         n = self._needed()
