@@ -156,7 +156,15 @@ class Task:
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, on_term) if in_main else None
         try:
-            service.join(timeout_s)
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            store = service.store
+            # Serve; about once a second tell the launcher's live status where the job is.
+            while not service.join(1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))):
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                if store.initialized:
+                    self.report_progress(global_step=store.version, pushes=store.stats.pushes,
+                                         stale_dropped=store.stats.stale_dropped)
             # The PS_DONE that ended the job may still be being answered: let the workers hang up
             # before the server stops, or the last one would read a closed connection, not its reply.
             deadline = time.monotonic() + 2.0

@@ -105,7 +105,7 @@ def test_sigterm_to_the_launcher_stops_every_task(tmp_path):
 
 
 def _wait_for_live_progress(logdir: Path, deadline_s: float) -> dict:
-    """Poll status.json (bounded by the deadline) until both workers have reported progress."""
+    """Poll status.json (bounded by the deadline) until the ps and both workers have reported progress."""
     end = time.monotonic() + deadline_s
     state: dict = {}
     while time.monotonic() < end:
@@ -114,10 +114,10 @@ def _wait_for_live_progress(logdir: Path, deadline_s: float) -> dict:
         except (OSError, ValueError):
             state = {}
         tasks = state.get("tasks", {})
-        if all(tasks.get(w, {}).get("progress", {}).get("global_step", 0) > 0 for w in ("worker:0", "worker:1")):
+        if all(tasks.get(w, {}).get("progress", {}).get("global_step", 0) > 0 for w in ("ps:0", "worker:0", "worker:1")):
             return state
         time.sleep(0.05)  # polling a file another process writes, bounded by the deadline
-    raise AssertionError(f"no live progress from both workers within {deadline_s} s: {state}")
+    raise AssertionError(f"no live progress from every task within {deadline_s} s: {state}")
 
 
 def _by_hand(procs, ports, job, index, extra_env=None, args=("--epochs", "1", "--init", "zeros")):

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 STATUS_FILE = "status.json"
-_PROGRESS_KEYS = ("global_step", "local_step", "examples", "examples_per_sec", "loss", "time_unix")
+# Trainers report the first six; a ps reports global_step, pushes and stale_dropped.
+_PROGRESS_KEYS = ("global_step", "local_step", "examples", "examples_per_sec", "loss", "time_unix", "pushes", "stale_dropped")
 
 
 class RunStatus:
