@@ -116,26 +116,7 @@ class LocalBackend(Backend):
                     log_file = open(logdir / "logs" / f"{tp.file_stem}.log", "w")
                     threading.Thread(target=self._pump, args=(tp.task, p.stdout, log_file, _COLORS[i % len(_COLORS)]), daemon=True).start()
                     threading.Thread(target=lambda t=tp.task, p=p: exits.put((t, p.wait())), daemon=True).start()
-                trainers = [t.task for t in plan.tasks if t.job in ("chief", "worker")]
-                ps_deadline: float | None = None
-                while len(codes) < len(procs):
-                    try:
-                        task, code = exits.get(timeout=0.5)
-                    except queue.Empty:
-                        status.write()  # publish the last changes of a quiet spell
-                        if ps_deadline is not None and time.monotonic() > ps_deadline:
-                            left = [t for t in procs if t not in codes]
-                            self.echo(click.style(f"psflow: {', '.join(left)} did not exit {plan.ps_exit_timeout_s:.0f} s after the workers finished; stopping them.", fg="yellow"))
-                            self._stop_all(procs, codes, plan.grace_s)
-                            ps_deadline = None
-                        continue
-                    codes[task] = code
-                    status.exited(task, code)
-                    if code != 0 and root is None and stopped_by is None:
-                        root = task
-                        self._stop_all(procs, codes, plan.grace_s)
-                    if ps_deadline is None and all(codes.get(t) == 0 for t in trainers):
-                        ps_deadline = time.monotonic() + plan.ps_exit_timeout_s
+                root = self._watch(plan, procs, exits, codes, status)
             except (KeyboardInterrupt, _Stop) as e:
                 stopped_by = "SIGTERM" if isinstance(e, _Stop) else "Ctrl-C"
                 self.echo(click.style(f"psflow: {stopped_by}: stopping every task (SIGTERM, then SIGKILL after {plan.grace_s:.0f} s)", fg="yellow"))
@@ -164,6 +145,35 @@ class LocalBackend(Backend):
         return RunResult(exit_code, summary, root)
 
     # -- helpers ---------------------------------------------------------------------------
+    def _watch(self, plan: LaunchPlan, procs: dict[str, Any], exits: queue.Queue[tuple[str, int]],
+               codes: dict[str, int], status: RunStatus) -> str | None:
+        """Record exits until every task has exited. The first training task to fail stops the
+        others (its name is returned); once the training tasks are done, ps tasks get
+        ``ps_exit_timeout_s`` to exit by themselves."""
+        root: str | None = None
+        trainers = [t.task for t in plan.tasks if t.job in ("chief", "worker")]
+        ps_deadline: float | None = None
+        while len(codes) < len(procs):
+            try:
+                task, code = exits.get(timeout=0.5)
+            except queue.Empty:
+                status.write()  # publish the last changes of a quiet spell
+                if ps_deadline is not None and time.monotonic() > ps_deadline:
+                    left = [t for t in procs if t not in codes]
+                    self.echo(click.style(f"psflow: {', '.join(left)} did not exit {plan.ps_exit_timeout_s:.0f} s after "
+                                          "the workers finished; stopping them.", fg="yellow"))
+                    self._stop_all(procs, codes, plan.grace_s)
+                    ps_deadline = None
+                continue
+            codes[task] = code
+            status.exited(task, code)
+            if code != 0 and root is None:
+                root = task
+                self._stop_all(procs, codes, plan.grace_s)
+            if ps_deadline is None and all(codes.get(t) == 0 for t in trainers):
+                ps_deadline = time.monotonic() + plan.ps_exit_timeout_s
+        return root
+
     def _start_fork_server(self, plan: LaunchPlan) -> ForkServer | None:
         """The fork server, once it has imported torch; None (fresh processes) where it cannot run."""
         if not plan.tasks or not hasattr(os, "pidfd_open") or not hasattr(socket, "send_fds"):
