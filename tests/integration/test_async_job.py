@@ -269,3 +269,23 @@ def test_on_a_terminal_the_launcher_keeps_a_live_table_of_the_tasks(tmp_path):
     assert "global step" in out and "examples/s" in out  # the table's header
     assert "[worker:0] worker=0, final accuracy" in out  # the tasks' output still comes through
     assert "(succeeded, async)" in out  # the final table
+
+
+def test_a_killed_ps_is_the_root_cause_and_the_summary_keeps_the_last_global_step(tmp_path):
+    logdir = tmp_path / "pskill"
+    p = subprocess.Popen([PSFLOW, "run", "--ps", "1", "--workers", "2", "--logdir", str(logdir), SOFTMAX, "--",
+                          "--epochs", "200", "--init", "zeros", "--print_every", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=task_env(), cwd=ROOT)
+    try:
+        live = _wait_for_live_progress(logdir, deadline_s=120)
+        os.kill(live["tasks"]["ps:0"]["pid"], signal.SIGKILL)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, out[-3000:]
+    assert "Root cause: ps:0 exited with code -9" in out
+    s = read_summary(logdir)
+    assert s["status"] == "failed" and s["root_cause"] == "ps:0"
+    assert s["global_step"] >= live["global_step"] > 0  # from the live progress: no final reports came
+    assert not any(pid_alive(t["pid"]) for t in s["tasks"])

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import secrets
 import signal
 import socket
@@ -86,7 +87,7 @@ class LocalBackend(Backend):
         logdir = Path(plan.logdir)
         (logdir / "logs").mkdir(parents=True, exist_ok=True)
         (logdir / "errors").mkdir(parents=True, exist_ok=True)
-        for stale in (logdir / "errors").glob("*.json"):
+        for stale in (logdir / "errors").glob("*.json*"):  # reports (and temporaries) of an earlier run
             stale.unlink()
         secret = secrets.token_hex(32).encode()
         secret_file = logdir / ".secret"
@@ -260,13 +261,24 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 
 def _earliest_failure(plan: LaunchPlan, codes: dict[str, int], first_exit: str) -> str:
     """The root cause is the task whose error report is oldest, not the first exit noticed: a peer
-    that lost its connection to the failing task may exit before the failing task finishes exiting."""
+    that lost its connection to the failing task may exit before the failing task finishes exiting.
+    And a task that failed only because it lost its connection to another task (a TransportError
+    naming it) points at that task when it died without a report of its own (killed: SIGKILL, OOM)."""
     times = {}
     for task in codes:
         report = _error_report(plan, task)
         if report and isinstance(report.get("time_unix"), (int, float)):
             times[task] = report["time_unix"]
-    return min(times, key=times.__getitem__) if times else first_exit
+    if not times:
+        return first_exit
+    root = min(times, key=times.__getitem__)
+    report = _error_report(plan, root) or {}
+    if report.get("exception") == "TransportError":
+        message = str(report.get("message", ""))
+        for task in plan.task_names():
+            if task != root and task not in times and codes.get(task, 0) != 0 and re.search(rf"{re.escape(task)}(?!\d)", message):
+                return task
+    return root
 
 
 def _error_report(plan: LaunchPlan, task: str) -> dict[str, Any] | None:
@@ -295,6 +307,8 @@ def build_summary(
     train_s = max((s.get("train_time_s", 0.0) for s in trainer_stats), default=0.0)
     steps = [r.get("global_step") for r in reports.values() if isinstance(r.get("global_step"), int)]
     steps += [s.get("global_step", 0) for s in trainer_stats]
+    # A run cut short (a task killed) has no final reports: its last live progress still counts.
+    steps += [r["progress"].get("global_step", 0) for r in reports.values() if isinstance(r.get("progress"), dict)]
     accs = {t: r["test_accuracy"] for t, r in reports.items() if "test_accuracy" in r}
     chief = next((t for t in plan.task_names() if t.startswith(("chief", "worker"))), None)
     ps_stats = {t: r["ps_stats"] for t, r in reports.items() if "ps_stats" in r}
