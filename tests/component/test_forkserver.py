@@ -81,6 +81,12 @@ def test_exit_codes_exceptions_and_signals_end_the_task_as_in_a_fresh_interprete
     assert task.wait(WAIT_S) == -signal.SIGTERM
 
 
+def test_tasks_that_exit_at_once_are_all_seen_exiting(server, tmp_path):
+    script = _script(tmp_path, "import os\nos._exit(4)\n")
+    tasks = [server.spawn([sys.executable, "-u", script], dict(os.environ), os.getcwd()) for _ in range(10)]
+    assert [t.wait(WAIT_S) for t in tasks] == [4] * 10
+
+
 def test_atexit_handlers_of_the_script_run(server, tmp_path):
     code, out, _ = _run(server, _script(tmp_path, "import atexit\natexit.register(lambda: print('bye', flush=True))\n"))
     assert code == 0 and "bye" in out

@@ -221,6 +221,7 @@ class ForkServer:
             if log is not subprocess.DEVNULL:
                 log.close()
         self._tasks: dict[int, ForkedTask] = {}
+        self._early_exits: dict[int, int] = {}
         self._replies: list[dict[str, Any]] = []
         self._cond = threading.Condition()
         self._ready = False
@@ -245,9 +246,12 @@ class ForkServer:
                 if "ready" in message:
                     self._ready = True
                 elif "exit" in message:
-                    task = self._tasks.get(int(message["exit"]))
+                    pid, code = int(message["exit"]), int(message["code"])
+                    task = self._tasks.get(pid)
                     if task is not None:
-                        task._exited(int(message["code"]))
+                        task._exited(code)
+                    else:  # exited before spawn() registered it (a task that dies at once)
+                        self._early_exits[pid] = code
                 else:
                     self._replies.append(message)
                 self._cond.notify_all()
@@ -286,6 +290,8 @@ class ForkServer:
                 raise OSError(f"the fork server refused a spawn request: {reply['error']}")
             task = ForkedTask(int(reply["spawned"]), argv, os.fdopen(r, "r", buffering=1), self)
             self._tasks[task.pid] = task
+            if task.pid in self._early_exits:
+                task._exited(self._early_exits.pop(task.pid))
         return task
 
     def close(self, timeout_s: float = 10.0) -> None:
