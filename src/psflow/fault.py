@@ -13,6 +13,7 @@ Example: ``psflow run --fail-at worker:1@step=30:kill ...``, ``--fail-at ps:0@sa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -91,10 +92,9 @@ def crashing_save(save: Callable[[dict[str, Any]], dict[str, Any]], faults: list
         count += 1
         if count not in planned:
             return save(meta)
-        try:
+        # The injected truncation raises CheckpointError once the shard is cut; then die like a killed process.
+        with contextlib.suppress(CheckpointError):
             save({**meta, "crash_after_bytes": planned[count]})
-        except CheckpointError:
-            pass  # the injected truncation; now die like a killed process
         print(f"{task}: injected crash while writing checkpoint {count} (step {meta.get('step')}) (--fail-at)", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
         raise TrainingError("unreachable: SIGKILL did not end the process")

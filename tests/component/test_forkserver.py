@@ -74,7 +74,7 @@ def test_exit_codes_exceptions_and_signals_end_the_task_as_in_a_fresh_interprete
     code, out, _ = _run(server, _script(tmp_path, "raise ValueError('broken on purpose')\n"))
     assert code == 1
     assert "Traceback" in out and "ValueError: broken on purpose" in out
-    sleeper = _script(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    sleeper = _script(tmp_path, "import signal\nprint('up', flush=True)\nsignal.pause()\n")  # until signalled
     task = server.spawn([sys.executable, "-u", sleeper], dict(os.environ), os.getcwd())
     assert task.stdout.readline().strip() == "up"
     os.killpg(task.pid, signal.SIGTERM)

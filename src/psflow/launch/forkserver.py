@@ -53,7 +53,7 @@ def die_with_parent() -> None:
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own cleanup still stops every task
+        return  # not Linux: the launcher's own cleanup still stops every task
 
 
 def _send(sock: socket.socket, message: dict[str, Any]) -> None:
