@@ -57,6 +57,16 @@ def test_writes_are_throttled_but_the_last_change_is_published_by_a_later_call(t
     assert not list(tmp_path.glob(".status.json.*"))  # no temporary file left behind
 
 
+def test_first_write_goes_out_on_a_freshly_booted_machine(tmp_path, monkeypatch):
+    # A new machine's monotonic clock starts near 0: "never written" must not read as "written at 0".
+    import psflow.launch.status as status_mod
+
+    monkeypatch.setattr(status_mod.time, "monotonic", lambda: 3.0)
+    st = _status(tmp_path, min_interval_s=3600.0)
+    st.started("ps:0", 7)
+    assert read_status(tmp_path)["tasks"]["ps:0"]["pid"] == 7
+
+
 def test_headline_sums_rates_and_takes_the_largest_step():
     state = {"tasks": {
         "worker:0": {"state": "running", "progress": {"global_step": 10, "examples_per_sec": 100.0}},

@@ -34,7 +34,7 @@ class RunStatus:
         self.path = Path(logdir) / STATUS_FILE
         self.min_interval_s = min_interval_s
         self._lock = threading.Lock()
-        self._written = 0.0
+        self._written: float | None = None  # never written (not 0.0: a young machine's monotonic clock starts near 0)
         self._dirty = True
         self._state: dict[str, Any] = {
             "run_id": run_id,
@@ -103,7 +103,7 @@ class RunStatus:
         change of a quiet spell is published."""
         now = time.monotonic()
         with self._lock:
-            if not force and (not self._dirty or now - self._written < self.min_interval_s):
+            if not force and (not self._dirty or (self._written is not None and now - self._written < self.min_interval_s)):
                 return
             self._written, self._dirty = now, False
         state = self.snapshot()
