@@ -7,12 +7,17 @@ Layout under a checkpoint root::
 
 Invariants:
 
-- A checkpoint is *whole* only if its final directory exists, its manifest parses, and every
-  shard file's size and sha256 match the manifest. Nothing else is ever restored from.
+- A checkpoint is *whole* only if its final directory exists, its manifest parses and matches its
+  own checksum (``manifest_sha256``), and every shard file's size and sha256 match the manifest.
+  Nothing else is ever restored from.
+- Every file of a checkpoint is a regular file inside its directory: a symlink (a shard, the
+  manifest or the checkpoint directory itself) is refused, so a checkpoint never reads elsewhere.
 - Nothing is written in place. Shards land in ``ckpt-{step}.partial/`` as ``*.tmp`` files that
   are fsynced and renamed; the manifest is written the same way, last; only then is the directory
   renamed to its final name and the parent fsynced. A crash at any point leaves the earlier
   checkpoints plus a ``.partial`` directory, never a checkpoint that looks whole and is not.
+  Re-committing a step that exists keeps the old directory until the new one is in place (and
+  puts it back if that rename fails).
 - Tensor names are opaque strings (the ps layer chooses them) and unique across a checkpoint.
 
 Callers: every ps task calls :func:`write_shard` for its own shard, in its own process, in
@@ -44,13 +49,15 @@ from safetensors.torch import load_file, save_file
 from psflow.errors import CheckpointError, ConfigError
 
 __all__ = [
-    "Checkpoint", "ShardRecord", "commit", "export_state_dict", "latest_checkpoint",
-    "list_checkpoints", "read_checkpoint", "write_shard",
+    "Checkpoint", "NoWholeCheckpointError", "ShardRecord", "commit", "export_state_dict",
+    "latest_checkpoint", "list_checkpoints", "read_checkpoint", "write_shard",
 ]
 
 FORMAT = "psflow-checkpoint"
-VERSION = 1
+# Version 2 added ``manifest_sha256``: version 1 manifests had no checksum of their own.
+VERSION = 2
 MANIFEST_NAME = "manifest.json"
+CHECKSUM_KEY = "manifest_sha256"
 
 # 4 MiB reads: large enough that hashlib releases the GIL and syscalls are few, small enough
 # that verifying a multi-GB shard never holds it in memory.
@@ -78,6 +85,17 @@ def _shard_file_name(shard: int, num_shards: int) -> str:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """The sha256 of a manifest's canonical JSON, without its own ``manifest_sha256`` entry.
+
+    Canonical (sorted keys, no whitespace) so that the checksum is of the content, not of its
+    layout in the file; Python's floats round-trip through JSON exactly.
+    """
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM_KEY}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 # --------------------------------------------------------------------------- records
@@ -477,7 +495,12 @@ def _publish(partial: Path, final: Path) -> None:
         # from now on. Between the two renames no checkpoint of this step exists (not a torn one).
         trash = final.with_name(f"{final.name}.trash-{uuid.uuid4().hex[:8]}")
         os.replace(final, trash)
-    os.replace(partial, final)
+    try:
+        os.replace(partial, final)
+    except OSError:
+        if trash is not None:
+            os.replace(trash, final)  # the new one could not take its place: keep the old one
+        raise
     _fsync_dir(final.parent)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
@@ -539,7 +562,8 @@ def commit(
         "created_unix": time.time(),
     }
     try:
-        data = json.dumps(manifest, indent=2).encode("utf-8")
+        manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
+        data = json.dumps(manifest, indent=2, allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as e:
         raise ConfigError(f"meta must be JSON-serialisable: {e}. Received: {meta!r:.200}.") from e
     final = root_path / _dir_name(step)
@@ -673,9 +697,27 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
+def _escape_problem(directory: Path, name: str) -> str | None:
+    """Says how ``directory / name`` leads out of ``directory``, or None when it does not.
+
+    psflow writes only regular files with plain names: a symlink, or a name that is not one
+    path component, would make a restore read a file that is not part of the checkpoint.
+    """
+    path = directory / name
+    if Path(name).name != name or name in ("", ".", ".."):
+        return f"{path} is not a file name inside the checkpoint directory {directory}"
+    if path.is_symlink():
+        return (f"{path} is a symlink (to {os.readlink(path)!r}); a checkpoint holds only regular "
+                "files, so it is refused")
+    return None
+
+
 def _file_problem(directory: Path, record: ShardRecord) -> str | None:
-    """Says what is wrong with a shard file (size, sha256), or None when it is intact."""
+    """Says what is wrong with a shard file (place, size, sha256), or None when it is intact."""
     path = directory / record.file
+    escape = _escape_problem(directory, record.file)
+    if escape is not None:
+        return escape
     try:
         size = path.stat().st_size
         if size != record.size_bytes:
@@ -700,6 +742,21 @@ def _manifest_field(manifest: dict[str, Any], key: str, kind: type, path: Path) 
     return value
 
 
+def _check_manifest_checksum(manifest: dict[str, Any], path: Path) -> None:
+    # A manifest damaged in a way that still parses (a changed digit, size or name) must not
+    # pass for a whole one: it decides which bytes are restored.
+    stored = manifest.get(CHECKSUM_KEY)
+    try:
+        actual = manifest_checksum(manifest)
+    except ValueError:  # NaN or infinity in a parsed manifest: never written by commit
+        actual = None
+    if stored != actual:
+        raise CheckpointError(
+            f"manifest {path} does not match its own checksum ({CHECKSUM_KEY} {stored!r:.70}, "
+            f"the content hashes to {actual}): it was changed or damaged after it was written"
+        )
+
+
 def _read_manifest(directory: Path) -> Checkpoint:
     """Parses and checks ``directory``'s manifest without touching the shard files."""
     path = directory / MANIFEST_NAME
@@ -707,6 +764,14 @@ def _read_manifest(directory: Path) -> Checkpoint:
         raise CheckpointError(
             f"{directory} is not a committed checkpoint (its commit never finished)"
         )
+    if directory.is_symlink():
+        raise CheckpointError(
+            f"checkpoint directory {directory} is a symlink (to {os.readlink(directory)!r}); "
+            "checkpoints are refused unless they are real directories under the checkpoint root"
+        )
+    escape = _escape_problem(directory, MANIFEST_NAME)
+    if escape is not None:
+        raise CheckpointError(escape)
     try:
         manifest = json.loads(path.read_bytes())
     except FileNotFoundError:
@@ -721,6 +786,7 @@ def _read_manifest(directory: Path) -> Checkpoint:
             f"manifest {path} has version {version}; this psflow reads version {VERSION} "
             "(use the psflow release that wrote it)"
         )
+    _check_manifest_checksum(manifest, path)
     step = _manifest_field(manifest, "step", int, path)
     named = _FINAL_RE.fullmatch(directory.name)
     if named and int(named.group(1)) != step:
@@ -787,8 +853,30 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return ckpt
 
 
+class NoWholeCheckpointError(CheckpointError):
+    """Every committed checkpoint under a root failed its checks (see :func:`latest_checkpoint`).
+
+    Attributes:
+        root: The checkpoint root.
+        problems: Each checkpoint directory, newest first, with what is wrong with it.
+    """
+
+    def __init__(self, root: Path, problems: Sequence[tuple[Path, Sequence[str]]]) -> None:
+        self.root = root
+        self.problems = [(path, list(why)) for path, why in problems]
+        listed = "; ".join(f"{path}: {', '.join(why)}" for path, why in self.problems)
+        super().__init__(
+            f"None of the {len(self.problems)} checkpoint(s) under {root} is whole, so the "
+            f"training they hold cannot be resumed: {listed}. Nothing was restored. To start "
+            f"fresh on purpose, use another checkpoint root, or move {root} away."
+        )
+
+
 def latest_checkpoint(
-    root: str | os.PathLike[str], *, warn: Callable[[str], None] | None = None
+    root: str | os.PathLike[str],
+    *,
+    warn: Callable[[str], None] | None = None,
+    strict: bool = False,
 ) -> Checkpoint | None:
     """Returns the newest whole checkpoint under ``root``, or None when there is none.
 
@@ -798,20 +886,31 @@ def latest_checkpoint(
     Args:
         root: The checkpoint root directory (may not exist yet).
         warn: Receives each warning; defaults to this module's logger.
+        strict: When committed checkpoints exist but every one is corrupt, raise instead of
+            returning None: a caller that would otherwise start over at step 0 must not lose
+            the earlier training silently. ``.partial`` directories are not checkpoints.
+
+    Raises:
+        NoWholeCheckpointError: ``strict`` and no checkpoint under ``root`` is whole; it
+            names each checkpoint and what is wrong with it.
 
     Example:
         >>> ckpt = latest_checkpoint("runs/mnist/checkpoints")
         >>> state = ckpt.load_shard(0) if ckpt else None
     """
     report = warn if warn is not None else _log.warning
+    skipped: list[tuple[Path, list[str]]] = []
     for directory in list_checkpoints(root):
         ckpt, problems = _open_verified(directory)
         if ckpt is not None:
             return ckpt
+        skipped.append((directory, problems))
         report(
             f"Skipping checkpoint {directory}: {'; '.join(problems)}. "
             "Falling back to the previous checkpoint."
         )
+    if strict and skipped:
+        raise NoWholeCheckpointError(Path(root), skipped)
     return None
 
 

@@ -61,6 +61,7 @@ log = logging.getLogger("psflow")
 
 CHECKPOINTS_DIR = "checkpoints"
 DONE_FILE = "DONE"
+DEFAULT_LOGDIR = "runs/default"  # where a run that names no logdir writes (tasks started by hand)
 
 
 # ----------------------------------------------------------------------------------- hooks
@@ -202,7 +203,7 @@ def find_checkpoint(path: str | os.PathLike[str], *, warn: Callable[[str], None]
     if (p / checkpoint.MANIFEST_NAME).is_file():
         return checkpoint.read_checkpoint(p)
     root = p / CHECKPOINTS_DIR if (p / CHECKPOINTS_DIR).is_dir() else p
-    ckpt = checkpoint.latest_checkpoint(root, warn=warn)
+    ckpt = checkpoint.latest_checkpoint(root, warn=warn, strict=True)
     if ckpt is None:
         raise CheckpointError(
             f"No whole checkpoint under {root}. Received: {str(path)!r}. Pass a run's logdir, its checkpoints/ "
@@ -278,7 +279,8 @@ class Supervisor:
 
     Args:
         task: the task from ``pf.init()``; default the current one.
-        logdir: where checkpoints, summaries and DONE go; default ``task.logdir`` or ``runs/default``.
+        logdir: where checkpoints, summaries and DONE go; default ``task.logdir`` or ``runs/default``
+            (see ``resume`` for what a logdir that holds checkpoints means).
         trainer: the trainer to supervise; default the task's first one.
         save_model_secs: chief: a checkpoint at most every this many seconds (None: never by time).
         save_model_steps: chief: a checkpoint each time the global step passes a multiple of this.
@@ -291,6 +293,11 @@ class Supervisor:
         ema_for_export: the moving averages stand for the model in ``psflow export`` and the evaluator.
         data: the chief's batch iterator (``BatchIterator``); its position is saved with each
             checkpoint and restored with it.
+        resume: whether this run may continue the checkpoints already in ``logdir``. None (the
+            default): yes when the logdir was named (``logdir=`` here, or ``task.logdir``: the
+            launcher's ``--logdir`` or ``PSFLOW_LOGDIR``) or ``PSFLOW_RESUME=1`` is set; a run
+            that fell back to the shared default ``runs/default`` refuses to continue another
+            run's checkpoints. True: continue them. False: refuse to start where checkpoints exist.
     """
 
     def __init__(
@@ -309,6 +316,7 @@ class Supervisor:
         hooks: Iterable[Hook] = (),
         ema_for_export: bool = False,
         data: Any = None,
+        resume: bool | None = None,
     ) -> None:
         if task is None:
             from psflow.task import current_task
@@ -333,7 +341,13 @@ class Supervisor:
             raise ConfigError("ema_for_export=True needs moving averages: create the Trainer with ema_decay=0.99 (or similar).")
         self.task = task
         self.trainer = trainer
-        self.logdir = Path(logdir or task.logdir or "runs/default")
+        if resume is not None and not isinstance(resume, bool):
+            raise ConfigError(f"resume must be True, False or None; received {resume!r}.")
+        named = logdir or task.logdir
+        self.logdir = Path(named or DEFAULT_LOGDIR)
+        # Resuming is deliberate: asked for, or implied by naming the logdir (as the launcher's --logdir does).
+        self.resume = resume if resume is not None else getattr(task, "resume", None)
+        self._logdir_named = bool(named)
         self.checkpoint_dir = (self.logdir / CHECKPOINTS_DIR).resolve()
         self.save_model_secs = save_model_secs
         self.save_model_steps = save_model_steps
@@ -382,6 +396,7 @@ class Supervisor:
     def _start(self) -> None:
         t0 = time.monotonic()
         ckpt = None
+        self._check_resume()
         if self.is_chief:
             (self.logdir / DONE_FILE).unlink(missing_ok=True)
         if self.is_chief or self._allreduce:
@@ -409,8 +424,33 @@ class Supervisor:
             hook.begin(self)
         self._report()
 
+    def _check_resume(self) -> None:
+        """Refuse to continue checkpoints this run did not deliberately ask to continue."""
+        if self.resume is True or (self.resume is None and self._logdir_named):
+            return
+        found = checkpoint.list_checkpoints(self.checkpoint_dir)
+        if not found:
+            return
+        newest = found[0]
+        if self.resume is False:
+            raise ConfigError(
+                f"{self.task.task_id}: resume=False, but {self.checkpoint_dir} already holds {len(found)} checkpoint(s) "
+                f"(newest {newest.name}). Give this run another logdir to start fresh, or move {self.checkpoint_dir} away."
+            )
+        raise ConfigError(
+            f"{self.task.task_id}: {self.checkpoint_dir} already holds {len(found)} checkpoint(s) of an earlier run "
+            f"(newest {newest.name}), and this run named no logdir: it fell back to the shared default {DEFAULT_LOGDIR}, "
+            "so psflow will not resume that run silently. To resume it: name the logdir "
+            f"(--logdir {self.logdir} in the example scripts, PSFLOW_LOGDIR={self.logdir}, or Supervisor(logdir=...)) "
+            "or set PSFLOW_RESUME=1 (Supervisor(resume=True)). To start fresh: name another logdir, or move "
+            f"{self.checkpoint_dir} away."
+        )
+
     def _restore(self) -> Checkpoint | None:
-        ckpt = checkpoint.latest_checkpoint(self.checkpoint_dir, warn=lambda m: self._say(f"warning: {m}"))
+        try:
+            ckpt = checkpoint.latest_checkpoint(self.checkpoint_dir, warn=lambda m: self._say(f"warning: {m}"), strict=True)
+        except checkpoint.NoWholeCheckpointError as e:
+            raise CheckpointError(_all_corrupt_message(e)) from e
         if ckpt is None:
             return None
         tensors = load_whole_tensors(ckpt)
@@ -668,6 +708,17 @@ class Supervisor:
             "last_loss": self.last_loss,
             "stop_reason": self._stop_reason,
         })
+
+
+def _all_corrupt_message(e: checkpoint.NoWholeCheckpointError) -> str:
+    listed = "; ".join(f"{path.name}: {', '.join(why)}" for path, why in e.problems)
+    return (
+        f"Every checkpoint in {e.root} failed its checks, so the training they hold cannot be resumed: {listed}. "
+        "psflow does not start over at step 0 on its own (that would silently drop that training). "
+        f"To start fresh on purpose, give this run another logdir (--logdir NEW, or Supervisor(logdir=...)) "
+        f"or move the checkpoints away (mv {e.root} {e.root}.corrupt); to resume, put a good copy of a checkpoint "
+        f"back into {e.root}."
+    )
 
 
 def _check_positive_int(name: str, value: object) -> None:

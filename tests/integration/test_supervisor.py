@@ -150,6 +150,25 @@ def test_a_corrupted_shard_falls_back_to_the_previous_checkpoint_with_a_warning(
     assert f"worker:0: restored from {previous} at step {previous_step}" in r.stdout
 
 
+def test_a_rerun_whose_checkpoints_are_all_corrupt_fails_naming_them_instead_of_starting_over(trained, tmp_path):
+    logdir = copy_run(trained[0], tmp_path / "run")
+    shards = []
+    for path in checkpoint.list_checkpoints(logdir / "checkpoints"):
+        shard = path / "shard-00000-of-00002.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        shards.append(shard)
+
+    r = run_job(logdir, "--max_steps", "1000")
+
+    assert r.returncode != 0, explain(r, logdir)
+    out = r.stdout + r.stderr
+    assert "initialized at step 0" not in out, explain(r, logdir)
+    assert len(shards) >= 2 and all(str(s.name) in out and str(s.parent.name) in out for s in shards), explain(r, logdir)
+    assert "Every checkpoint in" in out and "another logdir" in out, explain(r, logdir)
+
+
 # ------------------------------------------------------------------------ export / events
 
 

@@ -17,13 +17,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from psflow import checkpoint
 from psflow.checkpoint import (
     Checkpoint,
+    NoWholeCheckpointError,
     ShardRecord,
     commit,
     export_state_dict,
     latest_checkpoint,
     list_checkpoints,
+    manifest_checksum,
     read_checkpoint,
     write_shard,
 )
@@ -133,8 +136,9 @@ def test_manifest_lists_every_shard_with_checksum_and_size(tmp_path: Path) -> No
 
     manifest = json.loads((final / "manifest.json").read_text())
 
-    assert (manifest["format"], manifest["version"], manifest["step"]) == ("psflow-checkpoint", 1, 3)
+    assert (manifest["format"], manifest["version"], manifest["step"]) == ("psflow-checkpoint", 2, 3)
     assert manifest["num_shards"] == 2 and isinstance(manifest["created_unix"], float)
+    assert manifest["manifest_sha256"] == manifest_checksum(manifest)
     for k, entry in enumerate(manifest["shards"]):
         record = ShardRecord.from_dict(entry)
         assert record.shard == k
@@ -548,3 +552,181 @@ def test_shards_written_by_separate_processes_commit_without_clashing(tmp_path: 
     assert ckpt is not None and ckpt.path == final
     assert [r.shard for r in ckpt.shards] == [0, 1, 2]
     _assert_bitwise_equal(ckpt.load_all(), {n: t for k in range(3) for n, t in _seeded_shard(k).items()})
+
+
+# --------------------------------------------------------------------- every checkpoint corrupt
+
+
+def test_strict_latest_checkpoint_raises_naming_every_corrupt_checkpoint_and_why(tmp_path: Path) -> None:
+    first = _save(tmp_path, 100, [_shard_tensors(0), _shard_tensors(1)])
+    second = _save(tmp_path, 200, [_shard_tensors(2), _shard_tensors(3)])
+    shard = first / "shard-00001-of-00002.safetensors"
+    _flip_byte(shard, shard.stat().st_size // 2)
+    manifest = _truncate_manifest(second)
+
+    with pytest.raises(NoWholeCheckpointError) as caught:
+        latest_checkpoint(tmp_path, warn=lambda m: None, strict=True)
+
+    message = str(caught.value)
+    assert str(shard) in message and "sha256" in message
+    assert str(manifest) in message and "cannot be parsed" in message
+    assert "start fresh on purpose" in message
+    assert [p for p, _ in caught.value.problems] == [second, first]
+    # Not strict: the old answer (None) for callers that only look.
+    assert latest_checkpoint(tmp_path, warn=lambda m: None) is None
+
+
+def test_strict_latest_checkpoint_is_none_when_there_is_nothing_committed(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path / "missing", strict=True) is None
+    write_shard(tmp_path, 1, 0, 1, _shard_tensors(0))  # a .partial only: no checkpoint was ever whole
+    assert latest_checkpoint(tmp_path, warn=pytest.fail, strict=True) is None
+
+
+# --------------------------------------------------------------------- the manifest's own checksum
+
+
+def _rewrite_manifest(final: Path, change: Any, *, fix_checksum: bool) -> Path:
+    path = final / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    if fix_checksum:
+        manifest["manifest_sha256"] = manifest_checksum(manifest)
+    path.write_text(json.dumps(manifest, indent=2))
+    return path
+
+
+def _bump_meta(m: dict[str, Any]) -> None:
+    m["meta"]["global_step"] = 999
+
+
+def _reorder_tensor_names(m: dict[str, Any]) -> None:
+    m["shards"][0]["tensor_names"] = list(reversed(m["shards"][0]["tensor_names"]))
+
+
+def _drop_checksum(m: dict[str, Any]) -> None:
+    del m["manifest_sha256"]
+
+
+@pytest.mark.parametrize("change", [_bump_meta, _reorder_tensor_names, _drop_checksum])
+def test_a_manifest_changed_but_still_valid_json_is_refused(tmp_path: Path, change: Any) -> None:
+    _save(tmp_path, 100, [_shard_tensors(0)])
+    newest = _save(tmp_path, 200, [_shard_tensors(1)])
+    path = _rewrite_manifest(newest, change, fix_checksum=False)
+    warnings: list[str] = []
+
+    ckpt = latest_checkpoint(tmp_path, warn=warnings.append)
+
+    assert ckpt is not None and ckpt.step == 100
+    assert len(warnings) == 1 and str(path) in warnings[0] and "checksum" in warnings[0]
+    with pytest.raises(CheckpointError, match="does not match its own checksum"):
+        read_checkpoint(newest)
+
+
+# --------------------------------------------------------------------- nothing outside the directory
+
+
+def test_a_shard_path_leading_out_of_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    final = _save(root, 100, [_shard_tensors(0)])
+    (tmp_path / "x").write_bytes((final / "shard-00000-of-00001.safetensors").read_bytes())
+
+    def escape(m: dict[str, Any]) -> None:
+        m["shards"][0]["file"] = "../x"
+
+    # A correct checksum: the path itself, not the checksum, must be what refuses it.
+    path = _rewrite_manifest(final, escape, fix_checksum=True)
+
+    with pytest.raises(CheckpointError, match=re.escape("'../x'")) as caught:
+        read_checkpoint(final)
+    assert str(path) in str(caught.value)
+    assert latest_checkpoint(root, warn=lambda m: None) is None
+
+
+def test_a_symlinked_shard_pointing_outside_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    final = _save(root, 100, [_shard_tensors(0)])
+    shard = final / "shard-00000-of-00001.safetensors"
+    outside = tmp_path / "elsewhere.safetensors"
+    shard.rename(outside)
+    shard.symlink_to(outside)  # same bytes, same sha256: only the link gives it away
+    warnings: list[str] = []
+
+    assert latest_checkpoint(root, warn=warnings.append) is None
+
+    assert len(warnings) == 1 and str(shard) in warnings[0] and "symlink" in warnings[0]
+    with pytest.raises(CheckpointError, match="symlink"):
+        read_checkpoint(final)
+    with pytest.raises(CheckpointError, match="symlink"):
+        checkpoint._read_manifest(final).load_shard(0)  # the manifest itself is intact
+
+
+def test_a_symlinked_manifest_or_checkpoint_directory_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    elsewhere = _save(tmp_path / "other", 100, [_shard_tensors(0)])
+    root.mkdir()
+    (root / "ckpt-0000000100").symlink_to(elsewhere, target_is_directory=True)
+    final = _save(root, 200, [_shard_tensors(1)])
+    manifest = final / "manifest.json"
+    moved = tmp_path / "manifest.json"
+    manifest.rename(moved)
+    manifest.symlink_to(moved)
+    warnings: list[str] = []
+
+    assert latest_checkpoint(root, warn=warnings.append) is None
+
+    assert len(warnings) == 2 and all("symlink" in w for w in warnings)
+    assert str(manifest) in warnings[0] and str(root / "ckpt-0000000100") in warnings[1]
+
+
+# --------------------------------------------------------------------- commit order
+
+
+def test_a_failed_manifest_write_leaves_nothing_that_looks_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save(tmp_path, 100, [_shard_tensors(0)])
+    records = [write_shard(tmp_path, 200, 0, 1, _shard_tensors(1))]
+
+    def disk_full(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_bytes_atomic", disk_full)
+    with pytest.raises(CheckpointError, match="No space left"):
+        commit(tmp_path, 200, records, meta={"global_step": 200})
+    monkeypatch.undo()
+
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-0000000100"]
+    ckpt = latest_checkpoint(tmp_path, warn=pytest.fail)
+    assert ckpt is not None and ckpt.step == 100
+    # The shards stay in the .partial directory; a retried commit finishes the checkpoint.
+    assert commit(tmp_path, 200, records, meta={"global_step": 200}) == tmp_path / "ckpt-0000000200"
+    assert latest_checkpoint(tmp_path, warn=pytest.fail).step == 200  # type: ignore[union-attr]
+
+
+def test_a_failed_recommit_of_a_step_keeps_the_old_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save(tmp_path, 100, [{"w": torch.zeros(3)}], meta={"attempt": 1})
+    records = [write_shard(tmp_path, 100, 0, 1, {"w": torch.ones(3)})]
+
+    # The manifest write fails: the old checkpoint of step 100 is untouched.
+    monkeypatch.setattr(checkpoint, "_write_bytes_atomic", lambda path, data: (_ for _ in ()).throw(OSError(5, "EIO")))
+    with pytest.raises(CheckpointError):
+        commit(tmp_path, 100, records, meta={"attempt": 2})
+    monkeypatch.undo()
+    ckpt = latest_checkpoint(tmp_path, warn=pytest.fail)
+    assert ckpt is not None and ckpt.meta == {"attempt": 1}
+    _assert_bitwise_equal(ckpt.load_all(), {"w": torch.zeros(3)})
+
+    # The new directory cannot be renamed into place after the old one moved aside: the old one comes back.
+    real_replace = os.replace
+
+    def failing_replace(src: Any, dst: Any) -> None:
+        if str(src).endswith(".partial"):
+            raise OSError(5, "EIO")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", failing_replace)
+    with pytest.raises(CheckpointError):
+        commit(tmp_path, 100, records, meta={"attempt": 2})
+    monkeypatch.undo()
+    ckpt = latest_checkpoint(tmp_path, warn=pytest.fail)
+    assert ckpt is not None and ckpt.meta == {"attempt": 1}
+    _assert_bitwise_equal(ckpt.load_all(), {"w": torch.zeros(3)})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-0000000100"]

@@ -371,3 +371,112 @@ def test_load_into_rejects_a_checkpoint_of_another_model():
 def test_state_dict_from_returns_model_order(tmp_path):
     ckpt = checkpoint.read_checkpoint(write_checkpoint(tmp_path, 1, tiny_model_tensors(), 2))
     assert list(state_dict_from(ckpt)) == ["w", "b"]
+
+
+# ------------------------------------------------------- start: restore, refuse, resume deliberately
+
+
+class FakeTrainer:
+    """What the Supervisor's start and end need from a trainer, with no ps behind it."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(strategy="ps", mode="sync", ready_timeout_s=1.0)
+        self.params = dict(Tiny().named_parameters())
+        self.ema_decay = None
+        self.global_step = self.local_step = 0
+        self.restored: int | None = None
+        self.prepared = False
+
+    def restore_from(self, step, tensors):
+        self.restored = step
+
+    def prepare(self):
+        self.prepared = True
+        self.global_step = self.restored or 0
+        return self.global_step
+
+    def job_step(self):
+        return self.global_step
+
+    def close(self):
+        pass
+
+
+def chief_task(logdir, *, resume=None):
+    trainer = FakeTrainer()
+    return SimpleNamespace(task_id="worker:0", trainers=[trainer], logdir=logdir, is_chief=True, resume=resume,
+                           report=lambda **_: None)
+
+
+def corrupt(path: Path) -> Path:
+    shard = min(path.glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_a_chief_whose_checkpoints_are_all_corrupt_fails_instead_of_starting_at_step_0(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    bad = [corrupt(write_checkpoint(root, step, tiny_model_tensors(), 1)) for step in (100, 200)]
+    task = chief_task(str(tmp_path))
+
+    with pytest.raises(CheckpointError) as caught, Supervisor(task, save_model_secs=None, summary_every_steps=None):
+        pytest.fail("the loop must not run")
+
+    message = str(caught.value)
+    assert all(str(f) in message for f in bad) and "sha256" in message
+    assert "another logdir" in message and f"mv {root.resolve()}" in message
+    assert not task.trainers[0].prepared  # the ps were never initialized at step 0
+    assert "initialized at step 0" not in capsys.readouterr().out
+
+
+def test_a_run_that_named_no_logdir_refuses_the_checkpoints_of_an_earlier_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default logdir runs/default is relative
+    write_checkpoint(tmp_path / "runs" / "default" / "checkpoints", 300, tiny_model_tensors(), 1)
+    task = chief_task(None)
+
+    with pytest.raises(ConfigError) as caught, Supervisor(task, save_model_secs=None, summary_every_steps=None):
+        pytest.fail("the loop must not run")
+
+    message = str(caught.value)
+    assert "ckpt-0000000300" in message and "named no logdir" in message
+    assert "PSFLOW_RESUME=1" in message and "--logdir runs/default" in message and "another logdir" in message
+    assert not task.trainers[0].prepared
+
+
+@pytest.mark.parametrize("how", ["resume=True", "PSFLOW_RESUME=1", "named logdir"])
+def test_resuming_is_deliberate_and_says_from_which_checkpoint_and_step(tmp_path, monkeypatch, capsys, how):
+    monkeypatch.chdir(tmp_path)
+    path = write_checkpoint(tmp_path / "runs" / "default" / "checkpoints", 300, tiny_model_tensors(), 1)
+    task = chief_task("runs/default" if how == "named logdir" else None, resume=True if how == "PSFLOW_RESUME=1" else None)
+
+    with Supervisor(task, save_model_secs=None, summary_every_steps=None,
+                    resume=True if how == "resume=True" else None) as sv:
+        assert sv.start_step == 300 and sv.restored_from == path.resolve()
+
+    assert f"worker:0: restored from {path.resolve()} at step 300" in capsys.readouterr().out
+
+
+def test_resume_false_refuses_a_named_logdir_that_holds_checkpoints(tmp_path):
+    write_checkpoint(tmp_path / "checkpoints", 300, tiny_model_tensors(), 1)
+    refused = r"resume=False, but .* holds 1 checkpoint\(s\) \(newest ckpt-0000000300\)"
+    with pytest.raises(ConfigError, match=refused), Supervisor(chief_task(str(tmp_path)), save_model_secs=None, resume=False):
+        pass
+    # An empty logdir is a fresh start either way.
+    with Supervisor(chief_task(str(tmp_path / "fresh")), save_model_secs=None, summary_every_steps=None, resume=False) as sv:
+        assert sv.start_step == 0 and sv.restored_from is None
+
+
+@pytest.mark.parametrize("raw, value", [("1", True), ("true", True), ("0", False), ("no", False), ("", None)])
+def test_psflow_resume_is_read_as_a_flag(raw, value):
+    from psflow.task import _resume_setting
+
+    assert _resume_setting({"PSFLOW_RESUME": raw}) is value
+
+
+def test_a_bad_psflow_resume_names_the_value():
+    from psflow.task import _resume_setting
+
+    with pytest.raises(ConfigError, match=r"PSFLOW_RESUME must be 1 or 0.*'maybe'"):
+        _resume_setting({"PSFLOW_RESUME": "maybe"})
