@@ -377,6 +377,7 @@ class Supervisor:
 
     # -- properties ------------------------------------------------------------------------
     is_chief = property(lambda self: bool(self.task.is_chief))
+    _num_chiefs = property(lambda self: int(self.task.cluster.num_tasks("chief")))
     _allreduce = property(lambda self: self.trainer.config.strategy == "allreduce")
     global_step = property(lambda self: int(self.trainer.global_step))
     local_step = property(lambda self: int(self.trainer.local_step))
@@ -399,6 +400,9 @@ class Supervisor:
         self._check_resume()
         if self.is_chief:
             (self.logdir / DONE_FILE).unlink(missing_ok=True)
+        if not self._allreduce and hasattr(self.trainer, "plan_steps"):
+            # The ps hold the exact steps: where the job stops and where step-based checkpoints fall.
+            self.trainer.plan_steps(stop_at=self.max_steps, snapshot_every=self.save_model_steps, data=self.data)
         if self.is_chief or self._allreduce:
             ckpt = self._restore()  # all-reduce: every task restores its own optimizer slots
         if not self.is_chief:
@@ -416,6 +420,8 @@ class Supervisor:
             self._say(f"initialized at step {self.start_step}")
         else:
             self._say(f"parameters ready at step {self.start_step} (waited {time.monotonic() - t0:.1f} s)")
+        if not self._allreduce:
+            self._resume_data_position()
         self._t_start = self._t_save = time.monotonic()
         self._last_saved_step = ckpt.step if ckpt is not None else None
         self._writer = EventWriter(self.logdir, self.task.task_id)
@@ -461,19 +467,37 @@ class Supervisor:
                     f"Checkpoint {ckpt.path} holds {name!r} as {tuple(t.shape)} {t.dtype}; the model has "
                     f"{tuple(p.shape)} {p.dtype}. Build the same model, or point logdir elsewhere to start afresh."
                 )
-        self.trainer.restore_from(ckpt.step, tensors)
         positions = ckpt.meta.get("data_position") or {}
+        if not self._allreduce:
+            # Every worker's position goes to the ps with the parameters; each gets its own back when ready.
+            by_replica = {r: p for t, p in positions.items() if (r := _replica_of_task(t, self._num_chiefs)) is not None}
+            self.trainer.restore_from(ckpt.step, tensors, data_positions=by_replica)
+            return ckpt
+        self.trainer.restore_from(ckpt.step, tensors)
         position = positions.get(str(self.task.task_id))
-        if position is None and self._allreduce and self.data is not None and positions:
+        if position is None and self.data is not None and positions:
             # All-reduce ranks step in lockstep: the chief's (epoch, batch) is every rank's position.
             chief = next(iter(positions.values()))
             position = {**self.data.state_dict(), "epoch": chief["epoch"], "batch_index": chief["batch_index"]}
-        if self.data is not None and position is not None:
-            try:
-                self.data.load_state_dict(position)
-            except ConfigError as e:
-                self._say(f"warning: not resuming the data position saved in {ckpt.path}: {e}")
+        self._load_position(position, f"the data position saved in {ckpt.path}")
         return ckpt
+
+    def _resume_data_position(self) -> None:
+        """Every worker continues its own data where the ps's state says its batches ended."""
+        info = getattr(self.trainer, "ready_info", None) or {}
+        position = (info.get("data_positions") or {}).get(str(self.trainer.worker))
+        if self._load_position(position, "its data position"):
+            self._say(f"resuming its data at epoch {position['epoch']}, batch {position['batch_index']}")
+
+    def _load_position(self, position: Mapping[str, Any] | None, what: str) -> bool:
+        if self.data is None or position is None:
+            return False
+        try:
+            self.data.load_state_dict(position)
+        except ConfigError as e:
+            self._say(f"warning: not resuming {what}: {e}")
+            return False
+        return True
 
     # -- the loop --------------------------------------------------------------------------
     def should_stop(self) -> bool:
@@ -494,6 +518,10 @@ class Supervisor:
     def step(self, closure: Callable[[], torch.Tensor], *, batch_size: int | None = None) -> float:
         """``trainer.step`` followed by :meth:`after_step`. Returns the loss."""
         loss = self.trainer.step(closure, batch_size=batch_size)
+        if getattr(self.trainer, "stopped", False):
+            # The ps refused this batch: the job reached max_steps (the ps hold the exact stop).
+            self.request_stop(f"the job reached its stop step {self.global_step}")
+            return loss
         self.after_step(loss, batch_size)
         return loss
 
@@ -510,27 +538,31 @@ class Supervisor:
         step = self.global_step
         for hook in self.hooks:
             hook.after_step(self, step, loss)
-        if self.is_chief and self._checkpoint_due(step):
-            self.save()
+        if self.is_chief:
+            self._save_if_due(step)
         local = self.local_step
         if self.summary_every_steps and local % self.summary_every_steps == 0:
             self._write_scalars()
         if self.histogram_every_steps and local % self.histogram_every_steps == 0:
             self._write_histograms()
 
-    def _checkpoint_due(self, step: int) -> bool:
-        if step == self._last_saved_step:
-            return False
-        if self.save_model_steps is not None:
-            last = self._last_saved_step if self._last_saved_step is not None else self.start_step
-            if step // self.save_model_steps > last // self.save_model_steps:
-                return True
-        return self.save_model_secs is not None and time.monotonic() - self._t_save >= self.save_model_secs
+    def _save_if_due(self, step: int) -> None:
+        """Chief: a step-based checkpoint at its exact step, or a time-based one of the state now."""
+        last = self._last_saved_step if self._last_saved_step is not None else self.start_step
+        exact = due_checkpoint_step(step, last, self.save_model_steps)
+        if exact is not None:
+            self.save(exact)
+        elif step != last and self.save_model_secs is not None and time.monotonic() - self._t_save >= self.save_model_secs:
+            self.save()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self) -> Path:
-        """Chief: checkpoint the current global step. Each ps writes its own shard, in parallel;
-        the chief commits the manifest. Returns the checkpoint directory.
+    def save(self, step: int | None = None) -> Path:
+        """Chief: checkpoint the job. Each ps writes its own shard, in parallel; the chief commits the
+        manifest. Returns the checkpoint directory.
+
+        Args:
+            step: a step the job has reached that the ps kept a copy of (a multiple of
+                ``save_model_steps``): the checkpoint holds exactly that step. None: the state now.
 
         Raises:
             CheckpointError: a ps failed or died while saving; the previous checkpoints are intact.
@@ -538,13 +570,15 @@ class Supervisor:
         if not self.is_chief:
             raise ConfigError(f"Only the chief saves checkpoints; {self.task.task_id} is not the chief.")
         t0 = time.perf_counter()
-        step = self.global_step
+        exact = step is not None
+        step = step if step is not None else self.global_step
         try:
-            step = self._ps_step()
-            replies = self.trainer.save_shards(str(self.checkpoint_dir), step)
+            if not exact:
+                step = self._ps_step()
+            replies = self._save_shards(step, exact)
             n = len(replies)
             records = [ShardRecord.from_dict(r["record"]) for r in replies]
-            meta = self._manifest_meta(step, [int(r.get("version", step)) for r in replies])
+            meta = self._manifest_meta(step, [int(r.get("version", step)) for r in replies], replies[0].get("data_positions"))
             path = checkpoint.commit(self.checkpoint_dir, step, records, meta=meta, keep=self.keep_checkpoints)
         except PsflowError as e:
             previous = f"step {self._last_saved_step}" if self._last_saved_step is not None else "none yet"
@@ -562,7 +596,18 @@ class Supervisor:
         """The job's global step now: shard 0's version (other workers may have stepped since our last push)."""
         return int(self.trainer.job_step())
 
-    def _manifest_meta(self, step: int, versions: Sequence[int]) -> dict[str, Any]:
+    def _save_shards(self, step: int, exact: bool) -> list[dict[str, Any]]:
+        if self._allreduce:
+            return self.trainer.save_shards(str(self.checkpoint_dir), step)  # every rank holds the same state
+        return self.trainer.save_shards(str(self.checkpoint_dir), step, exact=exact)
+
+    def _data_positions(self, by_replica: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Every worker's data position by task id: as the ps kept them, else (all-reduce) our own."""
+        if by_replica:
+            return {_task_of_replica(r, self._num_chiefs): p for r, p in sorted(by_replica.items())}
+        return {str(self.task.task_id): self.data.state_dict()} if self.data is not None else {}
+
+    def _manifest_meta(self, step: int, versions: Sequence[int], positions: Mapping[str, Any] | None = None) -> dict[str, Any]:
         trainer = self.trainer
         return {
             "global_step": step,
@@ -572,7 +617,7 @@ class Supervisor:
             "ema_decay": trainer.ema_decay,
             "export": "averages" if self.ema_for_export else "values",
             "shard_versions": list(versions),
-            "data_position": {str(self.task.task_id): self.data.state_dict()} if self.data is not None else {},
+            "data_position": self._data_positions(positions),
             "writer": str(self.task.task_id),
         }
 
@@ -657,8 +702,7 @@ class Supervisor:
             if not announced:
                 self._say(f"waiting for {len(missing)} other worker(s) to finish before the final checkpoint")
                 announced = True
-            if self._checkpoint_due(int(status["version"])):
-                self.save()
+            self._save_if_due(int(status["version"]))
             time.sleep(0.25)  # a poll of the ps's bookkeeping, not a synchronisation: any reply order is fine
 
     def _write_done(self) -> None:
@@ -708,6 +752,35 @@ class Supervisor:
             "last_loss": self.last_loss,
             "stop_reason": self._stop_reason,
         })
+
+
+def due_checkpoint_step(global_step: int, last_step: int, every: int | None) -> int | None:
+    """The step-based checkpoint due once the job is at ``global_step``: the newest multiple of
+    ``every`` past ``last_step`` (the last checkpoint, or the step the run started at), else None.
+
+    Example:
+        >>> due_checkpoint_step(401, 200, 200), due_checkpoint_step(399, 200, 200)
+        (400, None)
+    """
+    if every is None:
+        return None
+    target = global_step // every * every
+    return target if target > last_step else None
+
+
+def _task_of_replica(replica: str, num_chiefs: int) -> str:
+    """Replica index -> task id: a ``chief`` job's task is replica 0, then the workers in order."""
+    r = int(replica)
+    return "chief:0" if r < num_chiefs else f"worker:{r - num_chiefs}"
+
+
+def _replica_of_task(task: str, num_chiefs: int) -> str | None:
+    job, _, index = task.partition(":")
+    if job == "chief" and num_chiefs:
+        return "0"
+    if job == "worker" and index.isdigit():
+        return str(num_chiefs + int(index))
+    return None  # a task this cluster has no replica for: its position is dropped
 
 
 def _all_corrupt_message(e: checkpoint.NoWholeCheckpointError) -> str:

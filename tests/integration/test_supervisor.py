@@ -116,6 +116,39 @@ def test_a_non_chief_worker_waits_for_the_chief_then_trains(trained):
     assert supervisor_report(s, "worker:1")["checkpoints"] == []  # only the chief saves
 
 
+def test_checkpoints_land_on_multiples_of_save_steps_and_the_job_stops_at_max_steps(trained):
+    logdir, r, s = trained
+    # Two async workers race past every step; the ps hold the exact ones (--save_steps 100, --max_steps 300).
+    steps = [checkpoint.read_checkpoint(p).step for p in checkpoint.list_checkpoints(logdir / "checkpoints")]
+    assert steps == [300, 200, 100], r.stdout[-3000:]
+    assert s["reports"]["ps:0"]["global_step"] == s["reports"]["ps:1"]["global_step"] == 300
+    assert all(checkpoint.read_checkpoint(p).meta["shard_versions"] == [step, step]
+               for p, step in zip(checkpoint.list_checkpoints(logdir / "checkpoints"), steps))
+
+
+def test_every_worker_resumes_its_own_data_position(tmp_path):
+    """One epoch split over two runs: each worker trains every batch of its shard exactly once."""
+    logdir = tmp_path / "run"
+    shard_examples = 60000 // 2
+    r1 = run_job(logdir, "--max_steps", "250", "--save_steps", "100")
+    assert r1.returncode == 0, explain(r1, logdir)
+    s1 = read_summary(logdir)
+    saved = checkpoint.latest_checkpoint(logdir / "checkpoints")
+    assert saved is not None and saved.step == 250 and set(saved.meta["data_position"]) == {"worker:0", "worker:1"}
+
+    r2 = run_job(logdir)  # the rest of the epoch
+
+    assert r2.returncode == 0, explain(r2, logdir)
+    s2 = read_summary(logdir)
+    assert f"worker:0: restored from {saved.path} at step 250" in r2.stdout
+    for task in ("worker:0", "worker:1"):
+        position = saved.meta["data_position"][task]
+        assert f"{task}: resuming its data at epoch 0, batch {position['batch_index']}" in r2.stdout, r2.stdout[-3000:]
+        first, second = s1["reports"][task]["trainer"]["examples"], s2["reports"][task]["trainer"]["examples"]
+        assert first > 0 and second > 0 and first + second == shard_examples, (task, first, second)
+    assert s2["reports"]["ps:0"]["global_step"] == 2 * shard_examples // 100  # every batch applied once
+
+
 # --------------------------------------------------------------------- broken checkpoints
 
 

@@ -384,10 +384,11 @@ class FakeTrainer:
         self.params = dict(Tiny().named_parameters())
         self.ema_decay = None
         self.global_step = self.local_step = 0
+        self.worker = 0
         self.restored: int | None = None
         self.prepared = False
 
-    def restore_from(self, step, tensors):
+    def restore_from(self, step, tensors, **_):
         self.restored = step
 
     def prepare(self):
@@ -405,7 +406,7 @@ class FakeTrainer:
 def chief_task(logdir, *, resume=None):
     trainer = FakeTrainer()
     return SimpleNamespace(task_id="worker:0", trainers=[trainer], logdir=logdir, is_chief=True, resume=resume,
-                           report=lambda **_: None)
+                           report=lambda **_: None, cluster=SimpleNamespace(num_tasks=lambda job: 0))
 
 
 def corrupt(path: Path) -> Path:

@@ -130,13 +130,18 @@ class PsClient:
         return self.recv_push_replies(range(self.num_shards), dests)
 
     def send_push(
-        self, shard: int, worker: int, version: int, grads: Sequence[tuple[str, torch.Tensor]], *, wait_s: float
+        self, shard: int, worker: int, version: int, grads: Sequence[tuple[str, torch.Tensor]], *, wait_s: float,
+        position: dict[str, Any] | None = None,
     ) -> None:
         """Send one shard's push-pull request without waiting for the reply (the trainer sends each
-        shard's gradients as soon as backward has produced them)."""
+        shard's gradients as soon as backward has produced them). ``position``: the worker's data
+        position after this batch, which the shard keeps for checkpoints."""
         conn = self.conns[shard]
         conn.set_timeout(self.request_timeout_s + wait_s + _MARGIN_S)
-        conn.send(Op.PS_PUSH, {"worker": worker, "version": version, "pull": True, "timeout_s": wait_s}, grads)
+        meta: dict[str, Any] = {"worker": worker, "version": version, "pull": True, "timeout_s": wait_s}
+        if position is not None:
+            meta["position"] = position
+        conn.send(Op.PS_PUSH, meta, grads)
 
     def recv_push_replies(self, shards: Iterable[int], dests: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, Any]]:
         """Receive the replies of requests sent with :meth:`send_push`, values straight into ``dests``."""
@@ -163,7 +168,8 @@ class PsClient:
         return [f.meta for f in self._all(Op.PS_STATUS, [{"clock_log": clock_log}] * self.num_shards)]
 
     def save(self, meta: dict[str, Any]) -> list[dict[str, Any]]:
-        return [f.meta for f in self._all(Op.PS_SAVE, [meta] * self.num_shards)]
+        wait_s = float(meta.get("timeout_s", 0.0))  # a shard may wait that long to reach an exact step
+        return [f.meta for f in self._all(Op.PS_SAVE, [meta] * self.num_shards, wait_s=wait_s)]
 
     def shutdown(self) -> None:
         self._all(Op.PS_SHUTDOWN, [{}] * self.num_shards)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
+from psflow.ps.progress import StepPlan
 from psflow.ps.store import ParameterStore
 from psflow.server import Reply, Request, Server
 from psflow.wire.ops import Op
@@ -96,6 +97,8 @@ class PsService:
             meta=m.get("meta"),
             optimizer_state=opt_state or None,
             ema_state=ema_state or None,
+            step_plan=StepPlan.from_dict(m.get("step_plan")),
+            data_positions=m.get("data_positions"),
         )
         return Reply({"initialized": first, "version": self.store.version})
 
@@ -113,7 +116,8 @@ class PsService:
                 f"(placement digest {digest[:12]} vs {self.store.placement_digest[:12]}). "
                 "Every worker must build the same model with the same --placement and number of ps."
             )
-        return Reply({"version": self.store.version, "config": self.store.config.to_dict(), "meta": self.store.meta})
+        return Reply({"version": self.store.version, "config": self.store.config.to_dict(), "meta": self.store.meta,
+                      "data_positions": self.store.data_positions()})
 
     def _pull(self, req: Request) -> Reply:
         version, values = self.store.pull(
@@ -133,7 +137,7 @@ class PsService:
     def _push(self, req: Request) -> Reply:
         version = int(req.meta.get("version", 0))
         self._peer_worker[req.peer] = int(req.meta["worker"])
-        result = self.store.push(int(req.meta["worker"]), version, req.tensors)
+        result = self.store.push(int(req.meta["worker"]), version, req.tensors, position=req.meta.get("position"))
         if not req.meta.get("pull"):
             return Reply(result)
         # Push-pull in one round trip: reply with the values after this update. In sync mode an
@@ -187,7 +191,9 @@ def default_save(service: PsService) -> Callable[[dict[str, Any]], dict[str, Any
     from psflow import checkpoint
 
     def save(meta: dict[str, Any]) -> dict[str, Any]:
-        version, tensors = service.store.snapshot()
+        exact = int(meta["step"]) if meta.get("exact") else None
+        version, tensors, positions = service.store.checkpoint_state(
+            exact, timeout_s=float(meta.get("timeout_s", service.store.config.sync_timeout_s)))
         record = checkpoint.write_shard(
             Path(meta["root"]),
             int(meta["step"]),
@@ -196,6 +202,6 @@ def default_save(service: PsService) -> Callable[[dict[str, Any]], dict[str, Any
             tensors,
             _crash_after_bytes=meta.get("crash_after_bytes"),
         )
-        return {"record": record.to_dict(), "version": version}
+        return {"record": record.to_dict(), "version": version, "data_positions": positions}
 
     return save

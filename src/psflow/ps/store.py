@@ -29,6 +29,7 @@ import torch
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
 from psflow.optim import MovingAverage, OptimizerSpec, Schedule, set_lr
+from psflow.ps.progress import Progress, StepPlan
 
 
 @dataclass
@@ -76,6 +77,7 @@ class ParameterStore:
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
         self._clocks: dict[int, int] = {}
+        self.progress = Progress()  # exact stop and checkpoint steps, workers' data positions
         self._cond = threading.Condition()
         self._initialized = False
 
@@ -97,6 +99,8 @@ class ParameterStore:
         meta: dict[str, Any] | None = None,
         optimizer_state: Mapping[str, torch.Tensor] | None = None,
         ema_state: Mapping[str, torch.Tensor] | None = None,
+        step_plan: StepPlan | None = None,
+        data_positions: Mapping[str, Any] | None = None,
     ) -> bool:
         """Set the shard's values once. Returns False (and changes nothing) if already initialized."""
         with self._cond:
@@ -119,6 +123,7 @@ class ParameterStore:
             self.placement_digest = placement_digest
             self.version = version
             self.meta = dict(meta or {})
+            self.progress.configure(step_plan or StepPlan(), data_positions)
             self._initialized = True
             self._cond.notify_all()
             return True
@@ -145,17 +150,28 @@ class ParameterStore:
             return self.version, {k: v.clone() for k, v in src.items()}
 
     # -- updates ---------------------------------------------------------------------------
-    def push(self, worker: int, version: int, grads: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Apply (async, ssp) or aggregate (sync) one worker's gradients for this shard."""
+    def push(
+        self, worker: int, version: int, grads: Mapping[str, torch.Tensor], *, position: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Apply (async, ssp) or aggregate (sync) one worker's gradients for this shard.
+
+        ``position`` is the worker's data position after the batch these gradients come from; it
+        is recorded when the batch is consumed. Past the step plan's stop nothing is applied and the
+        reply says ``stopped``.
+        """
         self._require_init()
         self._check_grads(grads)
         with self._cond:
             self.stats.pushes += 1
             self.lost_workers.discard(worker)  # back (a restarted worker)
+            if self.progress.is_stopped(self.version):
+                return {"version": self.version, "applied": False, "stopped": True}
             if self.config.mode != "sync":
+                self.progress.consumed(worker, position)  # before _apply: a snapshot it takes includes it
                 self._apply(grads)
                 return {"version": self.version, "applied": True}
             if version < self.version or worker in self._pending:
+                self.progress.consumed(worker, position)  # a dropped batch is not trained again
                 self.stats.stale_dropped += 1
                 self.stats.stale_by_worker[worker] = self.stats.stale_by_worker.get(worker, 0) + 1
                 return {"version": self.version, "applied": False, "stale": True}
@@ -172,6 +188,7 @@ class ParameterStore:
                     own[k] = torch.empty_like(g)
                 own[k].copy_(g)
             self._pending[worker] = own
+            self.progress.pending(worker, position)
             self._maybe_complete_step()
             return {"version": self.version, "applied": True}
 
@@ -210,6 +227,7 @@ class ParameterStore:
         if n < m - len(self.done_workers):  # lost workers count as missing here
             self.stats.steps_without_all += 1
         self._pending.clear()
+        self.progress.step_applied()
         self._apply(total)
 
     def _apply(self, grads: Mapping[str, torch.Tensor]) -> None:
@@ -225,6 +243,8 @@ class ParameterStore:
         self.stats.applied_updates += 1
         if self._ema is not None:
             self._ema.update(self.values, num_updates=self.version)
+        if self.progress.wants_snapshot(self.version):
+            self.progress.hold(self.version, self.snapshot()[1])
         self._cond.notify_all()
 
     # -- bounded staleness -----------------------------------------------------------------
@@ -297,6 +317,32 @@ class ParameterStore:
                 for k, v in self._ema.shadow().items():
                     out[f"ema/{k}"] = v.detach().clone()
             return self.version, out
+
+    def checkpoint_state(
+        self, step: int | None, *, timeout_s: float
+    ) -> tuple[int, dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """(version, snapshot, workers' data positions) for a checkpoint.
+
+        Args:
+            step: the exact step asked for (a step-based checkpoint): the state held when this shard
+                reached it, waiting up to ``timeout_s`` for a shard that is behind; None: the state now.
+                A step no longer held (asked for very late) gives the state now, whose version says so.
+        """
+        with self._cond:
+            if step is not None:
+                self._wait(lambda: self.version >= step, timeout_s, lambda: TrainingError(
+                    f"ps shard {self.shard} is at step {self.version} and did not reach step {step}, which the chief "
+                    f"asked to checkpoint, within {timeout_s:.1f} s. A worker is stalled; raise sync_timeout_s."))
+                held = self.progress.held(step)
+                if held is not None:
+                    return step, held[0], held[1]
+            version, tensors = self.snapshot()
+            return version, tensors, self.progress.positions_now()
+
+    def data_positions(self) -> dict[str, dict[str, Any]]:
+        """Every worker's data position now (by replica index), for readiness replies."""
+        with self._cond:
+            return self.progress.positions_now()
 
     # -- helpers ---------------------------------------------------------------------------
     def _require_init(self) -> None:

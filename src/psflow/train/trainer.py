@@ -33,6 +33,7 @@ from psflow.fault import inject
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.ps.client import PsClient
 from psflow.ps.placement import ParamInfo, Placement, place, split_tensor
+from psflow.ps.progress import StepPlan
 from psflow.train.base import TrainerBase
 from psflow.train.towers import Batch, batch_examples, run_step_closure
 
@@ -107,6 +108,11 @@ class Trainer(TrainerBase):
         self.versions = [0] * task.num_ps
         self.stale_pushes = 0
         self._holds_averages = False  # pull(averages=True) put moving averages into the model
+        self.step_plan = StepPlan()  # the chief sends it to the ps (Supervisor: max_steps, save_model_steps)
+        self.data_source: Any = None  # an iterator with state_dict(): its position rides on each push to shard 0
+        self.ready_info: dict[str, Any] = {}  # shard 0's readiness reply: step, settings, data positions
+        self.stopped = False  # the ps refused the last step: the job reached the plan's stop step
+        self._restored_positions: Mapping[str, Any] | None = None
         self._install_grad_hooks()
         task._attach_trainer(self)
         if self.config.log_placement and task.is_chief:
@@ -115,7 +121,22 @@ class Trainer(TrainerBase):
             print(self.towers.format_placement(str(task.task_id)), flush=True)
 
     # -- readiness -------------------------------------------------------------------------
-    def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def plan_steps(self, *, stop_at: int | None = None, snapshot_every: int | None = None, data: Any = None) -> None:
+        """Exact step arithmetic, done by the ps (the Supervisor calls this before ``prepare``).
+
+        Args:
+            stop_at: chief: the ps apply no update past this global step (``max_steps``).
+            snapshot_every: chief: the ps keep their state at every multiple of this step, so a
+                step-based checkpoint holds exactly that many updates.
+            data: this worker's batch iterator (``state_dict()``); its position after each batch is
+                sent with the batch's gradients, and checkpoints keep it.
+        """
+        self.step_plan = StepPlan(stop_at, snapshot_every)
+        self.data_source = data
+
+    def restore_from(
+        self, step: int, tensors: Mapping[str, torch.Tensor], *, data_positions: Mapping[str, Any] | None = None
+    ) -> None:
         """Make the chief initialize the ps from a checkpoint instead of the model's own values.
 
         Args:
@@ -123,7 +144,10 @@ class Trainer(TrainerBase):
             tensors: whole (unsplit) tensors by parameter name, plus optional optimizer slots
                 ``opt/<param>/<slot>`` and moving averages ``ema/<param>``. The current placement
                 splits them, so a checkpoint restores into any number of ps.
+            data_positions: every worker's data position by replica index (``"0"``, ``"1"``...);
+                each worker gets its own back in :attr:`ready_info`.
         """
+        self._restored_positions = data_positions
         missing = [n for n in self.params if n not in tensors]
         if missing:
             raise ConfigError(
@@ -139,6 +163,7 @@ class Trainer(TrainerBase):
         if self.task.is_chief:
             self._initialize()
         info = self.client.wait_ready(self.digest, self.config.ready_timeout_s)
+        self.ready_info = info
         self.global_step = int(info["version"])
         self.versions = self.client.pull(self._dests)
         self._ready = True
@@ -171,6 +196,8 @@ class Trainer(TrainerBase):
             "schedule": self.schedule.to_dict() if self.schedule else None,
             "ema_decay": self.ema_decay,
             "meta": {"placement": self.placement.to_dict()},
+            "step_plan": self.step_plan.to_dict(),
+            "data_positions": dict(self._restored_positions or {}),
         }
         self.client.initialize(per_shard, meta)
 
@@ -234,6 +261,10 @@ class Trainer(TrainerBase):
         if replies[0].get("stale"):
             self.stale_pushes += 1
         self.global_step = self.versions[0]
+        if replies[0].get("stopped"):
+            # The job reached its stop step before this batch: nothing of it was applied or counted.
+            self.stopped = True
+            return value
         self.local_step += 1
         if batch_size is None:
             batch_size = batch_examples(batch, batches)
@@ -281,7 +312,10 @@ class Trainer(TrainerBase):
 
     def _send_shard(self, shard: int, *, during_backward: bool = False) -> None:
         assert self._sent is not None
-        self.client.send_push(shard, self.worker, self.versions[shard], self._grads(shard), wait_s=self.config.sync_timeout_s)
+        # Shard 0 keeps the workers' data positions; the iterator has already moved past this batch.
+        position = self.data_source.state_dict() if shard == 0 and self.data_source is not None else None
+        self.client.send_push(shard, self.worker, self.versions[shard], self._grads(shard), wait_s=self.config.sync_timeout_s,
+                              position=position)
         self._sent.add(shard)
         if not during_backward:
             self._late.add(shard)
@@ -307,10 +341,13 @@ class Trainer(TrainerBase):
         return self.global_step
 
     # -- what the Supervisor needs (AllReduceTrainer offers the same) ---------------------------
-    def save_shards(self, root: str, step: int) -> list[dict[str, Any]]:
+    def save_shards(self, root: str, step: int, *, exact: bool = False) -> list[dict[str, Any]]:
         """Every ps writes its own shard of checkpoint ``step`` under ``root`` (in parallel; no
-        parameter passes through this task). Returns each shard's ``{"record", "version"}``."""
-        return self.client.save({"root": root, "step": step, "num_shards": self.task.num_ps})
+        parameter passes through this task). With ``exact``, each writes the state it held when it
+        reached ``step`` (see :class:`psflow.ps.progress.StepPlan`), else its state now.
+        Returns each shard's ``{"record", "version", "data_positions"}``."""
+        return self.client.save({"root": root, "step": step, "num_shards": self.task.num_ps, "exact": exact,
+                                 "timeout_s": self.config.sync_timeout_s})
 
     def job_step(self) -> int:
         """The job's global step now (shard 0's version), not just as of this worker's last push."""

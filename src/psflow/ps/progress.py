@@ -1,0 +1,102 @@
+"""What one ps shard keeps so that checkpoints and stops fall on exact global steps.
+
+The chief's Supervisor sends a :class:`StepPlan` with the initial parameters: the step at which the
+job stops (``max_steps``) and the period of step-based checkpoints (``save_model_steps``). In async
+mode the workers' pushes race, so the chief cannot observe every global step, let alone stop the
+others at one: the shard does it. It refuses updates past ``stop_at`` (the job stops at exactly that
+step) and copies its state when its version reaches a multiple of ``snapshot_every`` (the checkpoint
+of step 200 holds exactly 200 updates, whenever the chief asks for it).
+
+It also keeps each worker's data position (epoch, batch, shuffle seed: ``BatchIterator.state_dict``)
+as of the last of its batches whose gradients this shard consumed, so that a checkpoint holds every
+worker's place in its data, consistent with the parameters it holds.
+
+Pure bookkeeping, no locks: :class:`psflow.ps.store.ParameterStore` calls it under its own lock.
+Workers are keyed by their replica index as a string (JSON object keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from psflow.errors import ConfigError
+
+HELD_SNAPSHOTS = 2  # a checkpoint asked for late (the chief was busy saving) still finds its step
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Step limits of a job, as the chief's PS_INIT carries them (``to_dict``/``from_dict``)."""
+
+    stop_at: int | None = None
+    snapshot_every: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("stop_at", "snapshot_every"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"StepPlan.{name} must be an int >= 1 or None. Received: {value!r}.")
+
+    def to_dict(self) -> dict[str, int | None]:
+        return {"stop_at": self.stop_at, "snapshot_every": self.snapshot_every}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> StepPlan:
+        data = data or {}
+        return cls(data.get("stop_at"), data.get("snapshot_every"))
+
+
+class Progress:
+    """The step plan, each worker's data position and the snapshots held for exact checkpoints."""
+
+    def __init__(self) -> None:
+        self.plan = StepPlan()
+        self.positions: dict[str, dict[str, Any]] = {}
+        self._pending: dict[str, dict[str, Any]] = {}  # sync: positions of gradients not applied yet
+        self._held: dict[int, tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]] = {}
+
+    def configure(self, plan: StepPlan, positions: Mapping[str, Any] | None) -> None:
+        """At initialization: the plan, and the positions restored from a checkpoint."""
+        self.plan = plan
+        self.positions = {str(k): dict(v) for k, v in (positions or {}).items() if isinstance(v, Mapping)}
+        self._pending.clear()
+        self._held.clear()
+
+    def is_stopped(self, version: int) -> bool:
+        """True once ``version`` reached the plan's stop: no further update may be applied."""
+        return self.plan.stop_at is not None and version >= self.plan.stop_at
+
+    def consumed(self, worker: int, position: Mapping[str, Any] | None) -> None:
+        """``worker``'s batch is done with (applied, or dropped as stale): its position moves on."""
+        if isinstance(position, Mapping):
+            self.positions[str(worker)] = dict(position)
+
+    def pending(self, worker: int, position: Mapping[str, Any] | None) -> None:
+        """Sync: ``worker``'s gradient waits for its step; its position moves on when it is applied."""
+        if isinstance(position, Mapping):
+            self._pending[str(worker)] = dict(position)
+
+    def step_applied(self) -> None:
+        """Sync: the pending gradients were applied together."""
+        self.positions.update(self._pending)
+        self._pending.clear()
+
+    def wants_snapshot(self, version: int) -> bool:
+        every = self.plan.snapshot_every
+        return every is not None and version > 0 and version % every == 0
+
+    def hold(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep the state of ``version`` (and the positions now) until a newer ones push it out."""
+        self._held[version] = (tensors, {k: dict(v) for k, v in self.positions.items()})
+        for old in sorted(self._held)[:-HELD_SNAPSHOTS]:
+            del self._held[old]
+
+    def held(self, version: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]] | None:
+        return self._held.get(version)
+
+    def positions_now(self) -> dict[str, dict[str, Any]]:
+        return {k: dict(v) for k, v in self.positions.items()}
