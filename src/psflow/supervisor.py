@@ -291,8 +291,10 @@ class Supervisor:
         histogram_every_steps: histograms of parameters and gradients every this many local steps.
         hooks: extra :class:`Hook` objects.
         ema_for_export: the moving averages stand for the model in ``psflow export`` and the evaluator.
-        data: the chief's batch iterator (``BatchIterator``); its position is saved with each
-            checkpoint and restored with it.
+        data: this worker's batch iterator (``BatchIterator``; every worker passes its own): its
+            position after each batch goes to the ps with the batch's gradients, is saved with each
+            checkpoint, and each worker gets its own back on a restart. Iterate it directly
+            (``for x, y in data``), without reading ahead, so the position is that of the batch trained.
         resume: whether this run may continue the checkpoints already in ``logdir``. None (the
             default): yes when the logdir was named (``logdir=`` here, or ``task.logdir``: the
             launcher's ``--logdir`` or ``PSFLOW_LOGDIR``) or ``PSFLOW_RESUME=1`` is set; a run
