@@ -20,6 +20,13 @@ Invariants:
 - Only a whole checkpoint is restored (:func:`psflow.checkpoint.latest_checkpoint` skips a partial or
   corrupt one with a warning naming the file).
 - A checkpoint of diverged (NaN) parameters is never written by the final save.
+- Steps are exact: the chief sends ``max_steps`` and ``save_model_steps`` to the ps with the initial
+  parameters (:class:`psflow.ps.progress.StepPlan`); the ps refuse updates past the stop and keep
+  their state at each multiple, so checkpoints fall on multiples however async workers race.
+- Each checkpoint holds every worker's data position as ps shard 0 last recorded it (see
+  :mod:`psflow.ps.progress`); each worker loads its own from the readiness reply.
+- A run continues the checkpoints in its logdir only deliberately (a named logdir, ``resume=True``
+  or ``PSFLOW_RESUME=1``), and never starts over at step 0 when every checkpoint there is corrupt.
 
 Layout under ``logdir``: ``checkpoints/ckpt-<step>/``, ``summaries/<task>/``, ``DONE`` (written by the
 chief when the job ends without an error; the evaluator exits on it).

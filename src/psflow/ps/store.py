@@ -13,6 +13,8 @@ under one condition variable. The store applies updates in one of three modes (T
   clock is at least c - staleness.
 
 ``version`` of shard 0 is the job's ``global_step``: every worker push reaches every shard.
+Exact stop and checkpoint steps, and the workers' data positions, are kept in ``progress``
+(:mod:`psflow.ps.progress`), updated under the same lock as the values.
 State changes are also kept as an ordered count (``version``) so a later primary-backup replica can
 replay them in order.
 """
