@@ -25,6 +25,7 @@ import torch
 from conftest import (
     PSFLOW,
     ROOT,
+    free_ports,
     log_tails,
     pid_alive,
     read_summary,
@@ -147,6 +148,43 @@ def test_every_worker_resumes_its_own_data_position(tmp_path):
         first, second = s1["reports"][task]["trainer"]["examples"], s2["reports"][task]["trainer"]["examples"]
         assert first > 0 and second > 0 and first + second == shard_examples, (task, first, second)
     assert s2["reports"]["ps:0"]["global_step"] == 2 * shard_examples // 100  # every batch applied once
+
+
+def by_hand_run(procs, cwd: Path, *, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """One ps and one worker started by hand (the seeds' flags, no launcher, no logdir) in ``cwd``."""
+    ports = free_ports(2)
+    started = []
+    for job in ("ps", "worker"):
+        flags = [f"--ps_hosts=localhost:{ports[0]}", f"--worker_hosts=localhost:{ports[1]}", f"--job_name={job}", "--task_index=0"]
+        p = subprocess.Popen([sys.executable, SUPERVISED, *flags, *COMMON, "--max_steps", "30"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=task_env(**(env or {})), cwd=cwd, start_new_session=True)
+        procs.append(p)
+        started.append(p)
+    return started[0], started[1]
+
+
+def test_a_second_run_by_hand_does_not_silently_resume_the_first(procs, tmp_path):
+    ps, worker = by_hand_run(procs, tmp_path)
+    out = worker.communicate(timeout=120)[0]
+    assert worker.returncode == 0 and "worker:0: initialized at step 0" in out, out[-3000:]
+    ps.communicate(timeout=60)
+    first = checkpoint.latest_checkpoint(tmp_path / "runs" / "default" / "checkpoints")
+    assert first is not None and first.step == 30
+
+    ps, worker = by_hand_run(procs, tmp_path)  # an unrelated second run: same flags, no logdir
+    out = worker.communicate(timeout=120)[0]
+
+    assert worker.returncode != 0, out[-3000:]
+    assert "named no logdir" in out and first.path.name in out and "PSFLOW_RESUME=1" in out, out[-3000:]
+    assert "initialized at step 0" not in out and "restored from" not in out
+    assert "Traceback" not in out  # one clear error
+    ps.kill()
+    ps.communicate(timeout=30)
+
+    ps, worker = by_hand_run(procs, tmp_path, env={"PSFLOW_RESUME": "1"})  # resuming on purpose
+    out = worker.communicate(timeout=120)[0]
+    assert worker.returncode == 0, out[-3000:]
+    assert f"worker:0: restored from {first.path} at step 30" in out
 
 
 # --------------------------------------------------------------------- broken checkpoints
