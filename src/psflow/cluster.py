@@ -10,7 +10,8 @@ Invariants of a ClusterSpec, checked in ``__post_init__`` so an invalid one neve
 among :data:`JOBS` and kept in that order; every job has at least one task; at most one chief; a
 chief or a worker exists; a ps exists unless ``require_ps=False`` (all-reduce mode); every address
 is ``host:port`` (IPv6 as ``[::1]:2222``) with a port in 1..65535 (0 only with ``allow_port_zero``,
-the launcher's placeholder before tasks bind); no two tasks share an address.
+the launcher's placeholder before tasks bind); no two tasks share an address, however it is written
+(``localhost:2222`` and ``127.0.0.1:2222`` are one address; see :func:`address_key`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,25 @@ def is_loopback_host(host: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+def address_key(host: str) -> str:
+    """A canonical form of ``host`` for telling whether two addresses are the same.
+
+    Literal IPs in their canonical text (IPv4-mapped IPv6 as IPv4), ``localhost`` (and ``*.localhost``)
+    as ``127.0.0.1``, any other name lower-cased without a trailing dot. Pure, no DNS lookup: a lookup
+    could be slow, and only loopback names have a fixed answer. psflow binds a name without ':' over
+    IPv4, so ``localhost`` is the socket ``127.0.0.1`` (RFC 6761 reserves the name for loopback).
+    """
+    h = host.strip().strip("[]").lower().rstrip(".")
+    if h == "localhost" or h.endswith(".localhost"):
+        return "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        return h
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
 def _normalize(raw: object) -> JobTasks:
     """Turns a mapping or pairs into canonical pairs: aliases resolved, strings split, JOBS order."""
     try:
@@ -177,10 +197,15 @@ class ClusterSpec:
                 host, port = parse_address(addr, allow_port_zero=self.allow_port_zero)
             except ConfigError as e:
                 raise ConfigError(f"Task {task}: {e} {got}") from e
-            key = (host.lower(), port)
+            key = (address_key(host), port)
             if port and key in seen:  # port 0 is a placeholder: many tasks may share it before they bind
-                raise ConfigError(f"Address {addr!r} is used by both {seen[key]} and {task}. {got} One per task.")
+                raise ConfigError(self._duplicate(seen[key], task, addr, key[0]) + f" {got} One per task.")
             seen[key] = task
+
+    def _duplicate(self, first: TaskId, second: TaskId, addr: str, key: str) -> str:
+        other = self.jobs[first.job][first.index]
+        same = "" if other == addr else f" ({other!r} and {addr!r} are one address: {key}:{addr.rpartition(':')[2]})"
+        return f"Address {addr!r} is used by both {first} and {second}{same}."
 
     def __repr__(self) -> str:
         return f"ClusterSpec({self.to_dict()})"

@@ -6,6 +6,10 @@ others. Services (the parameter store, the launcher's coordinator) register one 
 
 Invariants:
 - nothing is served before the peer proves the job's secret (``Connection.server_handshake``);
+- an unauthenticated peer costs little and not for long: its handshake frames are small and carry no
+  tensors, the whole handshake has one deadline (``handshake_timeout_s``), and at most
+  ``max_handshaking`` connections are in their handshake at once; a connection past that cap is
+  answered ERROR {"kind": "busy"} and closed at once, without a thread (clients retry it);
 - a malformed, oversized or unauthenticated frame closes only that connection, with an ERROR frame
   saying why when the stream still allows it; an unknown op or a failing handler gets an ERROR
   reply and the connection stays usable;
@@ -21,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from psflow.errors import AuthError, ConfigError, PsflowError, TransportError
-from psflow.wire.conn import Connection
-from psflow.wire.frame import FrameError, Limits, TensorSpec
+from psflow.wire.conn import BUSY, Connection
+from psflow.wire.frame import FrameError, Limits, TensorSpec, encode_head
 from psflow.wire.ops import Op
 
 if TYPE_CHECKING:
@@ -57,6 +61,13 @@ class _Route:
 class Server:
     """Serve registered handlers on ``host:port`` (port 0 picks a free port; see ``address``).
 
+    Args:
+        task: this task's id; the server names itself so in the handshake, so clients know whom they reached.
+        secret: the job's secret (b"": none, only for tasks that listen on loopback).
+        limits: bounds on what a peer may send.
+        handshake_timeout_s: the longest a connection may take to prove the secret, in total.
+        max_handshaking: how many connections may be in their handshake at once.
+
     Example:
         >>> srv = Server("ps:0", secret=b"s3cret")
         >>> srv.register(Op.PING, lambda req: Reply({"pong": True}))
@@ -73,12 +84,20 @@ class Server:
         secret: bytes = b"",
         limits: Limits = Limits(),
         handshake_timeout_s: float = 10.0,
+        max_handshaking: int = 64,
     ) -> None:
+        if not handshake_timeout_s > 0:
+            raise ConfigError(f"handshake_timeout_s must be a positive number of seconds; received {handshake_timeout_s!r}.")
+        if isinstance(max_handshaking, bool) or not isinstance(max_handshaking, int) or max_handshaking < 1:
+            raise ConfigError(f"max_handshaking must be a positive integer; received {max_handshaking!r}.")
         self.task = task
         self.host, self.port = host, port
         self.secret = secret
         self.limits = limits
         self.handshake_timeout_s = handshake_timeout_s
+        self.max_handshaking = max_handshaking
+        self.turned_away = 0  # connections closed at once because max_handshaking were in their handshake
+        self._handshaking = 0
         self.routes: dict[int, _Route] = {}
         self.refused = 0  # connections or frames refused (auth, malformed, unknown op)
         self._lsock: socket.socket | None = None
@@ -152,8 +171,39 @@ class Server:
             except OSError:
                 return
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-            conn = Connection(sock, peer=peer, limits=self.limits)
+            with self._lock:
+                admit = self._handshaking < self.max_handshaking
+                self._handshaking += admit
+            if not admit:
+                self._turn_away(sock, peer)
+                continue
+            try:
+                conn = Connection(sock, peer=peer, limits=self.limits)
+            except OSError:  # the peer is already gone
+                sock.close()
+                self._handshake_done()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name=f"{self.task}-conn", daemon=True).start()
+
+    def _turn_away(self, sock: socket.socket, peer: str) -> None:
+        """Close a connection past the handshake cap at once, saying why if the socket takes it now."""
+        self.turned_away += 1
+        n = self.turned_away
+        if n & (n - 1) == 0:  # 1, 2, 4, 8...: a flood must not flood the log too
+            log.warning("%s turned away %s (%d so far): %d connections are in their handshake (max_handshaking)",
+                        self.task, peer, n, self.max_handshaking)
+        message = (f"{self.task} has {self.max_handshaking} connections in their handshake already "
+                   "(max_handshaking); try again shortly.")
+        try:
+            sock.setblocking(False)  # never wait on a peer that was not admitted
+            sock.send(encode_head(int(Op.ERROR), {"error": message, "kind": BUSY}, 0))
+        except OSError:
+            pass
+        sock.close()
+
+    def _handshake_done(self) -> None:
+        with self._lock:
+            self._handshaking -= 1
 
     def _refuse(self, conn: Connection, message: str) -> None:
         self.refused += 1
@@ -169,12 +219,14 @@ class Server:
             self._conns.add(conn)
         try:
             try:
-                conn.server_handshake(self.secret, self.handshake_timeout_s)
+                conn.server_handshake(self.secret, self.handshake_timeout_s, task=self.task)
             except (AuthError, FrameError) as e:
                 self._refuse(conn, str(e))
                 return
-            except TransportError:
+            except TransportError:  # the deadline passed, or the peer left
                 return
+            finally:
+                self._handshake_done()
             with self._lock:
                 self._peer_conns[conn.peer] = self._peer_conns.get(conn.peer, 0) + 1
             try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+import select
 import socket
 import threading
 import time
@@ -21,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psflow.errors import AuthError, ConfigError, PsflowError, RemoteError, TransportError
+from psflow.errors import AuthError, ClusterError, ConfigError, PsflowError, RemoteError, TransportError
 from psflow.server import Reply, Request, Server
 from psflow.wire.conn import Connection, _mac, connect
 from psflow.wire.frame import HEADER, HEADER_SIZE, Limits, decode_header, decode_meta
@@ -235,9 +236,9 @@ def test_client_detects_a_server_that_does_not_hold_the_secret() -> None:
         conn = Connection(sock, peer="client")
         sock.settimeout(WAIT_S)
         try:
-            conn.send(Op.HELLO, {"nonce": "n", "v": 1})
+            conn.send(Op.HELLO, {"nonce": "n", "v": 1, "task": "ps:0"})  # it claims the right name
             auth = conn.recv()
-            conn.send(Op.AUTH_OK, {"mac": _mac(b"guessed", b"s", auth.meta["cnonce"].encode(), b"n")})
+            conn.send(Op.AUTH_OK, {"mac": _mac(b"guessed", b"s", auth.meta["cnonce"].encode(), b"n", b"ps:0")})
             conn.recv()  # until the client hangs up
         except TransportError:
             pass
@@ -489,3 +490,117 @@ def test_peer_gone_fires_once_per_task_after_its_last_connection_closes(make_ser
     a2.close()
     assert event.wait(WAIT_S)
     assert gone == ["worker:2", "worker:1"]
+
+
+# --- before the secret is proven: small frames, one deadline, a cap --------------------------------
+
+
+def hello_then(srv: Server, data: bytes) -> list[tuple[int, dict]]:
+    """Open a raw connection, send ``data`` after the HELLO, and return the frames until the server closes."""
+    with raw_socket(srv) as sock:
+        sock.sendall(data)
+        return parse_frames(read_until_closed(sock))
+
+
+def auth_frame(task: str = "worker:0", cnonce: str = "c") -> bytes:
+    """An AUTH frame with a wrong proof."""
+    meta = b'{"task":"%s","cnonce":"%s","mac":"%s"}' % (task.encode(), cnonce.encode(), b"0" * 64)
+    return HEADER.pack(b"PSF1", Op.AUTH, 0, len(meta), 0) + meta
+
+
+@pytest.mark.parametrize("host_of", ["server", "coordinator"])
+def test_a_handshake_frame_declaring_a_gib_tensor_is_refused_before_anything_is_received(
+    make_server: MakeServer, host_of: str
+) -> None:
+    """The launcher's coordinator is served by the same Server class: it is covered the same way."""
+    from psflow.launch.coordinator import Coordinator
+
+    srv = make_server("launcher" if host_of == "coordinator" else "ps:0")
+    if host_of == "coordinator":
+        Coordinator(srv, ["worker:0"], require_ps=False)
+    meta = b'{"task":"worker:0","cnonce":"c","mac":"m","t":[["x","float32",[1073741824]]]}'
+    frames = hello_then(srv, HEADER.pack(b"PSF1", Op.AUTH, 0, len(meta), 4 << 30) + meta + b"\0" * 65536)
+    assert [op for op, _ in frames] == [Op.HELLO, Op.ERROR]
+    assert "A handshake frame carries no tensors; this one declares a payload of 4294967296 bytes" in frames[1][1]["error"]
+    big_meta = HEADER.pack(b"PSF1", Op.AUTH, 0, 1 << 20, 0) + b"{" * 4096
+    frames = hello_then(srv, big_meta)
+    assert "Handshake frame meta of 1048576 bytes exceeds the limit of 4096 bytes (Limits.max_handshake_bytes)" in frames[1][1]["error"]
+    assert srv.refused == 2
+    assert_served(srv, "worker:0")
+
+
+def test_a_client_trickling_its_handshake_is_dropped_at_the_deadline_not_renewed_per_byte(make_server: MakeServer) -> None:
+    """The handshake has one deadline in total: one byte every 0.1 s, well within a per-read timeout,
+    must not keep an unauthenticated connection open."""
+    srv = make_server(handshake_timeout_s=0.6)
+    frame = auth_frame(cnonce="c" * 200)  # one frame of about 300 bytes: 30 s at one byte per 0.1 s
+    sent = 0
+    with raw_socket(srv) as sock:
+        t0 = time.monotonic()
+        closed = False
+        while sent < len(frame) and not closed:
+            readable, _, _ = select.select([sock], [], [], 0.1)  # also paces the trickle
+            if readable:
+                try:
+                    closed = sock.recv(65536) == b""
+                except ConnectionResetError:
+                    closed = True
+            if not closed:
+                try:
+                    sent += sock.send(frame[sent:sent + 1])
+                except OSError:
+                    closed = True
+        held_s = time.monotonic() - t0
+    assert closed and sent < len(frame), f"still open after {sent} of {len(frame)} bytes"
+    assert held_s < 5 * srv.handshake_timeout_s, held_s
+    assert_served(srv)
+
+
+def test_connections_past_the_handshake_cap_are_turned_away_at_once_and_a_client_waits_them_out(
+    make_server: MakeServer,
+) -> None:
+    srv = make_server(max_handshaking=3, handshake_timeout_s=2.0)
+    idle = [raw_socket(srv) for _ in range(3)]
+    try:
+        for sock in idle:  # each is admitted: it got its HELLO and now holds a handshake slot
+            sock.settimeout(WAIT_S)
+            assert sock.recv(HEADER_SIZE)[:4] == b"PSF1"
+        with raw_socket(srv) as extra:  # the fourth is answered and closed at once, before the idle ones' deadline
+            frames = parse_frames(read_until_closed(extra))
+        assert [op for op, _ in frames] == [Op.ERROR]
+        assert frames[0][1]["kind"] == "busy"
+        assert "ps:0 has 3 connections in their handshake already (max_handshaking)" in frames[0][1]["error"]
+        assert srv.turned_away == 1
+        # A real client retries a busy server until the idle connections reach their deadline.
+        conn = client(srv, "worker:5")
+        try:
+            assert conn.request(Op.PING, timeout_s=WAIT_S).meta == {"task": "ps:0"}
+        finally:
+            conn.close()
+        assert srv.turned_away > 1
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+# --- knowing whom a client reached --------------------------------------------------------------
+
+
+def test_a_client_that_reached_another_task_says_whom_it_expected_and_whom_it_reached(make_server: MakeServer) -> None:
+    srv = make_server("worker:0")
+    with pytest.raises(ClusterError, match=rf"Connected to {re.escape(srv.address)} expecting ps:0 but reached worker:0\. "
+                                           r"Check the cluster spec"):
+        connect(srv.address, secret=SECRET, task="worker:1", peer="ps:0", deadline_s=WAIT_S, handshake_timeout_s=WAIT_S)
+    assert_served(srv)
+
+
+def test_a_worker_whose_ps_address_is_its_own_is_told_so_not_unknown_op(make_server: MakeServer) -> None:
+    """E.g. worker:0 bound 0.0.0.0:P (PSFLOW_BIND_HOST) and ps:0 is written 127.0.0.1:P: it reaches itself."""
+    from psflow.cluster import ClusterSpec, TaskId
+    from psflow.ps.client import PsClient
+
+    me = make_server("worker:0")
+    port = int(me.address.rpartition(":")[2])
+    cluster = ClusterSpec.from_dict({"ps": [f"127.0.0.1:{port}"], "worker": [f"127.0.0.2:{port}"]})
+    with pytest.raises(ClusterError, match=r"expecting ps:0 but reached worker:0, that is, this task itself"):
+        PsClient(cluster, TaskId("worker", 0), SECRET, connect_timeout_s=WAIT_S)

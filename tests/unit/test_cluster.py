@@ -557,3 +557,27 @@ def test_slurm_tasks_per_node_expansion_and_errors() -> None:
     assert expand_slurm_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     with pytest.raises(ConfigError, match="'2x3' is malformed at '2x3'"):
         expand_slurm_tasks_per_node("2x3")
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("localhost:2222", "127.0.0.1:2222"),
+        ("LOCALHOST.:2222", "127.0.0.1:2222"),
+        ("[::ffff:127.0.0.1]:2222", "127.0.0.1:2222"),
+        ("[0:0:0:0:0:0:0:1]:2222", "[::1]:2222"),
+        ("Node1.example.org.:2222", "node1.example.org:2222"),
+    ],
+)
+def test_one_address_written_two_ways_is_a_duplicate(first: str, second: str) -> None:
+    with pytest.raises(ConfigError, match=rf"Address '{re.escape(second)}' is used by both ps:0 and worker:0 "
+                                          rf"\('{re.escape(first)}' and '{re.escape(second)}' are one address"):
+        spec(ps=[first], worker=[second])
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [("127.0.0.1:2222", "127.0.0.2:2222"), ("localhost:2222", "[::1]:2222"), ("h1:2222", "h2:2222")],
+)
+def test_different_addresses_on_one_port_are_not_duplicates(first: str, second: str) -> None:
+    assert spec(ps=[first], worker=[second]).address(TaskId("worker", 0)) == second

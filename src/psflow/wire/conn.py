@@ -7,12 +7,19 @@ frame costs one syscall), the job-secret handshake on both sides, and client-sid
 
 Handshake (before anything else is served)::
 
-    server -> HELLO  {"nonce": N}
+    server -> HELLO  {"nonce": N, "task": "ps:0"}
     client -> AUTH   {"task": "worker:0", "cnonce": C, "mac": HMAC(secret, "c|" N C task)}
-    server -> AUTH_OK {"mac": HMAC(secret, "s|" C N)}   (or ERROR, then close)
+    server -> AUTH_OK {"mac": HMAC(secret, "s|" C N server_task)}   (or ERROR, then close)
 
-A job without a secret uses the empty key: that proves nothing, which is why only loopback tasks may
-run without one (psflow.task enforces it). The client checks the server's proof too.
+A job without a secret uses the empty key: that proves nothing, which is why only tasks that listen
+on loopback may run without one (psflow.task enforces it). The client checks the server's proof
+too, and that the server is the task it meant to reach (the name in HELLO, covered by the proof).
+
+Before the peer has proved the secret nothing it sends can cost much: handshake frames carry no
+tensors and at most ``Limits.max_handshake_bytes`` of meta, and the whole handshake has one
+deadline (not a timeout per read, which a peer trickling one byte at a time would renew forever).
+A server that has too many handshakes under way answers ERROR {"kind": "busy"} and closes;
+``connect`` retries that like a refused connection.
 """
 
 from __future__ import annotations
@@ -24,13 +31,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from psflow.errors import AuthError, RemoteError, TransportError
+from psflow.errors import AuthError, ClusterError, RemoteError, TransportError
 from psflow.wire.frame import (
     HEADER_SIZE,
     FrameError,
     Limits,
     TensorSpec,
     byte_view,
+    decode_handshake_meta,
     decode_header,
     decode_meta,
     encode_head,
@@ -58,6 +66,13 @@ def _mac(secret: bytes, *parts: bytes) -> str:
     return hmac.new(secret, b"|".join(parts), "sha256").hexdigest()
 
 
+class ServerBusyError(TransportError):
+    """The server turned this connection away: too many handshakes were under way (retried by connect)."""
+
+
+BUSY = "busy"  # the ERROR kind of a connection turned away before its handshake
+
+
 class Connection:
     """One framed connection. Not thread-safe: one request at a time per connection."""
 
@@ -70,6 +85,7 @@ class Connection:
         self._rbuf = memoryview(bytearray(_RECV_BUF))
         self._rpos = self._rend = 0
         self._timeout: float | None | bool = False  # False: unknown; settimeout costs a syscall, so skip repeats
+        self._deadline: float | None = None  # monotonic time the handshake must be done by (None: no deadline)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -119,7 +135,7 @@ class Connection:
             return
         if n - got >= _RECV_BUF // 2:  # large: straight into the destination, no copy
             while got < n:
-                k = self.sock.recv_into(view[got:], n - got)
+                k = self._recv_into(view[got:], n - got)
                 if k == 0:
                     raise TransportError(f"{self.peer} closed the connection.")
                 got += k
@@ -127,12 +143,22 @@ class Connection:
         need = n - got  # small: refill the (now empty) buffer with whatever has arrived
         self._rpos = self._rend = 0
         while self._rend < need:
-            k = self.sock.recv_into(self._rbuf[self._rend:])
+            k = self._recv_into(self._rbuf[self._rend:])
             if k == 0:
                 raise TransportError(f"{self.peer} closed the connection.")
             self._rend += k
         view[got:] = self._rbuf[:need]
         self._rpos = need
+
+    def _recv_into(self, view: memoryview, n: int = 0) -> int:
+        if self._deadline is not None:
+            # One deadline for the whole handshake: each read gets only the time that is left.
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("handshake deadline passed")
+            self.sock.settimeout(left)
+            self._timeout = left
+        return self.sock.recv_into(view, n)
 
     def _take(self, n: int) -> bytes:
         """The next ``n`` bytes (``n`` at most half the buffer), usually without a syscall."""
@@ -199,46 +225,108 @@ class Connection:
             pass
 
     # -- handshake -------------------------------------------------------------------------
-    def server_handshake(self, secret: bytes, timeout_s: float) -> str:
-        """Run the server side of the handshake. Returns the client's task id. Raises AuthError/FrameError."""
-        self.set_timeout(timeout_s)
-        nonce = os.urandom(16).hex()
-        self.send(Op.HELLO, {"nonce": nonce, "v": 1})
-        frame = self.recv()
-        if frame.op != Op.AUTH or frame.tensors:
-            raise AuthError(
-                f"Expected an AUTH frame first, received op {frame.op}. Every connection must prove the job's secret first."
-            )
-        task, cnonce, mac = (str(frame.meta.get(k, "")) for k in ("task", "cnonce", "mac"))
-        expected = _mac(secret, b"c", nonce.encode(), cnonce.encode(), task.encode())
-        if not hmac.compare_digest(mac, expected):
-            raise AuthError(
-                f"Task {task or '?'} from {self.peer} did not prove the job's secret. "
-                "Give every task the same secret (PSFLOW_SECRET or --secret-file)."
-            )
-        self.send(Op.AUTH_OK, {"mac": _mac(secret, b"s", cnonce.encode(), nonce.encode())})
-        self.set_timeout(None)
-        self.peer = task
-        return task
+    def _recv_handshake(self, timeout_s: float) -> Frame:
+        """A handshake frame: JSON meta only, small, and within the handshake's deadline."""
+        try:
+            op, _flags, meta_len, _ = decode_header(self._take(HEADER_SIZE), self.limits, handshake=True)
+            meta = decode_handshake_meta(self._take(meta_len))
+        except TimeoutError as e:
+            raise TransportError(
+                f"{self.peer} did not complete the psflow handshake within {timeout_s:g} s (handshake_timeout_s)."
+            ) from e
+        except OSError as e:
+            raise TransportError(f"Lost the connection to {self.peer} during the handshake: {e}.") from e
+        return Frame(op, meta, {})
 
-    def client_handshake(self, secret: bytes, task: str, timeout_s: float) -> None:
-        self.set_timeout(timeout_s)
-        hello = self.recv()
-        if hello.op != Op.HELLO:
-            raise AuthError(f"{self.peer} did not greet with HELLO (op {hello.op}); is it a psflow task?")
-        nonce = str(hello.meta.get("nonce", ""))
-        cnonce = os.urandom(16).hex()
-        mac = _mac(secret, b"c", nonce.encode(), cnonce.encode(), task.encode())
-        self.send(Op.AUTH, {"task": task, "cnonce": cnonce, "mac": mac})
-        reply = self.recv()
+    def _send_handshake(self, op: int, meta: dict[str, Any]) -> None:
+        assert self._deadline is not None
+        self.set_timeout(max(0.001, self._deadline - time.monotonic()))
+        self.send(op, meta)
+
+    def server_handshake(self, secret: bytes, timeout_s: float, *, task: str = "?") -> str:
+        """Run the server side of the handshake as ``task``; all of it within ``timeout_s``.
+
+        Returns the client's task id. Raises AuthError/FrameError, or TransportError (deadline, lost peer).
+        """
+        self._deadline = time.monotonic() + timeout_s
+        try:
+            nonce = os.urandom(16).hex()
+            self._send_handshake(Op.HELLO, {"nonce": nonce, "v": 1, "task": task})
+            frame = self._recv_handshake(timeout_s)
+            if frame.op != Op.AUTH:
+                raise AuthError(
+                    f"Expected an AUTH frame first, received op {frame.op}. Every connection must prove the job's secret first."
+                )
+            client, cnonce, mac = (str(frame.meta.get(k, "")) for k in ("task", "cnonce", "mac"))
+            expected = _mac(secret, b"c", nonce.encode(), cnonce.encode(), client.encode())
+            if not hmac.compare_digest(mac, expected):
+                raise AuthError(
+                    f"Task {client or '?'} from {self.peer} did not prove the job's secret. "
+                    "Give every task the same secret (PSFLOW_SECRET or --secret-file)."
+                )
+            self._send_handshake(Op.AUTH_OK, {"mac": _mac(secret, b"s", cnonce.encode(), nonce.encode(), task.encode())})
+        finally:
+            self._deadline = None
+        self.set_timeout(None)
+        self.peer = client
+        return client
+
+    def client_handshake(self, secret: bytes, task: str, timeout_s: float, *, expect: str | None = None) -> None:
+        """Run the client side as ``task``; all of it within ``timeout_s``.
+
+        Args:
+            expect: the task the server must be (e.g. "ps:0"); None accepts any.
+
+        Raises:
+            ServerBusyError: the server turned the connection away before the handshake.
+            ClusterError: the server is another task than ``expect``.
+            AuthError: either side failed to prove the job's secret.
+        """
+        self._deadline = time.monotonic() + timeout_s
+        try:
+            hello = self._recv_handshake(timeout_s)
+            if hello.op == Op.ERROR and hello.meta.get("kind") == BUSY:
+                raise ServerBusyError(f"{self.peer} turned the connection away: {hello.meta.get('error')}")
+            if hello.op != Op.HELLO:
+                raise AuthError(f"{self.peer} did not greet with HELLO (op {hello.op}); is it a psflow task?")
+            server = str(hello.meta.get("task", ""))
+            if expect is not None and server != expect:
+                raise ClusterError(self._wrong_task(expect, server, task))
+            nonce = str(hello.meta.get("nonce", ""))
+            cnonce = os.urandom(16).hex()
+            mac = _mac(secret, b"c", nonce.encode(), cnonce.encode(), task.encode())
+            self._send_handshake(Op.AUTH, {"task": task, "cnonce": cnonce, "mac": mac})
+            reply = self._recv_handshake(timeout_s)
+        finally:
+            self._deadline = None
         if reply.op == Op.ERROR:
             raise AuthError(f"{self.peer} refused this task: {reply.meta.get('error')}")
-        expected = _mac(secret, b"s", cnonce.encode(), nonce.encode())
+        expected = _mac(secret, b"s", cnonce.encode(), nonce.encode(), server.encode())
         if reply.op != Op.AUTH_OK or not hmac.compare_digest(str(reply.meta.get("mac", "")), expected):
             raise AuthError(
                 f"{self.peer} does not hold this job's secret (its proof did not match). "
                 "Check that every task was given the same secret."
             )
+
+    def _wrong_task(self, expect: str, server: str, me: str) -> str:
+        reached = server or "a server that does not name its task"
+        where = f"Connected to {self.address} expecting {expect} but reached {reached}"
+        if server == me:
+            return (f"{where}, that is, this task itself: {expect}'s address in the cluster spec is this task's own "
+                    "address. Give every task its own host:port.")
+        return (f"{where}. Check the cluster spec: {expect}'s address is wrong there, or {reached} listens on the "
+                f"address meant for {expect}.")
+
+    @property
+    def address(self) -> str:
+        """The remote end of the socket as host:port (a Unix socket as unix:path)."""
+        try:
+            addr = self.sock.getpeername()
+        except OSError:
+            return "?"
+        if isinstance(addr, tuple):
+            return f"[{addr[0]}]:{addr[1]}" if ":" in addr[0] else f"{addr[0]}:{addr[1]}"
+        return f"unix:{addr}"
 
 
 def _open_socket(address: str, timeout_s: float) -> socket.socket:
@@ -268,11 +356,14 @@ def connect(
         address: "host:port" or "unix:/path".
         secret: the job's secret (b"" for an unauthenticated loopback job).
         task: this task's id, e.g. "worker:0".
-        peer: the remote task's id for messages, e.g. "ps:0".
-        deadline_s: how long to keep retrying a refused or unreachable address.
+        peer: the remote task's id, e.g. "ps:0": the server must name itself so in its HELLO.
+            None accepts any server (messages then name the address).
+        deadline_s: how long to keep retrying a refused, unreachable or busy address.
+        handshake_timeout_s: the longest the whole handshake may take, per attempt.
 
     Raises:
-        TransportError: the address stayed unreachable until the deadline.
+        TransportError: the address stayed unreachable (or busy) until the deadline.
+        ClusterError: the server is another task than ``peer`` (not retried).
         AuthError: either side failed to prove the job's secret (not retried).
     """
     name = peer or address
@@ -280,26 +371,34 @@ def connect(
     delay, last = 0.02, None
     while True:
         try:
-            sock = _open_socket(address, min(handshake_timeout_s, max(0.05, t_end - time.monotonic())))
-        except OSError as e:
+            conn = _attempt(address, name, secret, task, peer, handshake_timeout_s, limits,
+                            min(handshake_timeout_s, max(0.05, t_end - time.monotonic())))
+            conn.set_timeout(None)
+            return conn
+        except (OSError, ServerBusyError) as e:  # refused, unreachable, or flooded with handshakes: wait and retry
             last = e
-            if time.monotonic() + delay > t_end:
-                raise TransportError(
-                    f"Cannot reach {name} at {address} after {deadline_s:.1f} s (last error: {last}). "
-                    "Is that task running and is the address right? Raise the wait with connect_timeout_s "
-                    "(PSFLOW_CONNECT_TIMEOUT_S)."
-                ) from e
-            time.sleep(delay)  # backoff between connection attempts, not synchronisation
-            delay = min(delay * 2, 1.0)
-            continue
-        conn = Connection(sock, peer=name, limits=limits)
-        try:
-            conn.client_handshake(secret, task, handshake_timeout_s)
-        except FrameError as e:
-            conn.close()
-            raise TransportError(f"{name} at {address} does not speak the psflow protocol: {e}") from e
-        except BaseException:
-            conn.close()
-            raise
-        conn.set_timeout(None)
-        return conn
+        if time.monotonic() + delay > t_end:
+            raise TransportError(
+                f"Cannot reach {name} at {address} after {deadline_s:.1f} s (last error: {last}). "
+                "Is that task running and is the address right? Raise the wait with connect_timeout_s "
+                "(PSFLOW_CONNECT_TIMEOUT_S)."
+            ) from last
+        time.sleep(delay)  # backoff between connection attempts, not synchronisation
+        delay = min(delay * 2, 1.0)
+
+
+def _attempt(
+    address: str, name: str, secret: bytes, task: str, peer: str | None, handshake_timeout_s: float, limits: Limits,
+    open_timeout_s: float,
+) -> Connection:
+    """One connection attempt and its handshake. Raises OSError or ServerBusyError when worth retrying."""
+    conn = Connection(_open_socket(address, open_timeout_s), peer=name, limits=limits)
+    try:
+        conn.client_handshake(secret, task, handshake_timeout_s, expect=peer)
+    except FrameError as e:
+        conn.close()
+        raise TransportError(f"{name} at {address} does not speak the psflow protocol: {e}") from e
+    except BaseException:
+        conn.close()
+        raise
+    return conn

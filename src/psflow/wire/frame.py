@@ -8,7 +8,9 @@ A frame is::
 
 Invariants: nothing is unpickled; the sum of the tensors' sizes equals payload_len; every dtype is in
 ITEMSIZE; meta_len and payload_len are bounded by :class:`Limits` before any byte of the body is read, so an
-oversized frame is refused before memory is allocated for it.
+oversized frame is refused before memory is allocated for it. A handshake frame (before the peer has proved
+the job's secret) carries no tensors and at most ``Limits.max_handshake_bytes`` of meta: an unauthenticated
+peer cannot make a task allocate more than that.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Limits:
     max_meta_bytes: int = 1 << 20
     max_payload_bytes: int = 8 << 30
     max_tensors: int = 100_000
+    max_handshake_bytes: int = 4096  # meta of a handshake frame (HELLO, AUTH, AUTH_OK: a few hundred bytes)
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,12 @@ def encode_head(op: int, meta: dict[str, Any], payload_len: int, flags: int = 0)
     return HEADER.pack(MAGIC, op, flags, len(meta_bytes), payload_len) + meta_bytes
 
 
-def decode_header(data: bytes, limits: Limits) -> tuple[int, int, int, int]:
-    """Validate a header. Returns (op, flags, meta_len, payload_len). Raises FrameError."""
+def decode_header(data: bytes, limits: Limits, *, handshake: bool = False) -> tuple[int, int, int, int]:
+    """Validate a header. Returns (op, flags, meta_len, payload_len). Raises FrameError.
+
+    With ``handshake`` (the peer has not proved the job's secret yet) the frame may carry no payload
+    and at most ``limits.max_handshake_bytes`` of meta.
+    """
     if len(data) != HEADER_SIZE:
         raise FrameError(f"Frame header is {len(data)} bytes; expected {HEADER_SIZE}.")
     magic, op, flags, meta_len, payload_len = HEADER.unpack(data)
@@ -118,6 +125,8 @@ def decode_header(data: bytes, limits: Limits) -> tuple[int, int, int, int]:
             f"Not a psflow frame: magic {magic!r}, expected {MAGIC!r}. "
             "Is something other than a psflow task talking to this port?"
         )
+    if handshake:
+        _check_handshake_sizes(meta_len, payload_len, limits)
     if meta_len > limits.max_meta_bytes:
         raise FrameError(f"Frame meta of {meta_len} bytes exceeds the limit of {limits.max_meta_bytes} bytes (Limits.max_meta_bytes).")
     if payload_len > limits.max_payload_bytes:
@@ -128,8 +137,38 @@ def decode_header(data: bytes, limits: Limits) -> tuple[int, int, int, int]:
     return op, flags, meta_len, payload_len
 
 
+def _check_handshake_sizes(meta_len: int, payload_len: int, limits: Limits) -> None:
+    if payload_len:
+        raise FrameError(
+            f"A handshake frame carries no tensors; this one declares a payload of {payload_len} bytes. "
+            "Nothing is received from a peer before it proves the job's secret."
+        )
+    if meta_len > limits.max_handshake_bytes:
+        raise FrameError(
+            f"Handshake frame meta of {meta_len} bytes exceeds the limit of {limits.max_handshake_bytes} bytes "
+            "(Limits.max_handshake_bytes)."
+        )
+
+
 def decode_meta(data: bytes, payload_len: int, limits: Limits) -> tuple[dict[str, Any], list[TensorSpec]]:
     """Parse and validate a frame's meta against its payload length. Raises FrameError."""
+    meta = _json_object(data)
+    specs = _parse_specs(meta.get("t", []), limits)
+    total = sum(s.nbytes for s in specs)
+    if total != payload_len:
+        raise FrameError(f"Frame declares tensors of {total} bytes but a payload of {payload_len} bytes.")
+    return meta, specs
+
+
+def decode_handshake_meta(data: bytes) -> dict[str, Any]:
+    """Parse a handshake frame's meta: a JSON object that lists no tensors. Raises FrameError."""
+    meta = _json_object(data)
+    if "t" in meta:
+        raise FrameError("A handshake frame carries no tensors; this one lists some. Prove the job's secret first.")
+    return meta
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
     # ValueError covers JSONDecodeError and ints past Python's digit limit; RecursionError, deep nesting.
     try:
         meta = json.loads(data.decode("utf-8")) if data else {}
@@ -137,11 +176,7 @@ def decode_meta(data: bytes, payload_len: int, limits: Limits) -> tuple[dict[str
         raise FrameError(f"Frame meta is not valid UTF-8 JSON: {e}. Received {data[:64]!r}...") from e
     if not isinstance(meta, dict):
         raise FrameError(f"Frame meta must be a JSON object; received {type(meta).__name__}.")
-    specs = _parse_specs(meta.get("t", []), limits)
-    total = sum(s.nbytes for s in specs)
-    if total != payload_len:
-        raise FrameError(f"Frame declares tensors of {total} bytes but a payload of {payload_len} bytes.")
-    return meta, specs
+    return meta
 
 
 def _parse_specs(raw: Any, limits: Limits) -> list[TensorSpec]:
