@@ -527,10 +527,6 @@ class Supervisor:
     def step(self, closure: Callable[[], torch.Tensor], *, batch_size: int | None = None) -> float:
         """``trainer.step`` followed by :meth:`after_step`. Returns the loss."""
         loss = self.trainer.step(closure, batch_size=batch_size)
-        if getattr(self.trainer, "stopped", False):
-            # The ps refused this batch: the job reached max_steps (the ps hold the exact stop).
-            self.request_stop(f"the job reached its stop step {self.global_step}")
-            return loss
         self.after_step(loss, batch_size)
         return loss
 
@@ -538,6 +534,10 @@ class Supervisor:
         """Run hooks, the chief's periodic checkpoint and the summaries after one trainer step."""
         if not self._entered:
             raise ConfigError("Supervisor.after_step() runs inside `with pf.Supervisor(...) as sv:`; enter it first.")
+        if getattr(self.trainer, "stopped", False):
+            # The ps refused this batch: the job is at the chief's max_steps (the ps hold the exact stop).
+            self.request_stop(f"the job reached its stop step {self.global_step}")
+            return
         loss = float(loss)
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss

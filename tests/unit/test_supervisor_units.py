@@ -481,3 +481,19 @@ def test_a_bad_psflow_resume_names_the_value():
 
     with pytest.raises(ConfigError, match=r"PSFLOW_RESUME must be 1 or 0.*'maybe'"):
         _resume_setting({"PSFLOW_RESUME": "maybe"})
+
+
+def test_a_step_the_ps_refused_at_the_jobs_stop_ends_the_loop_of_a_worker_without_max_steps(tmp_path):
+    task = chief_task(str(tmp_path))
+    trainer = task.trainers[0]
+    trainer.stopped = False
+
+    def refused_step(closure, batch_size=None):
+        trainer.stopped = True  # what the trainer reports when the ps replied "stopped"
+        return 0.5
+
+    trainer.step = refused_step
+    with Supervisor(task, save_model_secs=None, summary_every_steps=None) as sv:  # no max_steps of its own
+        sv.step(lambda: torch.tensor(0.5), batch_size=10)
+        assert sv.should_stop() and "stop step" in sv.stop_reason
+        assert sv.examples == 0 and sv.last_loss is None  # a refused batch is not counted
