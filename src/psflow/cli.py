@@ -31,6 +31,8 @@ def main() -> None:
 @click.option("--sync-timeout", "sync_timeout_s", type=float, default=None, help="sync/ssp: longest wait for a step (s).")
 @click.option("--placement", type=click.Choice(["round_robin", "greedy", "contiguous"]), default=None, help="How parameters go on ps shards.")
 @click.option("--log-placement", is_flag=True, help="Print where each parameter lives (like log_device_placement).")
+@click.option("--allow-unauthenticated-allreduce", is_flag=True, default=None,
+              help="Let --strategy allreduce run off loopback, where its traffic (gloo) is not covered by the job secret.")
 @click.option("--fail-at", default=None, help="Fault injection, e.g. worker:1@step=30 or worker:1@step=30:kill.")
 @click.option("--preload/--no-preload", default=True, show_default=True,
               help="Fork the tasks from one process that imported torch once (faster start), or start each afresh.")

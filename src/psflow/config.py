@@ -36,6 +36,8 @@ class TrainConfig:
     split_bytes: int | None = None  # split tensors above this many bytes across ps shards
     ready_timeout_s: float = 120.0  # non-chief: the longest wait for the chief to initialize the ps
     log_placement: bool = False
+    # All-reduce off loopback: gloo's store and connections are not covered by the job secret.
+    allow_unauthenticated_allreduce: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -48,6 +50,10 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer; received {v!r}.")
+        if not isinstance(self.allow_unauthenticated_allreduce, bool):
+            raise ConfigError(
+                f"allow_unauthenticated_allreduce must be true or false; received {self.allow_unauthenticated_allreduce!r}."
+            )
         if self.staleness < 0:
             raise ConfigError(f"staleness must be >= 0; received {self.staleness!r}.")
         for name in ("sync_timeout_s", "ready_timeout_s"):

