@@ -44,6 +44,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         fail_at: str | None, log_placement: bool, preload: bool, live: bool | None, **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
     from psflow.launch import LocalBackend, make_plan
+    from psflow.launch.metrics import final_line
 
     try:
         overrides = {k: v for k, v in settings.items() if v is not None}
@@ -56,11 +57,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         raise click.UsageError(str(e)) from e
     click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; logs in {plan.logdir}")
     result = LocalBackend(preload=preload, live=live).run(plan)
-    s = result.summary
-    click.echo(
-        f"psflow: {s['status']}: global_step={s['global_step']} test_accuracy={s['test_accuracy']} "
-        f"examples/sec={s['examples_per_sec']} wall={s['wall_s']:.1f}s"
-    )
+    click.echo(final_line(result.summary))
     click.echo(f"psflow: summary: {plan.logdir}/summary.json   logs: {plan.logdir}/logs/")
     sys.exit(result.exit_code)
 
@@ -92,8 +89,10 @@ def summary(summary: str) -> None:
     p = Path(summary)
     p = p / "summary.json" if p.is_dir() else p
     data = json.loads(p.read_text())
-    for k in ("run_id", "status", "mode", "global_step", "test_accuracy", "examples_per_sec", "wall_s"):
+    for k in ("run_id", "status", "mode", "global_step", "examples_per_sec", "wall_s"):
         click.echo(f"{k:>18}: {data.get(k)}")
+    for k, v in (data.get("metrics") or {}).items():  # the script's own, as it named them
+        click.echo(f"{k:>18}: {v}")
 
 
 @main.command()

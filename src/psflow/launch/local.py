@@ -38,6 +38,7 @@ import click
 from psflow.launch.backend import Backend, RunResult
 from psflow.launch.coordinator import Coordinator
 from psflow.launch.forkserver import ForkServer, die_with_parent
+from psflow.launch.metrics import job_rate, run_metrics, task_metrics, trainer_figures
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.status import RunStatus, render
 from psflow.server import Server
@@ -302,15 +303,15 @@ def build_summary(
 ) -> dict[str, Any]:
     """The run's summary.json: headline figures first, then every task and its reports."""
     reports = coord.reports
-    trainer_stats = [r["trainer"] for r in reports.values() if isinstance(r.get("trainer"), dict)]
-    examples = sum(s.get("examples", 0) for s in trainer_stats)
-    train_s = max((s.get("train_time_s", 0.0) for s in trainer_stats), default=0.0)
+    # A task stopped or killed has no final report: its last live progress counts (see launch.metrics).
+    figures = trainer_figures(reports)
     steps = [r.get("global_step") for r in reports.values() if isinstance(r.get("global_step"), int)]
-    steps += [s.get("global_step", 0) for s in trainer_stats]
-    # A run cut short (a task killed) has no final reports: its last live progress still counts.
+    steps += [f.get("global_step", 0) for f in figures.values()]
     steps += [r["progress"].get("global_step", 0) for r in reports.values() if isinstance(r.get("progress"), dict)]
-    accs = {t: r["test_accuracy"] for t, r in reports.items() if "test_accuracy" in r}
     chief = next((t for t in plan.task_names() if t.startswith(("chief", "worker"))), None)
+    metrics_by_task = {t: m for t, r in reports.items() if (m := task_metrics(r))}
+    metrics = run_metrics(metrics_by_task, chief)
+    accs = {t: m["test_accuracy"] for t, m in metrics_by_task.items() if "test_accuracy" in m}
     ps_stats = {t: r["ps_stats"] for t, r in reports.items() if "ps_stats" in r}
     return {
         "run_id": plan.run_id,
@@ -319,10 +320,11 @@ def build_summary(
         "mode": plan.config.mode,
         "strategy": plan.config.strategy,
         "global_step": max(steps, default=0),
-        "test_accuracy": accs.get(chief, next(iter(accs.values()), None)),
-        "test_accuracy_by_task": accs,
-        "examples": examples,
-        "examples_per_sec": round(examples / train_s, 1) if train_s else 0.0,
+        "metrics": metrics,  # the script's task.report(name=number), as named (the chief's first)
+        "metrics_by_task": metrics_by_task,
+        **({"test_accuracy": metrics["test_accuracy"], "test_accuracy_by_task": accs} if accs else {}),
+        "examples": sum(int(f.get("examples") or 0) for f in figures.values()),
+        "examples_per_sec": job_rate(figures.values()),
         "wall_s": round(wall_s, 3),
         "counters": {
             "stale_dropped": sum(s.get("stale_dropped", 0) for s in ps_stats.values()),
