@@ -389,6 +389,26 @@ def test_bad_shard_index_or_count_is_a_config_error(index: object, count: object
 def test_dataset_rejects_mismatched_lengths() -> None:
     with pytest.raises(ConfigError, match=r"x \(3, 2\), y \(4,\)"):
         data.Dataset(torch.zeros(3, 2), torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ConfigError, match=r"y of shape \(N, \.\.\.\).*y \(\)"):
+        data.Dataset(torch.zeros(3, 2), torch.tensor(1.0))
+
+
+def test_targets_of_any_shape_shard_batch_and_resume_with_their_examples() -> None:
+    # A regression with 3 outputs per example: y is (N, 3), row i belongs to x[i].
+    x = torch.arange(10, dtype=torch.float32).unsqueeze(1)
+    y = torch.stack([x[:, 0], 2 * x[:, 0], -x[:, 0]], dim=1)
+    ds = data.Dataset(x, y)
+    assert len(ds) == 10 and "y=float32[10, 3]" in repr(ds)
+    shard = ds.shard(1, 2)
+    assert shard.y.shape == (5, 3) and torch.equal(shard.y[:, 0], shard.x[:, 0])
+    batches = shard.batches(2, epochs=2, seed=3)
+    first = [next(batches) for _ in range(3)]
+    resumed = shard.batches(2, epochs=2, seed=3)
+    resumed.load_state_dict(batches.state_dict())
+    rest, rest_resumed = list(batches), list(resumed)
+    for xb, yb in first + rest:
+        assert yb.shape == (len(xb), 3) and torch.equal(yb, torch.cat([xb, 2 * xb, -xb], dim=1))
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(rest, rest_resumed)) and len(rest) == len(rest_resumed) == 3
 
 
 # --------------------------------------------------------------------------- batches

@@ -32,7 +32,14 @@ def _as_int(value: object, what: str) -> int:
 
 @dataclass(frozen=True, repr=False)
 class Dataset:
-    """Examples held in memory: ``x`` (N, ...) and labels ``y`` (N,) as torch tensors."""
+    """Examples held in memory: inputs ``x`` (N, ...) and targets ``y`` (N, ...) as torch tensors.
+
+    Targets take any shape and dtype: class labels (N,), regression targets (N,) or (N, k), masks.
+
+    Example:
+        >>> train = Dataset(torch.randn(1000, 8), torch.randn(1000, 3))    # a regression with 3 outputs
+        >>> for x, y in train.shard(task).batches(50, epochs=5, seed=task.replica_index): ...
+    """
 
     x: torch.Tensor
     y: torch.Tensor
@@ -43,10 +50,10 @@ class Dataset:
                 f"Dataset needs torch tensors. Received: x {type(self.x).__name__}, "
                 f"y {type(self.y).__name__}."
             )
-        if self.x.ndim < 1 or self.y.ndim != 1 or self.x.shape[0] != self.y.shape[0]:
+        if self.x.ndim < 1 or self.y.ndim < 1 or self.x.shape[0] != self.y.shape[0]:
             raise ConfigError(
-                f"Dataset needs x of shape (N, ...) and y of shape (N,). Received: x "
-                f"{tuple(self.x.shape)}, y {tuple(self.y.shape)}."
+                f"Dataset needs x of shape (N, ...) and y of shape (N, ...): one target per example. "
+                f"Received: x {tuple(self.x.shape)}, y {tuple(self.y.shape)}."
             )
 
     def __len__(self) -> int:
@@ -54,7 +61,7 @@ class Dataset:
 
     def __repr__(self) -> str:
         return (f"Dataset(n={len(self)}, x={str(self.x.dtype).removeprefix('torch.')}"
-                f"{list(self.x.shape)}, y={str(self.y.dtype).removeprefix('torch.')})")
+                f"{list(self.x.shape)}, y={str(self.y.dtype).removeprefix('torch.')}{list(self.y.shape)})")
 
     def shard(self, index_or_task: int | object, count: int | None = None) -> Dataset:
         """Return the shard of one worker: every ``count``-th example starting at ``index``.
