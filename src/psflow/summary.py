@@ -6,12 +6,18 @@ so no two processes ever append to one file, and TensorBoard shows one run per t
 
 Tags written by psflow:
 
-- training (every task that trains, from the Supervisor): ``loss``, ``examples_per_sec``,
+- progress (every task that trains and has a logdir, with or without a Supervisor; from the
+  trainer's progress reports, about once a second): ``progress/loss`` (the last step's),
+  ``progress/examples_per_sec`` (this task's examples over its training time),
+  ``progress/global_step``;
+- training under a Supervisor: ``loss`` (averaged over the interval), ``examples_per_sec``,
   ``global_steps_per_sec``, ``learning_rate``; histograms ``parameters/<name>`` and
   ``gradients/<name>`` (the seed's ``var.op.name`` and ``gradients_on_average/...``);
-- evaluation (the evaluator task): ``eval/<metric>``.
+- evaluation (the evaluator task): ``eval/<metric>``;
+- the script's own: ``task.scalar(name, value, step)``.
 
-Called by :mod:`psflow.supervisor` and :mod:`psflow.evaluator`. TensorBoard's writer is imported
+Called by :mod:`psflow.supervisor`, :mod:`psflow.evaluator` and :meth:`psflow.task.Task.scalar`
+(the task's writer, which the trainer's progress reports use). TensorBoard's writer is imported
 when a writer is created, so ``import psflow`` stays cheap.
 """
 

@@ -104,6 +104,10 @@ class Task:
         self._co_lock = threading.Lock()
         self._report_error: Exception | None = None
         self._progress_warned = False
+        self._writer: Any = None  # TensorBoard scalars (task.scalar, the trainer's progress), made on first use
+        self._writer_lock = threading.Lock()
+        self._writer_warned = False
+        self.summary_flush_s = 2.0  # a killed task loses at most this much of its scalars
         if self.is_ps:
             from psflow.fault import crashing_save, parse_faults
             from psflow.ps.service import PsService, default_save
@@ -210,6 +214,42 @@ class Task:
                 log.warning("%s could not send progress to the launcher (%s); the run goes on, its live status may lag.",
                             self.task_id, self._report_error)
 
+    def scalar(self, name: str, value: float, step: int | None = None) -> None:
+        """Write a TensorBoard scalar to ``LOGDIR/summaries/<task>`` (the run's logdir, ``task.logdir``).
+
+        Args:
+            name: the tag, e.g. ``"test_mse"`` or ``"eval/mse"``.
+            value: a number (a one-element tensor is read with ``float()``).
+            step: the x coordinate; default the global step of this task's trainer (0 without one).
+
+        Without a logdir (started by hand with no ``PSFLOW_LOGDIR``) nothing is written; a warning
+        says so once. Trainers write ``progress/loss``, ``progress/examples_per_sec`` and
+        ``progress/global_step`` this way about once a second.
+
+        Example:
+            >>> task.scalar("test_mse", 0.0123)                 # at the trainer's global step
+            >>> task.scalar("lr", 0.01, step=200)
+        """
+        writer = self._event_writer()
+        if writer is None:
+            return
+        if step is None:
+            step = int(self.trainers[0].global_step) if self.trainers else 0
+        writer.scalars(int(step), {name: float(value)})
+
+    def _event_writer(self) -> Any:
+        """This task's TensorBoard writer, created on first use; None without a logdir."""
+        with self._writer_lock:
+            if self._writer is None and self.logdir and not self._finished:
+                from psflow.summary import EventWriter
+
+                self._writer = EventWriter(self.logdir, self.task_id, flush_secs=self.summary_flush_s)
+            elif not self.logdir and not self._writer_warned:
+                self._writer_warned = True
+                log.warning("%s has no logdir (set PSFLOW_LOGDIR or start it with `psflow run`): "
+                            "its TensorBoard scalars are not written.", self.task_id)
+            return self._writer
+
     def _send_report(self, metrics: dict[str, Any], *, timeout_s: float) -> bool:
         """One CO_REPORT request on the task's connection to the launcher. False (and the connection
         dropped, so that a late reply cannot be taken for the next one's) if it failed."""
@@ -246,6 +286,9 @@ class Task:
             self.report(trainer=self.trainers[0].stats())
         if self._co_conn is not None:
             self._co_conn.close()
+        with self._writer_lock:
+            if self._writer is not None:
+                self._writer.close()
         self.server.stop()
 
 

@@ -7,6 +7,8 @@ builds the towers for multi-device replicas and zeroes the counters; ``Trainer``
 
 from __future__ import annotations
 
+import importlib
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
@@ -69,6 +71,9 @@ class TrainerBase:
         self._ready = False
         self._closed = False
         self._faults = parse_faults(getattr(task, "fail_at", None))
+        if getattr(task, "logdir", None):
+            # The progress scalars' writer imports tensorboard (~0.4 s): do it while the cluster gets ready.
+            threading.Thread(target=importlib.import_module, args=("torch.utils.tensorboard",), daemon=True).start()
 
     def _report_progress(self, loss: float) -> None:
         """After a step, at most every PROGRESS_EVERY_S: the counters and the loss, to the launcher."""
@@ -76,8 +81,15 @@ class TrainerBase:
         if self._progress_at is not None and now - self._progress_at < PROGRESS_EVERY_S:
             return
         self._progress_at = now
+        scalar = getattr(self.task, "scalar", None)  # TensorBoard, with or without a Supervisor
+        if scalar is not None and getattr(self.task, "logdir", None):
+            per_task_rate = self.examples / self.train_time_s if self.train_time_s else 0.0
+            for name, value in (("loss", loss), ("examples_per_sec", per_task_rate), ("global_step", self.global_step)):
+                scalar(f"progress/{name}", float(value), self.global_step)
         send = getattr(self.task, "report_progress", None)  # tasks without a launcher: a no-op there
         if send is not None:
+            # train_time_s travels too: the job's rate is computed from it (psflow.launch.metrics.job_rate)
             send(global_step=self.global_step, local_step=self.local_step, examples=self.examples,
+                 train_time_s=round(self.train_time_s, 4),
                  examples_per_sec=round(self.examples / self.train_time_s, 1) if self.train_time_s else 0.0,
                  loss=float(loss))
