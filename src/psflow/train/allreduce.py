@@ -238,7 +238,9 @@ class AllReduceTrainer(TrainerBase):
                 )
             return
         cluster = self.task.cluster
-        check_exposure(cluster.hosts(), bind_host=self.task.server.host, gloo_ifname=os.environ.get("GLOO_SOCKET_IFNAME"),
+        server = getattr(self.task, "server", None)  # a task made by psflow.init has one; its host is the bind host
+        bind_host = server.host if server is not None else parse_address(cluster.address(self.task.task_id))[0]
+        check_exposure(cluster.hosts(), bind_host=bind_host, gloo_ifname=os.environ.get("GLOO_SOCKET_IFNAME"),
                        allowed=self.config.allow_unauthenticated_allreduce)
         chief = rendezvous_task(cluster)
         host, port = parse_address(cluster.address(chief))
