@@ -2,6 +2,12 @@
 
 TensorFlow's program (ch-15_mnist_dist_async.py) and this one have the same five steps:
 flags -> cluster -> server; ps joins; workers build the model and train under a supervisor.
+As the seed's ``tf.train.Supervisor``, ``pf.Supervisor`` has the chief initialize the parameter
+servers (or restore them from the newest checkpoint in the logdir) while the others wait; it also
+writes a final checkpoint, so ``psflow checkpoints`` and ``psflow export`` work on the run's logdir.
+
+``--shard split`` (the default) gives each worker its own part of the training set per epoch;
+``--shard full`` reproduces the seed's run exactly: every worker goes over the whole set each epoch.
 
 By hand, one terminal per task, with exactly the seeds' flags:
 
@@ -70,17 +76,19 @@ def main() -> None:
     test = pf.data.mnist("test", source=data_dir)
 
     batches = train.batches(args.batch_size, epochs=args.epochs, seed=args.seed + task.replica_index)
-    loss = float("nan")
-    for x, y in batches:  # step 5: the training loop
-        loss = trainer.step(lambda: F.cross_entropy(model(x), y), batch_size=len(x))
-        epoch_done = batches.epoch - 1 if batches.batch_index == 0 else None  # the iterator moved past an epoch
-        if epoch_done is not None and (epoch_done + 1) % args.print_every == 0:
-            print(f"worker={task.replica_index},epoch={epoch_done},global_step={trainer.global_step}, "
-                  f"local_step={trainer.local_step},loss={loss}", flush=True)
-
-    trainer.pull()  # the newest parameters
-    with torch.no_grad():
-        accuracy = (model(test.x).argmax(1) == test.y).float().mean().item()
+    # The logdir: the launcher's --logdir (or PSFLOW_LOGDIR); by hand, the Supervisor's default runs/default.
+    with pf.Supervisor(task, data=batches) as sv:
+        for x, y in batches:  # step 5: the training loop
+            if sv.should_stop():  # SIGTERM / Ctrl-C: end with a final checkpoint
+                break
+            loss = sv.step(lambda x=x, y=y: F.cross_entropy(model(x), y), batch_size=len(x))
+            epoch_done = batches.epoch - 1 if batches.batch_index == 0 else None  # the iterator moved past an epoch
+            if epoch_done is not None and (epoch_done + 1) % args.print_every == 0:
+                print(f"worker={task.replica_index},epoch={epoch_done},global_step={trainer.global_step}, "
+                      f"local_step={trainer.local_step},loss={loss}", flush=True)
+        trainer.pull()  # the newest parameters
+        with torch.no_grad():
+            accuracy = (model(test.x).argmax(1) == test.y).float().mean().item()
     print(f"worker={task.replica_index}, final accuracy = {accuracy}", flush=True)
     task.report(test_accuracy=accuracy)
 

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,11 +121,17 @@ def _wait_for_live_progress(logdir: Path, deadline_s: float) -> dict:
     raise AssertionError(f"no live progress from every task within {deadline_s} s: {state}")
 
 
+_BY_HAND_LOGDIRS: dict[int, str] = {}
+
+
 def _by_hand(procs, ports, job, index, extra_env=None, args=("--epochs", "1", "--init", "zeros")):
     flags = [f"--ps_hosts=localhost:{ports[0]}", f"--worker_hosts=localhost:{ports[1]},localhost:{ports[2]}",
              f"--job_name={job}", f"--task_index={index}"]
+    # One fresh logdir per job (its Supervisor checkpoints there), not the shared default in the repository.
+    logdir = _BY_HAND_LOGDIRS.setdefault(ports[0], tempfile.mkdtemp(prefix="psflow-by-hand-"))
+    env = task_env(PSFLOW_LOGDIR=logdir, **(extra_env or {}))
     p = subprocess.Popen([sys.executable, SOFTMAX, *flags, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env=task_env(**(extra_env or {})), cwd=ROOT, start_new_session=True)
+                         text=True, env=env, cwd=ROOT, start_new_session=True)
     procs.append(p)
     return p
 
