@@ -128,7 +128,9 @@ def _by_hand(procs, ports, job, index, extra_env=None, args=("--epochs", "1", "-
     flags = [f"--ps_hosts=localhost:{ports[0]}", f"--worker_hosts=localhost:{ports[1]},localhost:{ports[2]}",
              f"--job_name={job}", f"--task_index={index}"]
     # One fresh logdir per job (its Supervisor checkpoints there), not the shared default in the repository.
-    logdir = _BY_HAND_LOGDIRS.setdefault(ports[0], tempfile.mkdtemp(prefix="psflow-by-hand-"))
+    if ports[0] not in _BY_HAND_LOGDIRS:
+        _BY_HAND_LOGDIRS[ports[0]] = tempfile.mkdtemp(prefix="psflow-by-hand-")
+    logdir = _BY_HAND_LOGDIRS[ports[0]]
     env = task_env(PSFLOW_LOGDIR=logdir, **(extra_env or {}))
     p = subprocess.Popen([sys.executable, SOFTMAX, *flags, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env=env, cwd=ROOT, start_new_session=True)
