@@ -37,6 +37,20 @@ def test_async_job_converges(async_run):
     assert "final accuracy = " in r.stdout
 
 
+def test_the_readmes_checkpoint_commands_work_on_the_examples_run(async_run, tmp_path):
+    # README: `psflow checkpoints runs/demo`, `psflow export runs/demo model.safetensors` after `make demo`.
+    logdir, _, s = async_run
+    listed = run_psflow(["checkpoints", str(logdir)], timeout_s=60)
+    assert listed.returncode == 0 and f"step={s['global_step']}  shards=1" in listed.stdout and " ok" in listed.stdout, listed.stdout
+    out = tmp_path / "model.safetensors"
+    exported = run_psflow(["export", str(logdir), str(out)], timeout_s=60)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    from safetensors.torch import load_file
+
+    state = load_file(str(out))
+    assert {k: tuple(v.shape) for k, v in state.items()} == {"w": (784, 10), "b": (10,)}
+
+
 def test_global_step_counts_every_update_of_both_workers(async_run):
     _, _, s = async_run
     local = {t: rep["trainer"]["local_step"] for t, rep in s["reports"].items() if "trainer" in rep}
