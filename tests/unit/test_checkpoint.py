@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from psflow import checkpoint
 from psflow.checkpoint import (
     Checkpoint,
     NoWholeCheckpointError,
@@ -28,7 +27,9 @@ from psflow.checkpoint import (
     list_checkpoints,
     manifest_checksum,
     read_checkpoint,
+    reader,
     write_shard,
+    writer,
 )
 from psflow.errors import CheckpointError, ConfigError
 
@@ -657,7 +658,7 @@ def test_a_symlinked_shard_pointing_outside_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="symlink"):
         read_checkpoint(final)
     with pytest.raises(CheckpointError, match="symlink"):
-        checkpoint._read_manifest(final).load_shard(0)  # the manifest itself is intact
+        reader._read_manifest(final).load_shard(0)  # the manifest itself is intact
 
 
 def test_a_symlinked_manifest_or_checkpoint_directory_is_refused(tmp_path: Path) -> None:
@@ -688,7 +689,7 @@ def test_a_failed_manifest_write_leaves_nothing_that_looks_whole(tmp_path: Path,
     def disk_full(path: Path, data: bytes) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_bytes_atomic", disk_full)
+    monkeypatch.setattr(writer, "write_bytes_atomic", disk_full)
     with pytest.raises(CheckpointError, match="No space left"):
         commit(tmp_path, 200, records, meta={"global_step": 200})
     monkeypatch.undo()
@@ -706,7 +707,7 @@ def test_a_failed_recommit_of_a_step_keeps_the_old_checkpoint(tmp_path: Path, mo
     records = [write_shard(tmp_path, 100, 0, 1, {"w": torch.ones(3)})]
 
     # The manifest write fails: the old checkpoint of step 100 is untouched.
-    monkeypatch.setattr(checkpoint, "_write_bytes_atomic", lambda path, data: (_ for _ in ()).throw(OSError(5, "EIO")))
+    monkeypatch.setattr(writer, "write_bytes_atomic", lambda path, data: (_ for _ in ()).throw(OSError(5, "EIO")))
     with pytest.raises(CheckpointError):
         commit(tmp_path, 100, records, meta={"attempt": 2})
     monkeypatch.undo()
@@ -722,7 +723,7 @@ def test_a_failed_recommit_of_a_step_keeps_the_old_checkpoint(tmp_path: Path, mo
             raise OSError(5, "EIO")
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", failing_replace)
+    monkeypatch.setattr(writer.os, "replace", failing_replace)
     with pytest.raises(CheckpointError):
         commit(tmp_path, 100, records, meta={"attempt": 2})
     monkeypatch.undo()
