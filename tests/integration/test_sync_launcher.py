@@ -70,3 +70,17 @@ def test_ssp_job_applies_every_push(tmp_path: Path) -> None:
     assert [t["local_step"] for t in trainers.values()] == [STEPS_PER_WORKER] * 2
     assert s["global_step"] == ps["applied_updates"] == ps["pushes"] == 2 * STEPS_PER_WORKER
     assert s["counters"]["stale_dropped"] == 0
+
+
+def test_sync_worker_killed_is_the_root_cause_not_the_survivor(tmp_path: Path) -> None:
+    # The survivor fails with the ps's "worker:1 lost its connection" error, often before the
+    # launcher sees worker:1's exit: the root cause is still the killed worker.
+    logdir = tmp_path / "synckill"
+    r = run_psflow(["run", "--ps", "1", "--workers", "2", "--logdir", str(logdir), "--mode", "sync",
+                    "--fail-at", "worker:1@step=20:kill", SOFTMAX, "--", "--epochs", "1", "--init", "zeros"])
+    context = f"{r.stdout[-3000:]}\n{r.stderr[-2000:]}\n{log_tails(logdir)}"
+    assert r.returncode == 1, context
+    assert "Root cause: worker:1 exited with code -9" in r.stdout, context
+    s = read_summary(logdir)
+    assert s["status"] == "failed" and s["root_cause"] == "worker:1", context
+    assert not any(pid_alive(t["pid"]) for t in s["tasks"]), s["tasks"]

@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import queue
-import re
 import secrets
 import signal
 import socket
@@ -40,6 +39,7 @@ from psflow.launch.coordinator import Coordinator
 from psflow.launch.forkserver import ForkServer, die_with_parent
 from psflow.launch.metrics import job_rate, run_metrics, task_metrics, trainer_figures
 from psflow.launch.plan import LaunchPlan
+from psflow.launch.rootcause import TaskExit, root_cause
 from psflow.launch.status import RunStatus, render
 from psflow.server import Server
 
@@ -104,6 +104,7 @@ class LocalBackend(Backend):
         procs: dict[str, subprocess.Popen] = {}
         exits: queue.Queue[tuple[str, int]] = queue.Queue()
         codes: dict[str, int] = {}
+        seen: list[TaskExit] = []  # exits in the order they came, for the root-cause rule
         root: str | None = None
         stopped_by: str | None = None
         with self._live_table(status):
@@ -118,7 +119,7 @@ class LocalBackend(Backend):
                     log_file = open(logdir / "logs" / f"{tp.file_stem}.log", "w")
                     threading.Thread(target=self._pump, args=(tp.task, p.stdout, log_file, _COLORS[i % len(_COLORS)]), daemon=True).start()
                     threading.Thread(target=lambda t=tp.task, p=p: exits.put((t, p.wait())), daemon=True).start()
-                root = self._watch(plan, procs, exits, codes, status)
+                root = self._watch(plan, procs, exits, codes, status, seen)
             except (KeyboardInterrupt, _Stop) as e:
                 stopped_by = "SIGTERM" if isinstance(e, _Stop) else "Ctrl-C"
                 self.echo(click.style(f"psflow: {stopped_by}: stopping every task (SIGTERM, then SIGKILL after {plan.grace_s:.0f} s)", fg="yellow"))
@@ -131,7 +132,7 @@ class LocalBackend(Backend):
                 server.stop()
         wall_s = time.time() - t0
         if root is not None:
-            root = _earliest_failure(plan, codes, root)
+            root = _root_cause(plan, codes, seen) or root
         summary = build_summary(plan, coord, procs, codes, wall_s, root, stopped_by)
         (logdir / "summary.json").write_text(json.dumps(summary, indent=1))
         for task, code in codes.items():  # the tasks stopped at the end
@@ -148,7 +149,7 @@ class LocalBackend(Backend):
 
     # -- helpers ---------------------------------------------------------------------------
     def _watch(self, plan: LaunchPlan, procs: dict[str, Any], exits: queue.Queue[tuple[str, int]],
-               codes: dict[str, int], status: RunStatus) -> str | None:
+               codes: dict[str, int], status: RunStatus, seen: list[TaskExit]) -> str | None:
         """Record exits until every task has exited. The first training task to fail stops the
         others (its name is returned); once the training tasks are done, ps tasks get
         ``ps_exit_timeout_s`` to exit by themselves."""
@@ -168,6 +169,7 @@ class LocalBackend(Backend):
                     ps_deadline = None
                 continue
             codes[task] = code
+            seen.append(TaskExit(task, code, time.time(), stopped=root is not None))
             status.exited(task, code)
             if code != 0 and root is None:
                 root = task
@@ -260,26 +262,14 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _earliest_failure(plan: LaunchPlan, codes: dict[str, int], first_exit: str) -> str:
-    """The root cause is the task whose error report is oldest, not the first exit noticed: a peer
-    that lost its connection to the failing task may exit before the failing task finishes exiting.
-    And a task that failed only because it lost its connection to another task (a TransportError
-    naming it) points at that task when it died without a report of its own (killed: SIGKILL, OOM)."""
-    times = {}
-    for task in codes:
-        report = _error_report(plan, task)
-        if report and isinstance(report.get("time_unix"), (int, float)):
-            times[task] = report["time_unix"]
-    if not times:
-        return first_exit
-    root = min(times, key=times.__getitem__)
-    report = _error_report(plan, root) or {}
-    if report.get("exception") == "TransportError":
-        message = str(report.get("message", ""))
-        for task in plan.task_names():
-            if task != root and task not in times and codes.get(task, 0) != 0 and re.search(rf"{re.escape(task)}(?!\d)", message):
-                return task
-    return root
+def _root_cause(plan: LaunchPlan, codes: dict[str, int], seen: list[TaskExit]) -> str | None:
+    """The rule of :mod:`psflow.launch.rootcause` over this run's exits and error reports. Tasks
+    whose exit the launcher only collected while stopping the run count as stopped."""
+    now = time.time()
+    noticed = {e.task for e in seen}
+    exits = seen + [TaskExit(t, c, now, stopped=True) for t, c in codes.items() if t not in noticed]
+    reports = {t: r for t in codes if (r := _error_report(plan, t)) is not None}
+    return root_cause(plan.task_names(), exits, reports)
 
 
 def _error_report(plan: LaunchPlan, task: str) -> dict[str, Any] | None:
