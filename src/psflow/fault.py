@@ -59,6 +59,30 @@ def parse_faults(text: str | None) -> list[Fault]:
     return faults
 
 
+_TRAINERS = ("chief", "worker")  # the jobs that take steps (and so reach a step trigger)
+
+
+def check_faults(faults: list[Fault], tasks: list[str]) -> None:
+    """Check that every fault can fire in a run of ``tasks``, before any task starts.
+
+    Raises:
+        ConfigError: a fault names a task the run does not have, a step trigger on a task that takes
+            no steps (a ps, the evaluator), or a checkpoint-save crash on a task that is not a ps.
+    """
+    for f in faults:
+        job = f.task.split(":")[0]
+        if f.task not in tasks:
+            raise ConfigError(f"--fail-at names {f.task}, which this run does not have. Its tasks: {', '.join(tasks)}.")
+        if f.action == "crash_save" and job != "ps":
+            raise ConfigError(f"--fail-at {f.task}@save=...: only a ps task writes checkpoint shards; name a ps "
+                              f"(e.g. ps:0@save={f.step}:crash_after={f.crash_after_bytes}).")
+        if f.action != "crash_save" and job not in _TRAINERS:
+            trainers = [t for t in tasks if t.split(":")[0] in _TRAINERS]
+            raise ConfigError(f"--fail-at {f.task}@step={f.step}: a {job} task takes no steps, so this fault would never "
+                              f"fire. Step faults are for {', '.join(trainers) or 'chief/worker tasks'}; a ps fails with "
+                              "ps:K@save=N:crash_after=BYTES.")
+
+
 def inject(faults: list[Fault], task: str, step: int) -> None:
     """Carry out the faults planned for ``task`` at ``step`` (called by the trainer before each step)."""
     for f in faults:

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
+from psflow.fault import check_faults, parse_faults
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ def make_plan(
     logdir = logdir or str(Path("runs") / run_id)
     names = (["chief:0"] if chief else []) + [f"ps:{i}" for i in range(num_ps if config.strategy == "ps" else 0)]
     names += [f"worker:{i}" for i in range(num_workers)] + (["evaluator:0"] if evaluator else [])
+    check_faults(parse_faults(fail_at), names)  # here, not in every task once they have started
     tasks = []
     for name in names:
         env = {

@@ -1,0 +1,51 @@
+"""`psflow run` checks what it is given before any task starts: usage errors (exit 2) that name the
+option, the value and the fix; no task is started (the backend is replaced by one that fails)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import psflow.launch
+from psflow.cli import main
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    p = tmp_path / "train.py"
+    p.write_text("print('hi')\n")
+    return str(p)
+
+
+@pytest.fixture(autouse=True)
+def no_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    class NoBackend:
+        def __init__(self, **kwargs: object) -> None:
+            raise AssertionError("a task was about to start")
+
+    monkeypatch.setattr(psflow.launch, "LocalBackend", NoBackend)
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, ["run", *args])
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("worker1@30", "Bad fault spec 'worker1@30'"),
+    ("worker:9@step=3", "names worker:9, which this run does not have"),
+    ("ps:0@step=30", "a ps task takes no steps"),
+    ("worker:0@save=1:crash_after=10", "only a ps task writes checkpoint shards"),
+    ("ps:3@save=1:crash_after=10", "names ps:3"),
+])
+def test_fail_at_is_checked_before_any_task_starts(script, spec, expected):
+    r = run("--workers", "2", "--fail-at", spec, script)
+    assert r.exit_code == 2, r.output
+    assert "Usage:" in r.output and expected in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_fail_at_that_can_fire_passes_the_check(script, tmp_path):
+    r = run("--workers", "2", "--logdir", str(tmp_path / "run"), "--fail-at", "worker:1@step=3:kill,ps:0@save=1:crash_after=5", script)
+    assert "a task was about to start" in repr(r.exception)  # got as far as starting the run
