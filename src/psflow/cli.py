@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from psflow.config import TrainConfig
+from psflow.config import TrainConfig, check_launch_settings
 from psflow.errors import PsflowError
 
 
@@ -51,6 +51,8 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         if overrides.get("strategy") == "allreduce":
             overrides.setdefault("mode", "sync")  # all-reduce steps are synchronous by nature
         config = TrainConfig(**overrides, log_placement=log_placement)
+        given = set(overrides) | ({"num_ps"} if _given(click.get_current_context(), "num_ps") else set())
+        check_launch_settings(config, given, num_replicas=num_workers + int(chief), num_ps=num_ps)
         plan = make_plan(script, [a for a in script_args if a != "--"], num_ps=num_ps, num_workers=num_workers,
                          chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=fail_at)
     except PsflowError as e:
@@ -60,6 +62,11 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     click.echo(final_line(result.summary))
     click.echo(f"psflow: summary: {plan.logdir}/summary.json   logs: {plan.logdir}/logs/")
     sys.exit(result.exit_code)
+
+
+def _given(ctx: click.Context, name: str) -> bool:
+    """Whether the user wrote the option (not its default)."""
+    return ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
 
 
 @main.command()

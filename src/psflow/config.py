@@ -99,3 +99,39 @@ class TrainConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"Training config must be a JSON object; received {text[:80]!r}.")
         return cls.from_dict(d)
+
+
+def check_launch_settings(config: TrainConfig, given: set[str], *, num_replicas: int, num_ps: int) -> None:
+    """Check a launch's settings against each other and the cluster before any task starts.
+
+    Args:
+        config: the run's configuration.
+        given: the settings the user gave explicitly (``"staleness"``, ``"replicas_to_aggregate"``,
+            ``"num_ps"``, ...): a setting left at its default is never an error.
+        num_replicas: the tasks that train (workers, plus the chief if it is a task of its own).
+        num_ps: the parameter-server tasks asked for.
+
+    Raises:
+        ConfigError: a setting that does not apply to the chosen mode or strategy, or counts the
+            cluster cannot meet (the message names the option, the value and the fix).
+    """
+    if config.strategy == "allreduce":
+        if "num_ps" in given and num_ps > 0:
+            raise ConfigError(f"--ps {num_ps} with --strategy allreduce: all-reduce has no parameter servers. "
+                              "Drop --ps, or use --strategy ps.")
+        if config.mode != "sync":
+            raise ConfigError(f"--mode {config.mode} with --strategy allreduce: all-reduce steps are synchronous. "
+                              "Drop --mode, or use --strategy ps for async or ssp training.")
+    if "staleness" in given and config.mode != "ssp":
+        raise ConfigError(f"--staleness {config.staleness} applies to --mode ssp only; this run is --mode {config.mode}. "
+                          "Add --mode ssp, or drop --staleness.")
+    for name in ("replicas_to_aggregate", "total_num_replicas"):
+        if name in given and config.mode != "sync":
+            raise ConfigError(f"--{name.replace('_', '-')} applies to --mode sync only; this run is --mode {config.mode}. "
+                              "Add --mode sync, or drop it.")
+    if config.mode == "sync":
+        resolved = config.resolved(num_replicas)  # raises when N or M exceed the replicas
+        if config.strategy == "allreduce" and resolved.replicas_to_aggregate != num_replicas:
+            raise ConfigError(f"--replicas-to-aggregate {resolved.replicas_to_aggregate} of {num_replicas} replicas: "
+                              "all-reduce averages every replica's gradient each step (no backup workers). "
+                              "Use --strategy ps for backup workers.")

@@ -49,3 +49,32 @@ def test_fail_at_is_checked_before_any_task_starts(script, spec, expected):
 def test_fail_at_that_can_fire_passes_the_check(script, tmp_path):
     r = run("--workers", "2", "--logdir", str(tmp_path / "run"), "--fail-at", "worker:1@step=3:kill,ps:0@save=1:crash_after=5", script)
     assert "a task was about to start" in repr(r.exception)  # got as far as starting the run
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--workers", "2", "--mode", "sync", "--replicas-to-aggregate", "3"], "replicas_to_aggregate=3 exceeds total_num_replicas=2"),
+    (["--workers", "2", "--mode", "sync", "--total-num-replicas", "3"], "total_num_replicas=3 exceeds the 2 workers"),
+    (["--strategy", "allreduce", "--mode", "ssp"], "--mode ssp with --strategy allreduce"),
+    (["--staleness", "3"], "--staleness 3 applies to --mode ssp only; this run is --mode async"),
+    (["--mode", "sync", "--staleness", "3"], "--staleness 3 applies to --mode ssp only"),
+    (["--replicas-to-aggregate", "1"], "--replicas-to-aggregate applies to --mode sync only"),
+    (["--mode", "ssp", "--total-num-replicas", "2"], "--total-num-replicas applies to --mode sync only"),
+    (["--strategy", "allreduce", "--ps", "2"], "--ps 2 with --strategy allreduce"),
+    (["--strategy", "allreduce", "--replicas-to-aggregate", "1"], "all-reduce averages every replica"),
+])
+def test_settings_that_do_not_fit_are_usage_errors(script, args, expected):
+    r = run(*args, script)
+    assert r.exit_code == 2, r.output
+    assert "Usage:" in r.output and expected in r.output, r.output
+
+
+@pytest.mark.parametrize("args", [
+    ["--mode", "ssp", "--staleness", "2"],
+    ["--mode", "sync", "--replicas-to-aggregate", "1", "--total-num-replicas", "2"],
+    ["--strategy", "allreduce"],
+    ["--strategy", "allreduce", "--ps", "0"],
+    ["--chief", "--workers", "2", "--mode", "sync", "--total-num-replicas", "3"],
+])
+def test_settings_that_fit_start_the_run(script, tmp_path, args):
+    r = run(*args, "--logdir", str(tmp_path / "run"), script)
+    assert "a task was about to start" in repr(r.exception), r.output
