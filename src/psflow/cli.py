@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 
@@ -17,7 +18,9 @@ def main() -> None:
     """psflow: distributed PyTorch training with parameter servers."""
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
+# allow_interspersed_args=False: everything after SCRIPT reaches script_args as written ("--" included),
+# so that run can tell its own options written after the script (refused) from the script's arguments.
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--ps", "num_ps", default=1, show_default=True, help="Parameter-server tasks.")
 @click.option("--workers", "num_workers", default=2, show_default=True, help="Worker tasks.")
 @click.option("--chief/--no-chief", default=False, help="Add a separate chief task (default: worker:0 is chief).")
@@ -46,6 +49,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     from psflow.launch import LocalBackend, make_plan
     from psflow.launch.metrics import final_line
 
+    script_args = _script_args(click.get_current_context(), script, script_args)
     try:
         overrides = {k: v for k, v in settings.items() if v is not None}
         if overrides.get("strategy") == "allreduce":
@@ -53,7 +57,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         config = TrainConfig(**overrides, log_placement=log_placement)
         given = set(overrides) | ({"num_ps"} if _given(click.get_current_context(), "num_ps") else set())
         check_launch_settings(config, given, num_replicas=num_workers + int(chief), num_ps=num_ps)
-        plan = make_plan(script, [a for a in script_args if a != "--"], num_ps=num_ps, num_workers=num_workers,
+        plan = make_plan(script, list(script_args), num_ps=num_ps, num_workers=num_workers,
                          chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=fail_at)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
@@ -62,6 +66,32 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     click.echo(final_line(result.summary))
     click.echo(f"psflow: summary: {plan.logdir}/summary.json   logs: {plan.logdir}/logs/")
     sys.exit(result.exit_code)
+
+
+def _script_args(ctx: click.Context, script: str, script_args: tuple[str, ...]) -> tuple[str, ...]:
+    """The script's arguments: those after SCRIPT, less the first ``--``.
+
+    Raises:
+        click.NoSuchOption: SCRIPT is an option run does not know (a misspelled flag: ``--worker 2``).
+        click.UsageError: one of run's own options is written after SCRIPT but before ``--``, where it
+            would not configure the run (ambiguous: refused, with both fixes).
+    """
+    own = {o: p for p in ctx.command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")}
+    if script.startswith("-"):
+        name = script.split("=", 1)[0]
+        raise click.NoSuchOption(name, possibilities=difflib.get_close_matches(name, sorted(own), n=3), ctx=ctx)
+    cut = script_args.index("--") if "--" in script_args else len(script_args)
+    before, after = script_args[:cut], script_args[cut + 1:]
+    for i, arg in enumerate(before):
+        name = arg.split("=", 1)[0]
+        if name in own:
+            takes_value = not getattr(own[name], "is_flag", False) and "=" not in arg and i + 1 < len(before)
+            arg = f"{arg} {before[i + 1]}" if takes_value else arg
+            raise click.UsageError(
+                f"{name} is written after the script ({script}), where psflow run does not read its own options. "
+                f"Put it before the script to configure the run (psflow run {arg} ... {script}), or after -- to pass "
+                f"it to the script (psflow run ... {script} -- {arg}).", ctx=ctx)
+    return (*before, *after)
 
 
 def _given(ctx: click.Context, name: str) -> bool:

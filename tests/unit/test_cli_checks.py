@@ -78,3 +78,36 @@ def test_settings_that_do_not_fit_are_usage_errors(script, args, expected):
 def test_settings_that_fit_start_the_run(script, tmp_path, args):
     r = run(*args, "--logdir", str(tmp_path / "run"), script)
     assert "a task was about to start" in repr(r.exception), r.output
+
+
+@pytest.mark.parametrize("after", [["--ps", "2"], ["--epochs", "3", "--workers=3"], ["--chief"]])
+def test_run_options_after_the_script_are_refused_with_both_fixes(script, after):
+    r = run(script, *after)
+    assert r.exit_code == 2, r.output
+    assert "is written after the script" in r.output and "Put it before the script" in r.output and " -- " in r.output, r.output
+
+
+def test_refusal_quotes_the_option_with_its_value(script):
+    r = run(script, "--ps", "2")
+    assert f"psflow run --ps 2 ... {script}" in r.output and f"{script} -- --ps 2" in r.output, r.output
+
+
+def test_misspelled_option_suggests_the_right_one(script):
+    r = run("--worker", "2", script)
+    assert r.exit_code == 2, r.output
+    assert "No such option '--worker'. Did you mean '--workers'?" in r.output, r.output
+    assert "does not exist" not in r.output
+
+
+def test_script_arguments_after_the_script_and_after_the_separator_reach_the_script(script, tmp_path, monkeypatch):
+    seen = {}
+    real = psflow.launch.make_plan
+
+    def spy(script_path, args, **kw):
+        seen["args"] = list(args)
+        return real(script_path, args, **kw)
+
+    monkeypatch.setattr(psflow.launch, "make_plan", spy)
+    r = run("--ps", "1", "--logdir", str(tmp_path / "r"), script, "--epochs", "3", "--", "--ps", "2", "--", "x")
+    assert "a task was about to start" in repr(r.exception), r.output
+    assert seen["args"] == ["--epochs", "3", "--ps", "2", "--", "x"]  # only the first -- is psflow's
