@@ -132,7 +132,7 @@ class ShardedCase:
 
     def load(self) -> float:
         from psflow import checkpoint
-        from psflow.supervisor import load_whole_tensors
+        from psflow.checkpoint import load_whole_tensors
 
         t0 = time.perf_counter()
         tensors = load_whole_tensors(checkpoint.latest_checkpoint(self.sv.checkpoint_dir))

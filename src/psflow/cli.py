@@ -143,7 +143,7 @@ def export(logdir: str, out: str, averages: bool | None) -> None:
     LOGDIR may also be a checkpoints/ directory or one ckpt-<step> directory. Load it with
     torch + safetensors alone: model.load_state_dict(safetensors.torch.load_file(OUT)).
     """
-    from psflow.supervisor import export_checkpoint
+    from psflow.checkpoint import export_checkpoint
 
     try:
         path, ckpt, used_averages = export_checkpoint(logdir, out, averages=averages,

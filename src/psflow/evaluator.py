@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from psflow import checkpoint
+from psflow.checkpoint import CHECKPOINTS_DIR, state_dict_from
 from psflow.errors import CheckpointError, ConfigError
 from psflow.summary import EventWriter
-from psflow.supervisor import CHECKPOINTS_DIR, DONE_FILE, state_dict_from
+from psflow.supervisor import DONE_FILE
 
 _STALE_DONE_MARGIN_S = 1.0  # file times come from a coarser clock than time.time()
 

@@ -14,9 +14,11 @@ Invariants:
 
 - Parameters never pass through the chief: a checkpoint is a PS_SAVE to every ps shard, each of
   which writes its own shard file in parallel; the chief only commits the manifest
-  (:func:`psflow.checkpoint.commit`), whose meta holds the writer's placement, so the pieces
-  (``w#0:392``, ``opt/w#0:392/<slot>``, ``ema/w#0:392``) can be put back into whole tensors and
-  restored into any number of ps (:func:`load_whole_tensors`).
+  (:func:`psflow.checkpoint.commit`), whose meta (:func:`psflow.checkpoint.run_meta`) holds the
+  writer's placement, so the pieces (``w#0:392``, ``opt/w#0:392/<slot>``, ``ema/w#0:392``) can be
+  put back into whole tensors and restored into any number of ps
+  (:func:`psflow.checkpoint.load_whole_tensors`). Assembling and exporting checkpoints is
+  :mod:`psflow.checkpoint`'s; this module only decides when to save and what to restore.
 - Only a whole checkpoint is restored (:func:`psflow.checkpoint.latest_checkpoint` skips a partial or
   corrupt one with a warning naming the file).
 - A checkpoint of diverged (NaN) parameters is never written by the final save.
@@ -49,24 +51,26 @@ import os
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 import torch
-from safetensors.torch import save_file
 
 from psflow import checkpoint
-from psflow.checkpoint import Checkpoint, ShardRecord
+from psflow.checkpoint import (
+    CHECKPOINTS_DIR,
+    Checkpoint,
+    ShardRecord,
+    load_whole_tensors,
+    run_meta,
+)
 from psflow.errors import CheckpointError, ConfigError, PsflowError, TrainingError
-from psflow.ps.placement import Placement, assemble
 from psflow.summary import EventWriter
 
 log = logging.getLogger("psflow")
 
-CHECKPOINTS_DIR = "checkpoints"
 DONE_FILE = "DONE"
 DEFAULT_LOGDIR = "runs/default"  # where a run that names no logdir writes (tasks started by hand)
 
@@ -136,146 +140,6 @@ class NanGuardHook(Hook):
             f"The loss is {loss} at global step {step} on {sv.task.task_id}. {where} "
             "Lower the learning rate or clip the gradients, then restart: the chief restores the last checkpoint."
         )
-
-
-# ---------------------------------------------------------------- checkpoint <-> whole tensors
-
-
-def load_whole_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint, with the pieces of split parameters put back together.
-
-    Returns:
-        Whole tensors by parameter name, plus ``opt/<param>/<slot>`` and ``ema/<param>`` when the
-        checkpoint has them: the form :meth:`psflow.Trainer.restore_from` takes.
-
-    Raises:
-        CheckpointError: a shard is corrupt, the manifest has no placement, or a piece is missing.
-    """
-    raw = ckpt.meta.get("placement")
-    if not isinstance(raw, Mapping):
-        raise CheckpointError(
-            f"Checkpoint {ckpt.path} has no placement in its manifest meta, so its pieces cannot be put back "
-            "together. It was not written by psflow's Supervisor; restore it with psflow.checkpoint directly."
-        )
-    try:
-        placement = Placement.from_dict(raw)
-    except ConfigError as e:
-        raise CheckpointError(f"Checkpoint {ckpt.path} has an invalid placement in its manifest: {e}") from e
-    return assemble_pieces(ckpt.load_all(), placement, where=str(ckpt.path))
-
-
-def assemble_pieces(stored: Mapping[str, torch.Tensor], placement: Placement, *, where: str = "the checkpoint") -> dict[str, torch.Tensor]:
-    """Put stored pieces (``w#0:392``, ``opt/w#0:392/<slot>``, ``ema/w#0:392``) back into whole tensors."""
-    values: dict[str, torch.Tensor] = {}
-    ema: dict[str, torch.Tensor] = {}
-    slots: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in stored.items():
-        if key.startswith("ema/"):
-            ema[key[4:]] = t
-        elif key.startswith("opt/"):
-            piece, _, slot = key[4:].rpartition("/")
-            slots.setdefault(slot, {})[piece] = t
-        else:
-            values[key] = t
-    try:
-        out = assemble(placement.params, values, placement)
-        if ema:
-            out.update({f"ema/{n}": t for n, t in assemble(placement.params, ema, placement).items()})
-    except ConfigError as e:
-        raise CheckpointError(f"Cannot put the pieces of {where} back together: {e}") from e
-    for slot, by_piece in slots.items():
-        for info in placement.params:
-            pieces = placement.pieces_of(info.name)
-            found = [by_piece.get(p.key) for p in pieces]
-            if all(t is None for t in found):
-                continue  # this parameter has no such slot (it never stepped)
-            if any(t is None for t in found):
-                missing = [p.key for p, t in zip(pieces, found) if t is None]
-                raise CheckpointError(f"{where} has optimizer slot {slot!r} for some pieces of {info.name!r} but not for {missing}.")
-            whole = len(pieces) == 1 and pieces[0].rows is None
-            shaped = all(tuple(t.shape) == placement.piece_shape(p) for p, t in zip(pieces, found))  # type: ignore[union-attr]
-            # A slot shaped like its piece is split like the parameter; a scalar (Adam's step) is the same on every piece.
-            out[f"opt/{info.name}/{slot}"] = found[0] if whole or not shaped else torch.cat(found)  # type: ignore[arg-type]
-    return out
-
-
-def find_checkpoint(path: str | os.PathLike[str], *, warn: Callable[[str], None] | None = None) -> Checkpoint:
-    """The checkpoint that ``path`` names: a checkpoint directory, a checkpoint root, or a logdir
-    (its ``checkpoints/``); for a root or logdir the newest whole one.
-
-    Raises:
-        CheckpointError: there is no whole checkpoint there.
-    """
-    p = Path(path)
-    if (p / checkpoint.MANIFEST_NAME).is_file():
-        return checkpoint.read_checkpoint(p)
-    root = p / CHECKPOINTS_DIR if (p / CHECKPOINTS_DIR).is_dir() else p
-    ckpt = checkpoint.latest_checkpoint(root, warn=warn, strict=True)
-    if ckpt is None:
-        raise CheckpointError(
-            f"No whole checkpoint under {root}. Received: {str(path)!r}. Pass a run's logdir, its checkpoints/ "
-            "directory or one ckpt-<step> directory of a run that saved at least once."
-        )
-    return ckpt
-
-
-def state_dict_from(ckpt: Checkpoint, *, averages: bool | None = None) -> dict[str, torch.Tensor]:
-    """The model's parameters from a checkpoint as an ordinary ``state_dict`` (whole tensors by name).
-
-    Args:
-        ckpt: the checkpoint.
-        averages: the moving averages instead of the values; None: what the run chose
-            (``Supervisor(ema_for_export=...)``).
-
-    Raises:
-        CheckpointError: averages were asked for and the run kept none (no ``ema_decay``).
-    """
-    tensors = load_whole_tensors(ckpt)
-    if averages is None:
-        averages = ckpt.meta.get("export") == "averages"
-    names = [info["name"] for info in ckpt.meta["placement"]["params"]]
-    if averages and any(f"ema/{n}" not in tensors for n in names):
-        raise CheckpointError(
-            f"Checkpoint {ckpt.path} has no moving averages: the run trained without ema_decay. "
-            "Export the values instead (drop --averages) or train with Trainer(..., ema_decay=0.99)."
-        )
-    return {n: tensors[f"ema/{n}" if averages else n].contiguous() for n in names}
-
-
-def export_checkpoint(
-    path: str | os.PathLike[str], out: str | os.PathLike[str], *, averages: bool | None = None,
-    warn: Callable[[str], None] | None = None,
-) -> tuple[Path, Checkpoint, bool]:
-    """Write a checkpoint's parameters as one safetensors file that plain torch + safetensors load.
-
-    The file holds whole tensors by parameter name (``model.load_state_dict(load_file(out))``),
-    written to a temporary name and renamed, so ``out`` is never half-written.
-
-    Args:
-        path: a logdir, checkpoint root or checkpoint directory (see :func:`find_checkpoint`).
-        out: the ``.safetensors`` file to write.
-        averages: export the moving averages; None: what the run chose.
-
-    Returns:
-        (out, the checkpoint exported, whether the averages were exported).
-
-    Example:
-        >>> export_checkpoint("runs/mnist", "model.safetensors")
-    """
-    ckpt = find_checkpoint(path, warn=warn)
-    chosen = ckpt.meta.get("export") == "averages" if averages is None else averages
-    state = state_dict_from(ckpt, averages=chosen)
-    dest = Path(out)
-    tmp = dest.with_name(f"{dest.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-    meta = {"format": "pt", "psflow.step": str(ckpt.step), "psflow.values": "averages" if chosen else "values"}
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(tmp), metadata=meta)
-        os.replace(tmp, dest)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"Could not write {dest}: {e}. Check that its directory is writable and has free space.") from e
-    return dest, ckpt, chosen
 
 
 # ------------------------------------------------------------------------------ the supervisor
@@ -618,17 +482,17 @@ class Supervisor:
 
     def _manifest_meta(self, step: int, versions: Sequence[int], positions: Mapping[str, Any] | None = None) -> dict[str, Any]:
         trainer = self.trainer
-        return {
-            "global_step": step,
-            "placement": trainer.placement.to_dict(),
-            "optimizer": trainer.optimizer.to_dict(),
-            "schedule": trainer.schedule.to_dict() if trainer.schedule is not None else None,
-            "ema_decay": trainer.ema_decay,
-            "export": "averages" if self.ema_for_export else "values",
-            "shard_versions": list(versions),
-            "data_position": self._data_positions(positions),
-            "writer": str(self.task.task_id),
-        }
+        return run_meta(
+            step=step,
+            placement=trainer.placement,
+            optimizer=trainer.optimizer.to_dict(),
+            schedule=trainer.schedule.to_dict() if trainer.schedule is not None else None,
+            ema_decay=trainer.ema_decay,
+            export_averages=self.ema_for_export,
+            shard_versions=versions,
+            data_positions=self._data_positions(positions),
+            writer=str(self.task.task_id),
+        )
 
     # -- summaries -------------------------------------------------------------------------
     def _reset_interval(self) -> None:

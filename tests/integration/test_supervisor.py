@@ -36,9 +36,9 @@ from safetensors.torch import save_file
 
 import psflow as pf
 from psflow import checkpoint
+from psflow.checkpoint import find_checkpoint, state_dict_from
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.server import Server
-from psflow.supervisor import find_checkpoint, state_dict_from
 from psflow.task import Task
 
 pytestmark = pytest.mark.timeout(180)

@@ -24,21 +24,19 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from psflow import checkpoint
-from psflow.errors import CheckpointError, ConfigError, TrainingError
-from psflow.evaluator import load_into, run_evaluator
-from psflow.fault import inject, parse_faults
-from psflow.ps.placement import ParamInfo, place, split_tensor
-from psflow.summary import EventWriter, summary_dir
-from psflow.supervisor import (
-    LoggingHook,
-    NanGuardHook,
-    Supervisor,
+from psflow.checkpoint import (
     assemble_pieces,
     export_checkpoint,
     find_checkpoint,
     load_whole_tensors,
     state_dict_from,
 )
+from psflow.errors import CheckpointError, ConfigError, TrainingError
+from psflow.evaluator import load_into, run_evaluator
+from psflow.fault import inject, parse_faults
+from psflow.ps.placement import ParamInfo, place, split_tensor
+from psflow.summary import EventWriter, summary_dir
+from psflow.supervisor import LoggingHook, NanGuardHook, Supervisor
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(60)
@@ -160,6 +158,47 @@ def test_export_of_averages_without_any_says_how_to_get_them(tmp_path):
     write_checkpoint(tmp_path / "checkpoints", 5, tiny_model_tensors(), 1, ema=False)
     with pytest.raises(CheckpointError, match="ema_decay"):
         export_checkpoint(tmp_path, tmp_path / "a.safetensors", averages=True)
+
+
+def test_export_is_fsynced_then_renamed_and_leaves_no_tmp_file(tmp_path, monkeypatch):
+    full = tiny_model_tensors()
+    write_checkpoint(tmp_path / "checkpoints", 7, full, 2)
+    out = (tmp_path / "export" / "model.safetensors").resolve()
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))  # the path the fd is open on, at fsync time
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    path, ckpt, _ = export_checkpoint(tmp_path, out)
+    monkeypatch.undo()
+
+    assert path == out and sorted(os.listdir(out.parent)) == ["model.safetensors"]
+    loaded = load_file(out)
+    state = state_dict_from(ckpt)
+    assert set(loaded) == set(state) == {"w", "b"} and all(torch.equal(loaded[n], state[n]) for n in state)
+    # The bytes reached the disk under the tmp name (before the rename), then the directory entry did.
+    assert any(re.fullmatch(re.escape(str(out)) + r"\.\d+-[0-9a-f]{8}\.tmp", p) for p in synced), synced
+    assert str(out.parent) in synced
+
+
+def test_a_failed_export_leaves_neither_a_tmp_file_nor_a_torn_output(tmp_path, monkeypatch):
+    write_checkpoint(tmp_path / "checkpoints", 7, tiny_model_tensors(), 1)
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"the previous export")
+
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(CheckpointError, match=r"Could not export .*ckpt-0000000007 to .*model\.safetensors: .*No space left"):
+        export_checkpoint(tmp_path, out)
+    monkeypatch.undo()
+
+    assert out.read_bytes() == b"the previous export"
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == ["model.safetensors"]
 
 
 def test_find_checkpoint_accepts_logdir_root_or_directory_and_names_an_empty_one(tmp_path):

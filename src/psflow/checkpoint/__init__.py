@@ -27,17 +27,33 @@ The package, one concept per module:
 - :mod:`~psflow.checkpoint.files`: durable file writes (tmp file, fsync, rename, fsync the directory).
 - :mod:`~psflow.checkpoint.writer`: :func:`write_shard` (every ps) and :func:`commit` (the chief).
 - :mod:`~psflow.checkpoint.reader`: listing, verifying and loading (:func:`latest_checkpoint`).
-- :mod:`~psflow.checkpoint.export`: one safetensors file out of a checkpoint.
+- :mod:`~psflow.checkpoint.keys`: the tensor names of a training state (``opt/<name>/<slot>``, ``ema/<name>``).
+- :mod:`~psflow.checkpoint.assembly`: a psflow run's checkpoint: its manifest meta, whole tensors from pieces.
+- :mod:`~psflow.checkpoint.export`: one safetensors file out of a checkpoint (one durable writer).
 
 Callers: every ps task calls :func:`write_shard` for its own shard, in its own process, in
 parallel, and sends the returned :class:`ShardRecord` to the chief as JSON; the chief calls
 :func:`commit` once every shard has reported; a (re)starting task calls :func:`latest_checkpoint`
-and :meth:`Checkpoint.load_shard`. This package does no networking.
+and :meth:`Checkpoint.load_shard`; the Supervisor builds the manifest meta with :func:`run_meta` and
+restores with :func:`load_whole_tensors`; ``psflow export`` calls :func:`export_checkpoint`. This
+package does no networking.
 """
 
 from __future__ import annotations
 
-from psflow.checkpoint.export import export_state_dict
+from psflow.checkpoint.assembly import (
+    assemble_pieces,
+    load_whole_tensors,
+    run_meta,
+    state_dict_from,
+)
+from psflow.checkpoint.export import (
+    CHECKPOINTS_DIR,
+    export_checkpoint,
+    export_state_dict,
+    find_checkpoint,
+    write_tensors_file,
+)
 from psflow.checkpoint.format import (
     CHECKSUM_KEY,
     FORMAT,
@@ -56,7 +72,9 @@ from psflow.checkpoint.reader import (
 from psflow.checkpoint.writer import commit, write_shard
 
 __all__ = [
-    "CHECKSUM_KEY", "FORMAT", "MANIFEST_NAME", "VERSION",
-    "Checkpoint", "NoWholeCheckpointError", "ShardRecord", "commit", "export_state_dict",
-    "latest_checkpoint", "list_checkpoints", "manifest_checksum", "read_checkpoint", "write_shard",
+    "CHECKPOINTS_DIR", "CHECKSUM_KEY", "FORMAT", "MANIFEST_NAME", "VERSION",
+    "Checkpoint", "NoWholeCheckpointError", "ShardRecord", "assemble_pieces", "commit",
+    "export_checkpoint", "export_state_dict", "find_checkpoint", "latest_checkpoint", "list_checkpoints",
+    "load_whole_tensors", "manifest_checksum", "read_checkpoint", "run_meta", "state_dict_from",
+    "write_shard", "write_tensors_file",
 ]

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from psflow.checkpoint.keys import split_state
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
 from psflow.ps.progress import StepPlan
@@ -83,9 +84,7 @@ class PsService:
     # -- handlers --------------------------------------------------------------------------
     def _init(self, req: Request) -> Reply:
         m = req.meta
-        values = {k: v for k, v in req.tensors.items() if not k.startswith(("opt/", "ema/"))}
-        opt_state = {k[4:]: v for k, v in req.tensors.items() if k.startswith("opt/")}
-        ema_state = {k[4:]: v for k, v in req.tensors.items() if k.startswith("ema/")}
+        values, opt_state, ema_state = split_state(req.tensors)
         first = self.store.initialize(
             values,
             optimizer=m["optimizer"],

@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 import torch
 
+from psflow.checkpoint.keys import ema_key, opt_key_of
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
 from psflow.optim import MovingAverage, OptimizerSpec, Schedule, set_lr
@@ -314,10 +315,10 @@ class ParameterStore:
             out = {k: v.detach().clone() for k, v in self.values.items()}
             if self._optimizer is not None:
                 for k, v in optimizer_state_tensors(self._optimizer, self._keys).items():
-                    out[f"opt/{k}"] = v.detach().clone()
+                    out[opt_key_of(k)] = v.detach().clone()
             if self._ema is not None:
                 for k, v in self._ema.shadow().items():
-                    out[f"ema/{k}"] = v.detach().clone()
+                    out[ema_key(k)] = v.detach().clone()
             return self.version, out
 
     def checkpoint_state(

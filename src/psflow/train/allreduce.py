@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from psflow import checkpoint
+from psflow.checkpoint.keys import ema_key, opt_key_of, split_state
 from psflow.cluster import TaskId, is_loopback_host, parse_address
 from psflow.ps.placement import ParamInfo, place
 from psflow.errors import ClusterError, ConfigError, TrainingError
@@ -223,8 +224,8 @@ class AllReduceTrainer(TrainerBase):
             p.copy_(tensors[n])
         if self.ema is not None:
             for n, shadow in self.ema.shadow().items():
-                shadow.copy_(tensors.get(f"ema/{n}", self.params[n]))
-        slots = {k[len("opt/"):]: v for k, v in tensors.items() if k.startswith("opt/")}
+                shadow.copy_(tensors.get(ema_key(n), self.params[n]))
+        _, slots, _ = split_state(tensors)
         if slots:
             load_optimizer_state_tensors(self.torch_optimizer, list(self.params), slots)
         self.global_step = int(step)
@@ -387,10 +388,10 @@ class AllReduceTrainer(TrainerBase):
         with torch.no_grad():
             tensors = {n: p.detach().cpu().clone() for n, p in self.params.items()}
             for k, v in optimizer_state_tensors(self.torch_optimizer, list(self.params)).items():
-                tensors[f"opt/{k}"] = v.detach().cpu().clone()
+                tensors[opt_key_of(k)] = v.detach().cpu().clone()
             if self.ema is not None:
                 for k, v in self.ema.shadow().items():
-                    tensors[f"ema/{k}"] = v.detach().cpu().clone()
+                    tensors[ema_key(k)] = v.detach().cpu().clone()
         record = checkpoint.write_shard(root, step, 0, 1, tensors)
         return [{"record": record.to_dict(), "version": step}]
 

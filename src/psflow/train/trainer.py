@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from psflow.checkpoint.keys import parse_key
 from psflow.errors import ConfigError, PsflowError
 from psflow.fault import inject
 from psflow.optim import OptimizerSpec, Schedule
@@ -179,14 +180,13 @@ class Trainer(TrainerBase):
             for pc in self.placement.pieces_on(s):
                 full = source[pc.param]
                 values[pc.key] = split_tensor(full, pc).contiguous()
-                for prefix in (f"opt/{pc.param}/", f"ema/{pc.param}"):
-                    for k, v in source.items():
-                        if not k.startswith(prefix) or (prefix.startswith("ema") and k != prefix):
-                            continue
-                        slot = k[len(prefix):]
-                        # Slots shaped like the parameter are split like it; scalars (Adam's step) are shared.
-                        piece = split_tensor(v, pc).contiguous() if tuple(v.shape) == tuple(full.shape) else v
-                        values[f"opt/{pc.key}/{slot}" if slot else f"ema/{pc.key}"] = piece
+                for k, v in source.items():
+                    key = parse_key(k)
+                    if key.kind == "value" or key.name != pc.param:
+                        continue
+                    # Slots shaped like the parameter are split like it; scalars (Adam's step) are shared.
+                    piece = split_tensor(v, pc).contiguous() if tuple(v.shape) == tuple(full.shape) else v
+                    values[key.renamed(pc.key).key] = piece
             per_shard.append(values)
         meta = {
             "optimizer": self.optimizer.to_dict(),
