@@ -66,7 +66,7 @@ class InprocTask:
 
 
 class InprocCluster:
-    """``num_ps`` ps tasks and ``num_workers`` worker tasks, each with a started Server on 127.0.0.1.
+    """``num_ps`` ps tasks, ``num_workers`` worker tasks and evaluator:0, each with a started Server on 127.0.0.1.
 
     Args:
         num_ps: ps tasks; each hosts a PsService (one shard).
@@ -84,18 +84,20 @@ class InprocCluster:
         self.services: list[PsService] = []
         self._clients: list[PsClient] = []
         try:
-            for job, n in (("ps", num_ps), ("worker", num_workers)):
+            # The evaluator is the task that status and other side requests come from (a ps serves
+            # only the cluster's own tasks).
+            for job, n in (("ps", num_ps), ("worker", num_workers), ("evaluator", 1)):
                 for i in range(n):
                     tid = TaskId(job, i)
                     server = Server(str(tid), host="127.0.0.1", port=0, secret=SECRET, handshake_timeout_s=5.0)
-                    if job == "ps":
-                        self.services.append(PsService(server, i, num_workers))
                     server.start()
                     self.servers[tid] = server
-            addrs: dict[str, list[str]] = {"ps": [], "worker": []}
+            addrs: dict[str, list[str]] = {"ps": [], "worker": [], "evaluator": []}
             for tid, server in self.servers.items():
                 addrs[tid.job].append(server.address)
             self.cluster = ClusterSpec.from_dict(addrs)
+            # Services register their routes before any task of the cluster can know the address.
+            self.services = [PsService(self.servers[TaskId("ps", i)], i, self.cluster) for i in range(num_ps)]
         except BaseException:
             self.close()
             raise

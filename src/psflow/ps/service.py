@@ -13,12 +13,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from psflow.checkpoint.keys import split_state
+from psflow.cluster import ClusterSpec
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
+from psflow.ps import requests
 from psflow.ps.progress import StepPlan
 from psflow.ps.store import ParameterStore
 from psflow.server import Reply, Request, Server
 from psflow.wire.ops import Op
+
+log = logging.getLogger("psflow.ps")
 
 
 def warm_up() -> None:
@@ -46,13 +50,15 @@ class PsService:
     Args:
         server: the task's started or not-yet-started Server.
         shard: this ps task's index.
-        num_workers: the cluster's worker count (chief included when it trains).
+        cluster: the job's cluster: requests are accepted only from its tasks, and a worker index
+            only from the replica it names (see :mod:`psflow.ps.requests`).
     """
 
-    def __init__(self, server: Server, shard: int, num_workers: int) -> None:
+    def __init__(self, server: Server, shard: int, cluster: ClusterSpec) -> None:
         self.server = server
         self.shard = shard
-        self.store = ParameterStore(shard, num_workers)
+        self.cluster = cluster
+        self.store = ParameterStore(shard, cluster.num_tasks("chief") + cluster.num_tasks("worker"))
         self._shutdown = threading.Event()
         self._peer_worker: dict[str, int] = {}  # authenticated task id -> the worker index it pushes as
         server.on_peer_gone = self._peer_gone
@@ -71,7 +77,21 @@ class PsService:
         for op, fn in routes.items():
             # A push's gradients are applied (async) or copied (sync) before the handler returns, so
             # the connection's receive buffers can be reused: no fresh allocation (and page faults) per step.
-            server.register(op, fn, reuse_buffers=op == Op.PS_PUSH)
+            server.register(op, self._checked(op, fn), reuse_buffers=op == Op.PS_PUSH)
+
+    def _checked(self, op: Op, handler: Callable[[Request], Reply]) -> Callable[[Request], Reply]:
+        """``handler`` behind the op's request schema: a request it does not admit gets a clean
+        ERROR reply naming the field (and a warning here), and never reaches the store."""
+
+        def serve(req: Request) -> Reply:
+            try:
+                requests.check(self.cluster, op, req.peer, req.meta)
+            except ConfigError as e:
+                log.warning("ps:%d: %s", self.shard, e)
+                raise
+            return handler(req)
+
+        return serve
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Block until every worker is done or shutdown was requested. Returns False on timeout."""
