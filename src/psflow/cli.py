@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -102,10 +103,21 @@ def _given(ctx: click.Context, name: str) -> bool:
 @main.command()
 @click.argument("logdir", type=click.Path(exists=True, file_okay=False))
 def status(logdir: str) -> None:
-    """Show a run's tasks and progress from LOGDIR/status.json (live while the run goes on)."""
+    """Show a run's tasks and progress from LOGDIR/status.json (live while the run goes on; a run
+    whose launcher died reads "abandoned", with the tasks whose processes are gone)."""
     from rich.console import Console
 
-    from psflow.launch.status import STATUS_FILE, headline, read_status, render
+    from psflow.launch.status import render
+
+    Console().print(render(_live_status(logdir)))
+
+
+def _live_status(logdir: str) -> dict:
+    """LOGDIR/status.json as it stands now (see psflow.launch.liveness), or a ClickException."""
+    import time
+
+    from psflow.launch.liveness import assess
+    from psflow.launch.status import STATUS_FILE, headline, read_status
 
     try:
         state = read_status(logdir)
@@ -114,22 +126,49 @@ def status(logdir: str) -> None:
             f"Cannot read {logdir}/{STATUS_FILE}: {e}. Give the --logdir of a `psflow run` (it writes that file)."
         ) from e
     state.update(headline(state))
-    Console().print(render(state))
+    return assess(state, now_unix=time.time())
 
 
 @main.command()
 @click.argument("summary", type=click.Path(exists=True, dir_okay=True))
 def summary(summary: str) -> None:
-    """Print a run's summary (LOGDIR or LOGDIR/summary.json)."""
+    """Print a run's summary (LOGDIR or LOGDIR/summary.json). A run still going (or abandoned) has
+    no summary yet: its live status is shown instead."""
     from pathlib import Path
 
     p = Path(summary)
     p = p / "summary.json" if p.is_dir() else p
-    data = json.loads(p.read_text())
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        _no_summary(p, "the launcher writes it when the run ends")
+        return
+    except (OSError, ValueError) as e:
+        _no_summary(p, f"it cannot be read ({e}); the run's logs are in {p.parent / 'logs'}")
+        return
+    if not isinstance(data, dict):
+        _no_summary(p, f"it holds a JSON {type(data).__name__}, not the launcher's summary")
+        return
     for k in ("run_id", "status", "mode", "global_step", "examples_per_sec", "wall_s"):
         click.echo(f"{k:>18}: {data.get(k)}")
     for k, v in (data.get("metrics") or {}).items():  # the script's own, as it named them
         click.echo(f"{k:>18}: {v}")
+
+
+def _no_summary(path: Path, why: str) -> None:
+    """No usable summary.json: say so, show the live status if there is one, exit 1."""
+    from rich.console import Console
+
+    from psflow.launch.status import render
+
+    click.echo(f"psflow: no summary at {path}: {why}.", err=True)
+    try:
+        state = _live_status(str(path.parent))
+    except click.ClickException:
+        sys.exit(1)
+    click.echo(f"psflow: the run is {state.get('state')}; its status (psflow status {path.parent}):", err=True)
+    Console().print(render(state))
+    sys.exit(1)
 
 
 @main.command()

@@ -90,3 +90,97 @@ def test_render_shows_every_task_and_does_not_read_names_as_markup(tmp_path):
     assert "psflow run run-1 (running, sync): global step 1,500" in out
     assert "done" in out and "exit -15" in out and "starting" in out and "0.25" in out
     json.dumps(st.snapshot())  # the state stays plain JSON
+
+
+# -- a live run or an abandoned one (issue 8, item 9) --------------------------------------------
+
+def _dead_identity() -> dict:
+    """The identity of a real process that has exited (taken while it lived)."""
+    import subprocess
+    import sys
+
+    from psflow.launch.liveness import process_identity
+
+    p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    identity = process_identity(p.pid)
+    p.communicate(b"", timeout=30)
+    return identity
+
+
+def test_status_names_its_launcher_and_a_live_launcher_reads_running(tmp_path):
+    import os
+    import time
+
+    from psflow.launch.liveness import assess
+
+    st = _status(tmp_path)
+    st.started("worker:0", os.getpid())
+    on_disk = read_status(tmp_path)
+    assert on_disk["launcher"]["pid"] == os.getpid() and on_disk["launcher"]["start_ticks"] is not None
+    assert isinstance(on_disk["heartbeat_unix"], float)
+    seen = assess(on_disk, now_unix=time.time())
+    assert seen["state"] == "running" and "note" not in seen and seen["tasks"]["worker:0"]["alive"] is True
+
+
+def test_a_run_whose_launcher_died_reads_abandoned_and_names_the_dead_pids(tmp_path):
+    from click.testing import CliRunner
+
+    from psflow.cli import main
+
+    st = _status(tmp_path)
+    launcher, task = _dead_identity(), _dead_identity()
+    st.started("worker:0", task["pid"])
+    state = read_status(tmp_path)
+    state["launcher"] = launcher
+    (tmp_path / "status.json").write_text(json.dumps(state))
+    r = CliRunner().invoke(main, ["status", str(tmp_path)], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    assert "(abandoned, sync)" in r.output
+    assert f"abandoned: launcher pid {launcher['pid']} is gone" in r.output
+    assert f"worker:0 (pid {task['pid']})" in r.output and "gone" in r.output
+
+
+def test_a_reused_pid_is_not_the_launcher(tmp_path):
+    import os
+    import time
+
+    from psflow.launch.liveness import assess, process_identity
+
+    st = _status(tmp_path)
+    st.write()
+    state = read_status(tmp_path)
+    state["launcher"] = {**process_identity(os.getpid()), "start_ticks": process_identity(os.getpid())["start_ticks"] - 1}
+    assert assess(state, now_unix=time.time())["state"] == "abandoned"
+    st.finished("failed")  # a finished run stays what it was
+    assert assess(read_status(tmp_path), now_unix=time.time())["state"] == "failed"
+
+
+def test_a_quiet_run_still_writes_its_heartbeat(tmp_path, monkeypatch):
+    import psflow.launch.status as status_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(status_mod.time, "monotonic", lambda: clock[0])
+    st = _status(tmp_path, min_interval_s=0.5, heartbeat_s=5.0)
+    st.write()
+    first = read_status(tmp_path)["heartbeat_unix"]
+    clock[0] += 1.0
+    st.write()  # nothing changed, heartbeat not due: no write
+    assert read_status(tmp_path)["heartbeat_unix"] == first
+    clock[0] += 5.0
+    st.write()
+    assert read_status(tmp_path)["heartbeat_unix"] > first
+
+
+def test_summary_of_a_run_without_summary_json_says_so_and_shows_the_status(tmp_path):
+    from click.testing import CliRunner
+
+    from psflow.cli import main
+
+    _status(tmp_path).started("worker:0", 4242)
+    r = CliRunner().invoke(main, ["summary", str(tmp_path)], terminal_width=200)
+    assert r.exit_code == 1 and not isinstance(r.exception, (KeyError, ValueError, OSError)), r.output
+    assert "no summary at" in r.output and "writes it when the run ends" in r.output
+    assert "the run is running" in r.output and "worker:0" in r.output and "Traceback" not in r.output
+    (tmp_path / "summary.json").write_text('{"run_id": "run-1", "sta')
+    r = CliRunner().invoke(main, ["summary", str(tmp_path)], terminal_width=200)
+    assert r.exit_code == 1 and "cannot be read" in r.output and "Traceback" not in r.output, r.output

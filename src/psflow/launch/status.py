@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from psflow.launch.liveness import process_identity
 from psflow.launch.metrics import job_rate
 
 STATUS_FILE = "status.json"
@@ -33,9 +34,11 @@ class RunStatus:
     """The launcher's view of a run, for ``status.json`` and the live table."""
 
     def __init__(self, run_id: str, tasks: Sequence[str], logdir: str | os.PathLike[str], *,
-                 mode: str = "async", strategy: str = "ps", min_interval_s: float = 0.5) -> None:
+                 mode: str = "async", strategy: str = "ps", min_interval_s: float = 0.5,
+                 heartbeat_s: float = 5.0) -> None:
         self.path = Path(logdir) / STATUS_FILE
         self.min_interval_s = min_interval_s
+        self.heartbeat_s = heartbeat_s  # written at least this often, changed or not: a reader tells a live launcher
         self._lock = threading.Lock()
         self._written: float | None = None  # never written (not 0.0: a young machine's monotonic clock starts near 0)
         self._dirty = True
@@ -46,13 +49,16 @@ class RunStatus:
             "strategy": strategy,
             "started_unix": time.time(),
             "updated_unix": time.time(),
+            "heartbeat_unix": time.time(),
+            # Who writes this file: `psflow status` tells a live run from one whose launcher died.
+            "launcher": process_identity(os.getpid()),
             "tasks": {t: {"state": "starting", "pid": None, "address": None, "exit_code": None, "progress": {}}
                       for t in tasks},
         }
 
     # -- updates (any thread) ------------------------------------------------------------------
     def started(self, task: str, pid: int) -> None:
-        self._update(task, pid=pid)
+        self._update(task, pid=pid, identity=process_identity(pid))
 
     def on_event(self, kind: str, data: dict[str, Any]) -> None:
         """The coordinator's events: ``registered`` (a task is up) and ``report`` (its metrics)."""
@@ -106,9 +112,12 @@ class RunStatus:
         change of a quiet spell is published."""
         now = time.monotonic()
         with self._lock:
-            if not force and (not self._dirty or (self._written is not None and now - self._written < self.min_interval_s)):
+            age = None if self._written is None else now - self._written
+            due = self._dirty or age is None or age >= self.heartbeat_s
+            if not force and (not due or (age is not None and age < self.min_interval_s)):
                 return
             self._written, self._dirty = now, False
+            self._state["heartbeat_unix"] = time.time()
         state = self.snapshot()
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
@@ -144,13 +153,16 @@ def render(state: dict[str, Any]) -> Any:
 
     title = (f"psflow run {state.get('run_id')} ({state.get('state')}, {state.get('mode')}): global step "
              f"{state.get('global_step', 0):,}, {state.get('examples_per_sec', 0):,.0f} examples/s")
-    table = Table(title=Text(title), title_justify="left", expand=False)  # Text: no rich markup in names
+    caption = Text(state["note"]) if state.get("note") else None  # abandoned: what is gone, what still runs
+    table = Table(title=Text(title), title_justify="left", caption=caption, caption_justify="left",
+                  expand=False)  # Text: no rich markup in names
     for col in ("task", "state", "pid", "global step", "local step", "examples/s", "loss"):
         table.add_column(col, justify="left" if col in ("task", "state") else "right")
     for name, t in state.get("tasks", {}).items():
         p = t.get("progress") or {}
         code = t.get("exit_code")
         shown = t.get("state", "?") if code is None else ("done" if code == 0 else f"exit {code}")
+        shown = "gone" if code is None and t.get("alive") is False else shown  # its process died unseen
         table.add_row(
             name,
             shown,
