@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import secrets
 import signal
 import socket
@@ -44,6 +45,7 @@ from psflow.launch.status import RunStatus, render
 from psflow.server import Server
 
 _FORK_SERVER_READY_S = 60.0
+_ROTATED = re.compile(r"\.\d+\.log$")  # worker-0.1.log: an earlier run's (task names never end in .N)
 _COLORS = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green"]
 
 
@@ -54,7 +56,7 @@ class _Stop(Exception):
 class LocalBackend(Backend):
     def __init__(
         self, *, echo: Callable[[str], None] | None = None, register_timeout_s: float = 120.0, preload: bool = True,
-        live: bool | None = None,
+        live: bool | None = None, keep_logs: int = 5,
     ) -> None:
         self.echo = echo or (lambda line: click.echo(line))
         self.register_timeout_s = register_timeout_s
@@ -62,6 +64,9 @@ class LocalBackend(Backend):
         # A live table of the tasks under their output: by default when printing to a terminal.
         self.live = live if live is not None else (echo is None and sys.stdout.isatty())
         self._echo_lock = threading.Lock()
+        if keep_logs < 0:
+            raise ValueError(f"keep_logs must be >= 0; received {keep_logs}.")
+        self.keep_logs = keep_logs  # logs of earlier runs into the same logdir kept per task (NAME.1.log newest)
 
     @contextlib.contextmanager
     def _live_table(self, status: RunStatus) -> Iterator[None]:
@@ -87,6 +92,7 @@ class LocalBackend(Backend):
     def run(self, plan: LaunchPlan) -> RunResult:
         logdir = Path(plan.logdir)
         (logdir / "logs").mkdir(parents=True, exist_ok=True)
+        rotate_logs(logdir / "logs", self.keep_logs)  # a rerun into this logdir keeps the earlier runs' logs
         (logdir / "errors").mkdir(parents=True, exist_ok=True)
         for stale in (logdir / "errors").glob("*.json*"):  # reports (and temporaries) of an earlier run
             stale.unlink()
@@ -249,6 +255,27 @@ class LocalBackend(Backend):
             r = _error_report(plan, t)
             why = f"{r.get('exception')}: {r.get('message')}" if r else f"exit code {codes[t]} (stopped after the root cause)"
             self.echo(f"  then {t}: {why}")
+
+
+def rotate_logs(logs: Path, keep: int) -> None:
+    """Keep the logs of earlier runs into the same logdir, as logrotate does: ``worker-0.log`` becomes
+    ``worker-0.1.log``, an older ``worker-0.1.log`` becomes ``worker-0.2.log``, and so on; beyond
+    ``keep`` the oldest is deleted. Called once, before any task of the new run writes its log."""
+    for current in sorted(logs.glob("*.log")):
+        if _ROTATED.search(current.name):
+            continue
+        stem = current.name[: -len(".log")]
+        for n in range(keep, 0, -1):
+            older = logs / f"{stem}.{n}.log"
+            if older.exists():
+                if n == keep:
+                    older.unlink()
+                else:
+                    older.replace(logs / f"{stem}.{n + 1}.log")
+        if keep:
+            current.replace(logs / f"{stem}.1.log")
+        else:
+            current.unlink()
 
 
 def _raise_stop(signum: int, frame: Any) -> None:
