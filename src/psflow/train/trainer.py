@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from psflow.checkpoint.keys import parse_key
+from psflow.checkpoint.keys import StateKey, parse_key
 from psflow.errors import ConfigError, PsflowError
 from psflow.fault import inject
 from psflow.optim import OptimizerSpec, Schedule
@@ -174,16 +174,18 @@ class Trainer(TrainerBase):
         step, source = 0, {n: p.detach() for n, p in self.params.items()}
         if self._restore is not None:
             step, source = self._restore
+        state_of: dict[str, list[tuple[StateKey, torch.Tensor]]] = {}  # parameter -> its slots and average
+        for k, v in source.items():
+            key = parse_key(k)
+            if key.kind != "value":
+                state_of.setdefault(key.name, []).append((key, v))
         per_shard = []
         for s in range(self.task.num_ps):
             values: dict[str, torch.Tensor] = {}
             for pc in self.placement.pieces_on(s):
                 full = source[pc.param]
                 values[pc.key] = split_tensor(full, pc).contiguous()
-                for k, v in source.items():
-                    key = parse_key(k)
-                    if key.kind == "value" or key.name != pc.param:
-                        continue
+                for key, v in state_of.get(pc.param, ()):
                     # Slots shaped like the parameter are split like it; scalars (Adam's step) are shared.
                     piece = split_tensor(v, pc).contiguous() if tuple(v.shape) == tuple(full.shape) else v
                     values[key.renamed(pc.key).key] = piece
