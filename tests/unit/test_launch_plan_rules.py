@@ -1,0 +1,84 @@
+"""What a launch plan holds for the tasks it starts: which tasks, their command line and environment,
+the run's id and logdir, and the plan as JSON. A plan is pure data, so these are plain comparisons."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from psflow.config import TrainConfig
+from psflow.errors import ConfigError
+from psflow.launch.plan import LaunchPlan, make_plan
+
+
+@pytest.fixture()
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("")
+    return str(path)
+
+
+def test_default_cluster_is_one_ps_and_two_workers(script: str) -> None:
+    assert make_plan(script).task_names() == ["ps:0", "worker:0", "worker:1"]
+
+
+def test_chief_comes_first_and_the_evaluator_last(script: str) -> None:
+    plan = make_plan(script, num_ps=1, num_workers=1, chief=True, evaluator=True)
+    assert plan.task_names() == ["chief:0", "ps:0", "worker:0", "evaluator:0"]
+
+
+def test_allreduce_runs_no_ps_tasks(script: str) -> None:
+    plan = make_plan(script, num_workers=2, config=TrainConfig(strategy="allreduce"))
+    assert plan.task_names() == ["worker:0", "worker:1"]
+
+
+def test_a_chief_may_train_alone_but_without_a_chief_one_worker_is_needed(script: str) -> None:
+    assert make_plan(script, num_workers=0, chief=True).task_names() == ["chief:0", "ps:0"]
+    assert make_plan(script, num_workers=1).task_names() == ["ps:0", "worker:0"]
+    with pytest.raises(ConfigError, match=re.escape("--workers must be at least 1; received 0.")):
+        make_plan(script, num_workers=0)
+    with pytest.raises(ConfigError, match=re.escape("--workers must be at least 1; received -1.")):
+        make_plan(script, num_workers=-1, chief=True)
+
+
+def test_each_task_runs_the_script_unbuffered_with_its_arguments(script: str) -> None:
+    plan = make_plan(script, ["--epochs", "2"], python="/opt/py")
+    assert {t.argv for t in plan.tasks} == {("/opt/py", "-u", script, "--epochs", "2")}
+    assert make_plan(script).tasks[0].argv[0] == sys.executable
+
+
+def test_each_task_is_told_its_name_logdir_config_and_error_file(script: str, tmp_path: Path) -> None:
+    logdir = str(tmp_path / "run")
+    cfg = TrainConfig(mode="ssp", staleness=2)
+    plan = make_plan(script, num_workers=1, logdir=logdir, config=cfg, extra_env={"MY_VAR": "1"})
+    assert (plan.logdir, plan.config) == (logdir, cfg)
+    env = dict(plan.tasks[1].env)
+    assert env["PSFLOW_TASK"] == "worker:0"
+    assert env["PSFLOW_LOGDIR"] == logdir
+    assert TrainConfig.from_json(env["PSFLOW_TRAIN_CONFIG"]) == cfg
+    assert env["PSFLOW_ERROR_FILE"] == str(Path(logdir) / "errors" / "worker-0.json")
+    assert env["MY_VAR"] == "1"
+    assert "PSFLOW_FAIL_AT" not in env  # no fault asked for: the variable is absent, not empty
+
+
+def test_a_run_without_a_logdir_gets_its_own_under_runs_named_by_time_and_a_random_suffix(script: str) -> None:
+    a, b = make_plan(script), make_plan(script)
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", a.run_id), a.run_id
+    assert a.run_id != b.run_id
+    assert a.logdir == str(Path("runs") / a.run_id)
+    assert dict(a.tasks[0].env)["PSFLOW_LOGDIR"] == a.logdir
+
+
+def test_plan_json_holds_the_plan_fields_and_the_config_as_a_dict(script: str) -> None:
+    cfg = TrainConfig(mode="sync")
+    plan = make_plan(script, config=cfg, logdir="x")
+    d = json.loads(plan.to_json())
+    assert set(d) == {f.name for f in fields(LaunchPlan)}
+    assert TrainConfig.from_dict(d["config"]) == cfg
+    assert (d["run_id"], d["logdir"]) == (plan.run_id, "x")
+    assert [t["task"] for t in d["tasks"]] == plan.task_names()
