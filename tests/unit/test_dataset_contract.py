@@ -35,7 +35,7 @@ def test_dataset_takes_one_dimensional_x_and_refuses_a_scalar_x() -> None:
 
 def test_repr_shows_count_dtypes_and_shape_without_the_torch_prefix() -> None:
     ds = Dataset(torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64))
-    assert repr(ds) == "Dataset(n=4, x=float32[4, 3], y=int64)"
+    assert repr(ds) == "Dataset(n=4, x=float32[4, 3], y=int64[4])"
 
 
 def test_shard_of_an_object_without_num_shards_is_refused_naming_what_is_needed() -> None:
