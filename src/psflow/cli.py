@@ -38,6 +38,9 @@ def main() -> None:
 @click.option("--allow-unauthenticated-allreduce", is_flag=True, default=None,
               help="Let --strategy allreduce run off loopback, where its traffic (gloo) is not covered by the job secret.")
 @click.option("--fail-at", default=None, help="Fault injection, e.g. worker:1@step=30 or worker:1@step=30:kill.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Torch threads per task (default: the cores shared evenly by the tasks); a script's own "
+                   "torch.set_num_threads still wins.")
 @click.option("--preload/--no-preload", default=True, show_default=True,
               help="Fork the tasks from one process that imported torch once (faster start), or start each afresh.")
 @click.option("--live/--no-live", default=None,
@@ -45,7 +48,8 @@ def main() -> None:
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
-        fail_at: str | None, log_placement: bool, preload: bool, live: bool | None, **settings: object) -> None:
+        fail_at: str | None, log_placement: bool, preload: bool, live: bool | None, threads: int | None,
+        **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
     from psflow.launch import LocalBackend, make_plan
     from psflow.launch.metrics import final_line
@@ -59,10 +63,13 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         given = set(overrides) | ({"num_ps"} if _given(click.get_current_context(), "num_ps") else set())
         check_launch_settings(config, given, num_replicas=num_workers + int(chief), num_ps=num_ps)
         plan = make_plan(script, list(script_args), num_ps=num_ps, num_workers=num_workers,
-                         chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=fail_at)
+                         chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=fail_at,
+                         threads=threads)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
-    click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; logs in {plan.logdir}")
+    click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; "
+               f"threads={plan.threads} per task ({plan.cores} cores{'' if threads else ', --threads N to change'}); "
+               f"logs in {plan.logdir}")
     result = LocalBackend(preload=preload, live=live).run(plan)
     click.echo(final_line(result.summary))
     click.echo(f"psflow: summary: {plan.logdir}/summary.json   logs: {plan.logdir}/logs/")

@@ -57,6 +57,7 @@ ENV = {
     "PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE": "1: let the all-reduce strategy run off loopback, where its traffic is unauthenticated",
     "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
     "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
+    "PSFLOW_NUM_THREADS": "torch threads of a launched task, set before its script runs (by the launcher's fork server, or as OMP_NUM_THREADS)",
     "TF_CONFIG": "Kubeflow TFJob's cluster and task JSON",
 }
 

@@ -108,3 +108,17 @@ def test_the_launcher_side_of_psflow_starts_without_torch():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
+
+
+def test_plan_shares_the_cores_out_as_threads_per_task(tmp_path):
+    from psflow.launch.plan import threads_per_task
+
+    script = tmp_path / "t.py"
+    script.write_text("")
+    plan = make_plan(str(script), num_ps=1, num_workers=3, logdir="x", cores=16)
+    assert plan.threads == 4 and {dict(t.env)["PSFLOW_NUM_THREADS"] for t in plan.tasks} == {"4"}
+    assert make_plan(str(script), num_ps=1, num_workers=3, logdir="x", cores=2).threads == 1  # never 0
+    assert make_plan(str(script), num_ps=1, num_workers=3, logdir="x", cores=16, threads=7).threads == 7
+    assert threads_per_task(3, 55) == 18
+    with pytest.raises(ConfigError, match=r"--threads must be a positive number.*received 0"):
+        make_plan(str(script), logdir="x", threads=0)

@@ -144,6 +144,7 @@ def _become_task(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, re
     os.environ.update(env)
     os.chdir(cwd)
     _reseed()
+    _set_threads(env)
     script = argv[2]
     sys.argv = [script, *argv[3:]]
     sys.path[0] = str(Path(script).resolve().parent)
@@ -151,6 +152,17 @@ def _become_task(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, re
     # process exactly as they end `python -u SCRIPT` (traceback, exit code, atexit handlers).
     runpy.run_path(script, run_name="__main__")
     sys.exit(0)
+
+
+def _set_threads(env: Mapping[str, str]) -> None:
+    """The task's torch threads, set before its script runs (so that the script's own
+    ``torch.set_num_threads`` wins). A fresh interpreter gets them as OMP_NUM_THREADS instead, which
+    torch reads at import; here torch was imported by the server, with the server's count."""
+    threads = env.get("PSFLOW_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 def _reseed() -> None:

@@ -210,6 +210,10 @@ class LocalBackend(Backend):
             except OSError as e:  # it stays up for the tasks it forked already; the run closes it
                 self.echo(click.style(f"psflow: {e}; starting the remaining tasks as fresh processes.", fg="yellow"))
                 forks = None
+        if env.get("PSFLOW_NUM_THREADS"):
+            # A fresh interpreter's torch takes its thread count from OMP_NUM_THREADS at import,
+            # before the script could call set_num_threads (which still wins).
+            env = {**env, "OMP_NUM_THREADS": env["PSFLOW_NUM_THREADS"]}
         p = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, text=True, bufsize=1, preexec_fn=die_with_parent,

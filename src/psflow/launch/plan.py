@@ -7,6 +7,7 @@ next) carries out the same plan, and a plan can be printed, compared and rendere
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import uuid
@@ -43,6 +44,8 @@ class LaunchPlan:
     max_restarts: int = 0  # per task; restarts come with the failure-recovery work
     grace_s: float = 20.0  # how long a stopped task gets between SIGTERM and SIGKILL
     ps_exit_timeout_s: float = 60.0  # how long ps tasks get to exit by themselves once workers are done
+    threads: int = 1  # torch threads per task (PSFLOW_NUM_THREADS), see threads_per_task
+    cores: int = 1  # the cores of the host the threads were shared out from
 
     def task_names(self) -> list[str]:
         return [t.task for t in self.tasks]
@@ -51,6 +54,24 @@ class LaunchPlan:
         d = asdict(self)
         d["config"] = self.config.to_dict()
         return json.dumps(d, indent=1)
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or taskset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_task(num_tasks: int, cores: int) -> int:
+    """Torch threads for each of ``num_tasks`` tasks sharing ``cores``: an even share, at least one.
+
+    Every task counts, ps included (it applies the updates with torch ops). Left at torch's default,
+    each task would start one thread per core: with three tasks on a host, three times as many busy
+    threads as cores, and OpenMP threads that spin while they wait for each other slow every task.
+    """
+    return max(1, cores // max(1, num_tasks))
 
 
 def make_plan(
@@ -66,8 +87,14 @@ def make_plan(
     python: str = sys.executable,
     fail_at: str | None = None,
     extra_env: dict[str, str] | None = None,
+    threads: int | None = None,
+    cores: int | None = None,
 ) -> LaunchPlan:
     """Plan a run of ``script`` with ``num_ps`` ps and ``num_workers`` workers on this machine.
+
+    Each task gets ``threads`` torch threads (``PSFLOW_NUM_THREADS``), by default the host's
+    ``cores`` (default: :func:`host_cores`) shared out by :func:`threads_per_task`; a script's own
+    ``torch.set_num_threads`` still wins, as it runs later.
 
     Raises:
         ConfigError: a missing script or impossible counts.
@@ -83,6 +110,10 @@ def make_plan(
     names = (["chief:0"] if chief else []) + [f"ps:{i}" for i in range(num_ps if config.strategy == "ps" else 0)]
     names += [f"worker:{i}" for i in range(num_workers)] + (["evaluator:0"] if evaluator else [])
     check_faults(parse_faults(fail_at), names)  # here, not in every task once they have started
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"--threads must be a positive number of threads per task; received {threads!r}.")
+    cores = cores or host_cores()
+    threads = threads or threads_per_task(len(names), cores)
     tasks = []
     for name in names:
         env = {
@@ -90,8 +121,9 @@ def make_plan(
             "PSFLOW_TRAIN_CONFIG": config.to_json(),
             "PSFLOW_LOGDIR": logdir,
             "PSFLOW_ERROR_FILE": str(Path(logdir) / "errors" / f"{name.replace(':', '-')}.json"),
+            "PSFLOW_NUM_THREADS": str(threads),
             **({"PSFLOW_FAIL_AT": fail_at} if fail_at else {}),
             **(extra_env or {}),
         }
         tasks.append(TaskPlan(name, (python, "-u", script, *script_args), tuple(sorted(env.items()))))
-    return LaunchPlan(run_id=run_id, logdir=logdir, tasks=tuple(tasks), config=config)
+    return LaunchPlan(run_id=run_id, logdir=logdir, tasks=tuple(tasks), config=config, threads=threads, cores=cores)
