@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,6 +146,7 @@ def _by_hand(procs, ports, job, index, extra_env=None, args=("--epochs", "1", "-
     # One fresh logdir per job (its Supervisor checkpoints there), not the shared default in the repository.
     if ports[0] not in _BY_HAND_LOGDIRS:
         _BY_HAND_LOGDIRS[ports[0]] = tempfile.mkdtemp(prefix="psflow-by-hand-")
+        atexit.register(shutil.rmtree, _BY_HAND_LOGDIRS[ports[0]], True)
     logdir = _BY_HAND_LOGDIRS[ports[0]]
     env = task_env(PSFLOW_LOGDIR=logdir, **(extra_env or {}))
     p = subprocess.Popen([sys.executable, SOFTMAX, *flags, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
