@@ -544,4 +544,5 @@ def _install_error_report(task: Task, path: str | None) -> None:
         else:
             previous(exc_type, exc, tb)
 
+    hook.psflow_reports = True  # type: ignore[attr-defined]  # the fork server's child writes no second report
     sys.excepthook = hook

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import pytest
 
 from psflow.launch.local import LocalBackend, rotate_logs
@@ -34,3 +35,20 @@ def test_rotation_shifts_each_older_log_and_drops_beyond_keep(tmp_path: Path) ->
     rotate_logs(tmp_path, keep=2)
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {
         "worker-0.1.log": "c", "worker-0.2.log": "b", "ps-0.1.log": "p"}
+
+
+def test_a_script_that_raises_at_import_shows_one_traceback_of_its_own_frames(tmp_path: Path) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text("import psflow\nraise ValueError('boom at import')\n")
+    lines: list[str] = []
+    plan = make_plan(str(script), num_ps=1, num_workers=2, logdir=str(tmp_path / "run"))
+    result = LocalBackend(echo=lines.append, preload=True).run(plan)
+    out = click.unstyle("\n".join(lines))
+    root = result.root_cause  # every task fails alike: the one whose report is oldest
+    assert result.exit_code == 1 and root in plan.task_names(), out
+    assert out.count("Traceback (most recent call last):") == 1, out
+    assert "forkserver.py" not in out and "runpy" not in out, out  # the user's frames only
+    assert f"Root cause: {root} exited with code 1\n  ValueError: boom at import" in out, out
+    assert out.count("ValueError: boom at import (the same traceback as ") == 2, out
+    # The log files keep every task's whole traceback.
+    assert "raise ValueError('boom at import')" in (tmp_path / "run" / "logs" / "worker-1.log").read_text()

@@ -37,6 +37,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 PRELOAD = ("torch", "numpy", "psflow.task", "psflow.train.trainer", "psflow.data")
@@ -150,8 +151,44 @@ def _become_task(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, re
     sys.path[0] = str(Path(script).resolve().parent)
     # From here the child is the task: the script's exceptions, sys.exit and signals end this
     # process exactly as they end `python -u SCRIPT` (traceback, exit code, atexit handlers).
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Exception as e:  # noqa: BLE001  # SystemExit and KeyboardInterrupt end it as they end an interpreter
+        # The traceback a fresh interpreter prints: from the script's frames on, not the fork server's.
+        tb = _from_script(e.__traceback__, script)
+        e.__traceback__ = tb  # the default hook prints the exception's own traceback
+        if not getattr(sys.excepthook, "psflow_reports", False):  # failed before psflow.init installed its hook
+            _write_error_report(env, e, tb)
+        sys.excepthook(type(e), e, tb)
+        sys.exit(1)
     sys.exit(0)
+
+
+def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
+    """``tb`` without its leading frames outside ``script`` (this module's, runpy's)."""
+    path = str(Path(script).resolve())
+    t = tb
+    while t is not None and str(Path(t.tb_frame.f_code.co_filename).resolve()) != path:
+        t = t.tb_next
+    return t or tb
+
+
+def _write_error_report(env: Mapping[str, str], e: BaseException, tb: TracebackType | None) -> None:
+    """The task's JSON error report (as psflow.task writes it) for an error raised before the script
+    called psflow.init(), e.g. at import: the launcher then names it as the root cause."""
+    import time
+    import traceback
+
+    path = env.get("PSFLOW_ERROR_FILE")
+    if not path:
+        return
+    report = {"task": env.get("PSFLOW_TASK"), "exception": type(e).__name__, "message": str(e),
+              "traceback": "".join(traceback.format_exception(type(e), e, tb)), "time_unix": time.time()}
+    try:
+        Path(f"{path}.tmp").write_text(json.dumps(report, indent=1))
+        os.replace(f"{path}.tmp", path)
+    except OSError:
+        pass  # the log still has the traceback
 
 
 def _set_threads(env: Mapping[str, str]) -> None:

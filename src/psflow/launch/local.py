@@ -64,6 +64,7 @@ class LocalBackend(Backend):
         # A live table of the tasks under their output: by default when printing to a terminal.
         self.live = live if live is not None else (echo is None and sys.stdout.isatty())
         self._echo_lock = threading.Lock()
+        self._tracebacks: dict[str, str] = {}  # each traceback echoed this run -> the task that printed it
         if keep_logs < 0:
             raise ValueError(f"keep_logs must be >= 0; received {keep_logs}.")
         self.keep_logs = keep_logs  # logs of earlier runs into the same logdir kept per task (NAME.1.log newest)
@@ -221,13 +222,37 @@ class LocalBackend(Backend):
         return p, forks
 
     def _pump(self, task: str, stream: TextIO, log_file: TextIO, color: str) -> None:
+        """Copy a task's output to its log file and the console. A traceback is echoed once it is
+        whole, and only once per run: the same error in every task (a script that fails at import)
+        shows as one traceback and a line per other task. The log file keeps everything."""
         prefix = click.style(f"[{task}]", fg=color)
+        block: list[str] | None = None
         with log_file:
             for line in stream:
                 log_file.write(line)
                 log_file.flush()
-                with self._echo_lock:
-                    self.echo(f"{prefix} {line.rstrip()}")
+                if block is None and line.startswith("Traceback (most recent call last):"):
+                    block = [line]
+                elif block is not None:
+                    block.append(line)
+                    if not line[:1].isspace():  # the exception line ends the traceback
+                        self._echo_traceback(task, prefix, block)
+                        block = None
+                else:
+                    with self._echo_lock:
+                        self.echo(f"{prefix} {line.rstrip()}")
+            if block:
+                self._echo_traceback(task, prefix, block)
+
+    def _echo_traceback(self, task: str, prefix: str, block: list[str]) -> None:
+        text = "".join(block).strip()
+        with self._echo_lock:
+            first = self._tracebacks.setdefault(text, task)
+            if first != task:
+                self.echo(f"{prefix} {block[-1].rstrip()} (the same traceback as {first}'s above)")
+                return
+            for line in block:
+                self.echo(f"{prefix} {line.rstrip()}")
 
     def _stop_all(self, procs: dict[str, subprocess.Popen], codes: dict[str, int], grace_s: float) -> None:
         alive = [p for p in procs.values() if p.poll() is None]
@@ -250,7 +275,11 @@ class LocalBackend(Backend):
         self.echo(click.style(f"psflow: the run failed. Root cause: {root} exited with code {codes[root]}", fg="red", bold=True))
         if report:
             self.echo(f"  {report.get('exception')}: {report.get('message')}")
-            self.echo("  " + report.get("traceback", "").rstrip().replace("\n", "\n  "))
+            shown_by = self._tracebacks.get(str(report.get("traceback", "")).strip())
+            if shown_by:  # in the output above already: not a second time
+                self.echo(f"  (traceback above, from {shown_by}; also in {Path(plan.logdir) / 'errors'})")
+            else:
+                self.echo("  " + report.get("traceback", "").rstrip().replace("\n", "\n  "))
         else:
             self.echo(f"  (no error report; last lines of {Path(plan.logdir) / 'logs' / (root.replace(':', '-') + '.log')}:)")
             self.echo(_tail(Path(plan.logdir) / "logs" / f"{root.replace(':', '-')}.log"))
