@@ -35,6 +35,8 @@ class TrainConfig:
     placement: str = "round_robin"
     split_bytes: int | None = None  # split tensors above this many bytes across ps shards
     ready_timeout_s: float = 120.0  # non-chief: the longest wait for the chief to initialize the ps
+    # ps: once every worker is done or lost, how long it waits for a lost one to come back before it fails
+    lost_worker_timeout_s: float = 300.0
     log_placement: bool = False
     # All-reduce off loopback: gloo's store and connections are not covered by the job secret.
     allow_unauthenticated_allreduce: bool = False
@@ -54,9 +56,11 @@ class TrainConfig:
             raise ConfigError(
                 f"allow_unauthenticated_allreduce must be true or false; received {self.allow_unauthenticated_allreduce!r}."
             )
-        if self.staleness < 0:
-            raise ConfigError(f"staleness must be >= 0; received {self.staleness!r}.")
-        for name in ("sync_timeout_s", "ready_timeout_s"):
+        if not isinstance(self.staleness, int) or isinstance(self.staleness, bool) or self.staleness < 0:
+            raise ConfigError(f"staleness must be an integer >= 0; received {self.staleness!r}.")
+        if self.split_bytes is not None and (not isinstance(self.split_bytes, int) or self.split_bytes < 0):
+            raise ConfigError(f"split_bytes must be an integer >= 0 or None; received {self.split_bytes!r}.")
+        for name in ("sync_timeout_s", "ready_timeout_s", "lost_worker_timeout_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{name} must be a positive number of seconds; received {v!r}.")

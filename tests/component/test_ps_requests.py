@@ -132,7 +132,8 @@ def test_a_request_missing_a_required_field_gets_a_clean_error_naming_it(
 @pytest.mark.parametrize("op,field,value,expected", [
     (Op.PS_CLOCK, "clock", "3", "an integer >= 0"),
     (Op.PS_PUSH, "version", -1, "an integer >= 0"),
-    (Op.PS_PULL, "timeout_s", float("inf"), "a finite number of seconds >= 0"),
+    (Op.PS_PULL, "timeout_s", float("inf"), "a number of seconds in 0.."),
+    (Op.PS_PULL, "timeout_s", 1e300, "a number of seconds in 0.."),
     (Op.PS_PULL, "averages", "yes", "true or false"),
     (Op.PS_INIT, "config", [], "an object"),
     (Op.PS_SAVE, "num_shards", 0, "an integer >= 1"),
@@ -143,6 +144,21 @@ def test_a_field_of_the_wrong_type_gets_a_clean_error_naming_it_and_the_value(
     conn = as_task(cluster, "worker:0")
     try:
         error = refused(conn, op, {**VALID[op], field: value})
-        assert f"field {field!r} must be {expected}; received {value!r}" in error, error
+        assert f"field {field!r} must be {expected}" in error and f"received {value!r}" in error, error
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("setting,value", [("staleness", "x"), ("split_bytes", "big")])
+def test_init_with_a_mistyped_setting_names_it_instead_of_an_internal_error(
+    cluster: InprocCluster, setting: str, value: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    conn = as_task(cluster, "worker:0")
+    try:
+        with caplog.at_level(logging.WARNING):
+            config = {**TrainConfig().to_dict(), setting: value}
+            error = refused(conn, Op.PS_INIT, {**VALID[Op.PS_INIT], "config": config})
+        assert f"{setting} must be an integer >= 0" in error and repr(value) in error, error
+        assert not [r for r in caplog.records if r.exc_info], "a traceback in the ps log"
     finally:
         conn.close()

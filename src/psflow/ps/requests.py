@@ -12,6 +12,7 @@ Unknown fields are ignored (a newer client may send more). Pure: no I/O, no stat
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ _EXPECTED = {
     NUMBER: "a finite number",
     INT: "an integer >= 0",
     COUNT: "an integer >= 1",
-    SECONDS: "a finite number of seconds >= 0",
+    SECONDS: f"a number of seconds in 0..{threading.TIMEOUT_MAX:g}",
     BOOL: "true or false",
     STR: "a string",
     DICT: "an object",
@@ -146,8 +147,8 @@ def _admits(kind: str, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
     if kind == NUMBER:
         return is_number and math.isfinite(value)
-    if kind == SECONDS:
-        return is_number and math.isfinite(value) and value >= 0
+    if kind == SECONDS:  # past TIMEOUT_MAX a wait on a Condition overflows
+        return is_number and math.isfinite(value) and 0 <= value <= threading.TIMEOUT_MAX
     if kind == BOOL:
         return isinstance(value, bool)
     if kind == STR:
