@@ -33,6 +33,8 @@ def main() -> None:
 @click.option("--total-num-replicas", type=int, default=None, help="sync: workers taking part (M); M - N are backups.")
 @click.option("--staleness", type=int, default=None, help="ssp: how many steps a worker may run ahead.")
 @click.option("--sync-timeout", "sync_timeout_s", type=float, default=None, help="sync/ssp: longest wait for a step (s).")
+@click.option("--lost-worker-timeout", "lost_worker_timeout_s", type=float, default=None,
+              help="ps: once the other workers are done, longest wait for a lost worker to reconnect (s).")
 @click.option("--placement", type=click.Choice(["round_robin", "greedy", "contiguous"]), default=None, help="How parameters go on ps shards.")
 @click.option("--log-placement", is_flag=True, help="Print where each parameter lives (like log_device_placement).")
 @click.option("--allow-unauthenticated-allreduce", is_flag=True, default=None,

@@ -152,6 +152,10 @@ class Task:
         On SIGTERM it keeps serving while workers are still connected, for up to ``term_grace_s``
         (less than the launcher's grace before SIGKILL), so that the chief, stopped by the same signal,
         can still write its final checkpoint; with no worker connected it exits at once.
+
+        Raises:
+            TrainingError: every worker is done except lost ones (connections closed without
+                PS_DONE), and none came back within ``lost_worker_timeout_s``; names them.
         """
         if self.ps_service is None:
             raise ConfigError(f"join() is for ps tasks; {self.task_id} is a {self.job_name}.")
@@ -178,6 +182,8 @@ class Task:
                 if store.initialized:
                     self.report_progress(global_step=store.version, pushes=store.stats.pushes,
                                          stale_dropped=store.stats.stale_dropped)
+                # Only lost workers left: say whom the ps waits for; past lost_worker_timeout_s, fail naming them.
+                service.watch_lost_workers(time.monotonic())
             # The PS_DONE that ended the job may still be being answered: let the workers hang up
             # before the server stops, or the last one would read a closed connection, not its reply.
             deadline = time.monotonic() + 2.0

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from psflow.checkpoint.keys import split_state
-from psflow.cluster import ClusterSpec
+from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
 from psflow.ps import requests
@@ -61,6 +61,7 @@ class PsService:
         self.store = ParameterStore(shard, cluster.num_tasks("chief") + cluster.num_tasks("worker"))
         self._shutdown = threading.Event()
         self._peer_worker: dict[str, int] = {}  # authenticated task id -> the worker index it pushes as
+        self._lost_wait_since: float | None = None  # when the ps began to wait for lost workers only
         server.on_peer_gone = self._peer_gone
         self.on_save: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         routes = {
@@ -89,9 +90,19 @@ class PsService:
             except ConfigError as e:
                 log.warning("ps:%d: %s", self.shard, e)
                 raise
+            worker = self._worker_of(req.peer)
+            if worker is not None and self.store.worker_back(worker):
+                log.warning("ps:%d: worker:%d is back (it sent %s); waiting for it as before.", self.shard, worker, op.name)
             return handler(req)
 
         return serve
+
+    def _worker_of(self, peer: str) -> int | None:
+        """The worker index ``peer`` (an admitted sender) trains as; None for a task that does not train."""
+        try:
+            return requests.replica_of(self.cluster, TaskId.parse(peer))
+        except ConfigError:  # not a task id: a connection that was refused every request
+            return None
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Block until every worker is done or shutdown was requested. Returns False on timeout."""
@@ -100,6 +111,37 @@ class PsService:
     def stop(self) -> None:
         """Make :meth:`join` return (as a PS_SHUTDOWN request does)."""
         self._shutdown.set()
+
+    def watch_lost_workers(self, now: float) -> None:
+        """Called about once a second by the ps's main loop (Task.join), ``now`` from ``time.monotonic()``.
+
+        While any worker still trains, a lost one is not waited for (async goes on without it). Once
+        every other worker is done, say once whom the ps waits for; past ``lost_worker_timeout_s`` of
+        that, raise. A lost worker that sends a request again resets the wait.
+
+        Raises:
+            TrainingError: the ps waited ``lost_worker_timeout_s`` for lost workers only; names them.
+        """
+        lost = self.store.waiting_only_for_lost()
+        if not lost:
+            self._lost_wait_since = None
+            return
+        timeout_s = self.store.config.lost_worker_timeout_s
+        names = ", ".join(f"worker:{w}" for w in lost)
+        steps = ", ".join(f"worker:{w} at global step {step}" for w, step in lost.items())
+        if self._lost_wait_since is None:
+            self._lost_wait_since = now
+            log.warning(
+                "ps:%d: waiting for %s to finish (connection closed without PS_DONE: %s); every other worker is done. "
+                "Giving up in %g s unless it reconnects (lost_worker_timeout_s).", self.shard, names, steps, timeout_s,
+            )
+        elif now - self._lost_wait_since >= timeout_s:
+            raise TrainingError(
+                f"ps:{self.shard} waited {timeout_s:g} s for {names} to come back (connection closed without PS_DONE: "
+                f"{steps}; killed or crashed?); every other worker is done. Restart the lost worker within "
+                "lost_worker_timeout_s (--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG by hand), or see its log "
+                "for why it died."
+            )
 
     # -- handlers --------------------------------------------------------------------------
     def _init(self, req: Request) -> Reply:
@@ -150,8 +192,11 @@ class PsService:
         """The server's callback: ``peer``'s last connection closed. A worker that never said
         PS_DONE is lost (see ParameterStore.worker_lost)."""
         worker = self._peer_worker.get(peer)
-        if worker is not None:
-            self.store.worker_lost(worker)
+        if worker is None or worker in self.store.done_workers:
+            return
+        self.store.worker_lost(worker)
+        log.warning("ps:%d: lost worker:%d: its connection closed at global step %d without PS_DONE (killed or crashed?).",
+                    self.shard, worker, self.store.version)
 
     def _push(self, req: Request) -> Reply:
         version = int(req.meta.get("version", 0))

@@ -72,6 +72,7 @@ class ParameterStore:
         # Workers whose connections closed without PS_DONE (killed, crashed): not waited for where
         # backups allow it; a sync step without backups fails at once, naming them. A push clears it.
         self.lost_workers: set[int] = set()
+        self.lost_at: dict[int, int] = {}  # lost worker -> the version (global step) when its connection closed
         self._optimizer: torch.optim.Optimizer | None = None
         self._keys: list[str] = []
         self._base_lr = 0.0
@@ -166,7 +167,7 @@ class ParameterStore:
         self._check_grads(grads)
         with self._cond:
             self.stats.pushes += 1
-            self.lost_workers.discard(worker)  # back (a restarted worker)
+            self._back(worker)  # a restarted worker
             if self.progress.is_stopped(self.version):
                 return {"version": self.version, "applied": False, "stopped": True}
             if self.config.mode != "sync":
@@ -294,11 +295,34 @@ class ParameterStore:
             if worker in self.done_workers:
                 return
             self.lost_workers.add(worker)
+            self.lost_at.setdefault(worker, self.version)
             self._clocks.pop(worker, None)
             if self.config.mode == "sync" and self._initialized:
                 self._pending.pop(worker, None)
                 self._maybe_complete_step()
             self._cond.notify_all()
+
+    def worker_back(self, worker: int) -> bool:
+        """A lost ``worker`` sent a request again (restarted): wait for it as before. True if it was lost."""
+        with self._cond:
+            was_lost = self._back(worker)
+            self._cond.notify_all()
+            return was_lost
+
+    def _back(self, worker: int) -> bool:
+        self.lost_at.pop(worker, None)
+        if worker not in self.lost_workers:
+            return False
+        self.lost_workers.discard(worker)
+        return True
+
+    def waiting_only_for_lost(self) -> dict[int, int]:
+        """Lost worker -> the global step it was lost at, when every other worker is done (the ps
+        then serves nobody and only waits for them); else empty."""
+        with self._cond:
+            if not self.lost_workers or len(self.done_workers | self.lost_workers) < self.num_workers:
+                return {}
+            return {w: self.lost_at.get(w, self.version) for w in sorted(self.lost_workers)}
 
     def all_done(self) -> bool:
         return len(self.done_workers) >= self.num_workers
