@@ -1,0 +1,67 @@
+"""What the frame codec tells a user or an operator when it refuses something, and the lazy torch
+tables: a JSON-only frame never imports torch (the launcher's side starts without it)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from psflow.errors import TransportError
+from psflow.wire import frame
+from psflow.wire.frame import (
+    HEADER,
+    FrameError,
+    Limits,
+    byte_view,
+    decode_header,
+    decode_meta,
+    encode_head,
+    tensor_specs,
+)
+
+
+def test_the_dtype_tables_are_module_attributes_and_other_names_are_not() -> None:
+    assert frame.DTYPES["float32"] is torch.float32
+    assert frame.DTYPE_NAMES[torch.int64] == "int64"
+    with pytest.raises(AttributeError, match=re.escape("module 'psflow.wire.frame' has no attribute 'dtypes'")):
+        frame.dtypes  # noqa: B018
+
+
+def test_a_frame_without_tensors_is_encoded_without_importing_torch() -> None:
+    assert tensor_specs([]) == []
+    code = ("import sys\nfrom psflow.wire.frame import tensor_specs, encode_head\n"
+            "encode_head(1, {'t': tensor_specs([])}, 0)\nprint('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.stdout.strip() == "False", r.stderr
+
+
+def test_a_foreign_protocol_is_named_as_such() -> None:
+    data = HEADER.pack(b"HTTP", 1, 0, 0, 0)
+    with pytest.raises(FrameError, match=re.escape(
+            "Not a psflow frame: magic b'HTTP', expected b'PSF1'. "
+            "Is something other than a psflow task talking to this port?")):
+        decode_header(data, Limits())
+
+
+def test_meta_that_is_not_json_is_quoted_up_to_64_bytes() -> None:
+    data = b"\xff" + b"a" * 99
+    with pytest.raises(FrameError) as e:
+        decode_meta(data, 0, Limits())
+    assert str(e.value).endswith(f"Received {data[:64]!r}...")
+
+
+def test_a_tensor_named_twice_is_refused_saying_names_must_be_unique() -> None:
+    meta = encode_head(1, {"t": [["a", "float32", [1]], ["a", "float32", [1]]]}, 8)[HEADER.size:]
+    with pytest.raises(FrameError, match=re.escape(
+            "Frame names the same tensor twice; every tensor in a frame needs a unique name.")):
+        decode_meta(meta, 8, Limits())
+
+
+def test_a_non_contiguous_tensor_is_refused_saying_what_to_call() -> None:
+    with pytest.raises(TransportError, match=re.escape(
+            "Tensor is not contiguous; call .contiguous() before sending.")):
+        byte_view(torch.zeros(3, 2).t())
