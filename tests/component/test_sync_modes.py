@@ -9,7 +9,9 @@ thread, talking to the ps over TCP (tests/component/inproc.py). What is proven:
 - sync with backups (M > N) goes on past a stalled or dead worker, drops its stale gradient and
   counts it; without backups the deadline (sync_timeout_s) ends the wait with an error naming the
   missing worker; a worker that is done lowers the quorum;
-- ssp never lets a worker start step c before every worker has pushed step c - s (s = 0 is lock-step);
+- ssp never lets a worker start step c before every worker has pushed step c - s (s = 0 is lock-step),
+  also against a worker that has not reported any clock yet;
+- the ps applies the learning-rate schedule by global step, also after a restore at step N;
 - async applies every push.
 
 Slow or stalled workers are made with threading.Event gates inside the workload (a gradient that
@@ -505,3 +507,39 @@ def test_async_applies_every_push(num_ps: int) -> None:
     for shard in stats:
         assert shard["version"] == workers * STEPS
         assert shard["stats"]["pushes"] == shard["stats"]["applied_updates"] == workers * STEPS
+
+
+def test_ssp_holds_a_fast_worker_at_the_bound_of_a_worker_that_never_stepped() -> None:
+    """staleness 1: worker:1 has joined but never takes a step (no clock reported). worker:0 may
+    compute steps 0 and 1, and its step 2 waits for worker:1 until the deadline."""
+    cfg = TrainConfig(mode="ssp", staleness=1, sync_timeout_s=1.0)
+    batches = make_batches(2, 1)[0]
+    with InprocCluster(1, 2, cfg) as c:
+        models = [make_model() for _ in range(2)]
+        trainers = [c.trainer(w, models[w], optim.SGD(lr=0.1)) for w in range(2)]
+        start_all(trainers)
+
+        def runs_ahead() -> None:
+            for _ in range(4):
+                trainers[0].step(loss_fn(models[0], batches[0]))
+
+        with pytest.raises((TrainingError, RemoteError)) as err:
+            run_threads([runs_ahead], timeout_s=WAIT_S)
+        (st,) = c.status(clock_log=True)
+    assert trainers[0].local_step == 2, str(err.value)
+    assert "worker:0 at clock 2 waited 1.0 s" in str(err.value)
+    assert st["version"] == 2 and all(clock - slowest <= 1 for _, clock, slowest in st["clock_log"])
+
+
+def test_ps_applies_the_lr_schedule_by_global_step_after_a_restore() -> None:
+    """The chief restores at step 4 with PiecewiseConstant (1.0 up to step 5, then 0.25); three
+    steps are applied at versions 4, 5, 6: rates 1.0, 1.0, 0.25 (the optimizer's lr, 8.0, unused)."""
+    g = torch.tensor([[1.0, 2.0]])
+    with InprocCluster(1, 1, TrainConfig(mode="async")) as c:
+        model = torch.nn.Linear(2, 1, bias=False)
+        trainer = c.trainer(0, model, optim.SGD(lr=8.0), schedule=optim.PiecewiseConstant(boundaries=(5,), values=(1.0, 0.25)))
+        trainer.restore_from(4, {"weight": torch.zeros(1, 2)})
+        for _ in range(3):
+            trainer.step(lambda: (model.weight * g).sum())
+        assert trainer.global_step == 7
+    assert torch.equal(model.weight.detach(), -(1.0 + 1.0 + 0.25) * g)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
-from psflow.optim import SGD, Adam
+from psflow.optim import SGD, Adam, PiecewiseConstant
 from psflow.ps.store import ParameterStore
 
 
@@ -131,3 +131,34 @@ def test_snapshot_holds_values_optimizer_slots_and_averages():
     assert {"w", "ema/w"} <= set(snap) and any(k.startswith("opt/w/") for k in snap)
     snap["w"].add_(1)  # a copy, not the live tensor
     assert not torch.equal(snap["w"], store.values["w"])
+
+
+def test_ssp_bound_holds_against_a_worker_that_never_reported_a_clock():
+    """worker:1 has not reported any clock yet: it counts as clock 0, so worker:0 (staleness 1)
+    may reach clock 1 but must wait at clock 2, exactly as if worker:1 had reported clock 0."""
+    store = make_store("ssp", workers=2, staleness=1)
+    assert store.clock(0, 0, timeout_s=1) == 0
+    assert store.clock(0, 1, timeout_s=1) == 0
+    with pytest.raises(TrainingError, match=r"worker:0 at clock 2 waited .* staleness 1"):
+        store.clock(0, 2, timeout_s=0.2)
+    assert all(clock - slowest <= 1 for _, clock, slowest in store.stats.clock_log)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_lr_schedule_follows_the_global_step_also_after_a_restore(mode):
+    """PiecewiseConstant: lr 1.0 up to step 1, 0.5 up to step 11, then 0.25 (the optimizer's own
+    lr, 8.0, is not used). A push applied at version v uses the rate of step v, counted from the
+    restored step, not from the shard's start."""
+    schedule = PiecewiseConstant(boundaries=(1, 11), values=(1.0, 0.5, 0.25))
+
+    def run(start: int, steps: int) -> float:
+        store = ParameterStore(shard=0, num_workers=1)
+        store.initialize({"w": torch.zeros(1)}, optimizer=SGD(lr=8.0).to_dict(), config=TrainConfig(mode=mode),
+                         placement_digest="d", version=start, schedule=schedule.to_dict())
+        for _ in range(steps):
+            store.push(0, store.version, {"w": torch.ones(1)})
+        assert store.version == start + steps
+        return float(store.values["w"])
+
+    assert run(0, 4) == -(1.0 + 1.0 + 0.5 + 0.5)
+    assert run(10, 3) == -(0.5 + 0.5 + 0.25)  # restored at step 10
