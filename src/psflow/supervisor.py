@@ -564,13 +564,22 @@ class Supervisor:
 
         Only in async mode: a sync or ssp step needs the chief's gradients or clock, so there the chief
         ends at once and its PS_DONE lets the others go on. SIGTERM ends the wait (the others got it too).
+        A worker the ps reports lost (its connections closed without finishing) is not waited for: the
+        ps itself waits for it, up to lost_worker_timeout_s, and names it.
         """
         others = set(range(int(self.task.num_replicas))) - {int(self.trainer.worker)}
         announced = False
         while not self._terminated:
             status = self.trainer.client.status()[0]
-            missing = sorted(others - {int(w) for w in status["done_workers"]})
+            unfinished = others - {int(w) for w in status["done_workers"]}
+            missing = sorted(unfinished - {int(w) for w in status.get("lost_workers", ())})
             if not missing:
+                if unfinished:
+                    from psflow.ps.requests import replica_name
+
+                    names = ", ".join(replica_name(self.task.cluster, w) for w in sorted(unfinished))
+                    self._say(f"not waiting for {names}: lost (its connection to the ps closed without finishing; "
+                              "killed or crashed?); the final checkpoint holds the job's training until now")
                 return
             if not announced:
                 self._say(f"waiting for {len(missing)} other worker(s) to finish before the final checkpoint")

@@ -178,6 +178,29 @@ def test_by_hand_launch_with_the_seeds_flags(procs):
     assert ps.returncode == 0, ps_out[-2000:]
 
 
+def test_by_hand_supervised_job_with_a_killed_worker_ends_with_the_ps_naming_it(procs):
+    """Issue 8, item 8, end to end with the example as a user runs it: worker:1 is SIGKILLed mid-run.
+    The chief (a Supervisor, which waits for the other workers before its final checkpoint) does not
+    wait for a worker the ps reports lost: it checkpoints and finishes; the ps then says whom it waits
+    for and, after lost_worker_timeout_s, exits with an error naming worker:1, instead of both
+    waiting for it forever."""
+    ports = free_ports(3)
+    cfg = {"PSFLOW_TRAIN_CONFIG": json.dumps({"lost_worker_timeout_s": 2.0})}
+    ps = _by_hand(procs, ports, "ps", 0, cfg)
+    chief = _by_hand(procs, ports, "worker", 0, cfg)
+    killed = _by_hand(procs, ports, "worker", 1, {**cfg, "PSFLOW_FAIL_AT": "worker:1@step=20:kill"})
+    killed.communicate(timeout=180)
+    assert killed.returncode == -9
+    out = chief.communicate(timeout=180)[0]
+    assert chief.returncode == 0, out[-2000:]
+    assert "not waiting for worker:1: lost" in out, out[-2000:]
+    ps_out = ps.communicate(timeout=60)[0]
+    assert ps.returncode == 1, ps_out[-2000:]
+    assert re.search(r"ps:0: waiting for worker:1 to finish .*global step \d+", ps_out), ps_out
+    assert re.search(r"ps:0 waited 2 s for worker:1 to come back", ps_out), ps_out
+    assert "Traceback" not in ps_out, ps_out
+
+
 def test_garbage_and_wrong_secret_do_not_hurt_a_real_ps(procs):
     from psflow.errors import AuthError
     from psflow.wire.conn import connect
