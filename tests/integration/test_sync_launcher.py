@@ -84,3 +84,14 @@ def test_sync_worker_killed_is_the_root_cause_not_the_survivor(tmp_path: Path) -
     s = read_summary(logdir)
     assert s["status"] == "failed" and s["root_cause"] == "worker:1", context
     assert not any(pid_alive(t["pid"]) for t in s["tasks"]), s["tasks"]
+
+
+def test_sync_worker_stalled_past_the_sync_timeout_is_the_root_cause(tmp_path: Path) -> None:
+    # worker:0's step times out naming the missing worker:1; the launcher then stops worker:1.
+    logdir = tmp_path / "syncstall"
+    r = run_psflow(["run", "--ps", "1", "--workers", "2", "--logdir", str(logdir), "--mode", "sync", "--sync-timeout", "3",
+                    "--fail-at", "worker:1@step=20:stall=60", SOFTMAX, "--", "--epochs", "1", "--init", "zeros"])
+    context = f"{r.stdout[-3000:]}\n{r.stderr[-2000:]}\n{log_tails(logdir)}"
+    assert r.returncode == 1, context
+    assert "Root cause: worker:1" in r.stdout and "then worker:0: RemoteError" in r.stdout, context
+    assert read_summary(logdir)["root_cause"] == "worker:1", context
