@@ -30,10 +30,12 @@ from inproc import SECRET, InprocCluster, InprocTask, ThreadGroup
 from psflow import optim
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
+from psflow.errors import TrainingError
 from psflow.ps.service import PsService
 from psflow.server import Server
 from psflow.task import Task
 from psflow.train.trainer import Trainer
+from psflow.wire.conn import connect
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(1)
@@ -241,6 +243,35 @@ def test_a_restarted_worker_that_reconnects_before_the_deadline_clears_it(thread
     assert thread_ps.group.is_alive("ps:0")
     restarted.close()
     thread_ps.group.join(timeout_s=10.0)  # returns normally (raises if the ps failed)
+
+
+def test_a_worker_lost_before_its_first_push_is_named_too(thread_ps: ThreadPs, ps_log: LogWaiter) -> None:
+    """worker:1 connects (waits for readiness) and dies before any push, e.g. while loading its data."""
+    cfg = TrainConfig(mode="async", lost_worker_timeout_s=1.0)
+    chief, doomed = thread_ps.trainer(0, torch.nn.Linear(4, 2), cfg), thread_ps.trainer(1, torch.nn.Linear(4, 2), cfg)
+    chief.prepare(), doomed.prepare()
+    step(chief)
+    doomed.client.close()
+    ps_log.wait_for("lost worker:1: its connection closed at global step 1", timeout_s=10.0)
+    chief.close()
+    with pytest.raises(TrainingError, match=r"ps:0 waited 1 s for worker:1 to come back"):
+        thread_ps.group.join(timeout_s=10.0)
+
+
+def test_a_closed_connection_from_outside_the_cluster_is_no_lost_worker(thread_ps: ThreadPs, ps_log: LogWaiter) -> None:
+    """A task id the ps refused (worker:7 in a 2-worker cluster) is nobody it waits for: both real
+    workers finish and the ps ends normally."""
+    cfg = TrainConfig(mode="async", lost_worker_timeout_s=60.0)
+    outsider = connect(thread_ps.cluster.address(TaskId("ps", 0)), secret=SECRET, task="worker:7", peer="ps:0",
+                       deadline_s=5.0)
+    outsider.close()
+    trainers = [thread_ps.trainer(w, torch.nn.Linear(4, 2), cfg) for w in range(2)]
+    for t in trainers:
+        t.prepare()
+    for t in trainers:
+        step(t), t.close()
+    thread_ps.group.join(timeout_s=10.0)  # returned: no wait for a "worker:7"
+    assert not [m for m in ps_log.messages if "lost" in m or "waiting" in m], ps_log.messages
 
 
 def test_lost_worker_watch_states_and_deadline() -> None:

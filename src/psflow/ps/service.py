@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from psflow.checkpoint.keys import split_state
-from psflow.cluster import ClusterSpec, TaskId
+from psflow.cluster import ClusterSpec
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
 from psflow.ps import requests
@@ -60,7 +60,6 @@ class PsService:
         self.cluster = cluster
         self.store = ParameterStore(shard, cluster.num_tasks("chief") + cluster.num_tasks("worker"))
         self._shutdown = threading.Event()
-        self._peer_worker: dict[str, int] = {}  # authenticated task id -> the worker index it pushes as
         self._lost_wait_since: float | None = None  # when the ps began to wait for lost workers only
         server.on_peer_gone = self._peer_gone
         self.on_save: Callable[[dict[str, Any]], dict[str, Any]] | None = None
@@ -100,9 +99,10 @@ class PsService:
     def _worker_of(self, peer: str) -> int | None:
         """The worker index ``peer`` (an admitted sender) trains as; None for a task that does not train."""
         try:
-            return requests.replica_of(self.cluster, TaskId.parse(peer))
-        except ConfigError:  # not a task id: a connection that was refused every request
+            task = requests.sender(self.cluster, peer, "lost-worker check")
+        except ConfigError:  # not a task of the cluster: a connection that was refused every request
             return None
+        return requests.replica_of(self.cluster, task)
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Block until every worker is done or shutdown was requested. Returns False on timeout."""
@@ -191,7 +191,7 @@ class PsService:
     def _peer_gone(self, peer: str) -> None:
         """The server's callback: ``peer``'s last connection closed. A worker that never said
         PS_DONE is lost (see ParameterStore.worker_lost)."""
-        worker = self._peer_worker.get(peer)
+        worker = self._worker_of(peer)  # a worker that dies before its first push is lost all the same
         if worker is None or worker in self.store.done_workers:
             return
         self.store.worker_lost(worker)
@@ -200,7 +200,6 @@ class PsService:
 
     def _push(self, req: Request) -> Reply:
         version = int(req.meta.get("version", 0))
-        self._peer_worker[req.peer] = int(req.meta["worker"])
         result = self.store.push(int(req.meta["worker"]), version, req.tensors, position=req.meta.get("position"))
         if not req.meta.get("pull"):
             return Reply(result)
@@ -214,7 +213,6 @@ class PsService:
         return Reply({**result, "version": current}, list(values.items()))
 
     def _clock(self, req: Request) -> Reply:
-        self._peer_worker[req.peer] = int(req.meta["worker"])
         slowest = self.store.clock(
             int(req.meta["worker"]), int(req.meta["clock"]), timeout_s=float(req.meta.get("timeout_s", 60.0))
         )
