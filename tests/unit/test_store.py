@@ -162,3 +162,19 @@ def test_the_lr_schedule_follows_the_global_step_also_after_a_restore(mode):
 
     assert run(0, 4) == -(1.0 + 1.0 + 0.5 + 0.5)
     assert run(10, 3) == -(0.5 + 0.5 + 0.25)  # restored at step 10
+
+
+def test_a_request_from_a_worker_that_is_not_lost_neither_locks_nor_wakes_the_store():
+    """worker_back runs on every request the ps serves: for a worker that is not lost (always, but
+    after a restart) it must not take the store's lock, nor wake the sync/ssp waiters."""
+    import threading
+
+    store = make_store("sync", workers=2)
+    result = {}
+    with store._cond:  # another request holds the lock (a sync step waiting, say)
+        t = threading.Thread(target=lambda: result.setdefault("back", store.worker_back(0)), daemon=True)
+        t.start()
+        t.join(5.0)
+        assert result == {"back": False}, "worker_back waited for the store's lock"
+    store.worker_lost(1)
+    assert store.worker_back(1) is True and store.lost_workers == set()  # a lost one is still brought back

@@ -304,6 +304,11 @@ class ParameterStore:
 
     def worker_back(self, worker: int) -> bool:
         """A lost ``worker`` sent a request again (restarted): wait for it as before. True if it was lost."""
+        # Every request calls this: no lock and no wake-up when nothing changes. Reading the set
+        # unlocked is safe: a worker turns lost only once all its connections closed, and this runs
+        # while one of them is serving its request.
+        if worker not in self.lost_workers:
+            return False
         with self._cond:
             was_lost = self._back(worker)
             self._cond.notify_all()
