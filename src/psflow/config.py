@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from psflow.errors import ConfigError
@@ -139,3 +141,20 @@ def check_launch_settings(config: TrainConfig, given: set[str], *, num_replicas:
             raise ConfigError(f"--replicas-to-aggregate {resolved.replicas_to_aggregate} of {num_replicas} replicas: "
                               "all-reduce averages every replica's gradient each step (no backup workers). "
                               "Use --strategy ps for backup workers.")
+
+
+def check_logdir(logdir: str | os.PathLike[str], *, what: str = "--logdir") -> None:
+    """Check that ``logdir`` is, or can be created as, a directory: the path and every existing
+    parent must be directories (a file there would fail deep inside a task with NotADirectoryError).
+
+    Raises:
+        ConfigError: naming the path, the file in the way, and what to do.
+    """
+    path = Path(logdir)
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "is a file" if p == path else f"cannot be created: {p} is a file"
+                raise ConfigError(f"{what} {str(logdir)!r} {where}, not a directory. Give a directory "
+                                  "(it is created if missing), or move that file away.")
+            return

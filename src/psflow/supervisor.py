@@ -66,6 +66,7 @@ from psflow.checkpoint import (
     load_whole_tensors,
     run_meta,
 )
+from psflow.config import check_logdir
 from psflow.errors import CheckpointError, ConfigError, PsflowError, TrainingError
 from psflow.summary import EventWriter
 
@@ -218,6 +219,7 @@ class Supervisor:
             raise ConfigError(f"resume must be True, False or None; received {resume!r}.")
         named = logdir or task.logdir
         self.logdir = Path(named or DEFAULT_LOGDIR)
+        check_logdir(self.logdir, what="logdir")  # before any task waits on this one
         # Resuming is deliberate: asked for, or implied by naming the logdir (as the launcher's --logdir does).
         self.resume = resume if resume is not None else getattr(task, "resume", None)
         self._logdir_named = bool(named)

@@ -342,6 +342,7 @@ def init(
         >>> if task.is_ps: task.join()
     """
     global _current
+    _install_user_error_hook()
     env = dict(os.environ if env is None else env)
     args = list(sys.argv[1:] if argv is None else argv)
     secret_file = None
@@ -523,6 +524,25 @@ def _register(coordinator: str, task_id: TaskId, address: str, key: bytes, timeo
     finally:
         conn.close()
     return ClusterSpec.from_dict(reply.meta["cluster"], require_ps=require_ps)
+
+
+def _install_user_error_hook() -> None:
+    """An uncaught psflow error (a bad TF_CONFIG, a task index out of range, port 99999) is a user's
+    mistake with a complete message: print that one line and exit 1, without a traceback. Installed
+    first thing in :func:`init`, so that it covers the errors init itself raises; other exceptions
+    keep Python's traceback. (Caught errors are untouched: ``init`` still raises ConfigError.)"""
+    previous = sys.excepthook
+    if getattr(previous, "psflow_user_errors", False):
+        return
+
+    def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        if issubclass(exc_type, PsflowError):
+            print(f"psflow: error: {exc}", file=sys.stderr, flush=True)
+        else:
+            previous(exc_type, exc, tb)
+
+    hook.psflow_user_errors = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _install_error_report(task: Task, path: str | None) -> None:

@@ -105,6 +105,16 @@ def test_idx_file_with_wrong_magic_is_rejected_naming_the_file(tmp_path: Path) -
     assert images_name in str(e.value)
 
 
+def test_corrupt_gzip_idx_file_is_named_with_what_to_do(tmp_path: Path) -> None:
+    source = write_idx_dir(tmp_path / "idx", synthetic_mnist())
+    name = IDX_NAMES["test"][0]
+    good = (source / name).read_bytes()
+    (source / name).write_bytes(good[:10] + bytes(b ^ 0x5A for b in good[10:]))  # header intact, stream garbled
+    with pytest.raises(DataError, match=r"corrupt or cut short.*Delete it and fetch it again") as e:
+        data.mnist("test", source=source)
+    assert name in str(e.value)
+
+
 def test_truncated_idx_file_is_rejected_with_declared_and_actual_size(tmp_path: Path) -> None:
     arrays = synthetic_mnist()
     source = write_idx_dir(tmp_path / "idx", arrays)

@@ -44,6 +44,7 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -192,8 +193,11 @@ def _read_idx_bytes(path: Path) -> bytes:
             with gzip.open(path, "rb") as f:
                 return f.read()
         return path.read_bytes()
-    except (OSError, EOFError) as e:
-        raise DataError(f"Cannot read IDX file {str(path)!r}: {e}. Fetch it again.") from e
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a corrupt deflate stream (names no file itself)
+        raise DataError(
+            f"Cannot read IDX file {str(path)!r}: it is corrupt or cut short ({type(e).__name__}: {e}). "
+            "Delete it and fetch it again."
+        ) from e
 
 
 def _read_idx_pair(images_path: Path, labels_path: Path) -> Arrays:

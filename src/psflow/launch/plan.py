@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from psflow.config import TrainConfig
+from psflow.config import TrainConfig, check_logdir
 from psflow.errors import ConfigError
 from psflow.fault import check_faults, parse_faults
 
@@ -107,6 +107,7 @@ def make_plan(
         raise ConfigError(f"--workers must be at least 1; received {num_workers}.")
     run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     logdir = logdir or str(Path("runs") / run_id)
+    check_logdir(logdir)
     names = (["chief:0"] if chief else []) + [f"ps:{i}" for i in range(num_ps if config.strategy == "ps" else 0)]
     names += [f"worker:{i}" for i in range(num_workers)] + (["evaluator:0"] if evaluator else [])
     check_faults(parse_faults(fail_at), names)  # here, not in every task once they have started
