@@ -171,3 +171,72 @@ def test_the_time_spent_waiting_adds_up() -> None:
         with pytest.raises(TrainingError):
             store.pull(min_version=1, timeout_s=0.02)
     assert 0.04 <= store.stats.wait_s < 5
+
+
+def _sync(workers: int, n: int | None, m: int | None, *, resolve: bool = True) -> ParameterStore:
+    store = ParameterStore(shard=0, num_workers=workers)
+    cfg = TrainConfig(mode="sync", replicas_to_aggregate=n, total_num_replicas=m, sync_timeout_s=0.2)
+    store.initialize({"w": torch.zeros(2)}, optimizer=SGD(lr=1.0).to_dict(),
+                     config=cfg.resolved(workers) if resolve else cfg, placement_digest="d")
+    return store
+
+
+def test_a_config_without_n_and_m_means_every_worker_and_no_backups() -> None:
+    store = _sync(2, None, None, resolve=False)
+    store.push(0, 0, _ONES)
+    assert store.version == 0
+    with pytest.raises(TrainingError, match=re.escape(
+            "has 1 of 2 gradients; missing worker:1. There are no backup workers")):
+        store.pull(min_version=1, timeout_s=0.01)
+    store.push(1, 0, _ONES)
+    assert store.version == 1 and store.stats.steps_without_all == 0
+    store.worker_lost(0)
+    with pytest.raises(TrainingError, match=re.escape("(replicas_to_aggregate = total_num_replicas = 2)")):
+        store.pull(min_version=2, timeout_s=5)
+
+
+def test_the_sync_wait_error_lists_every_missing_worker_and_mentions_backups_only_without_them() -> None:
+    store = _sync(3, None, None)
+    with pytest.raises(TrainingError, match=re.escape(
+            "Sync step 0 on ps shard 0 waited 0.0 s for version 1: has 0 of 3 gradients; missing worker:0, worker:1, "
+            "worker:2. There are no backup workers (replicas_to_aggregate == total_num_replicas). A worker is dead or "
+            "stalled: restart it, add backup workers, or raise sync_timeout_s.")):
+        store.pull(min_version=1, timeout_s=0.01)
+    store = _sync(3, 2, 3)
+    with pytest.raises(TrainingError) as e:
+        store.pull(min_version=1, timeout_s=0.01)
+    assert str(e.value).endswith("has 0 of 2 gradients; missing worker:0, worker:1, worker:2. A worker is dead or "
+                                 "stalled: restart it, add backup workers, or raise sync_timeout_s.")
+
+
+def test_every_lost_worker_is_named() -> None:
+    store = _sync(3, None, None)
+    store.worker_lost(0)
+    store.worker_lost(2)
+    with pytest.raises(TrainingError, match=re.escape("worker:0, worker:2 lost its connection to ps shard 0")):
+        store.pull(min_version=1, timeout_s=5)
+
+
+def test_a_step_without_a_finished_worker_is_not_counted_as_one_without_all() -> None:
+    store = _sync(3, None, None)
+    store.worker_done(2)
+    store.push(0, 0, _ONES)
+    store.push(1, 0, _ONES)
+    assert store.version == 1 and store.stats.steps_without_all == 0
+
+
+def test_a_lost_workers_pending_gradient_is_not_used_by_a_later_step() -> None:
+    store = _sync(3, 2, 3)  # one backup worker
+    store.push(0, 0, {"w": torch.full((2,), 100.0)})
+    store.worker_lost(0)
+    store.push(1, 0, {"w": torch.full((2,), 1.0)})
+    assert store.version == 0  # worker 0's gradient left with it: one of two
+    store.push(2, 0, {"w": torch.full((2,), 3.0)})
+    assert store.version == 1 and torch.allclose(store.values["w"], torch.full((2,), -2.0))
+
+
+def test_a_worker_alone_after_the_others_are_gone_is_not_held_back() -> None:
+    store = _store("ssp", workers=2)
+    store.worker_lost(0)
+    store.worker_done(1)
+    assert store.clock(0, 7, timeout_s=0.01) == 7
