@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mutmut.stats import status_by_exit_code
 
-KILLED = {"killed", "timeout", "segfault"}
+KILLED = {"killed", "timeout", "segfault"}  # segfault: the tests crashed (or were killed) under the mutant
 NOT_KILLED = {"survived", "no tests", "suspicious"}
 
 
@@ -32,7 +32,8 @@ def score_line(name: str, c: Counter[str]) -> str:
     total = killed + sum(c[s] for s in NOT_KILLED)
     pct = 100.0 * killed / total if total else 100.0
     return (f"{name:32s} {pct:6.1f}%  killed {c['killed']:4d}  timeout {c['timeout']:3d}  "
-            f"survived {c['survived']:3d}  no tests {c['no tests']:3d}  other {c['suspicious'] + c['segfault']:3d}")
+            f"survived {c['survived']:3d}  no tests {c['no tests']:3d}  other {c['suspicious']:3d}  "
+            f"unchecked {c['not checked']:4d}")
 
 
 def main(root: Path = Path("mutants")) -> int:
