@@ -13,7 +13,7 @@ import pytest
 
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
-from psflow.launch.plan import LaunchPlan, make_plan
+from psflow.launch.plan import LaunchPlan, host_cores, make_plan, threads_per_task
 
 
 @pytest.fixture()
@@ -82,3 +82,15 @@ def test_plan_json_holds_the_plan_fields_and_the_config_as_a_dict(script: str) -
     assert TrainConfig.from_dict(d["config"]) == cfg
     assert (d["run_id"], d["logdir"]) == (plan.run_id, "x")
     assert [t["task"] for t in d["tasks"]] == plan.task_names()
+
+
+def test_threads_are_the_cores_shared_out_evenly_at_least_one_and_may_be_set(script: str) -> None:
+    assert threads_per_task(1, 8) == 8 and threads_per_task(3, 8) == 2 and threads_per_task(9, 8) == 1
+    plan = make_plan(script, num_workers=2, cores=8)  # 3 tasks
+    assert (plan.threads, plan.cores) == (2, 8)
+    assert {dict(t.env)["PSFLOW_NUM_THREADS"] for t in plan.tasks} == {"2"}
+    assert make_plan(script, threads=1, cores=8).threads == 1
+    with pytest.raises(ConfigError, match=re.escape(
+            "--threads must be a positive number of threads per task; received 0.")):
+        make_plan(script, threads=0)
+    assert make_plan(script).cores == host_cores() >= 1
