@@ -39,9 +39,10 @@ LAYERS, WIDTH = 6, 2048
 TINY_LR = 1e-12  # OptimizerSpec refuses lr=0; zero gradients keep the values anyway
 
 
-def ps_main(index: int, conn: Any) -> None:
+def ps_main(index: int, num_ps: int, conn: Any) -> None:
     """A ps task in its own process: serve one shard (with the default PS_SAVE writer) until done."""
     torch.set_num_threads(1)
+    from psflow.cluster import ClusterSpec
     from psflow.ps.service import PsService, default_save
     from psflow.server import Server
 
@@ -49,7 +50,9 @@ def ps_main(index: int, conn: Any) -> None:
     # runs, so "restore" measures the checkpoint, not torch's start-up.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     server = Server(f"ps:{index}", secret=SECRET)
-    service = PsService(server, index, 1)
+    # The ps checks every request against its cluster: connect()'s, with stand-in ps addresses.
+    cluster = ClusterSpec.from_dict({"ps": [f"127.0.0.1:{10 + i}" for i in range(num_ps)], "worker": ["127.0.0.1:1"]})
+    service = PsService(server, index, cluster)
     service.on_save = default_save(service)
     conn.send(server.start())
     service.join()
@@ -68,7 +71,7 @@ class PsProcesses:
         pipes = []
         for i in range(n):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=ps_main, args=(i, child), daemon=True)
+            p = ctx.Process(target=ps_main, args=(i, n, child), daemon=True)
             p.start()
             self.procs.append(p)
             pipes.append(parent)

@@ -54,7 +54,9 @@ def serve_ps(sizes_mib: tuple[int, ...], pipe: Any) -> None:
     addresses = []
     for _ in sizes_mib:
         server = Server("ps:0", secret=SECRET)
-        services.append(PsService(server, 0, num_workers=1))
+        # The ps checks every request against its cluster: the clients' (client_of) with a stand-in ps address.
+        cluster = ClusterSpec.from_dict({"ps": ["127.0.0.1:3"], "worker": ["127.0.0.1:1", "127.0.0.1:2"]})
+        services.append(PsService(server, 0, cluster))
         addresses.append(server.start())
     pipe.send(addresses)
     pipe.recv()  # the benchmark is over
