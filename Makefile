@@ -22,6 +22,7 @@ demo: setup
 	$(BIN)/psflow run --ps 1 --workers 2 --logdir runs/demo examples/mnist_softmax.py -- --epochs 8 --init zeros --print_every 2
 
 test: setup
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest -q tests
 
 test-fast: setup

@@ -47,9 +47,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import harness
+import torch
 from harness import REPO, log, md_table, median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -140,9 +139,10 @@ def child_single(warmup: int, steps: int, threads: int = 2) -> dict[str, Any]:
 
 
 def _ddp_rank(rank: int, init_file: str, out_dir: str, warmup: int, steps: int) -> None:
-    import psflow as pf
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+
+    import psflow as pf
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

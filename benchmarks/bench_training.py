@@ -35,13 +35,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
-import torch.nn.functional as F
+from typing import Any
 
 import harness
+import torch
+import torch.nn.functional as F
 from harness import REPO, log, md_table, median
 
 BATCH = 100
@@ -130,7 +130,7 @@ def child_single(epochs: int, threads: int = 2) -> dict[str, Any]:
 
 
 # The torch.distributed.rpc parameter server: module-level state on rank 0, reached by rpc_sync.
-_PS: "ParameterServer | None" = None
+_PS: ParameterServer | None = None
 
 
 class ParameterServer:

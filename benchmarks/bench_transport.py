@@ -24,12 +24,13 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Callable
-
-import torch
+from collections.abc import Callable
+from typing import Any
 
 import harness
+import torch
 from harness import MIB, log, md_table, median
+
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
 from psflow.optim import SGD
@@ -202,7 +203,7 @@ def bench_bulk(ps_addresses: list[str], echo_port: int, reps: int, budget_bytes:
         ps.check()
         t_raw, t_ps = median(res["raw"]), median(res["pull+push"])
         t_pp = median(res["push_pull"]) if ps.has_push_pull else float("nan")
-        gbs = lambda t: nbytes / t / 1e9  # noqa: E731
+        gbs = lambda t, n=nbytes: n / t / 1e9  # noqa: E731
         ratios[size_mib] = t_raw / t_ps
         rows.append([
             f"{size_mib} MiB",

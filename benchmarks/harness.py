@@ -21,8 +21,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Mapping, Sequence, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -87,7 +87,7 @@ def main() -> None:
         for x, y in batches:
             if sv.should_stop():
                 break
-            sv.step(lambda: F.cross_entropy(model(x), y), batch_size=len(x))
+            sv.step(lambda: F.cross_entropy(model(x), y), batch_size=len(x))  # noqa: B023 (called within this iteration)
         trainer.pull(averages=args.ema is not None)
         acc = accuracy(model, test)
     print(f"worker={task.replica_index}, final accuracy = {acc}", flush=True)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from psflow.errors import AuthError, ConfigError, PsflowError, TransportError
 from psflow.wire.conn import BUSY, Connection

@@ -25,10 +25,10 @@ import threading
 import time
 import traceback
 import warnings
-from pathlib import Path
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any
 
 from psflow.cluster import ClusterSpec, TaskId, is_loopback_host, parse_address, parse_cluster_flags
 from psflow.config import TrainConfig

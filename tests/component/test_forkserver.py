@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from psflow.launch.forkserver import ForkServer, ForkedTask
+from psflow.launch.forkserver import ForkedTask, ForkServer
 
 pytestmark = pytest.mark.timeout(120)
 WAIT_S = 30.0

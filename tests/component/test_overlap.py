@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
-
 from inproc import InprocCluster
+
 from psflow import optim
 from psflow.config import TrainConfig
 

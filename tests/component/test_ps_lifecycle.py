@@ -25,8 +25,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
 from inproc import SECRET, InprocCluster, InprocTask, ThreadGroup
+
 from psflow import optim
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from inproc import SECRET, InprocCluster
+
 from psflow import optim
 from psflow.config import TrainConfig
 from psflow.ps.requests import SCHEMAS

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from inproc import InprocCluster, ThreadGroup, run_threads
+
 from psflow import optim
 from psflow.config import TrainConfig
 from psflow.errors import RemoteError, TrainingError
@@ -495,7 +495,7 @@ def test_async_applies_every_push(num_ps: int) -> None:
             m = models[w]
             for s in range(STEPS):
                 gw, gb = grad_of(w, s)
-                trainers[w].step(lambda: (m.weight * gw).sum() + (m.bias * gb).sum())
+                trainers[w].step(lambda: (m.weight * gw).sum() + (m.bias * gb).sum())  # noqa: B023 (called within this iteration)
 
         run_threads([lambda w=w: work(w) for w in range(workers)], timeout_s=WAIT_S)
         assert trainers[0].pull() == workers * STEPS  # global_step counts every push

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import ROOT, log_tails, read_summary, run_psflow
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import SOFTMAX, log_tails, pid_alive, read_summary, run_psflow
 
 pytestmark = pytest.mark.timeout(300)

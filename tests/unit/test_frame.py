@@ -73,7 +73,8 @@ tensor_lists = st.lists(
 
 
 @FAST
-@given(entries=tensor_lists, op=st.integers(0, 0xFFFF), extra=st.dictionaries(st.text(max_size=8).filter(lambda k: k != "t"), st.integers() | st.text(max_size=8), max_size=3))
+@given(entries=tensor_lists, op=st.integers(0, 0xFFFF),
+       extra=st.dictionaries(st.text(max_size=8).filter(lambda k: k != "t"), st.integers() | st.text(max_size=8), max_size=3))
 def test_encoded_tensors_decode_to_the_same_specs_and_bytes(
     entries: list[tuple[str, tuple[int, ...], int]], op: int, extra: dict[str, object]
 ) -> None:

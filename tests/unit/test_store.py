@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -93,7 +92,7 @@ def test_ssp_lets_a_worker_run_at_most_staleness_ahead():
     store.clock(0, 1, timeout_s=1)  # 1 ahead of worker 1: allowed
     with pytest.raises(TrainingError, match=r"worker:0 at clock 2 waited .* staleness 1"):
         store.clock(0, 2, timeout_s=0.2)
-    for worker, clock, slowest in store.stats.clock_log:
+    for _worker, clock, slowest in store.stats.clock_log:
         assert clock - slowest <= 1
 
 

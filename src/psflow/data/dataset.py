@@ -17,7 +17,6 @@ import torch
 
 from psflow.errors import ConfigError
 
-
 # --------------------------------------------------------------------------- Dataset
 
 

@@ -632,7 +632,7 @@ def _from_mirrors(cache: Path, split: str, mirrors: Sequence[str], timeout_s: fl
     downloads = cache / "downloads"
     if not _fetch_idx_files(downloads, mirrors, timeout_s, tried):
         return None
-    arrays = {s: _read_idx_pair(downloads / i, downloads / l) for s, (i, l) in _IDX_FILES.items()}
+    arrays = {s: _read_idx_pair(downloads / i, downloads / lab) for s, (i, lab) in _IDX_FILES.items()}
     _publish_quietly(entry, arrays, {"source": "IDX files", "source_sha256": joined})
     return arrays[split]
 

@@ -12,7 +12,8 @@ registers again (a restart) replaces its address.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from psflow.cluster import ClusterSpec
 from psflow.errors import ClusterError, ConfigError

@@ -11,9 +11,9 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from psflow.config import TrainConfig, check_logdir
 from psflow.errors import ConfigError

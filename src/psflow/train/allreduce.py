@@ -54,7 +54,6 @@ import torch.distributed as dist
 from psflow import checkpoint
 from psflow.checkpoint.keys import ema_key, opt_key_of, split_state
 from psflow.cluster import TaskId, is_loopback_host, parse_address
-from psflow.ps.placement import ParamInfo, place
 from psflow.errors import ClusterError, ConfigError, TrainingError
 from psflow.fault import inject
 from psflow.optim import (
@@ -65,6 +64,7 @@ from psflow.optim import (
     optimizer_state_tensors,
     set_lr,
 )
+from psflow.ps.placement import ParamInfo, place
 from psflow.train.base import TrainerBase
 from psflow.train.towers import Batch, batch_examples, run_step_closure
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -20,7 +21,6 @@ from psflow.errors import ConfigError
 from psflow.fault import parse_faults
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.train.towers import Towers
-
 
 PROGRESS_EVERY_S = 1.0  # how often a trainer sends its counters to the launcher's live status
 

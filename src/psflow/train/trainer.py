@@ -24,7 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 

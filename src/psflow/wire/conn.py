@@ -28,8 +28,9 @@ import hmac
 import os
 import socket
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from psflow.errors import AuthError, ClusterError, RemoteError, TransportError
 from psflow.wire.frame import (
@@ -118,7 +119,7 @@ class Connection:
                     else:
                         bufs[0] = bufs[0][sent:]
                         sent = 0
-        except socket.timeout as e:
+        except TimeoutError as e:
             raise TransportError(f"Timed out sending to {self.peer}.") from e
         except OSError as e:
             raise TransportError(f"Lost the connection to {self.peer} while sending: {e}.") from e
@@ -194,7 +195,7 @@ class Connection:
                 tensors[spec.name] = dest
             meta.pop("t", None)
             return Frame(op, meta, tensors)
-        except socket.timeout as e:
+        except TimeoutError as e:
             raise TransportError(f"Timed out waiting for {self.peer}.") from e
         except (ConnectionError, OSError) as e:
             if isinstance(e, TransportError):

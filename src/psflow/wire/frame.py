@@ -19,8 +19,9 @@ import functools
 import json
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from psflow.errors import TransportError
 
