@@ -1,12 +1,23 @@
-"""The launcher's rendezvous and results service (runs inside the launcher process).
+"""The launcher's rendezvous, address book and results service (runs inside the launcher process).
 
-Tasks bind port 0, then register here with the address they got; once every expected task has
-registered, each registration is answered with the whole cluster. Tasks also report metrics here
-(final accuracy, trainer stats, ps counters), which end up in the job summary.
+Tasks bind port 0, then register here with the address they got. The addresses live in an
+:class:`~psflow.launch.addressbook.AddressBook` (pure; this module is its threaded shell on a
+Server). Tasks also report metrics here (final accuracy, trainer stats, ps counters), which end up
+in the job summary.
 
-State: ``expected`` tasks -> ``addresses`` as they register; ``reports`` merged per task.
-Transitions: waiting (some unregistered) -> complete (every registration answered). A task that
-registers again (a restart) replaces its address.
+Requests:
+    CO_REGISTER {task, address, pid[, attempt]} -> {cluster, version}: in the first round, answered
+        once every expected task has registered; after it (a restarted task, on a new port), at once.
+    CO_RESOLVE {task} -> {task, address, pid, attempt, version}: where the task listens now (a
+        client whose connection to a peer dropped asks this); {} -> the whole book {version, tasks}.
+    CO_REPORT {task, metrics}; CO_STATUS -> {addresses, reports, version}.
+
+Events (``on_event(kind, data)``, called outside the lock): ``registered`` {task, address} for
+every registration once it is answered (as before the book existed), ``reregistered`` {task,
+address, previous_address, attempt, version} as soon as a task registers again, and ``report``.
+
+State: the book; ``reports`` merged per task. Transitions: see the book (assembling -> complete;
+each registration replaces the task's entry and raises the version).
 """
 
 from __future__ import annotations
@@ -16,13 +27,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from psflow.cluster import ClusterSpec
-from psflow.errors import ClusterError, ConfigError
+from psflow.errors import ClusterError
+from psflow.launch.addressbook import REREGISTERED, AddressBook
 from psflow.server import Reply, Request, Server
 from psflow.wire.ops import Op
 
 
 class Coordinator:
-    """Serve rendezvous and reports for ``expected`` tasks on ``server``."""
+    """Serve rendezvous, the address book and reports for ``expected`` tasks on ``server``."""
 
     def __init__(
         self,
@@ -33,42 +45,72 @@ class Coordinator:
         require_ps: bool = True,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
-        self.expected = list(expected)
-        self.addresses: dict[str, str] = {}
-        self.pids: dict[str, int] = {}
+        self.book = AddressBook(expected)
         self.reports: dict[str, dict[str, Any]] = {}
         self.register_timeout_s = register_timeout_s
         self.require_ps = require_ps
         self.on_event = on_event or (lambda kind, data: None)
         self._cond = threading.Condition()
         server.register(Op.CO_REGISTER, self._register)
+        server.register(Op.CO_RESOLVE, self._resolve)
         server.register(Op.CO_REPORT, self._report)
-        server.register(Op.CO_STATUS, lambda req: Reply({"addresses": self.addresses, "reports": self.reports}))
+        server.register(Op.CO_STATUS, self._status)
+
+    @property
+    def expected(self) -> list[str]:
+        return self.book.expected
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        """task -> its current address (a copy)."""
+        with self._cond:
+            return self.book.addresses()
+
+    @property
+    def pids(self) -> dict[str, int]:
+        with self._cond:
+            return self.book.pids()
 
     def cluster(self) -> ClusterSpec:
-        jobs: dict[str, list[str]] = {}
-        for t in self.expected:
-            job = t.split(":")[0]
-            jobs.setdefault(job, []).append(self.addresses[t])
-        return ClusterSpec.from_dict(jobs, require_ps=self.require_ps)
+        with self._cond:
+            return ClusterSpec.from_dict(self.book.cluster_dict(), require_ps=self.require_ps)
 
     def _register(self, req: Request) -> Reply:
         task, address = str(req.meta.get("task")), str(req.meta.get("address"))
-        if task not in self.expected:
-            raise ConfigError(f"Task {task!r} is not part of this run; expected one of {self.expected}.")
+        attempt = req.meta.get("attempt")
         with self._cond:
-            self.addresses[task] = address
-            self.pids[task] = int(req.meta.get("pid", 0))
+            reg = self.book.register(task, address, pid=int(req.meta.get("pid", 0)),
+                                     attempt=None if attempt is None else int(attempt))
             self._cond.notify_all()
-            complete = self._cond.wait_for(lambda: len(self.addresses) == len(self.expected), self.register_timeout_s)
+        if reg.kind == REREGISTERED:
+            assert reg.previous is not None
+            self.on_event("reregistered", {"task": task, "address": address, "previous_address": reg.previous.address,
+                                           "attempt": reg.entry.attempt, "version": reg.entry.version})
+        with self._cond:
+            # After the first round this returns at once: a complete book stays complete.
+            complete = self._cond.wait_for(lambda: self.book.is_complete, self.register_timeout_s)
+            missing, version = self.book.missing(), self.book.version
+            jobs = self.book.cluster_dict() if complete else None
         self.on_event("registered", {"task": task, "address": address})
-        if not complete:
-            missing = [t for t in self.expected if t not in self.addresses]
+        if jobs is None:
             raise ClusterError(
                 f"Rendezvous timed out after {self.register_timeout_s:.0f} s: {', '.join(missing)} never registered. "
                 "Check those tasks' logs; raise register_timeout_s if they start slowly."
             )
-        return Reply({"cluster": self.cluster().to_dict()})
+        return Reply({"cluster": ClusterSpec.from_dict(jobs, require_ps=self.require_ps).to_dict(), "version": version})
+
+    def _resolve(self, req: Request) -> Reply:
+        task = req.meta.get("task")
+        with self._cond:
+            if task is None:
+                return Reply(self.book.snapshot())
+            entry, version = self.book.resolve(str(task)), self.book.version
+        return Reply({"task": str(task), "address": entry.address, "pid": entry.pid, "attempt": entry.attempt,
+                      "version": version})
+
+    def _status(self, req: Request) -> Reply:
+        with self._cond:
+            return Reply({"addresses": self.book.addresses(), "reports": self.reports, "version": self.book.version})
 
     def _report(self, req: Request) -> Reply:
         task = str(req.meta.get("task"))
