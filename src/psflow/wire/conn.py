@@ -20,6 +20,12 @@ tensors and at most ``Limits.max_handshake_bytes`` of meta, and the whole handsh
 deadline (not a timeout per read, which a peer trickling one byte at a time would renew forever).
 A server that has too many handshakes under way answers ERROR {"kind": "busy"} and closes;
 ``connect`` retries that like a refused connection.
+
+A peer that moves (a restarted task, on a new port): ``connect`` takes an optional ``resolve(peer)
+-> address`` (the launcher's address book, see ``wire/resolve.py``) and asks it again before each
+retry, so that it follows the peer to its new address; the peer's name is still checked by the
+handshake. A connection whose peer went away raises :class:`PeerLostError`, which a client may
+answer by reconnecting (a timeout is not that: the peer may still be working on the request).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from psflow.errors import AuthError, ClusterError, RemoteError, TransportError
+from psflow.errors import AuthError, ClusterError, PsflowError, RemoteError, TransportError
 from psflow.wire.frame import (
     HEADER_SIZE,
     FrameError,
@@ -65,6 +71,13 @@ class Frame:
 
 def _mac(secret: bytes, *parts: bytes) -> str:
     return hmac.new(secret, b"|".join(parts), "sha256").hexdigest()
+
+
+Resolve = Callable[[str], str]  # a task's name -> where it listens now ("host:port")
+
+
+class PeerLostError(TransportError):
+    """The peer closed or reset the connection (its process may have died, or moved to a new address)."""
 
 
 class ServerBusyError(TransportError):
@@ -122,7 +135,7 @@ class Connection:
         except TimeoutError as e:
             raise TransportError(f"Timed out sending to {self.peer}.") from e
         except OSError as e:
-            raise TransportError(f"Lost the connection to {self.peer} while sending: {e}.") from e
+            raise PeerLostError(f"Lost the connection to {self.peer} while sending: {e}.") from e
 
     # -- receiving -------------------------------------------------------------------------
     def _recv_exact(self, view: memoryview) -> None:
@@ -138,7 +151,7 @@ class Connection:
             while got < n:
                 k = self._recv_into(view[got:], n - got)
                 if k == 0:
-                    raise TransportError(f"{self.peer} closed the connection.")
+                    raise PeerLostError(f"{self.peer} closed the connection.")
                 got += k
             return
         need = n - got  # small: refill the (now empty) buffer with whatever has arrived
@@ -146,7 +159,7 @@ class Connection:
         while self._rend < need:
             k = self._recv_into(self._rbuf[self._rend:])
             if k == 0:
-                raise TransportError(f"{self.peer} closed the connection.")
+                raise PeerLostError(f"{self.peer} closed the connection.")
             self._rend += k
         view[got:] = self._rbuf[:need]
         self._rpos = need
@@ -200,7 +213,7 @@ class Connection:
         except (ConnectionError, OSError) as e:
             if isinstance(e, TransportError):
                 raise
-            raise TransportError(f"Lost the connection to {self.peer}: {e}.") from e
+            raise PeerLostError(f"Lost the connection to {self.peer}: {e}.") from e
 
     # -- request/reply (client side) -------------------------------------------------------
     def request(
@@ -350,6 +363,7 @@ def connect(
     deadline_s: float = 60.0,
     handshake_timeout_s: float = 10.0,
     limits: Limits = Limits(),
+    resolve: Resolve | None = None,
 ) -> Connection:
     """Connect to a psflow server, retrying with backoff until ``deadline_s``, and authenticate.
 
@@ -361,12 +375,17 @@ def connect(
             None accepts any server (messages then name the address).
         deadline_s: how long to keep retrying a refused, unreachable or busy address.
         handshake_timeout_s: the longest the whole handshake may take, per attempt.
+        resolve: asked for ``peer``'s current address before each retry (needs ``peer``): the peer
+            may have restarted elsewhere. Then a server that is another task than ``peer`` (a stale
+            address, taken over) is retried too. An error of ``resolve`` keeps the last address.
 
     Raises:
         TransportError: the address stayed unreachable (or busy) until the deadline.
-        ClusterError: the server is another task than ``peer`` (not retried).
+        ClusterError: the server is another task than ``peer`` (not retried without ``resolve``).
         AuthError: either side failed to prove the job's secret (not retried).
     """
+    if resolve is not None and peer is None:
+        raise ValueError("connect(resolve=...) needs peer: the name of the task to resolve.")
     name = peer or address
     t_end = time.monotonic() + deadline_s
     delay, last = 0.02, None
@@ -378,14 +397,30 @@ def connect(
             return conn
         except (OSError, ServerBusyError) as e:  # refused, unreachable, or flooded with handshakes: wait and retry
             last = e
+        except ClusterError as e:
+            if resolve is None or isinstance(e, TransportError):
+                raise
+            last = e  # another task answers at the old address: the peer moved, ask where to
         if time.monotonic() + delay > t_end:
+            where = " (the address the launcher's coordinator gave last)" if resolve is not None else ""
             raise TransportError(
-                f"Cannot reach {name} at {address} after {deadline_s:.1f} s (last error: {last}). "
+                f"Cannot reach {name} at {address}{where} after {deadline_s:.1f} s (last error: {last}). "
                 "Is that task running and is the address right? Raise the wait with connect_timeout_s "
                 "(PSFLOW_CONNECT_TIMEOUT_S)."
             ) from last
         time.sleep(delay)  # backoff between connection attempts, not synchronisation
         delay = min(delay * 2, 1.0)
+        if resolve is not None:
+            assert peer is not None
+            address = _resolved(resolve, peer, address)
+
+
+def _resolved(resolve: Resolve, peer: str, address: str) -> str:
+    """``peer``'s current address, or ``address`` if it cannot be resolved now (the retry goes on)."""
+    try:
+        return resolve(peer) or address
+    except (PsflowError, OSError):
+        return address
 
 
 def _attempt(
