@@ -36,6 +36,7 @@ from psflow.errors import ConfigError, PsflowError
 from psflow.server import Server
 from psflow.wire.conn import connect
 from psflow.wire.ops import Op
+from psflow.wire.resolve import CoordinatorResolver
 
 log = logging.getLogger("psflow")
 
@@ -91,6 +92,8 @@ class Task:
         self.config = config
         self.argv = argv
         self.coordinator = coordinator
+        # Where a peer listens now (it may restart on a new port): the launcher's address book; by hand, addresses are fixed.
+        self.resolve = CoordinatorResolver(coordinator, secret=secret, task=str(task_id)) if coordinator else None
         self.logdir = logdir
         self.resume = resume  # PSFLOW_RESUME; the Supervisor decides what None means
         self.connect_timeout_s = connect_timeout_s

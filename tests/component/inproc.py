@@ -45,6 +45,7 @@ class InprocTask:
     connect_timeout_s: float = 5.0
     fail_at: str | None = None
     trainers: list[Trainer] = field(default_factory=list)
+    resolve: Callable[[str], str] | None = None  # where a peer listens now (a launched task's address book)
 
     @property
     def num_ps(self) -> int:

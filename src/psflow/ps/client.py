@@ -4,22 +4,35 @@ Requests to several shards are pipelined: sent to every shard first, then the re
 so shards work in parallel without a thread per shard. Pulled values are received straight into
 the destination tensors (the model's own parameters); pushed gradients are sent straight from
 their storage.
+
+Shards that move: given ``resolve(task) -> address`` (a task started by the launcher; see
+``wire/resolve.py``), a connection to a shard that is lost is closed and forgotten, after every
+other shard's reply of that exchange has been read (so that no connection is left out of step); the
+next request to that shard reconnects wherever the shard listens now. A request that is safe to
+repeat (``_REPEATABLE``: reads and waits) is sent again at once on the fresh connection; any other
+(a push: its gradient may have been applied) raises the loss to the caller. Without ``resolve``
+(cluster from flags or TF_CONFIG) a lost connection raises, as it always did.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from psflow.cluster import ClusterSpec, TaskId
-from psflow.errors import PsflowError, RemoteError
-from psflow.wire.conn import Connection, Frame, connect
+from psflow.errors import PsflowError, RemoteError, TransportError
+from psflow.wire.conn import Connection, Frame, PeerLostError, Resolve, connect
 from psflow.wire.frame import Limits
 from psflow.wire.ops import Op
 
+log = logging.getLogger("psflow")
+
 _MARGIN_S = 15.0  # socket timeout beyond a server-side wait, so the server's clearer error arrives first
+# Requests a shard may receive twice without harm: sent again after a lost connection (with a resolver).
+_REPEATABLE = frozenset({Op.PS_PULL, Op.PS_STATUS, Op.PS_READY, Op.PS_CLOCK})
 
 
 class PsClient:
@@ -34,23 +47,53 @@ class PsClient:
         connect_timeout_s: float = 60.0,
         request_timeout_s: float = 120.0,
         limits: Limits = Limits(),
+        resolve: Resolve | None = None,
     ) -> None:
+        """``resolve``: where a ps shard listens now (the launcher's address book); None: the
+        cluster's addresses never change and a lost connection is an error."""
         self.task = task
         self.num_shards = cluster.num_tasks("ps")
         self.request_timeout_s = request_timeout_s
-        self.conns: list[Connection] = []
+        self.connect_timeout_s = connect_timeout_s
+        self.addresses = [cluster.address(TaskId("ps", i)) for i in range(self.num_shards)]
+        self._secret, self._limits, self._resolve = secret, limits, resolve
+        self.conns: list[Connection | None] = []
         try:
             for i in range(self.num_shards):
-                ps = TaskId("ps", i)
-                self.conns.append(
-                    connect(
-                        cluster.address(ps), secret=secret, task=str(task), peer=str(ps),
-                        deadline_s=connect_timeout_s, limits=limits,
-                    )
-                )
+                self.conns.append(self._connect(i, self.addresses[i]))
         except BaseException:
             self.close()
             raise
+
+    # -- connections -----------------------------------------------------------------------
+    def _connect(self, shard: int, address: str) -> Connection:
+        return connect(address, secret=self._secret, task=str(self.task), peer=f"ps:{shard}",
+                       deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve)
+
+    def _conn(self, shard: int) -> Connection:
+        """The shard's connection; reconnected (where the shard listens now) if it was lost."""
+        conn = self.conns[shard]
+        if conn is None:
+            assert self._resolve is not None  # only a client with a resolver forgets connections
+            address = self.addresses[shard]
+            try:
+                address = self._resolve(f"ps:{shard}")
+            except PsflowError as e:
+                log.warning("%s: cannot ask where ps:%d listens now (%s); trying its last address %s.",
+                            self.task, shard, e, address)
+            conn = self._connect(shard, address)
+            self.conns[shard] = conn
+            self.addresses[shard] = conn.address
+            log.warning("%s: reconnected to ps:%d at %s.", self.task, shard, conn.address)
+        return conn
+
+    def _lost(self, shard: int, error: TransportError) -> None:
+        """Forget the shard's connection (it is out of step or dead): the next request reconnects."""
+        conn = self.conns[shard]
+        if conn is not None:
+            conn.close()
+            self.conns[shard] = None
+            log.warning("%s: lost its connection to ps:%d (%s); the next request reconnects.", self.task, shard, error)
 
     def _all(
         self,
@@ -62,21 +105,60 @@ class PsClient:
         shards: Sequence[int] | None = None,
     ) -> list[Frame]:
         shards = list(range(self.num_shards)) if shards is None else list(shards)
+        try:
+            return self._exchange(op, metas, tensors, dests, wait_s, shards)
+        except PeerLostError:
+            if self._resolve is None or op not in _REPEATABLE:
+                raise
+            # A shard went away before answering: ask again where it listens now (it may have restarted).
+            return self._exchange(op, metas, tensors, dests, wait_s, shards)
+
+    def _exchange(
+        self,
+        op: Op,
+        metas: Sequence[dict[str, Any]],
+        tensors: Sequence[Sequence[tuple[str, torch.Tensor]]] | None,
+        dests: Sequence[Mapping[str, torch.Tensor]] | None,
+        wait_s: float,
+        shards: Sequence[int],
+    ) -> list[Frame]:
+        """One request to each of ``shards``, all sent before any reply is read."""
         timeout = self.request_timeout_s + wait_s + _MARGIN_S
+        conns = [self._conn(i) for i in shards]  # reconnect lost shards before anything is sent
+        sent: list[int] = []
+        lost: TransportError | None = None
         for j, i in enumerate(shards):
-            self.conns[i].set_timeout(timeout)
-            self.conns[i].send(op, metas[j], tensors[j] if tensors else ())
+            try:
+                conns[j].set_timeout(timeout)
+                conns[j].send(op, metas[j], tensors[j] if tensors else ())
+                sent.append(j)
+            except TransportError as e:
+                lost = self._on_error(i, e, lost)
         frames: list[Frame] = []
         first_error: PsflowError | None = None
-        for j, i in enumerate(shards):
-            dest = dests[j] if dests else None
-            frame = self.conns[i].recv(alloc=(lambda spec, d=dest: d.get(spec.name)) if dest else None)
+        for j in sent:
+            i, dest = shards[j], dests[j] if dests else None
+            try:
+                frame = conns[j].recv(alloc=(lambda spec, d=dest: d.get(spec.name)) if dest else None)
+            except TransportError as e:
+                lost = self._on_error(i, e, lost)
+                continue
             if frame.op == Op.ERROR and first_error is None:
                 first_error = RemoteError(f"ps:{i}: {frame.meta.get('error', 'unknown error')}")
             frames.append(frame)
+        if lost is not None:
+            raise lost
         if first_error is not None:
             raise first_error
         return frames
+
+    def _on_error(self, shard: int, error: TransportError, first: TransportError | None) -> TransportError:
+        """A shard's exchange failed. Without a resolver, raise at once (as always); with one,
+        forget the connection and go on with the other shards. Returns the first error."""
+        if self._resolve is None:
+            raise error
+        self._lost(shard, error)
+        return first or error
 
     # -- the operations --------------------------------------------------------------------
     def initialize(self, per_shard: Sequence[Mapping[str, torch.Tensor]], meta: dict[str, Any]) -> list[bool]:
@@ -137,23 +219,38 @@ class PsClient:
         """Send one shard's push-pull request without waiting for the reply (the trainer sends each
         shard's gradients as soon as backward has produced them). ``position``: the worker's data
         position after this batch, which the shard keeps for checkpoints."""
-        conn = self.conns[shard]
+        conn = self._conn(shard)
         conn.set_timeout(self.request_timeout_s + wait_s + _MARGIN_S)
         meta: dict[str, Any] = {"worker": worker, "version": version, "pull": True, "timeout_s": wait_s}
         if position is not None:
             meta["position"] = position
-        conn.send(Op.PS_PUSH, meta, grads)
+        try:
+            conn.send(Op.PS_PUSH, meta, grads)
+        except TransportError as e:
+            self._on_error(shard, e, None)
+            raise
 
     def recv_push_replies(self, shards: Iterable[int], dests: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, Any]]:
         """Receive the replies of requests sent with :meth:`send_push`, values straight into ``dests``."""
         metas, first_error = [], None
+        lost: TransportError | None = None
         for shard in shards:
             dest = dests[shard]
-            frame = self.conns[shard].recv(alloc=lambda spec, d=dest: d.get(spec.name))
+            conn = self.conns[shard]
+            if conn is None:  # lost while sending (with a resolver): there is no reply to read
+                lost = lost or PeerLostError(f"ps:{shard}: the connection was lost before its reply.")
+                continue
+            try:
+                frame = conn.recv(alloc=lambda spec, d=dest: d.get(spec.name))
+            except TransportError as e:
+                lost = self._on_error(shard, e, lost)
+                continue
             if frame.op == Op.ERROR and first_error is None:
                 first_error = RemoteError(f"ps:{shard}: {frame.meta.get('error', 'unknown error')}")
             _land([frame], [dest])
             metas.append(frame.meta)
+        if lost is not None:
+            raise lost
         if first_error is not None:
             raise first_error
         return metas
@@ -177,7 +274,8 @@ class PsClient:
 
     def close(self) -> None:
         for c in self.conns:
-            c.close()
+            if c is not None:
+                c.close()
         self.conns = []
 
 

@@ -106,7 +106,8 @@ class Trainer(TrainerBase):
             {pc.key: split_tensor(self.params[pc.param].data, pc) for pc in self.placement.pieces_on(s)}
             for s in range(task.num_ps)
         ]
-        self.client = PsClient(task.cluster, task.task_id, task.secret, connect_timeout_s=task.connect_timeout_s)
+        self.client = PsClient(task.cluster, task.task_id, task.secret, connect_timeout_s=task.connect_timeout_s,
+                               resolve=task.resolve)
         self.versions = [0] * task.num_ps
         self.stale_pushes = 0
         self._holds_averages = False  # pull(averages=True) put moving averages into the model
