@@ -3,9 +3,10 @@
 The chief's Supervisor sends a :class:`StepPlan` with the initial parameters: the step at which the
 job stops (``max_steps``) and the period of step-based checkpoints (``save_model_steps``). In async
 mode the workers' pushes race, so the chief cannot observe every global step, let alone stop the
-others at one: the shard does it. It refuses updates past ``stop_at`` (the job stops at exactly that
-step) and copies its state when its version reaches a multiple of ``snapshot_every`` (the checkpoint
-of step 200 holds exactly 200 updates, whenever the chief asks for it).
+others at one: the shard does it. Its rules (:mod:`psflow.ps.rules`) refuse updates past
+``stop_at`` (the job stops at exactly that step), and it copies its state when its version reaches a
+multiple of ``snapshot_every`` (the checkpoint of step 200 holds exactly 200 updates, whenever the
+chief asks for it).
 
 It also keeps each worker's data position (epoch, batch, shuffle seed: ``BatchIterator.state_dict``)
 as of the last of its batches whose gradients this shard consumed, so that a checkpoint holds every
@@ -65,10 +66,6 @@ class Progress:
         self.positions = {str(k): dict(v) for k, v in (positions or {}).items() if isinstance(v, Mapping)}
         self._pending.clear()
         self._held.clear()
-
-    def is_stopped(self, version: int) -> bool:
-        """True once ``version`` reached the plan's stop: no further update may be applied."""
-        return self.plan.stop_at is not None and version >= self.plan.stop_at
 
     def consumed(self, worker: int, position: Mapping[str, Any] | None) -> None:
         """``worker``'s batch is done with (applied, or dropped as stale): its position moves on."""

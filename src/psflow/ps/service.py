@@ -19,6 +19,7 @@ from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
 from psflow.ps import requests
 from psflow.ps.progress import StepPlan
+from psflow.ps.rules import Act
 from psflow.ps.store import ParameterStore
 from psflow.server import Reply, Request, Server
 from psflow.wire.ops import Op
@@ -61,7 +62,6 @@ class PsService:
         self.cluster = cluster
         self.store = ParameterStore(shard, cluster.num_tasks("chief") + cluster.num_tasks("worker"))
         self._shutdown = threading.Event()
-        self._lost_wait_since: float | None = None  # when the ps began to wait for lost workers only
         server.on_peer_gone = self._peer_gone
         self.on_save: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         routes = {
@@ -123,26 +123,11 @@ class PsService:
         Raises:
             TrainingError: the ps waited ``lost_worker_timeout_s`` for lost workers only; names them.
         """
-        lost = self.store.waiting_only_for_lost()
-        if not lost:
-            self._lost_wait_since = None
-            return
-        timeout_s = self.store.config.lost_worker_timeout_s
-        names = ", ".join(f"worker:{w}" for w in lost)
-        steps = ", ".join(f"worker:{w} at global step {step}" for w, step in lost.items())
-        if self._lost_wait_since is None:
-            self._lost_wait_since = now
-            log.warning(
-                "ps:%d: waiting for %s to finish (connection closed without PS_DONE: %s); every other worker is done. "
-                "Giving up in %g s unless it reconnects (lost_worker_timeout_s).", self.shard, names, steps, timeout_s,
-            )
-        elif now - self._lost_wait_since >= timeout_s:
-            raise TrainingError(
-                f"ps:{self.shard} waited {timeout_s:g} s for {names} to come back (connection closed without PS_DONE: "
-                f"{steps}; killed or crashed?); every other worker is done. Restart the lost worker within "
-                "lost_worker_timeout_s (--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG by hand), or see its log "
-                "for why it died."
-            )
+        for decision in self.store.tick(now):
+            if decision.act is Act.WAIT_LOST:
+                log.warning("ps:%d: %s", self.shard, decision.reason)
+            elif decision.act is Act.FAIL:
+                raise TrainingError(decision.reason)
 
     # -- handlers --------------------------------------------------------------------------
     def _init(self, req: Request) -> Reply:

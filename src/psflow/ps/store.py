@@ -1,22 +1,22 @@
-"""The parameter store of one ps shard: values, optimizer, update rules. No I/O.
+"""The parameter store of one ps shard: values, optimizer, and the waits around its rules. No I/O.
 
 Called by the ps service's connection threads (one per worker), so every state change happens
-under one condition variable. The store applies updates in one of three modes (TrainConfig):
+under one condition variable. What the shard does with each push, clock, finished or lost worker
+is decided by :class:`psflow.ps.rules.ShardRules` (a pure state machine: see its docstring for
+the three modes, the sync quorum with backup workers, stale gradients, lost workers and the ssp
+bound); the store carries its decisions out:
 
-- async: a push is applied at once; ``version`` counts applied pushes.
-- sync:  a push carries the version its gradients were computed from. Gradients of the current
-  version are held until N workers have sent theirs; then they are summed in worker order (so the
-  result does not depend on arrival order), divided by N and applied once, and ``version`` grows by
-  one. A gradient of an older version is stale: dropped and counted. A worker that waits for the
-  next version waits at most ``sync_timeout_s``; the error names the workers still missing.
-- ssp:   async updates, plus worker clocks: a worker at clock c waits until every live worker's
-  clock is at least c - staleness.
+- APPLY: one optimizer step (async/ssp: the pushed gradients; sync: the held gradients of the
+  step's workers summed in worker order, so the result does not depend on arrival order, and
+  divided by their number);
+- HOLD (sync): the received gradients are copied into a buffer this store owns until the step;
+- HOLD (ssp): the worker's clock request waits, at most its ``timeout_s``, for RELEASE;
+- DROP_STALE, STOPPED: the reply says so; FAIL: the reason is raised as a TrainingError.
 
-``version`` of shard 0 is the job's ``global_step``: every worker push reaches every shard.
-Exact stop and checkpoint steps, and the workers' data positions, are kept in ``progress``
-(:mod:`psflow.ps.progress`), updated under the same lock as the values.
-State changes are also kept as an ordered count (``version``) so a later primary-backup replica can
-replay them in order.
+A sync pull of a newer version waits at most ``timeout_s`` (``sync_timeout_s``); the error names
+the workers still missing. ``version`` of shard 0 is the job's ``global_step``: every worker push
+reaches every shard. Exact stop and checkpoint steps, and the workers' data positions, are kept in
+``progress`` (:mod:`psflow.ps.progress`), updated under the same lock as the values.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
 from psflow.optim import MovingAverage, OptimizerSpec, Schedule, set_lr
 from psflow.ps.progress import Progress, StepPlan
+from psflow.ps.rules import Act, Decision, RuleSettings, ShardRules
 
 
 @dataclass
@@ -64,27 +65,37 @@ class ParameterStore:
         self.shard = shard
         self.num_workers = num_workers
         self.values: dict[str, torch.Tensor] = {}
-        self.version = 0
         self.config = TrainConfig()
         self.placement_digest = ""
         self.meta: dict[str, Any] = {}
         self.stats = StoreStats()
-        self.done_workers: set[int] = set()
-        # Workers whose connections closed without PS_DONE (killed, crashed): not waited for where
-        # backups allow it; a sync step without backups fails at once, naming them. A push clears it.
-        self.lost_workers: set[int] = set()
-        self.lost_at: dict[int, int] = {}  # lost worker -> the version (global step) when its connection closed
+        self.rules = ShardRules(shard, num_workers)  # version, done and lost workers, the sync step, ssp clocks
         self._optimizer: torch.optim.Optimizer | None = None
         self._keys: list[str] = []
         self._base_lr = 0.0
         self._schedule: Schedule | None = None
         self._ema: MovingAverage | None = None
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}
-        self._buffers: dict[int, dict[str, torch.Tensor]] = {}
-        self._clocks: dict[int, int] = {}
+        self._buffers: dict[int, dict[str, torch.Tensor]] = {}  # sync: each worker's held gradients
+        self._released: dict[tuple[int, int], int] = {}  # ssp: (worker, clock) released -> the slowest clock
         self.progress = Progress()  # exact stop and checkpoint steps, workers' data positions
         self._cond = threading.Condition()
         self._initialized = False
+
+    # -- the rules' state, read --------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Updates applied (async/ssp: pushes; sync: steps); shard 0's is the job's global step."""
+        return self.rules.version
+
+    @property
+    def done_workers(self) -> set[int]:
+        return self.rules.done
+
+    @property
+    def lost_workers(self) -> set[int]:
+        """Workers whose connections closed without PS_DONE (killed, crashed): not waited for where
+        backups allow it; a sync step without backups fails at once, naming them. A request clears it."""
+        return self.rules.lost
 
     # -- initialization --------------------------------------------------------------------
     @property
@@ -126,9 +137,10 @@ class ParameterStore:
                 self._ema.register({k: ema_state.get(k, v) for k, v in self.values.items()} if ema_state else self.values)
             self.config = config
             self.placement_digest = placement_digest
-            self.version = version
             self.meta = dict(meta or {})
-            self.progress.configure(step_plan or StepPlan(), data_positions)
+            plan = step_plan or StepPlan()
+            self.progress.configure(plan, data_positions)
+            self._act(self.rules.configure(RuleSettings.of(config, plan.stop_at), version))
             self._initialized = True
             self._cond.notify_all()
             return True
@@ -143,11 +155,11 @@ class ParameterStore:
         self._require_init()
         with self._cond:
             if self.version < min_version:
-                fatal = lambda: self.config.mode == "sync" and bool(self.lost_workers) and not self._has_backups()  # noqa: E731
-                self._wait(lambda: self.version >= min_version or fatal(), timeout_s,
-                           lambda: self._sync_wait_error(min_version, timeout_s))
+                rules = self.rules
+                self._wait(lambda: rules.version >= min_version or rules.lost_failure() is not None, timeout_s,
+                           lambda: TrainingError(rules.sync_wait_message(min_version, timeout_s)))
                 if self.version < min_version:
-                    raise self._lost_error()
+                    raise TrainingError(rules.lost_failure())
             src = self._ema.shadow() if (averages and self._ema) else self.values
             if self.config.mode == "async" and not averages:
                 # Hogwild reads, as TensorFlow's default (use_locking=False): no copy on the hot path.
@@ -168,167 +180,127 @@ class ParameterStore:
         self._check_grads(grads)
         with self._cond:
             self.stats.pushes += 1
-            self._back(worker)  # a restarted worker
-            if self.progress.is_stopped(self.version):
-                return {"version": self.version, "applied": False, "stopped": True}
-            if self.config.mode != "sync":
-                self.progress.consumed(worker, position)  # before _apply: a snapshot it takes includes it
-                self._apply(grads)
-                return {"version": self.version, "applied": True}
-            if version < self.version or worker in self._pending:
-                self.progress.consumed(worker, position)  # a dropped batch is not trained again
+            reply: dict[str, Any] = {"applied": True}
+            for d in self.rules.push(worker, version):
+                if d.act is Act.STOPPED:
+                    reply = {"applied": False, "stopped": True}
+                elif d.act is Act.DROP_STALE:
+                    self.progress.consumed(worker, position)  # a dropped batch is not trained again
+                    self._act([d])
+                    reply = {"applied": False, "stale": True}
+                elif d.act is Act.FAIL:
+                    raise TrainingError(d.reason)
+                elif d.act is Act.HOLD:
+                    # The received tensors are the connection's reusable buffers: keep a copy in buffers
+                    # this store owns (allocated once per worker, reused every step).
+                    own = self._buffers.setdefault(worker, {})
+                    for k, g in grads.items():
+                        if k not in own:
+                            own[k] = torch.empty_like(g)
+                        own[k].copy_(g)
+                    self.progress.pending(worker, position)
+                elif d.act is Act.APPLY and self.config.mode != "sync":
+                    self.progress.consumed(worker, position)  # before _apply: a snapshot it takes includes it
+                    self._apply(grads, d)
+                else:
+                    self._act([d])
+            return {"version": self.version, **reply}
+
+    def _act(self, decisions: list[Decision]) -> None:
+        """Carry out the decisions of an event that brought no gradients (and a push's sync step),
+        and wake the waiters: the event may have changed what they wait for."""
+        for d in decisions:
+            if d.act is Act.APPLY:
+                self._apply_step(d)
+            elif d.act is Act.DROP_STALE:
+                w = d.workers[0]
                 self.stats.stale_dropped += 1
-                self.stats.stale_by_worker[worker] = self.stats.stale_by_worker.get(worker, 0) + 1
-                return {"version": self.version, "applied": False, "stale": True}
-            if version > self.version:
-                raise TrainingError(
-                    f"worker:{worker} pushed gradients for version {version}, but ps shard {self.shard} is at "
-                    f"version {self.version}. The worker pulled from a different job or a restarted ps; restart the worker."
-                )
-            # The received tensors are the connection's reusable buffers: keep a copy in buffers this
-            # store owns (allocated once per worker, reused every step).
-            own = self._buffers.setdefault(worker, {})
-            for k, g in grads.items():
-                if k not in own:
-                    own[k] = torch.empty_like(g)
-                own[k].copy_(g)
-            self._pending[worker] = own
-            self.progress.pending(worker, position)
-            self._maybe_complete_step()
-            return {"version": self.version, "applied": True}
+                self.stats.stale_by_worker[w] = self.stats.stale_by_worker.get(w, 0) + 1
+            elif d.act is Act.RELEASE:
+                self._released[(d.workers[0], d.clock or 0)] = d.slowest or 0
+        self._cond.notify_all()
 
-    def _needed(self) -> int:
-        n = self.config.replicas_to_aggregate or self.num_workers
-        # Finished workers lower the quorum; lost ones only where backups stand in for them (without
-        # backups a step never goes on without a worker that did not finish: it fails, naming it).
-        gone = self.done_workers | self.lost_workers if self._has_backups() else self.done_workers
-        return max(1, min(n, self.num_workers - len(gone)))
-
-    def _has_backups(self) -> bool:
-        return (self.config.replicas_to_aggregate or self.num_workers) < (self.config.total_num_replicas or self.num_workers)
-
-    def _lost_error(self) -> TrainingError:
-        names = ", ".join(f"worker:{w}" for w in sorted(self.lost_workers))
-        n = self.config.replicas_to_aggregate or self.num_workers
-        return TrainingError(
-            f"{names} lost its connection to ps shard {self.shard} without finishing (killed or crashed?), and sync "
-            f"training without backup workers (replicas_to_aggregate = total_num_replicas = {n}) cannot take a step "
-            "without it. Restart the run (it resumes from the last checkpoint under a Supervisor), or give it backup "
-            "workers (total_num_replicas > replicas_to_aggregate) so that steps go on without a lost worker."
-        )
-
-    def _maybe_complete_step(self) -> None:
-        if not self._pending or len(self._pending) < self._needed():
-            return
-        workers = sorted(self._pending)
-        n = len(workers)
+    def _apply_step(self, d: Decision) -> None:
+        """Sync: average the held gradients of the step's workers, in worker order (deterministic)."""
         total: dict[str, torch.Tensor] = {}
-        for w in workers:  # reduce in worker order, not arrival order: deterministic
-            for k, g in self._pending[w].items():
+        for w in d.workers:
+            for k, g in self._buffers[w].items():
                 total[k] = g.clone() if k not in total else total[k].add_(g)
         for g in total.values():
-            g.div_(n)
-        m = self.config.total_num_replicas or self.num_workers
-        if n < m - len(self.done_workers):  # lost workers count as missing here
+            g.div_(len(d.workers))
+        if d.without_all:
             self.stats.steps_without_all += 1
-        self._pending.clear()
         self.progress.step_applied()
-        self._apply(total)
+        self._apply(total, d)
 
-    def _apply(self, grads: Mapping[str, torch.Tensor]) -> None:
+    def _apply(self, grads: Mapping[str, torch.Tensor], d: Decision) -> None:
+        """The update that takes the values from version ``d.version - 1`` to ``d.version``."""
         if self._optimizer is not None:
             for k, p in self.values.items():
                 p.grad = grads[k]
             if self._schedule is not None:
-                set_lr(self._optimizer, self._schedule.lr_at(self._base_lr, self.version))
+                set_lr(self._optimizer, self._schedule.lr_at(self._base_lr, d.version - 1))
             self._optimizer.step()
             for p in self.values.values():
                 p.grad = None
-        self.version += 1
         self.stats.applied_updates += 1
         if self._ema is not None:
-            self._ema.update(self.values, num_updates=self.version)
-        if self.progress.wants_snapshot(self.version):
-            self.progress.hold(self.version, self.snapshot()[1])
+            self._ema.update(self.values, num_updates=d.version)
+        if self.progress.wants_snapshot(d.version):
+            self.progress.hold(d.version, self.snapshot()[1])
         self._cond.notify_all()
 
     # -- bounded staleness -----------------------------------------------------------------
     def clock(self, worker: int, clock: int, *, timeout_s: float) -> int:
-        """Record ``worker`` at ``clock``; wait until the slowest live worker is within staleness."""
-        s = self.config.staleness
+        """Record ``worker`` at ``clock``; wait until the slowest live worker is within staleness.
+        Returns the slowest live clock when it was released."""
+        key = (worker, clock)
         with self._cond:
-            self._clocks[worker] = clock
-            self._cond.notify_all()
+            self._act(self.rules.clock(worker, clock))
 
-            def slowest() -> int:
-                gone = self.done_workers | self.lost_workers
-                live = [c for w, c in self._clocks.items() if w not in gone]
-                missing = self.num_workers - len(gone) - len(live)
-                return 0 if missing > 0 else min(live, default=clock)
+            def expired() -> TrainingError:
+                (fail,) = self.rules.clock_expired(worker, clock, timeout_s)
+                return TrainingError(fail.reason)
 
-            self._wait(
-                lambda: clock - slowest() <= s,
-                timeout_s,
-                lambda: TrainingError(
-                    f"worker:{worker} at clock {clock} waited {timeout_s:.1f} s for the slowest worker "
-                    f"(clocks {dict(sorted(self._clocks.items()))}, staleness {s}). A worker is stalled or dead; "
-                    "raise sync_timeout_s or restart it."
-                ),
-            )
-            self.stats.clock_log.append((worker, clock, slowest()))
-            return slowest()
+            self._wait(lambda: key in self._released, timeout_s, expired)
+            slowest = self._released.pop(key)
+            self.stats.clock_log.append((worker, clock, slowest))
+            return slowest
 
     # -- lifecycle -------------------------------------------------------------------------
     def worker_done(self, worker: int) -> None:
         with self._cond:
-            self.done_workers.add(worker)
-            self._clocks.pop(worker, None)
-            if self.config.mode == "sync":
-                # Fewer live workers lower the number a step needs; the step may now be complete.
-                self._maybe_complete_step()
-            self._cond.notify_all()
+            self._act(self.rules.worker_done(worker))
 
     def worker_lost(self, worker: int) -> None:
         """``worker``'s connections closed without PS_DONE: stop waiting for it where the mode allows
-        (async: nothing to do; ssp: it no longer holds the others back; sync with backups: steps
-        need one gradient fewer; sync without backups: waiting steps fail, naming it)."""
+        (see :meth:`ShardRules.worker_lost`)."""
         with self._cond:
-            if worker in self.done_workers:
-                return
-            self.lost_workers.add(worker)
-            self.lost_at.setdefault(worker, self.version)
-            self._clocks.pop(worker, None)
-            if self.config.mode == "sync" and self._initialized:
-                self._pending.pop(worker, None)
-                self._maybe_complete_step()
-            self._cond.notify_all()
+            self._act(self.rules.worker_lost(worker))
 
     def worker_back(self, worker: int) -> bool:
         """A lost ``worker`` sent a request again (restarted): wait for it as before. True if it was lost."""
         # Every request calls this: no lock and no wake-up when nothing changes. Reading the set
         # unlocked is safe: a worker turns lost only once all its connections closed, and this runs
         # while one of them is serving its request.
-        if worker not in self.lost_workers:
+        if worker not in self.rules.lost:
             return False
         with self._cond:
-            was_lost = self._back(worker)
-            self._cond.notify_all()
-            return was_lost
-
-    def _back(self, worker: int) -> bool:
-        self.lost_at.pop(worker, None)
-        if worker not in self.lost_workers:
-            return False
-        self.lost_workers.discard(worker)
-        return True
+            decisions = self.rules.worker_back(worker)
+            self._act(decisions)
+            return bool(decisions)
 
     def waiting_only_for_lost(self) -> dict[int, int]:
         """Lost worker -> the global step it was lost at, when every other worker is done (the ps
         then serves nobody and only waits for them); else empty."""
         with self._cond:
-            if not self.lost_workers or len(self.done_workers | self.lost_workers) < self.num_workers:
-                return {}
-            return {w: self.lost_at.get(w, self.version) for w in sorted(self.lost_workers)}
+            return self.rules.waiting_only_for_lost()
+
+    def tick(self, now: float) -> list[Decision]:
+        """Time passed (``now`` from ``time.monotonic()``): the lost-worker wait's WAIT_LOST and FAIL
+        decisions, for the caller to log or raise."""
+        with self._cond:
+            return self.rules.tick(now)
 
     def all_done(self) -> bool:
         return len(self.done_workers) >= self.num_workers
@@ -406,16 +378,3 @@ class ParameterStore:
         self.stats.wait_s += time.monotonic() - t0
         if not ok:
             raise error()
-
-    def _sync_wait_error(self, min_version: int, timeout_s: float) -> TrainingError:
-        expected = set(range(self.config.total_num_replicas or self.num_workers)) - self.done_workers - self.lost_workers
-        missing = sorted(expected - set(self._pending))
-        names = ", ".join(f"worker:{w}" for w in missing) or "none"
-        n = self._needed()
-        m = self.config.total_num_replicas or self.num_workers
-        return TrainingError(
-            f"Sync step {self.version} on ps shard {self.shard} waited {timeout_s:.1f} s for version {min_version}: "
-            f"has {len(self._pending)} of {n} gradients; missing {names}. "
-            + ("There are no backup workers (replicas_to_aggregate == total_num_replicas). " if n >= m else "")
-            + "A worker is dead or stalled: restart it, add backup workers, or raise sync_timeout_s."
-        )
