@@ -334,7 +334,7 @@ class ShardRules:
             made = rules.step(event)
             if made != records[i + 1:j]:
                 raise ValueError(f"Replaying {event} decided {made}; the log holds {records[i + 1:j]}. The log is not "
-                                 f"one of a shard with {num_workers} workers.")
+                                 f"a shard's whole log, or not one of a shard with {num_workers} workers.")
             i = j
         return rules
 
