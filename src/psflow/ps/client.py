@@ -30,13 +30,21 @@ from psflow.wire.ops import Op
 
 log = logging.getLogger("psflow")
 
-_MARGIN_S = 15.0  # socket timeout beyond a server-side wait, so the server's clearer error arrives first
 # Requests a shard may receive twice without harm: sent again after a lost connection (with a resolver).
 _REPEATABLE = frozenset({Op.PS_PULL, Op.PS_STATUS, Op.PS_READY, Op.PS_CLOCK})
 
 
 class PsClient:
-    """Connections from one task to every ps shard of the cluster."""
+    """Connections from one task to every ps shard of the cluster.
+
+    Args:
+        connect_timeout_s: the longest wait for each shard to accept the connection and handshake.
+        request_timeout_s: the longest wait for a reply, beyond the server-side wait a request asks for.
+        reply_margin_s: added to a socket's timeout beyond the server-side wait, so that the server's
+            clearer error (it names what it waited for) arrives before the socket gives up.
+        resolve: where a ps shard listens now (the launcher's address book); None: the cluster's
+            addresses never change and a lost connection is an error.
+    """
 
     def __init__(
         self,
@@ -46,14 +54,14 @@ class PsClient:
         *,
         connect_timeout_s: float = 60.0,
         request_timeout_s: float = 120.0,
+        reply_margin_s: float = 15.0,
         limits: Limits = Limits(),
         resolve: Resolve | None = None,
     ) -> None:
-        """``resolve``: where a ps shard listens now (the launcher's address book); None: the
-        cluster's addresses never change and a lost connection is an error."""
         self.task = task
         self.num_shards = cluster.num_tasks("ps")
         self.request_timeout_s = request_timeout_s
+        self.reply_margin_s = reply_margin_s
         self.connect_timeout_s = connect_timeout_s
         self.addresses = [cluster.address(TaskId("ps", i)) for i in range(self.num_shards)]
         self._secret, self._limits, self._resolve = secret, limits, resolve
@@ -123,7 +131,7 @@ class PsClient:
         shards: Sequence[int],
     ) -> list[Frame]:
         """One request to each of ``shards``, all sent before any reply is read."""
-        timeout = self.request_timeout_s + wait_s + _MARGIN_S
+        timeout = self.request_timeout_s + wait_s + self.reply_margin_s
         conns = [self._conn(i) for i in shards]  # reconnect lost shards before anything is sent
         sent: list[int] = []
         lost: TransportError | None = None
@@ -220,7 +228,7 @@ class PsClient:
         shard's gradients as soon as backward has produced them). ``position``: the worker's data
         position after this batch, which the shard keeps for checkpoints."""
         conn = self._conn(shard)
-        conn.set_timeout(self.request_timeout_s + wait_s + _MARGIN_S)
+        conn.set_timeout(self.request_timeout_s + wait_s + self.reply_margin_s)
         meta: dict[str, Any] = {"worker": worker, "version": version, "pull": True, "timeout_s": wait_s}
         if position is not None:
             meta["position"] = position

@@ -54,12 +54,16 @@ class PsService:
         shard: this ps task's index.
         cluster: the job's cluster: requests are accepted only from its tasks, and a worker index
             only from the replica it names (see :mod:`psflow.ps.requests`).
+        default_wait_s: how long a PS_READY or PS_CLOCK request that names no ``timeout_s`` may
+            wait (for the chief's initial values, for the slowest ssp worker). psflow's own
+            clients always name one; a pull's or a save's default is ``sync_timeout_s``.
     """
 
-    def __init__(self, server: Server, shard: int, cluster: ClusterSpec) -> None:
+    def __init__(self, server: Server, shard: int, cluster: ClusterSpec, *, default_wait_s: float = 60.0) -> None:
         self.server = server
         self.shard = shard
         self.cluster = cluster
+        self.default_wait_s = default_wait_s
         self.store = ParameterStore(shard, cluster.num_tasks("chief") + cluster.num_tasks("worker"))
         self._shutdown = threading.Event()
         server.on_peer_gone = self._peer_gone
@@ -150,7 +154,7 @@ class PsService:
         return Reply({"initialized": first, "version": self.store.version})
 
     def _ready(self, req: Request) -> Reply:
-        timeout_s = float(req.meta.get("timeout_s", 60.0))
+        timeout_s = float(req.meta.get("timeout_s", self.default_wait_s))
         if not self.store.wait_initialized(timeout_s):
             raise TrainingError(
                 f"ps:{self.shard} is still not initialized after {timeout_s:.1f} s: it waits for the chief to send "
@@ -200,7 +204,7 @@ class PsService:
 
     def _clock(self, req: Request) -> Reply:
         slowest = self.store.clock(
-            int(req.meta["worker"]), int(req.meta["clock"]), timeout_s=float(req.meta.get("timeout_s", 60.0))
+            int(req.meta["worker"]), int(req.meta["clock"]), timeout_s=float(req.meta.get("timeout_s", self.default_wait_s))
         )
         return Reply({"slowest": slowest})
 
