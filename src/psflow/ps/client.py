@@ -277,9 +277,6 @@ class PsClient:
         wait_s = float(meta.get("timeout_s", 0.0))  # a shard may wait that long to reach an exact step
         return [f.meta for f in self._all(Op.PS_SAVE, [meta] * self.num_shards, wait_s=wait_s)]
 
-    def shutdown(self) -> None:
-        self._all(Op.PS_SHUTDOWN, [{}] * self.num_shards)
-
     def close(self) -> None:
         for c in self.conns:
             if c is not None:

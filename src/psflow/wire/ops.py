@@ -23,12 +23,8 @@ class Op(enum.IntEnum):
     PS_CLOCK = 26    # bounded staleness: report / wait on clocks
     PS_SAVE = 27     # write this shard's checkpoint
     PS_SHUTDOWN = 28
-    PS_CONFIG = 29   # job-wide values (global step, step limits) kept by ps:0
     # launcher coordination
     CO_REGISTER = 40  # task -> launcher: my address; reply: the cluster (first round: once all registered)
     CO_REPORT = 41    # task -> launcher: metrics / final results
     CO_STATUS = 42
     CO_RESOLVE = 43   # task -> launcher: where a task listens now (or the whole address book, with its version)
-
-
-KNOWN = frozenset(int(o) for o in Op)
