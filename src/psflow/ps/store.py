@@ -305,10 +305,6 @@ class ParameterStore:
     def all_done(self) -> bool:
         return len(self.done_workers) >= self.num_workers
 
-    def wait_all_done(self, timeout_s: float | None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(self.all_done, timeout=timeout_s)
-
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """A consistent copy of values, optimizer state (``opt/...``) and averages (``ema/...``)."""
         from psflow.optim import optimizer_state_tensors
