@@ -167,7 +167,7 @@ class ShardRules:
     def __init__(self, shard: int, num_workers: int, *, keep_log: bool = False) -> None:
         self.shard = shard
         self.num_workers = num_workers
-        self.settings = RuleSettings()
+        self.settings = RuleSettings.of(TrainConfig())  # before PS_INIT: the defaults the store's config has
         self.configured = False
         self.version = 0
         self.pending: set[int] = set()  # sync: workers whose gradient of this version is held
