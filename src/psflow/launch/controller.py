@@ -1,0 +1,478 @@
+"""RunController: the launcher's rules for one run, as a pure state machine.
+
+Events go in (:class:`TaskStarted`, :class:`TaskExited`, :class:`TaskReported`, :class:`HeartbeatMissed`,
+:class:`StopRequested`, :class:`TimeAdvanced`); decisions come out (:class:`StartTask`,
+:class:`StopTasks`, :class:`RestartTask`, :class:`RunFinished`). No I/O and no clock of its own:
+every event carries the time it happened (unix seconds, the clock of the tasks' error reports), so a
+test steps a whole run by hand. The runner (:mod:`psflow.launch.runner`) feeds it what the backend
+saw and carries out what it decides.
+
+The rules (those of the local launcher since its first version):
+
+- a task that exits non-zero, and that the restart policy does not restart, fails the run: every
+  other task is stopped (:class:`StopTasks`), and once all have exited the root cause is chosen by
+  :func:`psflow.launch.rootcause.root_cause` over the exits and the error reports it was given;
+- once every training task (chief, worker) has exited 0, the others (ps, evaluator) get
+  ``ps_exit_timeout_s`` to exit by themselves; those still running then are stopped, with a
+  warning, and the run still succeeds;
+- a stop request (Ctrl-C, SIGTERM) stops every task; the run ends ``stopped`` (exit code 130), even
+  if a task had failed before (its root cause is still named);
+- restarts follow a :class:`RestartPolicy` (default ``never``): the attempt count per task, the
+  budget per task and per run, and an exponential backoff.
+
+Run phases::
+
+    running  --every training task exited 0------------------------------> draining
+    running  --a task failed for good | StopRequested---------------------> stopping
+    draining --deadline passed with tasks left (warning) | failed | stop--> stopping
+    any      --every task exited, none waiting for a restart--------------> finished (RunFinished)
+
+Task states::
+
+    starting --TaskStarted--> running --TaskExited--> exited
+    exited   --policy restarts (RestartTask)--> backoff --after_s passed (StartTask)--> starting
+    backoff  --stop, failure or draining: the restart is cancelled--> exited
+    starting --StopRequested before TaskStarted--> cancelled (never ran; nothing to wait for)
+
+A restart cancelled because training finished leaves the task's last exit standing without failing
+the run (the training tasks completed without it); cancelled by a failure or a stop, that exit
+counts for the root cause like any other.
+
+Attempts count from 0 (the restart count: ``attempt`` 2 is the second restart). An exit that was
+restarted is history: it shows in the task's record, but not in the root-cause rule, which looks at
+each task's last attempt. A task's error report is given (:class:`TaskReported`) before its exit.
+Exits seen once the run is stopping are marked ``stopped`` (no sign of failure by themselves).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from psflow.launch.rootcause import TaskExit, root_cause
+
+TRAINING_JOBS = ("chief", "worker")
+POLICIES = ("never", "on-failure", "always", "exit-code")
+
+
+# ------------------------------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True)
+class TaskStarted:
+    """The backend started ``task``'s attempt ``attempt``; ``handle`` is its own id for it (a pid)."""
+
+    task: str
+    attempt: int
+    at: float
+    handle: Any = None
+
+
+@dataclass(frozen=True)
+class TaskExited:
+    """``task``'s attempt ended: ``code`` is its exit code, negative for the signal that ended it."""
+
+    task: str
+    attempt: int
+    code: int
+    at: float
+
+
+@dataclass(frozen=True)
+class TaskReported:
+    """``task``'s attempt left an error report (exception, message, ``time_unix``, optional ``blame``)."""
+
+    task: str
+    attempt: int
+    report: Mapping[str, Any]
+    at: float
+
+
+@dataclass(frozen=True)
+class HeartbeatMissed:
+    """``task`` has not been heard from in time. Recorded only (the failure-recovery work acts on it)."""
+
+    task: str
+    at: float
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    """Someone asked the run to stop; ``reason`` names who (``"Ctrl-C"``, ``"SIGTERM"``)."""
+
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
+class TimeAdvanced:
+    """Time passed with nothing else happening (the runner's tick): deadlines and backoffs fall due."""
+
+    at: float
+
+
+Event = TaskStarted | TaskExited | TaskReported | HeartbeatMissed | StopRequested | TimeAdvanced
+
+
+# --------------------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class StartTask:
+    """Start ``task``'s attempt ``attempt`` now."""
+
+    task: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class StopTasks:
+    """Stop ``tasks`` (SIGTERM, then SIGKILL after ``grace_s``). ``warning``: show ``reason`` to the user."""
+
+    tasks: tuple[str, ...]
+    grace_s: float
+    reason: str
+    warning: bool = False
+
+
+@dataclass(frozen=True)
+class RestartTask:
+    """``task`` will be started again as attempt ``attempt`` in ``after_s`` (a :class:`StartTask` follows)."""
+
+    task: str
+    attempt: int
+    after_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    """Every task has exited: ``status`` is ``succeeded``, ``failed`` or ``stopped``."""
+
+    status: str
+    root_cause: str | None
+    exit_code: int
+
+
+Decision = StartTask | StopTasks | RestartTask | RunFinished
+
+
+# ------------------------------------------------------------------------------------------ policy
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a task that exited is started again.
+
+    Kinds:
+
+    - ``never``: no task is restarted (the default; a failure fails the run).
+    - ``on-failure``: a non-zero exit is restarted.
+    - ``always``: any exit is restarted while the run is running, a clean one too: a ps or an
+      evaluator has no business exiting before the training tasks are done. A training task's clean
+      exit is its completion and is never restarted (otherwise no run could finish), and nothing is
+      restarted once the run drains or stops.
+    - ``exit-code`` (Kubeflow's): exit codes 1-127 are permanent errors (a bug, a bad flag: the
+      same again), 128-255 and deaths by signal are retryable (137 is SIGKILL, an OOM kill or a
+      preempted node). A negative code (killed by signal N) counts as 128 + N.
+
+    Budgets: ``max_restarts`` per task, ``max_restarts_per_run`` all tasks together (None: no cap
+    beyond the per-task one). A restart the budget does not allow is a failure of the run.
+    Backoff: the n-th restart of a task waits ``backoff_base_s * 2**(n-1)``, at most ``backoff_max_s``.
+    """
+
+    kind: str = "never"
+    max_restarts: int = 3
+    max_restarts_per_run: int | None = None
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICIES:
+            raise ValueError(f"Restart policy {self.kind!r} is not one of {', '.join(POLICIES)}.")
+        if self.max_restarts < 0 or (self.max_restarts_per_run is not None and self.max_restarts_per_run < 0):
+            raise ValueError(f"Restart budgets must be >= 0; received max_restarts={self.max_restarts}, "
+                             f"max_restarts_per_run={self.max_restarts_per_run}.")
+        if not 0 <= self.backoff_base_s <= self.backoff_max_s:
+            raise ValueError(f"Restart backoff needs 0 <= backoff_base_s <= backoff_max_s; received "
+                             f"backoff_base_s={self.backoff_base_s}, backoff_max_s={self.backoff_max_s}.")
+
+    def is_retryable(self, job: str, code: int) -> bool:
+        """Whether this exit of a task of ``job`` is one the policy restarts (budgets aside)."""
+        if self.kind == "never" or (code == 0 and job in TRAINING_JOBS):
+            return False
+        if self.kind == "always":
+            return True
+        if self.kind == "on-failure":
+            return code != 0
+        status = 128 - code if code < 0 else code  # exit-code: killed by signal N reads as 128 + N
+        return 128 <= status <= 255
+
+    def backoff_s(self, restart: int) -> float:
+        """The wait before a task's ``restart``-th restart (1 for the first)."""
+        return min(self.backoff_max_s, self.backoff_base_s * 2.0 ** (restart - 1))
+
+
+# ------------------------------------------------------------------------------------------- books
+
+
+def signal_name(code: int | None) -> str | None:
+    """``"SIGKILL"`` for exit code -9; None for a normal exit."""
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def describe_exit(code: int) -> str:
+    """``"exit code 1"``, ``"exit code -9 (SIGKILL)"``."""
+    name = signal_name(code)
+    return f"exit code {code}" + (f" ({name})" if name else "")
+
+
+@dataclass
+class ExitRecord:
+    """One attempt's end, as the controller recorded it."""
+
+    attempt: int
+    code: int
+    at: float
+    stopped: bool  # seen after the run had begun stopping
+    report: Mapping[str, Any] | None = None  # the attempt's error report, if it left one
+    restarted: bool = False  # a later attempt replaced it
+
+
+@dataclass
+class TaskRecord:
+    """The controller's book on one task."""
+
+    task: str
+    state: str = "starting"  # starting | running | exited | backoff | cancelled
+    attempt: int = 0
+    handle: Any = None
+    restart_due: float | None = None
+    exits: list[ExitRecord] = field(default_factory=list)
+
+    @property
+    def job(self) -> str:
+        return self.task.split(":")[0]
+
+    @property
+    def started(self) -> bool:
+        return self.handle is not None or bool(self.exits)
+
+    @property
+    def attempts(self) -> int:
+        """How many attempts were started (0 for a task that never ran)."""
+        return self.attempt + 1 if self.started else 0
+
+
+# ------------------------------------------------------------------------------------- the machine
+
+
+class RunController:
+    """The rules of one run over ``tasks`` (plan order: the root-cause tie-break).
+
+    Example:
+        >>> c = RunController(["ps:0", "worker:0"], grace_s=5, ps_exit_timeout_s=60)
+        >>> c.start(at=0.0)
+        [StartTask(task='ps:0', attempt=0), StartTask(task='worker:0', attempt=0)]
+        >>> c.handle(TaskStarted("ps:0", 0, at=0.1, handle=11)) + c.handle(TaskStarted("worker:0", 0, at=0.1, handle=12))
+        []
+        >>> c.handle(TaskExited("worker:0", 0, code=0, at=5.0))  # the ps gets ps_exit_timeout_s to exit
+        []
+        >>> c.handle(TaskExited("ps:0", 0, code=0, at=5.2))
+        [RunFinished(status='succeeded', root_cause=None, exit_code=0)]
+    """
+
+    def __init__(self, tasks: Sequence[str], *, grace_s: float, ps_exit_timeout_s: float,
+                 policy: RestartPolicy | None = None) -> None:
+        if not tasks:
+            raise ValueError("A run needs at least one task; received none.")
+        self.names = list(tasks)
+        self.grace_s = grace_s
+        self.ps_exit_timeout_s = ps_exit_timeout_s
+        self.policy = policy or RestartPolicy()
+        self.records = {t: TaskRecord(t) for t in self.names}
+        self.phase = "new"  # new | running | draining | stopping | finished
+        self.now = -math.inf
+        self.first_failure: str | None = None
+        self.stopped_by: str | None = None
+        self.restarts = 0  # restarts of every task together, for the per-run budget
+        self.heartbeats_missed: dict[str, int] = {}
+        self.result: RunFinished | None = None
+        self._drain_deadline: float | None = None
+        self._exit_order: list[tuple[str, ExitRecord]] = []  # every exit, in the order seen
+        self._reports: dict[tuple[str, int], Mapping[str, Any]] = {}
+
+    # -- entry points ------------------------------------------------------------------------------
+    def start(self, at: float) -> list[Decision]:
+        """The first decisions of the run: start every task, attempt 0."""
+        if self.phase != "new":
+            raise RuntimeError(f"RunController.start called twice (the run is {self.phase}).")
+        self.now, self.phase = at, "running"
+        return [StartTask(t, 0) for t in self.names]
+
+    def handle(self, event: Event) -> list[Decision]:
+        """Take one event; return what to do now (possibly nothing)."""
+        if self.phase == "new":
+            raise RuntimeError(f"RunController got {event!r} before start().")
+        self.now = max(self.now, event.at)
+        if self.result is not None:
+            return []
+        if isinstance(event, TaskStarted):
+            out = self._on_started(event)
+        elif isinstance(event, TaskExited):
+            out = self._on_exited(event)
+        elif isinstance(event, TaskReported):
+            self._reports[(event.task, event.attempt)] = dict(event.report)
+            out = []
+        elif isinstance(event, HeartbeatMissed):
+            self.heartbeats_missed[event.task] = self.heartbeats_missed.get(event.task, 0) + 1
+            out = []
+        elif isinstance(event, StopRequested):
+            out = self._on_stop_requested(event)
+        elif isinstance(event, TimeAdvanced):
+            out = []
+        else:
+            raise TypeError(f"RunController cannot handle {event!r}; expected one of the events in {__name__}.")
+        return out + self._due_restarts() + self._drain_deadline_passed() + self._finish_if_done()
+
+    # -- events ------------------------------------------------------------------------------------
+    def _on_started(self, e: TaskStarted) -> list[Decision]:
+        rec = self._record(e.task)
+        if e.attempt != rec.attempt:
+            return []  # a late notice of an attempt already replaced
+        rec.state, rec.handle = "running", e.handle
+        if self.phase == "stopping":  # it was being started when the run began to stop
+            return [StopTasks((e.task,), self.grace_s, "the run is stopping")]
+        return []
+
+    def _on_exited(self, e: TaskExited) -> list[Decision]:
+        rec = self._record(e.task)
+        if e.attempt != rec.attempt or rec.state not in ("running", "starting", "cancelled"):
+            return []  # a stale or repeated notice
+        stopped = self.phase == "stopping"
+        exit_ = ExitRecord(e.attempt, e.code, e.at, stopped, self._reports.get((e.task, e.attempt)))
+        rec.exits.append(exit_)
+        rec.state = "exited"
+        self._exit_order.append((e.task, exit_))
+        if stopped:
+            return []
+        if self.phase == "running" and self.policy.is_retryable(rec.job, e.code):
+            restart = self._schedule_restart(rec, exit_)
+            if restart is not None:
+                return [restart]
+        if e.code != 0:
+            return self._fail(e.task, e.code)
+        if self.phase == "running" and all(self._exited_cleanly(r) for r in self.records.values() if r.job in TRAINING_JOBS):
+            self.phase = "draining"
+            self._drain_deadline = e.at + self.ps_exit_timeout_s
+            self._cancel_restarts()  # training is over: a ps waiting for its restart is not needed
+        return []
+
+    def _on_stop_requested(self, e: StopRequested) -> list[Decision]:
+        self.stopped_by = self.stopped_by or e.reason
+        self.phase = "stopping"
+        self._cancel_restarts()
+        for rec in self.records.values():
+            if rec.state == "starting":
+                rec.state = "cancelled"  # never started (or its start is unknown): nothing to wait for
+        live = self._live()
+        if not live:
+            return []
+        return [StopTasks(live, self.grace_s, f"{e.reason}: stopping every task (SIGTERM, then SIGKILL after "
+                                              f"{self.grace_s:.0f} s)", warning=True)]
+
+    # -- rules -------------------------------------------------------------------------------------
+    def _schedule_restart(self, rec: TaskRecord, exit_: ExitRecord) -> RestartTask | None:
+        """A RestartTask if the budgets allow it; None when they are spent."""
+        done = rec.attempt  # restarts of this task so far
+        if done >= self.policy.max_restarts:
+            return None
+        if self.policy.max_restarts_per_run is not None and self.restarts >= self.policy.max_restarts_per_run:
+            return None
+        after_s = self.policy.backoff_s(done + 1)
+        exit_.restarted = True
+        self.restarts += 1
+        rec.state, rec.attempt, rec.restart_due = "backoff", rec.attempt + 1, self.now + after_s
+        return RestartTask(rec.task, rec.attempt, after_s, describe_exit(exit_.code))
+
+    def _fail(self, task: str, code: int) -> list[Decision]:
+        self.first_failure = self.first_failure or task
+        self.phase = "stopping"
+        self._cancel_restarts()
+        live = self._live()
+        if not live:
+            return []
+        return [StopTasks(live, self.grace_s, f"{task} failed ({describe_exit(code)}); stopping the others")]
+
+    def _due_restarts(self) -> list[Decision]:
+        out: list[Decision] = []
+        for rec in self.records.values():
+            if rec.state == "backoff" and rec.restart_due is not None and self.now >= rec.restart_due:
+                rec.state, rec.restart_due = "starting", None
+                out.append(StartTask(rec.task, rec.attempt))
+        return out
+
+    def _drain_deadline_passed(self) -> list[Decision]:
+        if self.phase != "draining" or self._drain_deadline is None or self.now < self._drain_deadline:
+            return []
+        self.phase = "stopping"
+        left = self._live()
+        if not left:
+            return []
+        return [StopTasks(left, self.grace_s, f"{', '.join(left)} did not exit {self.ps_exit_timeout_s:.0f} s after "
+                                              "the workers finished; stopping them.", warning=True)]
+
+    def _finish_if_done(self) -> list[Decision]:
+        if any(r.state in ("starting", "running", "backoff") for r in self.records.values()):
+            return []
+        if self.stopped_by:
+            status, code = "stopped", 130
+        elif self.first_failure:
+            status, code = "failed", 1
+        else:
+            status, code = "succeeded", 0
+        self.result = RunFinished(status, self.root_cause() if self.first_failure else None, code)
+        self.phase = "finished"
+        return [self.result]
+
+    def root_cause(self) -> str | None:
+        """The rule of :mod:`psflow.launch.rootcause` over each task's last attempt: its exits in
+        the order seen, and its error reports. Falls back on the first task that failed."""
+        final = self.final_exits()
+        exits = [TaskExit(t, x.code, x.at, stopped=x.stopped) for t, x in final]
+        reports = {t: x.report for t, x in final if x.report is not None}
+        return root_cause(self.names, exits, reports) or self.first_failure
+
+    def final_exits(self) -> list[tuple[str, ExitRecord]]:
+        """The exits that ended a task for good (not followed by a restart), in the order seen."""
+        return [(t, x) for t, x in self._exit_order if not x.restarted]
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _record(self, task: str) -> TaskRecord:
+        rec = self.records.get(task)
+        if rec is None:
+            raise ValueError(f"Task {task!r} is not part of this run; its tasks are {', '.join(self.names)}.")
+        return rec
+
+    def _live(self) -> tuple[str, ...]:
+        return tuple(t for t, r in self.records.items() if r.state == "running")
+
+    def _cancel_restarts(self) -> None:
+        for rec in self.records.values():
+            if rec.state == "backoff":
+                # Its last exit stands (it counts for the root cause again); the attempt never started.
+                rec.state, rec.attempt, rec.restart_due = "exited", rec.attempt - 1, None
+                rec.exits[-1].restarted = False
+                self.restarts -= 1
+
+    @staticmethod
+    def _exited_cleanly(rec: TaskRecord) -> bool:
+        return rec.state == "exited" and rec.exits[-1].code == 0
