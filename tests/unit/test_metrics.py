@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-from psflow.launch.local import build_summary
+from psflow.launch.controller import ExitRecord, TaskRecord
 from psflow.launch.metrics import (
     final_line,
     job_rate,
@@ -14,6 +12,7 @@ from psflow.launch.metrics import (
 )
 from psflow.launch.plan import make_plan
 from psflow.launch.status import RunStatus
+from psflow.launch.summary import build_summary
 
 TASKS = ["ps:0", "worker:0", "worker:1"]
 
@@ -21,9 +20,9 @@ TASKS = ["ps:0", "worker:0", "worker:1"]
 def _summary(tmp_path, reports: dict, *, stopped_by: str | None = None) -> dict:
     (tmp_path / "train.py").write_text("")
     plan = make_plan(str(tmp_path / "train.py"), num_ps=1, num_workers=2, logdir=str(tmp_path))
-    coord = SimpleNamespace(reports=reports, addresses={})
-    procs = {t: SimpleNamespace(pid=100 + i) for i, t in enumerate(TASKS)}
-    return build_summary(plan, coord, procs, {t: 0 for t in TASKS}, 9.0, None, stopped_by)
+    records = {t: TaskRecord(t, state="exited", handle=100 + i, exits=[ExitRecord(0, 0, 9.0, stopped=False)])
+               for i, t in enumerate(TASKS)}
+    return build_summary(plan, reports, {}, records, 9.0, "stopped" if stopped_by else "succeeded", None)
 
 
 def _replay(tmp_path, events: list[tuple[str, dict]]) -> tuple[dict, dict]:

@@ -1,12 +1,25 @@
-"""The launch-backend seam: one small ABC that every way of starting tasks implements."""
+"""The launch-backend seam: how tasks are started, watched and stopped somewhere.
+
+A backend does the I/O of one kind of place (local processes today; Slurm and Kubernetes next) and
+no policy: it starts the attempts it is told to, reports exits as :class:`TaskExited` events, stops
+the tasks it is told to, and hands over a task's error report. What to start, stop or restart, and
+when the run is over, is decided by :class:`psflow.launch.controller.RunController`; the loop that
+connects the two is :class:`psflow.launch.runner.Runner`.
+
+Lifecycle: ``open(plan)`` -> ``start`` / ``poll`` / ``stop`` / ``error_report`` -> ``close()``
+(always called, also after an error: nothing the backend started may outlive it).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from psflow.launch.plan import LaunchPlan
+from psflow.launch.console import Console
+from psflow.launch.controller import TaskExited
+from psflow.launch.plan import LaunchPlan, TaskPlan
 
 
 @dataclass
@@ -17,8 +30,32 @@ class RunResult:
 
 
 class Backend(ABC):
-    """Carries out a :class:`LaunchPlan`: start every task, watch them, stop them all at the end."""
+    """Starts, watches and stops the tasks of one run. ``console``: where their output goes."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console()
+
+    def open(self, plan: LaunchPlan) -> None:  # noqa: B027 (a hook: most backends need nothing here)
+        """Prepare for ``plan`` before its first task starts."""
+
+    def close(self) -> None:  # noqa: B027
+        """Stop whatever is still running and release what :meth:`open` took."""
 
     @abstractmethod
-    def run(self, plan: LaunchPlan) -> RunResult:
-        """Run the plan to completion (or failure) and return its result."""
+    def start(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> Any:
+        """Start attempt ``attempt`` of ``task`` with ``env`` added to its environment; return its
+        handle (a pid for local processes)."""
+
+    @abstractmethod
+    def poll(self, timeout_s: float = 0.0) -> list[TaskExited]:
+        """The exits seen since the last call, in the order they happened; waits up to ``timeout_s``
+        for the first one."""
+
+    @abstractmethod
+    def stop(self, tasks: Sequence[str], grace_s: float) -> None:
+        """Stop ``tasks``: ask them to exit (SIGTERM), force them after ``grace_s`` (SIGKILL). Their
+        exits come through :meth:`poll`."""
+
+    @abstractmethod
+    def error_report(self, task: str) -> dict[str, Any] | None:
+        """The error report ``task``'s last attempt wrote, or None."""

@@ -1,11 +1,13 @@
 """The live state of a run: kept by the launcher, written to ``LOGDIR/status.json``, shown as a table.
 
-Owns: every task's state (``starting`` -> ``running`` once registered -> ``exited`` with its code),
-pid, address and last progress report (global step, local step, examples, examples/sec, loss), and
+Owns: every task's state (``starting`` -> ``running`` once registered -> ``exited`` with its code;
+a restarted task is ``starting`` again with its next ``attempt``), pid, address and last progress
+report (global step, local step, examples, examples/sec, loss), and
 the run's state (``running`` -> ``succeeded`` | ``failed`` | ``stopped``). Updates are pure and
 under a lock (they come from the launcher's threads); :meth:`RunStatus.write` publishes the whole
 state atomically (temporary file + rename), at most every ``min_interval_s`` unless forced, so a
-reader — ``psflow status``, a dashboard, a test — never sees half a file.
+reader — ``psflow status``, a dashboard, a test — never sees half a file. The launcher writes it
+through :class:`psflow.launch.runstore.FileRunStore`.
 
 :func:`render` turns a status dict into a rich table: the launcher's live display on a terminal,
 and ``psflow status LOGDIR``.
@@ -52,13 +54,15 @@ class RunStatus:
             "heartbeat_unix": time.time(),
             # Who writes this file: `psflow status` tells a live run from one whose launcher died.
             "launcher": process_identity(os.getpid()),
-            "tasks": {t: {"state": "starting", "pid": None, "address": None, "exit_code": None, "progress": {}}
+            "tasks": {t: {"state": "starting", "attempt": 0, "pid": None, "address": None, "exit_code": None, "progress": {}}
                       for t in tasks},
         }
 
     # -- updates (any thread) ------------------------------------------------------------------
-    def started(self, task: str, pid: int) -> None:
-        self._update(task, pid=pid, identity=process_identity(pid))
+    def started(self, task: str, pid: int, attempt: int = 0) -> None:
+        # A restart starts over; the first attempt keeps a state its registration may have set already.
+        again = {"state": "starting", "exit_code": None, "address": None} if attempt > 0 else {}
+        self._update(task, pid=pid, identity=process_identity(pid), attempt=attempt, **again)
 
     def on_event(self, kind: str, data: dict[str, Any]) -> None:
         """The coordinator's events: ``registered`` (a task is up) and ``report`` (its metrics)."""

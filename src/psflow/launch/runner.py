@@ -1,0 +1,247 @@
+"""The runner: one run of a plan, as a loop around the controller.
+
+The I/O shell of :class:`psflow.launch.controller.RunController`. It
+
+1. writes the run's secret (a 0600 file in the log dir, read by every task) and starts the launcher's
+   own server with the coordinator (rendezvous and reports, :mod:`psflow.launch.coordinator`);
+2. turns the controller's decisions into backend actions: start an attempt (with the task's
+   environment), stop tasks (warning the user where the controller says so), note a restart;
+3. feeds the controller what happens: the backend's exits (each failed task's error report first),
+   the passing time (every ``tick_s``), and Ctrl-C / SIGTERM as a stop request;
+4. records it all in the run store (:mod:`psflow.launch.runstore`: ``status.json``,
+   ``events.jsonl``, ``summary.json``), and, once the controller has finished the run, prints the
+   root cause first, then what the other failed tasks said.
+
+Signals: the first Ctrl-C or SIGTERM asks the run to stop (every task gets SIGTERM, then SIGKILL
+after the plan's ``grace_s``); a second one interrupts the launcher at once, and still nothing it
+started outlives it (the backend is closed on the way out).
+
+Used by ``psflow run`` through :meth:`psflow.launch.local.LocalBackend.run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+
+from psflow.launch.backend import Backend, RunResult
+from psflow.launch.controller import (
+    Decision,
+    RestartPolicy,
+    RestartTask,
+    RunController,
+    RunFinished,
+    StartTask,
+    StopRequested,
+    StopTasks,
+    TaskExited,
+    TaskReported,
+    TaskStarted,
+    TimeAdvanced,
+    describe_exit,
+)
+from psflow.launch.coordinator import Coordinator
+from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.launch.runstore import FileRunStore, RunStore
+from psflow.launch.summary import build_summary
+from psflow.server import Server
+
+
+def file_store(plan: LaunchPlan) -> RunStore:
+    """The default run store: files in the plan's log dir."""
+    return FileRunStore(plan.logdir, plan.run_id, plan.task_names(), mode=plan.config.mode, strategy=plan.config.strategy)
+
+
+class Runner:
+    """Carry out plans on ``backend`` under the controller's rules.
+
+    Args:
+        backend: where the tasks run.
+        register_timeout_s: how long the coordinator waits for every task to register.
+        policy: when tasks are restarted (default: never).
+        store: makes the run store for a plan (default: :func:`file_store`).
+        tick_s: how often time advances in the controller when nothing happens.
+
+    Example:
+        >>> Runner(LocalBackend()).run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
+        0
+    """
+
+    def __init__(self, backend: Backend, *, register_timeout_s: float = 120.0, policy: RestartPolicy | None = None,
+                 store: Callable[[LaunchPlan], RunStore] = file_store, tick_s: float = 0.5) -> None:
+        self.backend = backend
+        self.console = backend.console
+        self.register_timeout_s = register_timeout_s
+        self.policy = policy or RestartPolicy()
+        self.make_store = store
+        self.tick_s = tick_s
+
+    def run(self, plan: LaunchPlan) -> RunResult:
+        """Run ``plan`` to its end; return its exit code (0, 1 failed, 130 stopped), summary and root cause."""
+        logdir = Path(plan.logdir)
+        logdir.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        server: Server | None = None
+        try:
+            self.backend.open(plan)
+            secret_file = write_secret(logdir)
+            server = Server("launcher", secret=secret_file.read_bytes())
+            store = self.make_store(plan)
+            coord = Coordinator(server, plan.task_names(), register_timeout_s=self.register_timeout_s,
+                                require_ps=plan.config.strategy == "ps", on_event=_to_store(store))
+            address = server.start()
+            controller = RunController(plan.task_names(), grace_s=plan.grace_s, ps_exit_timeout_s=plan.ps_exit_timeout_s,
+                                       policy=self.policy)
+            envs = {tp.task: {**dict(tp.env), "PSFLOW_COORDINATOR": address, "PSFLOW_SECRET_FILE": str(secret_file)}
+                    for tp in plan.tasks}
+            with self.console.live_table(store.snapshot), _stop_signals() as stops:
+                finished = self._loop(plan, controller, store, envs, stops)
+        finally:
+            self.backend.close()
+            if server is not None:
+                server.stop()
+        summary = build_summary(plan, coord.reports, coord.addresses, controller.records, time.time() - t0,
+                                finished.status, finished.root_cause)
+        store.summary(summary)
+        store.finished(finished.status)
+        self.console.final_table(store.snapshot())
+        if finished.root_cause is not None:
+            self._print_root_cause(plan, controller, finished.root_cause)
+        return RunResult(finished.exit_code, summary, finished.root_cause)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _loop(self, plan: LaunchPlan, controller: RunController, store: RunStore, envs: Mapping[str, Mapping[str, str]],
+              stops: _StopSignals) -> RunFinished:
+        tasks = {tp.task: tp for tp in plan.tasks}
+        pending: deque[Decision] = deque(controller.start(time.time()))
+        while True:
+            while pending:
+                pending.extend(self._carry_out(pending.popleft(), tasks, controller, store, envs))
+            if controller.result is not None:
+                return controller.result
+            reason = stops.take()
+            if reason is not None:
+                pending.extend(controller.handle(StopRequested(reason, time.time())))
+                continue
+            for exited in self.backend.poll(timeout_s=self.tick_s):
+                pending.extend(self._exited(exited, controller, store))
+            pending.extend(controller.handle(TimeAdvanced(time.time())))
+            store.tick()  # publish the last changes of a quiet spell
+
+    def _carry_out(self, d: Decision, tasks: Mapping[str, TaskPlan], controller: RunController, store: RunStore,
+                   envs: Mapping[str, Mapping[str, str]]) -> list[Decision]:
+        if isinstance(d, StartTask):
+            handle = self.backend.start(tasks[d.task], d.attempt, envs[d.task])
+            store.task_started(d.task, d.attempt, handle)
+            return controller.handle(TaskStarted(d.task, d.attempt, time.time(), handle))
+        if isinstance(d, StopTasks):
+            if d.warning:
+                self.console.warn(d.reason)
+            store.event("stop", tasks=list(d.tasks), grace_s=d.grace_s, reason=d.reason)
+            self.backend.stop(d.tasks, d.grace_s)
+        elif isinstance(d, RestartTask):
+            self.console.warn(f"{d.task} ended ({d.reason}); restarting it (attempt {d.attempt}) in {d.after_s:.1f} s.")
+            store.event("restart", task=d.task, attempt=d.attempt, after_s=d.after_s, reason=d.reason)
+        return []
+
+    def _exited(self, e: TaskExited, controller: RunController, store: RunStore) -> list[Decision]:
+        out: list[Decision] = []
+        if e.code != 0:  # the report first: the controller may finish the run on this exit
+            report = self.backend.error_report(e.task)
+            if report is not None:
+                out += controller.handle(TaskReported(e.task, e.attempt, report, e.at))
+        store.task_exited(e.task, e.attempt, e.code, e.at)
+        return out + controller.handle(e)
+
+    # -- the end -----------------------------------------------------------------------------------
+    def _print_root_cause(self, plan: LaunchPlan, controller: RunController, root: str) -> None:
+        echo = self.console.echo
+        final = {t: r.exits[-1] for t, r in controller.records.items() if r.exits}
+        report = final[root].report if root in final else None
+        code = final[root].code if root in final else None
+        echo(click.style(f"psflow: the run failed. Root cause: {root} exited with code {code}", fg="red", bold=True))
+        errors = Path(plan.logdir) / "errors"
+        if report:
+            echo(f"  {report.get('exception')}: {report.get('message')}")
+            shown_by = self.console.traceback_shown_by(str(report.get("traceback", "")))
+            if shown_by:  # in the output above already: not a second time
+                echo(f"  (traceback above, from {shown_by}; also in {errors})")
+            else:
+                echo("  " + str(report.get("traceback", "")).rstrip().replace("\n", "\n  "))
+        else:
+            log = Path(plan.logdir) / "logs" / f"{root.replace(':', '-')}.log"
+            echo(f"  (no error report; last lines of {log}:)")
+            echo(_tail(log))
+        for t, x in controller.final_exits():
+            if t == root or x.code == 0:
+                continue
+            r = x.report
+            why = f"{r.get('exception')}: {r.get('message')}" if r else f"{describe_exit(x.code)} (stopped after the root cause)"
+            echo(f"  then {t}: {why}")
+
+
+def write_secret(logdir: Path) -> Path:
+    """A fresh job secret in ``logdir/.secret`` (0600): every task proves it holds it."""
+    secret_file = logdir / ".secret"
+    secret_file.touch(mode=0o600)
+    secret_file.write_bytes(secrets.token_hex(32).encode())
+    return secret_file
+
+
+def _to_store(store: RunStore) -> Callable[[str, dict[str, Any]], None]:
+    """The coordinator's events (``registered``, ``report``) into the run store."""
+    def on_event(kind: str, data: dict[str, Any]) -> None:
+        task = str(data.get("task"))
+        if kind == "registered":
+            store.task_registered(task, str(data.get("address")))
+        elif kind == "report":
+            store.report(task, data.get("metrics") or {})
+    return on_event
+
+
+class _StopSignals:
+    """Ctrl-C and SIGTERM, as a stop request the loop takes; the second one interrupts at once."""
+
+    def __init__(self) -> None:
+        self._reason: str | None = None
+        self._count = 0
+
+    def take(self) -> str | None:
+        reason, self._reason = self._reason, None
+        return reason
+
+    def handler(self, signum: int, frame: Any) -> None:
+        self._count += 1
+        if self._count > 1:
+            raise KeyboardInterrupt
+        self._reason = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[_StopSignals]:
+    stops = _StopSignals()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield stops
+        return
+    old = {s: signal.signal(s, stops.handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stops
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join("  " + line for line in path.read_text().splitlines()[-n:])
+    except OSError:
+        return "  (no log)"

@@ -1,0 +1,124 @@
+"""The run store: where a run's state is kept while it goes on and after it ended.
+
+One interface (:class:`RunStore`), written by the runner (:mod:`psflow.launch.runner`) and the
+coordinator's callbacks (from the launcher server's threads: implementations are thread-safe), read
+by ``psflow status`` / ``psflow summary`` and, later, the dashboard. What it records:
+
+- each attempt of each task: started (pid), registered (address), its progress reports, its exit
+  (code, signal name);
+- the run's events in order (starts, exits, stops and restarts decided, the end);
+- the run's end state, and its summary.
+
+:class:`FileRunStore` is the file layout of a local run: ``status.json`` (the live state, see
+:mod:`psflow.launch.status`), ``events.jsonl`` (one JSON object per line, appended as they happen),
+``summary.json`` (written once, at the end). The job store of the dashboard (SQLite) implements the
+same interface.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from psflow.launch.controller import signal_name
+from psflow.launch.status import RunStatus
+
+EVENTS_FILE = "events.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+class RunStore(ABC):
+    """A run's state: written as it happens, read by the CLI and the dashboard."""
+
+    @abstractmethod
+    def task_started(self, task: str, attempt: int, handle: Any) -> None:
+        """Attempt ``attempt`` of ``task`` started; ``handle`` is the backend's (a pid for local tasks)."""
+
+    @abstractmethod
+    def task_registered(self, task: str, address: str) -> None:
+        """``task`` registered with the coordinator: it is up, at ``address``."""
+
+    @abstractmethod
+    def report(self, task: str, metrics: dict[str, Any]) -> None:
+        """``task`` reported metrics (live progress, or its final figures)."""
+
+    @abstractmethod
+    def task_exited(self, task: str, attempt: int, code: int, at: float) -> None:
+        """Attempt ``attempt`` of ``task`` ended with exit code ``code`` (negative: the signal)."""
+
+    @abstractmethod
+    def event(self, kind: str, **data: Any) -> None:
+        """Something else worth keeping in the run's history (a stop or a restart decided, ...)."""
+
+    @abstractmethod
+    def finished(self, status: str) -> None:
+        """The run ended: ``succeeded``, ``failed`` or ``stopped``."""
+
+    @abstractmethod
+    def summary(self, summary: dict[str, Any]) -> None:
+        """The run's summary (see :func:`psflow.launch.summary.build_summary`)."""
+
+    @abstractmethod
+    def snapshot(self) -> dict[str, Any]:
+        """The live state, as ``status.json`` holds it (for the live table)."""
+
+    def tick(self) -> None:  # noqa: B027 (a hook: stores that write at once need nothing)
+        """Called every so often: publish what a quiet spell left unpublished."""
+
+
+class FileRunStore(RunStore):
+    """``status.json``, ``events.jsonl`` and ``summary.json`` in ``logdir`` (an earlier run's are replaced)."""
+
+    def __init__(self, logdir: str | os.PathLike[str], run_id: str, tasks: Sequence[str], *, mode: str = "async",
+                 strategy: str = "ps") -> None:
+        self.logdir = Path(logdir)
+        self.status = RunStatus(run_id, tasks, logdir, mode=mode, strategy=strategy)
+        self._lock = threading.Lock()
+        self._events = self.logdir / EVENTS_FILE
+        self._events.write_text("")
+        self.event("run_started", run_id=run_id, tasks=list(tasks))
+
+    def task_started(self, task: str, attempt: int, handle: Any) -> None:
+        pid = handle if isinstance(handle, int) else None
+        self.status.started(task, pid, attempt)  # type: ignore[arg-type]
+        self.event("task_started", task=task, attempt=attempt, pid=pid)
+
+    def task_registered(self, task: str, address: str) -> None:
+        self.status.on_event("registered", {"task": task, "address": address})
+        self.event("task_registered", task=task, address=address)
+
+    def report(self, task: str, metrics: dict[str, Any]) -> None:
+        # Progress comes about once a second per task: the live state only, not the history.
+        self.status.on_event("report", {"task": task, "metrics": metrics})
+
+    def task_exited(self, task: str, attempt: int, code: int, at: float) -> None:
+        self.status.exited(task, code)
+        self.event("task_exited", task=task, attempt=attempt, code=code, signal=signal_name(code), time_unix=at)
+
+    def event(self, kind: str, **data: Any) -> None:
+        line = json.dumps({"time_unix": round(time.time(), 3), "event": kind, **data}, default=str)
+        with self._lock:
+            try:
+                with self._events.open("a") as f:
+                    f.write(line + "\n")
+            except OSError:
+                pass  # the log directory went away: the run's own output still shows it
+
+    def finished(self, status: str) -> None:
+        self.event("run_finished", status=status)
+        self.status.finished(status)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        (self.logdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.status.snapshot()
+
+    def tick(self) -> None:
+        self.status.write()

@@ -1,0 +1,80 @@
+"""A run's ``summary.json``: its headline figures, then every task (attempts, exits) and its reports.
+
+Pure: built by the runner once every task has exited, from the coordinator's reports and addresses
+and the controller's task records; the rate and the script's metrics follow the one definition of
+:mod:`psflow.launch.metrics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from psflow.launch.controller import TaskRecord, signal_name
+from psflow.launch.metrics import job_rate, run_metrics, task_metrics, trainer_figures
+from psflow.launch.plan import LaunchPlan
+
+
+def build_summary(
+    plan: LaunchPlan, reports: Mapping[str, Mapping[str, Any]], addresses: Mapping[str, str],
+    records: Mapping[str, TaskRecord], wall_s: float, status: str, root_cause: str | None,
+) -> dict[str, Any]:
+    """The run's summary.json.
+
+    Args:
+        plan: the run's plan.
+        reports: each task's merged reports (the coordinator's).
+        addresses: each task's registered address.
+        records: the controller's book on each task (attempts, exits).
+        wall_s: the run's wall time.
+        status: ``succeeded``, ``failed`` or ``stopped`` (the controller's verdict).
+        root_cause: the task that caused a failure, if any.
+    """
+    # A task stopped or killed has no final report: its last live progress counts (see launch.metrics).
+    figures = trainer_figures(reports)
+    steps = [r.get("global_step") for r in reports.values() if isinstance(r.get("global_step"), int)]
+    steps += [f.get("global_step", 0) for f in figures.values()]
+    steps += [r["progress"].get("global_step", 0) for r in reports.values() if isinstance(r.get("progress"), dict)]
+    chief = next((t for t in plan.task_names() if t.startswith(("chief", "worker"))), None)
+    metrics_by_task = {t: m for t, r in reports.items() if (m := task_metrics(r))}
+    metrics = run_metrics(metrics_by_task, chief)
+    accs = {t: m["test_accuracy"] for t, m in metrics_by_task.items() if "test_accuracy" in m}
+    ps_stats = {t: r["ps_stats"] for t, r in reports.items() if "ps_stats" in r}
+    return {
+        "run_id": plan.run_id,
+        "status": status,
+        "root_cause": root_cause,
+        "mode": plan.config.mode,
+        "strategy": plan.config.strategy,
+        "global_step": max(steps, default=0),
+        "metrics": metrics,  # the script's task.report(name=number), as named (the chief's first)
+        "metrics_by_task": metrics_by_task,
+        **({"test_accuracy": metrics["test_accuracy"], "test_accuracy_by_task": accs} if accs else {}),
+        "examples": sum(int(f.get("examples") or 0) for f in figures.values()),
+        "examples_per_sec": job_rate(figures.values()),
+        "wall_s": round(wall_s, 3),
+        "counters": {
+            "stale_dropped": sum(s.get("stale_dropped", 0) for s in ps_stats.values()),
+            "steps_without_all_workers": max((s.get("steps_without_all", 0) for s in ps_stats.values()), default=0),
+            "wait_s": round(sum(s.get("wait_s", 0.0) for s in ps_stats.values()), 3),
+        },
+        "tasks": [task_entry(plan, r, addresses.get(t)) for t, r in records.items() if r.started],
+        "reports": reports,
+    }
+
+
+def task_entry(plan: LaunchPlan, record: TaskRecord, address: str | None) -> dict[str, Any]:
+    """One task in the summary: its last attempt's pid and exit code, and every attempt's exit."""
+    last = record.exits[-1] if record.exits else None
+    return {
+        "task": record.task,
+        "pid": record.handle,
+        "address": address,
+        "exit_code": last.code if last else None,
+        "signal": signal_name(last.code) if last else None,
+        "attempts": record.attempts,
+        "exits": [{"attempt": x.attempt, "code": x.code, "signal": signal_name(x.code), "time_unix": round(x.at, 3),
+                   "stopped": x.stopped, "restarted": x.restarted} for x in record.exits],
+        "log": str(Path(plan.logdir) / "logs" / f"{record.task.replace(':', '-')}.log"),
+    }
