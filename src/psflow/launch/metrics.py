@@ -19,7 +19,7 @@ a classifier, ``test_mse`` for a regression, anything else. The evaluator's repo
 tags). The run's metrics are the chief's, plus those only other tasks reported.
 
 Pure functions over the coordinator's ``reports`` (task -> merged report dict); called by
-:mod:`psflow.launch.status`, :func:`psflow.launch.local.build_summary` and the CLI.
+:mod:`psflow.launch.status`, :func:`psflow.launch.summary.build_summary` and the CLI.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ a list of them), else the messages psflow itself writes for those cases (a lost 
 connection names the peer; the ps's sync errors name the lost or missing workers; the ssp clock
 error lists the clocks).
 
-Called by :mod:`psflow.launch.local` once every task has exited.
+Called by :class:`psflow.launch.controller.RunController` once every task has exited.
 """
 
 from __future__ import annotations
