@@ -198,13 +198,16 @@ def write_secret(logdir: Path) -> Path:
 
 
 def _to_store(store: RunStore) -> Callable[[str, dict[str, Any]], None]:
-    """The coordinator's events (``registered``, ``report``) into the run store."""
+    """The coordinator's events into the run store (``registered``, ``report``; others, such as
+    ``reregistered``, into the run's history)."""
     def on_event(kind: str, data: dict[str, Any]) -> None:
         task = str(data.get("task"))
         if kind == "registered":
             store.task_registered(task, str(data.get("address")))
         elif kind == "report":
             store.report(task, data.get("metrics") or {})
+        else:
+            store.event(f"task_{kind}", **data)
     return on_event
 
 
