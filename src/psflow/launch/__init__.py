@@ -1,11 +1,42 @@
 """Launching runs: a plan (pure data) carried out by a runner, under a controller's rules, on a backend
-(local processes; Slurm and Kubernetes next)."""
+(local processes; Slurm and Kubernetes next).
 
-from psflow.launch.backend import Backend, RunResult
-from psflow.launch.controller import RestartPolicy, RunController
-from psflow.launch.local import LocalBackend
-from psflow.launch.plan import LaunchPlan, TaskPlan, make_plan
-from psflow.launch.runner import Runner
+The launcher->task contract (``launch.contract``: the task's environment; ``launch.errorreport``:
+its error report) is imported by every task, so this package loads its backends lazily: a task
+that imports the contract does not load the launcher.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from psflow.launch.backend import Backend, RunResult
+    from psflow.launch.controller import RestartPolicy, RunController
+    from psflow.launch.local import LocalBackend
+    from psflow.launch.plan import LaunchPlan, TaskPlan, make_plan
+    from psflow.launch.runner import Runner
+
+_EXPORTS = {
+    "Backend": "psflow.launch.backend",
+    "RunResult": "psflow.launch.backend",
+    "LocalBackend": "psflow.launch.local",
+    "LaunchPlan": "psflow.launch.plan",
+    "TaskPlan": "psflow.launch.plan",
+    "make_plan": "psflow.launch.plan",
+    "RestartPolicy": "psflow.launch.controller",
+    "RunController": "psflow.launch.controller",
+    "Runner": "psflow.launch.runner",
+}
 
 __all__ = ["Backend", "LaunchPlan", "LocalBackend", "RestartPolicy", "RunController", "RunResult", "Runner", "TaskPlan",
            "make_plan"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'psflow.launch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups (and monkeypatch.setattr) see a plain attribute
+    return value

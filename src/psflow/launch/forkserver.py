@@ -176,19 +176,11 @@ def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
 def _write_error_report(env: Mapping[str, str], e: BaseException, tb: TracebackType | None) -> None:
     """The task's JSON error report (as psflow.task writes it) for an error raised before the script
     called psflow.init(), e.g. at import: the launcher then names it as the root cause."""
-    import time
-    import traceback
+    from psflow.launch import errorreport
 
     path = env.get("PSFLOW_ERROR_FILE")
-    if not path:
-        return
-    report = {"task": env.get("PSFLOW_TASK"), "exception": type(e).__name__, "message": str(e),
-              "traceback": "".join(traceback.format_exception(type(e), e, tb)), "time_unix": time.time()}
-    try:
-        Path(f"{path}.tmp").write_text(json.dumps(report, indent=1))
-        os.replace(f"{path}.tmp", path)
-    except OSError:
-        pass  # the log still has the traceback
+    if path:
+        errorreport.write(path, env.get("PSFLOW_TASK", ""), e, tb)  # on failure, the log still has the traceback
 
 
 def _set_threads(env: Mapping[str, str]) -> None:

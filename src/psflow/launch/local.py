@@ -19,7 +19,6 @@ What to start and stop, and when, is the runner's and the controller's business
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import re
@@ -34,6 +33,7 @@ from typing import Any, TextIO
 
 import click
 
+from psflow.launch import errorreport
 from psflow.launch.backend import Backend, RunResult
 from psflow.launch.console import Console
 from psflow.launch.controller import TaskExited
@@ -127,11 +127,7 @@ class LocalBackend(Backend):
         self._stop_processes([self._procs[t] for t in tasks if t in self._procs], grace_s)
 
     def error_report(self, task: str) -> dict[str, Any] | None:
-        try:
-            report = json.loads(self._error_file(task).read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-        return report if isinstance(report, dict) else None
+        return errorreport.read(self._error_file(task))
 
     def close(self) -> None:
         grace_s = self._plan.grace_s if self._plan is not None else 0.0
@@ -147,7 +143,7 @@ class LocalBackend(Backend):
         return self._plan
 
     def _error_file(self, task: str) -> Path:
-        return Path(self._require_plan().logdir) / "errors" / f"{task.replace(':', '-')}.json"
+        return errorreport.path_for(Path(self._require_plan().logdir) / "errors", task)
 
     def _watch(self, task: str, attempt: int, p: Any) -> None:
         code = p.wait()

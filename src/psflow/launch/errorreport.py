@@ -1,0 +1,70 @@
+"""A task's error report: the small JSON file a failing task leaves for its launcher.
+
+The task writes it (``psflow.init``'s exception hook, or the fork server's child when the script
+fails before ``init``) at the path the launcher gave it (``PSFLOW_ERROR_FILE``); the launcher reads
+it to name the root cause of a failed run. One report per task: ``{task, exception, message,
+traceback, time_unix}``.
+
+Invariant: a reader sees a whole report or none, never half of one: the writer writes a temporary
+file next to it and renames it into place. Writing never raises (the task's log keeps the
+traceback when the disk cannot); reading returns None for a missing or unreadable report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+
+def path_for(directory: str | os.PathLike[str], task: str) -> Path:
+    """Where ``task``'s report lies in ``directory``: ``worker:1`` -> ``DIR/worker-1.json``."""
+    return Path(directory) / f"{str(task).replace(':', '-')}.json"
+
+
+def build(task: str, exc: BaseException, tb: TracebackType | None = None) -> dict[str, Any]:
+    """The report of ``exc`` raised in ``task`` (``tb`` defaults to the exception's own traceback)."""
+    tb = exc.__traceback__ if tb is None else tb
+    return {
+        "task": str(task),
+        "exception": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, tb)),
+        "time_unix": time.time(),
+    }
+
+
+def write(path: str | os.PathLike[str], task: str, exc: BaseException, tb: TracebackType | None = None) -> bool:
+    """Write ``exc``'s report for ``task`` to ``path`` atomically (temporary file + rename).
+
+    Returns:
+        True if the report is in place; False if the disk refused it (never raises: the task is
+        failing already, and its log keeps the traceback).
+    """
+    target = Path(path)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(build(task, exc, tb), indent=1))
+        os.replace(tmp, target)
+        return True
+    except OSError:
+        return False
+
+
+def read(path_or_dir: str | os.PathLike[str], task: str | None = None) -> dict[str, Any] | None:
+    """The report at ``path_or_dir``, or, given ``task``, the report of ``task`` in that directory.
+
+    Returns:
+        The report, or None where there is none or it cannot be read as a JSON object.
+    """
+    path = path_for(path_or_dir, task) if task is not None else Path(path_or_dir)
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
