@@ -34,6 +34,7 @@ from psflow.config import TrainConfig
 from psflow.errors import ConfigError, PsflowError
 from psflow.launch import errorreport
 from psflow.launch.contract import TaskEnv
+from psflow.rendezvous import bind_rendezvous, check_exposure
 from psflow.server import Server
 from psflow.wire.conn import connect
 from psflow.wire.ops import Op
@@ -80,7 +81,7 @@ class Task:
         self.connect_timeout_s = connect_timeout_s
         self.fail_at = fail_at
         self.data_dir = data_dir
-        self.rendezvous = rendezvous  # all-reduce, replica 0 only: the TCPStore it serves (psflow.train.allreduce)
+        self.rendezvous = rendezvous  # all-reduce, replica 0 only: the TCPStore it serves (psflow.rendezvous)
         self.ps_service = None
         self.trainers: list[Any] = []
         self.reports: dict[str, Any] = {}
@@ -382,7 +383,7 @@ def init(
     atexit.register(_quick_interpreter_exit)
 
     # All-reduce: replica 0's cluster address is the collective rendezvous, a TCPStore it serves
-    # (see psflow.train.allreduce); its psflow server, which nothing contacts then, moves aside.
+    # (see psflow.rendezvous); its psflow server, which nothing contacts then, moves aside.
     rendezvous = None
     if coordinator:
         bind_host = "127.0.0.1" if tenv.bind_host is None else tenv.bind_host
@@ -391,8 +392,6 @@ def init(
         server = Server(str(task_id), host=bind_host, port=0, secret=key, **server_settings)
         address = server.start()
         if cfg.strategy == "allreduce" and task_id in (TaskId("chief", 0), TaskId("worker", 0)):
-            from psflow.train.allreduce import bind_rendezvous
-
             # Replica 0 is chief:0 if the run has one, else worker:0; only the cluster tells, so both bind.
             rendezvous = bind_rendezvous(bind_host, 0, timeout_s=cfg.ready_timeout_s)
             address = f"{parse_address(address)[0]}:{rendezvous.port}"
@@ -407,8 +406,6 @@ def init(
         _check_secret(spec, bind_host, key)
         _check_allreduce(cfg, spec.hosts(), bind_host, env)
         if cfg.strategy == "allreduce" and spec.chief() == task_id:
-            from psflow.train.allreduce import bind_rendezvous
-
             rendezvous = bind_rendezvous(bind_host, port, timeout_s=cfg.ready_timeout_s)
             port = 0
         server = Server(str(task_id), host=bind_host, port=port, secret=key, **server_settings)
@@ -462,8 +459,6 @@ def _check_allreduce(cfg: TrainConfig, hosts: Iterable[str], bind_host: str, env
     """Before the all-reduce store is bound or joined: refuse unauthenticated traffic off loopback unless opted in."""
     if cfg.strategy != "allreduce":
         return
-    from psflow.train.allreduce import check_exposure
-
     check_exposure(hosts, bind_host=bind_host, gloo_ifname=env.get("GLOO_SOCKET_IFNAME"),
                    allowed=cfg.allow_unauthenticated_allreduce)
 

@@ -7,7 +7,7 @@ all-reduce (gloo on CPU, NCCL when the model is on CUDA) and every task applies 
 so every task holds identical parameters after every step. The surface is the ps Trainer's:
 ``step``, ``pull``, ``stats``, ``close``, ``global_step`` (= local steps, equal on every task).
 
-Rendezvous (who is rank r, where to meet): replica 0 (``cluster.chief()``, i.e. ``chief:0`` or
+Rendezvous (who is rank r, where to meet; ``psflow.rendezvous``): replica 0 (``cluster.chief()``, i.e. ``chief:0`` or
 ``worker:0``) is the rank-0 process, and **its cluster address is the rendezvous address**, where
 it serves a ``torch.distributed.TCPStore`` (PyTorch's MASTER_ADDR:MASTER_PORT). Under the launcher
 ``psflow.task.init`` binds that store on port 0 before registering and registers the store's
@@ -32,7 +32,7 @@ The ``mode`` setting does not apply (all-reduce is synchronous); ``ssp`` and bac
 Security: the TCPStore and gloo's connections are NOT authenticated (the job secret does not cover
 them). The launcher binds them to loopback (127.0.0.1) by default, and a loopback rendezvous pins
 gloo to the loopback interface too. Where they would listen or connect off loopback (a cluster host,
-``PSFLOW_BIND_HOST`` or ``GLOO_SOCKET_IFNAME`` off loopback), :func:`check_exposure` refuses to start
+``PSFLOW_BIND_HOST`` or ``GLOO_SOCKET_IFNAME`` off loopback), ``psflow.rendezvous.check_exposure`` refuses to start
 unless the user opted in (``allow_unauthenticated_allreduce``); it runs in ``psflow.init`` before the
 store is bound and again before the group is joined. What psflow's authenticated connections can
 carry stays there: under the launcher every task learns the rendezvous address from the launcher's
@@ -45,7 +45,7 @@ import datetime
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
 import torch
@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from psflow import checkpoint
 from psflow.checkpoint.keys import ema_key, opt_key_of, split_state
-from psflow.cluster import TaskId, is_loopback_host, parse_address
+from psflow.cluster import is_loopback_host, parse_address
 from psflow.errors import ClusterError, ConfigError, TrainingError
 from psflow.fault import inject
 from psflow.optim import (
@@ -65,67 +65,11 @@ from psflow.optim import (
     set_lr,
 )
 from psflow.ps.placement import ParamInfo, place
+from psflow.rendezvous import bind_rendezvous, check_exposure, rendezvous_task
 from psflow.train.base import TrainerBase
 from psflow.train.towers import Batch, batch_examples, run_step_closure
 
-__all__ = ["AllReduceTrainer", "bind_rendezvous", "check_exposure", "rendezvous_task"]
-
-OPT_IN = ("--allow-unauthenticated-allreduce (PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE=1, "
-          "TrainConfig(allow_unauthenticated_allreduce=True))")
-
-
-def check_exposure(hosts: Iterable[str], *, bind_host: str, gloo_ifname: str | None, allowed: bool) -> None:
-    """Refuse an all-reduce whose unauthenticated traffic would leave loopback, unless ``allowed``.
-
-    Args:
-        hosts: the hosts of the cluster's tasks (the rendezvous and gloo's peers).
-        bind_host: the interface this task binds (PSFLOW_BIND_HOST, else its own cluster host).
-        gloo_ifname: GLOO_SOCKET_IFNAME as the user set it (None: psflow pins a loopback job to loopback).
-        allowed: the user's opt-in (``TrainConfig.allow_unauthenticated_allreduce``).
-
-    Raises:
-        ConfigError: some of that traffic would be off loopback and the user did not opt in.
-    """
-    exposed = [f"cluster host {h}" for h in sorted(set(hosts)) if not is_loopback_host(h)]
-    if not is_loopback_host(bind_host):
-        exposed.append(f"bind host {bind_host or '(every interface)'} (PSFLOW_BIND_HOST)")
-    if gloo_ifname and not all(name.strip().startswith("lo") for name in gloo_ifname.split(",")):
-        exposed.append(f"gloo interface {gloo_ifname} (GLOO_SOCKET_IFNAME)")
-    if not exposed or allowed:
-        return
-    raise ConfigError(
-        f"The all-reduce strategy would run off loopback ({'; '.join(exposed)}), and its traffic is not protected "
-        "by the job secret: torch.distributed's rendezvous store (TCPStore) and gloo's connections between the "
-        "tasks, which carry every gradient and the initial parameters, accept anyone who reaches them, with no "
-        "authentication and no encryption. Anyone on that network could join the group, read the model or corrupt "
-        "its training. Keep every task on loopback, use --strategy ps (every psflow connection proves the job "
-        f"secret), or on a network you trust opt in with {OPT_IN}."
-    )
-
-
-def rendezvous_task(cluster: Any) -> TaskId:
-    """The task that serves the rendezvous and is rank 0: the chief (``chief:0`` or ``worker:0``)."""
-    return cluster.chief()
-
-
-def bind_rendezvous(host: str, port: int = 0, *, timeout_s: float = 120.0) -> dist.TCPStore:
-    """Rank 0: serve the collective rendezvous (a TCPStore) on ``host:port``; port 0 picks a free one.
-
-    Read the bound port from ``store.port``. The store is unauthenticated: bind it to loopback
-    unless every host that can reach it is trusted.
-
-    Raises:
-        ConfigError: the address cannot be bound (busy port, unknown interface).
-    """
-    try:
-        return dist.TCPStore(
-            host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-        )
-    except (RuntimeError, OSError) as e:
-        raise ConfigError(
-            f"Cannot serve the all-reduce rendezvous on {host}:{port}: {e}. "
-            "Pick a free port for the chief's address, or stop the process that uses it."
-        ) from e
+__all__ = ["AllReduceTrainer"]
 
 
 def _pin_gloo_to_loopback() -> None:

@@ -1,0 +1,164 @@
+"""psflow's modules import each other without a circle.
+
+The graph is read from the source (ast), not from a running interpreter, so that it sees every import:
+at module level and inside functions (a deferred import still ties two modules together, it only
+hides the circle until the function runs). Imports under ``if TYPE_CHECKING:`` never run and are left
+out. Importing ``a.b.c`` runs the packages ``a`` and ``a.b`` first, so those count as imports too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported(tree: ast.AST, module: str, is_package: bool) -> set[tuple[str, ...]]:
+    """What ``module`` imports, as dotted names split in parts: ``from p import m`` gives (p, m), which
+    is the module p.m if there is one, else an attribute of p."""
+    names: set[tuple[str, ...]] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            names.update(tuple(a.name.split(".")) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parent = node.module.split(".") if node.module else []
+            if node.level:
+                here = module.split(".")
+                parent = here[: len(here) - node.level + (1 if is_package else 0)] + parent
+            names.update((*parent, a.name) for a in node.names)
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def import_graph(root: Path = SRC / "psflow") -> dict[str, set[str]]:
+    """Module -> the modules of ours that importing it runs.
+
+    Importing ``a.b.c`` runs ``a.b.c`` and, before it, the packages ``a`` and ``a.b``; those implied
+    package edges are left out where the package is one of the importer's own (it is initialized, or
+    being initialized, before any of its submodules runs), unless the importer takes a name that the
+    package's ``__init__`` defines.
+    """
+    modules = _modules(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        edges: set[str] = set()
+        for parts in _imported(ast.parse(path.read_text(), str(path)), name, path.name == "__init__.py"):
+            dotted = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            target = next((d for d in reversed(dotted) if d in modules), None)
+            if target is None:
+                continue  # not ours
+            edges.add(target)
+            edges.update(d for d in dotted if d in modules and d != target and d not in own and len(d) < len(target))
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected component of more than one module (Tarjan), as a path a -> ... -> a."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_path_within(graph, set(c)) for c in components]
+
+
+def _path_within(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest circle through the component's first module, staying inside the component (BFS)."""
+    start = min(component)
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if len(path) > 1 else [start, v, start]
+                if w not in parents:
+                    parents[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return sorted(component)
+
+
+def test_the_graph_sees_module_level_function_level_relative_and_package_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import b\n")
+    (pkg / "a.py").write_text("import json\nfrom pkg.sub import c\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n    return a\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from ..b import f\nimport pkg.sub.d\n")
+    (pkg / "sub" / "d.py").write_text("from pkg.sub import VERSION\n")
+    assert import_graph(pkg) == {
+        "pkg": set(),  # TYPE_CHECKING imports never run
+        "pkg.a": {"pkg.sub", "pkg.sub.c"},  # importing pkg.sub.c runs pkg.sub first; pkg is a's own; json is not ours
+        "pkg.b": {"pkg.a"},  # inside a function, relative
+        "pkg.sub": set(),
+        "pkg.sub.c": {"pkg.b", "pkg.sub.d"},  # pkg.sub is c's own package: initialized before c runs
+        "pkg.sub.d": {"pkg.sub"},  # a name defined in its own package's __init__: a real dependency
+    }
+    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.sub.c", "pkg.b", "pkg.a"]]
+
+
+def test_cycles_finds_a_circle_and_names_its_path():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+
+
+def test_psflow_has_no_import_circle():
+    found = cycles(import_graph())
+    assert not found, "import circles (break each by moving the shared part below both):\n" + "\n".join(
+        "  " + " -> ".join(c) for c in found)
