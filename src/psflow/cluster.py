@@ -461,6 +461,11 @@ _SLURM_VARS = {  # the first one set wins: a step's own view comes before its al
 }
 
 
+def in_slurm_step(env: Mapping[str, str]) -> bool:
+    """Whether ``env`` is a Slurm task's (srun, or an sbatch step): ``SLURM_PROCID`` is set."""
+    return bool(env.get("SLURM_PROCID", "").strip())
+
+
 def cluster_from_slurm_env(
     env: Mapping[str, str], *, num_ps: int, base_port: int, require_ps: bool = True
 ) -> tuple[ClusterSpec, TaskId]:
@@ -495,9 +500,11 @@ def cluster_from_slurm_env(
     if procid >= ntasks:
         raise ConfigError(f"SLURM_PROCID={procid} is out of range for SLURM_NTASKS={ntasks}.")
     if isinstance(num_ps, bool) or not isinstance(num_ps, int) or not 0 <= num_ps < ntasks:
-        raise ConfigError(f"num_ps={num_ps!r} must be in 0..{ntasks - 1} so that SLURM_NTASKS={ntasks} has a worker.")
+        raise ConfigError(f"num_ps={num_ps!r} must be in 0..{ntasks - 1} so that SLURM_NTASKS={ntasks} has a worker "
+                          "(psflow.init reads it from PSFLOW_NUM_PS).")
     if base_port < 1 or base_port + ntasks - 1 > 65535:
-        raise ConfigError(f"base_port={base_port} gives ports {base_port}..{base_port + ntasks - 1}; use 1..65535.")
+        raise ConfigError(f"base_port={base_port} gives ports {base_port}..{base_port + ntasks - 1}; use 1..65535 "
+                          "(psflow.init reads it from PSFLOW_BASE_PORT).")
     hosts = [node for node, count in zip(nodes, counts) for _ in range(count)]
     addrs = [f"{host}:{base_port + i}" for i, host in enumerate(hosts)]
     jobs = {"ps": addrs[:num_ps], "worker": addrs[num_ps:]} if num_ps else {"worker": addrs}

@@ -2,7 +2,9 @@
 
 ``init()`` resolves the cluster and this task's role from, in order: explicit arguments, the
 launcher's environment, the seeds' flags in ``sys.argv`` (``--ps_hosts --worker_hosts --job_name
---task_index``), ``TF_CONFIG``. It starts the task's Server (a ps also hosts its shard) and returns
+--task_index``), ``PSFLOW_CLUSTER`` with ``PSFLOW_TASK``, ``TF_CONFIG``, Slurm's environment (an
+``srun`` step: its first ``PSFLOW_NUM_PS`` tasks are ps, the rest workers; task i listens on
+``PSFLOW_BASE_PORT`` + i). It starts the task's Server (a ps also hosts its shard) and returns
 the :class:`Task`.
 
 The ``PSFLOW_*`` environment variables are read here, through :class:`psflow.launch.contract.TaskEnv`
@@ -29,7 +31,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from psflow.cluster import ClusterSpec, TaskId, is_loopback_host, parse_address, parse_cluster_flags
+from psflow.cluster import (
+    ClusterSpec,
+    TaskId,
+    cluster_from_slurm_env,
+    in_slurm_step,
+    is_loopback_host,
+    parse_address,
+    parse_cluster_flags,
+)
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, PsflowError
 from psflow.launch import errorreport
@@ -316,6 +326,8 @@ def init(
         argv: the arguments to look for the seeds' flags in (default ``sys.argv[1:]``); the rest
             is kept in ``task.argv`` for the script's own parser.
         cluster, job_name, task_index: an explicit cluster, overriding flags and environment.
+            Without one: the launcher's coordinator, the seeds' flags, ``PSFLOW_CLUSTER``,
+            ``TF_CONFIG``, Slurm's environment, the first found.
         secret: the job secret, overriding ``PSFLOW_SECRET`` / ``--secret-file``.
         config: training settings, overriding ``PSFLOW_TRAIN_CONFIG``.
 
@@ -368,10 +380,14 @@ def init(
         spec, task_id = ClusterSpec.from_json(tenv.cluster_json, require_ps=require_ps), tenv.task
     elif env.get("TF_CONFIG"):
         spec, task_id = ClusterSpec.from_tf_config(env["TF_CONFIG"], require_ps=require_ps)
+    elif in_slurm_step(env):
+        num_ps = tenv.num_ps if tenv.num_ps is not None else int(require_ps)
+        spec, task_id = cluster_from_slurm_env(env, num_ps=num_ps, base_port=tenv.base_port, require_ps=require_ps)
     else:
         raise ConfigError(
             "No cluster given. Pass the seeds' flags (--ps_hosts=localhost:2222 --worker_hosts=localhost:2223 "
-            "--job_name=worker --task_index=0), set TF_CONFIG, or start the script with `psflow run`."
+            "--job_name=worker --task_index=0), set TF_CONFIG, run it as a Slurm step (srun), "
+            "or start the script with `psflow run`."
         )
     if task_id is None:
         raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index "

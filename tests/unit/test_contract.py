@@ -20,6 +20,7 @@ EVERY_FIELD = TaskEnv(
     secret="s3cret", secret_file="/run/secret", train_config=TrainConfig(mode="sync", staleness=2), logdir="runs/a",
     error_file="runs/a/errors/worker-1.json", data_dir="/data", fail_at="worker:1@step=3", resume=False, num_threads=3,
     bind_host="0.0.0.0", connect_timeout_s=1.5, handshake_timeout_s=0.25, max_handshaking=7, allow_unauthenticated_allreduce=True,
+    num_ps=0, base_port=3000,
 )
 
 
@@ -74,6 +75,8 @@ def test_the_secret_stays_out_of_the_repr():
     ("PSFLOW_HANDSHAKE_TIMEOUT_S", "inf", r"PSFLOW_HANDSHAKE_TIMEOUT_S must be a positive number. Received: 'inf'"),
     ("PSFLOW_HANDSHAKE_TIMEOUT_S", "-2", r"PSFLOW_HANDSHAKE_TIMEOUT_S must be a positive number. Received: '-2'"),
     ("PSFLOW_MAX_HANDSHAKING", "1.5", r"PSFLOW_MAX_HANDSHAKING must be a positive integer. Received: '1.5'"),
+    ("PSFLOW_NUM_PS", "-1", r"PSFLOW_NUM_PS must be an integer >= 0. Received: '-1'"),
+    ("PSFLOW_BASE_PORT", "70000", r"PSFLOW_BASE_PORT must be a port in 1..65535. Received: '70000'"),
 ])
 def test_a_bad_value_is_refused_naming_the_variable_and_the_value(name, raw, expected):
     with pytest.raises(ConfigError, match=expected):

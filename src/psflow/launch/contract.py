@@ -43,6 +43,8 @@ ENV = {
     "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
     "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
     "PSFLOW_NUM_THREADS": "torch threads of a launched task, set before its script runs (by the launcher's fork server, or as OMP_NUM_THREADS)",
+    "PSFLOW_NUM_PS": "under Slurm: how many of the step's tasks are ps, the first ones (default 1; 0 with the all-reduce strategy)",
+    "PSFLOW_BASE_PORT": "under Slurm: the step's task i (SLURM_PROCID) listens on this port + i (default 2222)",
     "TF_CONFIG": "Kubeflow TFJob's cluster and task JSON",
 }
 
@@ -103,6 +105,13 @@ def _count(name: str, raw: str, *, least: int = 1) -> int:
     return value
 
 
+def _port(name: str, raw: str) -> int:
+    value = _count(name, raw)
+    if value > 65535:
+        raise ConfigError(f"{name} must be a port in 1..65535. Received: {raw!r}.")
+    return value
+
+
 def _var(name: str, parse: Callable[[str, str], Any] = _text, render: Callable[[Any], str] = str, *,
          empty_is_value: bool = False, **kw: Any) -> Any:
     """A TaskEnv field read from and written to the environment variable ``name``. Text is taken as
@@ -145,6 +154,8 @@ class TaskEnv:
     handshake_timeout_s: float | None = _var("PSFLOW_HANDSHAKE_TIMEOUT_S", _seconds, repr, default=None)
     max_handshaking: int | None = _var("PSFLOW_MAX_HANDSHAKING", _count, default=None)
     allow_unauthenticated_allreduce: bool = _var("PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE", _flag, _render_flag, default=False)
+    num_ps: int | None = _var("PSFLOW_NUM_PS", lambda n, r: _count(n, r, least=0), default=None)  # Slurm only
+    base_port: int = _var("PSFLOW_BASE_PORT", _port, default=2222)  # Slurm only
 
     @classmethod
     def parse(cls, env: Mapping[str, str]) -> TaskEnv:
