@@ -34,6 +34,7 @@ from typing import Any
 import click
 
 from psflow.launch.backend import Backend, RunResult
+from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import (
     Decision,
     RestartPolicy,
@@ -101,8 +102,8 @@ class Runner:
             address = server.start()
             controller = RunController(plan.task_names(), grace_s=plan.grace_s, ps_exit_timeout_s=plan.ps_exit_timeout_s,
                                        policy=self.policy)
-            envs = {tp.task: {**dict(tp.env), "PSFLOW_COORDINATOR": address, "PSFLOW_SECRET_FILE": str(secret_file)}
-                    for tp in plan.tasks}
+            launcher = TaskEnv(coordinator=address, secret_file=str(secret_file)).render()
+            envs = {tp.task: {**dict(tp.env), **launcher} for tp in plan.tasks}
             with self.console.live_table(store.snapshot), _stop_signals() as stops:
                 finished = self._loop(plan, controller, store, envs, stops)
         finally:
@@ -140,7 +141,8 @@ class Runner:
     def _carry_out(self, d: Decision, tasks: Mapping[str, TaskPlan], controller: RunController, store: RunStore,
                    envs: Mapping[str, Mapping[str, str]]) -> list[Decision]:
         if isinstance(d, StartTask):
-            handle = self.backend.start(tasks[d.task], d.attempt, envs[d.task])
+            env = {**envs[d.task], **TaskEnv(attempt=d.attempt).render()}  # PSFLOW_ATTEMPT from the first restart on
+            handle = self.backend.start(tasks[d.task], d.attempt, env)
             store.task_started(d.task, d.attempt, handle)
             return controller.handle(TaskStarted(d.task, d.attempt, time.time(), handle))
         if isinstance(d, StopTasks):
