@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -69,6 +69,9 @@ from psflow.checkpoint import (
 from psflow.config import check_logdir
 from psflow.errors import CheckpointError, ConfigError, PsflowError, TrainingError
 from psflow.summary import EventWriter
+
+if TYPE_CHECKING:
+    from psflow.train.base import TrainerBase
 
 log = logging.getLogger("psflow")
 
@@ -179,7 +182,7 @@ class Supervisor:
         task: Any = None,
         *,
         logdir: str | os.PathLike[str] | None = None,
-        trainer: Any = None,
+        trainer: TrainerBase | None = None,
         save_model_secs: float | None = 600,
         save_model_steps: int | None = None,
         keep_checkpoints: int = 5,
@@ -450,7 +453,7 @@ class Supervisor:
         try:
             if not exact:
                 step = self._ps_step()
-            replies = self._save_shards(step, exact)
+            replies = self.trainer.save_shards(str(self.checkpoint_dir), step, exact=exact)
             n = len(replies)
             records = [ShardRecord.from_dict(r["record"]) for r in replies]
             meta = self._manifest_meta(step, [int(r.get("version", step)) for r in replies], replies[0].get("data_positions"))
@@ -470,11 +473,6 @@ class Supervisor:
     def _ps_step(self) -> int:
         """The job's global step now: shard 0's version (other workers may have stepped since our last push)."""
         return int(self.trainer.job_step())
-
-    def _save_shards(self, step: int, exact: bool) -> list[dict[str, Any]]:
-        if self._allreduce:
-            return self.trainer.save_shards(str(self.checkpoint_dir), step)  # every rank holds the same state
-        return self.trainer.save_shards(str(self.checkpoint_dir), step, exact=exact)
 
     def _data_positions(self, by_replica: Mapping[str, Any] | None) -> dict[str, Any]:
         """Every worker's data position by task id: as the ps kept them, else (all-reduce) our own."""

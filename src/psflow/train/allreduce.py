@@ -46,7 +46,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Self
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,11 +55,8 @@ from psflow import checkpoint
 from psflow.checkpoint.keys import ema_key, opt_key_of, split_state
 from psflow.cluster import is_loopback_host, parse_address
 from psflow.errors import ClusterError, ConfigError, TrainingError
-from psflow.fault import inject
 from psflow.optim import (
     MovingAverage,
-    OptimizerSpec,
-    Schedule,
     load_optimizer_state_tensors,
     optimizer_state_tensors,
     set_lr,
@@ -67,7 +64,7 @@ from psflow.optim import (
 from psflow.ps.placement import ParamInfo, place
 from psflow.rendezvous import bind_rendezvous, check_exposure, rendezvous_task
 from psflow.train.base import TrainerBase
-from psflow.train.towers import Batch, batch_examples, run_step_closure
+from psflow.train.towers import Batch, run_step_closure
 
 __all__ = ["AllReduceTrainer"]
 
@@ -92,19 +89,9 @@ class AllReduceTrainer(TrainerBase):
         >>> loss = trainer.step(lambda m, x, y: F.cross_entropy(m(x), y), batch=(x, y))
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: OptimizerSpec,
-        task: Any = None,
-        *,
-        schedule: Schedule | None = None,
-        ema_decay: float | None = None,
-        devices: Sequence[str | torch.device] | None = None,
-        **settings: Any,
-    ) -> None:
-        self._setup(model, optimizer, task, schedule=schedule, ema_decay=ema_decay, devices=devices, settings=settings,
-                    why_spec="Every task builds the same torch.optim optimizer from it.")
+    _why_spec = "Every task builds the same torch.optim optimizer from it."
+
+    def _init_strategy(self) -> None:
         task = self.task
         if self.config.mode == "ssp" or self.config.replicas_to_aggregate != task.num_replicas:
             raise ConfigError(
@@ -113,21 +100,18 @@ class AllReduceTrainer(TrainerBase):
                 "servers. Use --strategy ps for ssp or backup workers."
             )
         self.world_size = task.num_replicas
-        self.torch_optimizer = optimizer.build(list(self.params.values()))
+        self.torch_optimizer = self.optimizer.build(list(self.params.values()))
         self.ema: MovingAverage | None = None
-        if ema_decay is not None:
-            self.ema = MovingAverage(ema_decay)
+        if self.ema_decay is not None:
+            self.ema = MovingAverage(self.ema_decay)
             self.ema.register({n: p.detach() for n, p in self.params.items()})
         # No ps shards in this strategy; the one-shard placement describes rank 0's checkpoints.
-        self.placement = place(ParamInfo.from_module(model), 1)
+        self.placement = place(ParamInfo.from_module(self.model), 1)
         self.backend = "nccl" if self._on_cuda() and dist.is_nccl_available() else "gloo"
         self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self.allreduce_s = 0.0
         self._live: dict[str, torch.Tensor] | None = None  # the live values while averages are loaded
         self._owns_group = False
-        task._attach_trainer(self)
-        if self.config.log_placement and self.towers is not None:
-            print(self.towers.format_placement(str(task.task_id)), flush=True)
 
     def _on_cuda(self) -> bool:
         return any(p.device.type == "cuda" for p in self.params.values())
@@ -138,14 +122,11 @@ class AllReduceTrainer(TrainerBase):
 
         Rank 0's parameters, buffers, moving averages and step reach every task at :meth:`prepare`;
         optimizer slots are restored on each task that calls this (call it on every task).
+
+        Raises:
+            ConfigError: the checkpoint lacks some of the model's parameters.
         """
-        missing = [n for n in self.params if n not in tensors]
-        if missing:
-            raise ConfigError(
-                f"The checkpoint has no values for {missing[:5]}. It was written for a different model; "
-                "point logdir elsewhere or build the same model."
-            )
-        self._restore = (step, tensors)
+        super().restore_from(step, tensors)
 
     def prepare(self) -> int:
         """Join the other tasks (rendezvous + process group), start from rank 0's state. Returns the step."""
@@ -250,10 +231,7 @@ class AllReduceTrainer(TrainerBase):
         Raises:
             TrainingError: a collective failed or timed out (another task died or stalled).
         """
-        if self._faults:
-            inject(self._faults, str(self.task.task_id), self.local_step)
-        self.prepare()  # before the clock starts: joining the group is not training time
-        t0 = time.perf_counter()
+        t0 = self._begin_step()  # joining the group is not training time
         self._load_live()
         if self.schedule is not None:
             set_lr(self.torch_optimizer, self.schedule.lr_at(self.optimizer.lr, self.global_step))
@@ -269,15 +247,11 @@ class AllReduceTrainer(TrainerBase):
         self.compute_s += t1 - t0
         self.torch_optimizer.step()
         self.global_step += 1
-        self.local_step += 1
         if self.ema is not None:
             self.ema.update({n: p.detach() for n, p in self.params.items()}, num_updates=self.global_step)
         if self.towers is not None:
             self.towers.refresh()
-        n = batch_size if batch_size is not None else batch_examples(batch, batches)
-        self.examples += n or 0
-        self.train_time_s += time.perf_counter() - t0
-        self._report_progress(loss)
+        self._end_step(t0, loss, batch_size, batch, batches)
         return loss
 
     @torch.no_grad()
@@ -327,8 +301,11 @@ class AllReduceTrainer(TrainerBase):
             self._live = None
 
     # -- what the Supervisor needs (the ps Trainer offers the same) ---------------------------
-    def save_shards(self, root: str, step: int) -> list[dict[str, Any]]:
-        """The chief writes the whole state as one shard: every rank holds the same values."""
+    def save_shards(self, root: str, step: int, *, exact: bool = False) -> list[dict[str, Any]]:
+        """The chief writes the whole state as one shard: every rank holds the same values.
+
+        ``exact`` changes nothing here: the steps are synchronous, so the state now is that of the
+        step every rank finished last."""
         with torch.no_grad():
             tensors = {n: p.detach().cpu().clone() for n, p in self.params.items()}
             for k, v in optimizer_state_tensors(self.torch_optimizer, list(self.params)).items():
@@ -343,34 +320,14 @@ class AllReduceTrainer(TrainerBase):
         return self.global_step
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "global_step": self.global_step,
-            "local_step": self.local_step,
-            "examples": self.examples,
-            "train_time_s": round(self.train_time_s, 4),
-            "compute_s": round(self.compute_s, 4),
-            "allreduce_s": round(self.allreduce_s, 4),
-            "examples_per_sec": round(self.examples / self.train_time_s, 1) if self.train_time_s else 0.0,
-            "stale_pushes": 0,
-            "mode": "sync",
-            "strategy": "allreduce",
-            "backend": self.backend,
-        }
+        return {**super().stats(), "allreduce_s": round(self.allreduce_s, 4), "stale_pushes": 0, "mode": "sync",
+                "strategy": "allreduce", "backend": self.backend}
 
-    def close(self) -> None:
+    def _release(self) -> None:
         """Leave the process group (no collective: a peer that already failed cannot block this)."""
-        if self._closed:
-            return
-        self._closed = True
         self.ddp = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -1,8 +1,21 @@
 """What every trainer shares, whatever carries its gradients (parameter servers or all-reduce).
 
-``TrainerBase._setup`` resolves the task and the training settings, checks the optimizer spec,
-builds the towers for multi-device replicas and zeroes the counters; ``Trainer`` (ps) and
-``AllReduceTrainer`` add their own transport on top.
+``TrainerBase`` owns the construction (the task, the training settings, the optimizer spec, towers
+for multi-device replicas), the counters and their reports (``stats``, the launcher's live progress),
+the checkpoint a restart starts from (``restore_from``), fault injection at a step, and the
+lifecycle. ``Trainer`` (ps, :mod:`psflow.train.trainer`) and ``AllReduceTrainer``
+(:mod:`psflow.train.allreduce`) add their transport in ``_init_strategy`` and implement the
+surface the training loop and the Supervisor call: ``prepare``, ``step``, ``pull``,
+``save_shards``, ``job_step`` and ``_release``.
+
+States and transitions::
+
+    built --prepare() (or the first step/pull)--> ready --close()--> closed
+    built --close()--> closed            (close runs once; later calls do nothing)
+
+Invariants: ``global_step`` is the job's step as of this task's last step, pull or prepare;
+``local_step`` and ``examples`` count only the steps this task took that the job applied;
+``train_time_s`` excludes getting ready.
 """
 
 from __future__ import annotations
@@ -10,35 +23,59 @@ from __future__ import annotations
 import importlib
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
-from psflow.fault import parse_faults
+from psflow.fault import inject, parse_faults
 from psflow.optim import OptimizerSpec, Schedule
-from psflow.train.towers import Towers
+from psflow.train.towers import Batch, Towers, batch_examples
 
 PROGRESS_EVERY_S = 1.0  # how often a trainer sends its counters to the launcher's live status
 
 
-class TrainerBase:
-    config: TrainConfig
+class TrainerBase(ABC):
+    """The parts of a trainer that do not depend on how gradients travel.
 
-    def _setup(
+    Args:
+        model: the model; an ordinary ``torch.nn.Module``.
+        optimizer: a psflow optimizer spec, e.g. ``pf.optim.SGD(lr=0.01)``.
+        task: the task from ``pf.init()``; default the current one.
+        schedule: learning rate by global step, e.g. ``pf.optim.ExponentialDecay(...)``.
+        ema_decay: keep moving averages of the parameters (read with ``pull(averages=True)``).
+        devices: compute on several local devices (in-graph towers, see :class:`psflow.train.towers.Towers`).
+        **settings: TrainConfig fields; given here they override the launcher's.
+
+    Raises:
+        ConfigError: the optimizer is not a psflow spec, or a setting is unknown or invalid.
+    """
+
+    # Why the optimizer must be a spec, in this strategy's words (the error's second sentence).
+    _why_spec: ClassVar[str]
+
+    config: TrainConfig
+    towers: Towers | None
+    global_step: int
+    local_step: int
+    examples: int
+    train_time_s: float
+    compute_s: float
+
+    def __init__(
         self,
         model: torch.nn.Module,
         optimizer: OptimizerSpec,
-        task: Any,
+        task: Any = None,
         *,
-        schedule: Schedule | None,
-        ema_decay: float | None,
-        devices: Sequence[str | torch.device] | None,
-        settings: Mapping[str, Any],
-        why_spec: str,
+        schedule: Schedule | None = None,
+        ema_decay: float | None = None,
+        devices: Sequence[str | torch.device] | None = None,
+        **settings: Any,
     ) -> None:
         if task is None:
             from psflow.task import current_task
@@ -47,7 +84,7 @@ class TrainerBase:
         if not isinstance(optimizer, OptimizerSpec):
             raise ConfigError(
                 f"optimizer must be a psflow optimizer spec such as pf.optim.SGD(lr=0.01); received "
-                f"{type(optimizer).__name__}. {why_spec}"
+                f"{type(optimizer).__name__}. {self._why_spec}"
             )
         try:
             self.config = replace(task.config, **settings).resolved(task.num_replicas)
@@ -58,9 +95,9 @@ class TrainerBase:
         self.optimizer = optimizer
         self.schedule = schedule
         self.ema_decay = ema_decay
-        self.worker = task.replica_index
+        self.worker: int = task.replica_index
         self.towers = Towers(model, devices) if devices else None
-        self.params = dict(model.named_parameters())
+        self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters())
         self.global_step = 0
         self.local_step = 0
         self.examples = 0
@@ -74,6 +111,105 @@ class TrainerBase:
         if getattr(task, "logdir", None):
             # The progress scalars' writer imports tensorboard (~0.4 s): do it while the cluster gets ready.
             threading.Thread(target=importlib.import_module, args=("torch.utils.tensorboard",), daemon=True).start()
+        self._init_strategy()
+        task._attach_trainer(self)
+        if self.config.log_placement:
+            self._log_placement()
+
+    @abstractmethod
+    def _init_strategy(self) -> None:
+        """Check the settings against the strategy and build its transport (no connection yet)."""
+
+    def _log_placement(self) -> None:
+        """``log_placement``: print where the parameters live."""
+        if self.towers is not None:
+            print(self.towers.format_placement(str(self.task.task_id)), flush=True)
+
+    # -- readiness -------------------------------------------------------------------------
+    def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Start from a checkpoint instead of the model's own values (the Supervisor calls this before ``prepare``).
+
+        Args:
+            step: the global step to resume at.
+            tensors: whole (unsplit) tensors by parameter name, plus optional optimizer slots
+                ``opt/<param>/<slot>`` and moving averages ``ema/<param>``.
+
+        Raises:
+            ConfigError: the checkpoint lacks some of the model's parameters.
+        """
+        missing = [n for n in self.params if n not in tensors]
+        if missing:
+            raise ConfigError(
+                f"The checkpoint has no values for {missing[:5]}. It was written for a different model; "
+                "point logdir elsewhere or build the same model."
+            )
+        self._restore = (step, tensors)
+
+    @abstractmethod
+    def prepare(self) -> int:
+        """Get ready to train (once; later calls return at once). Returns the global step."""
+
+    # -- the step --------------------------------------------------------------------------
+    @abstractmethod
+    def step(
+        self,
+        closure: Callable[..., torch.Tensor],
+        *,
+        batch: Batch | torch.Tensor | None = None,
+        batches: Sequence[Batch | torch.Tensor] | None = None,
+        batch_size: int | None = None,
+    ) -> float:
+        """One training step; returns the loss as a float."""
+
+    def _begin_step(self) -> float:
+        """Before a step: the injected fault due now, readiness; returns the time the step's clock starts."""
+        if self._faults:
+            inject(self._faults, str(self.task.task_id), self.local_step)
+        self.prepare()  # before the clock starts: getting ready is not training time
+        return time.perf_counter()
+
+    def _end_step(
+        self,
+        t0: float,
+        loss: float,
+        batch_size: int | None,
+        batch: Batch | torch.Tensor | None,
+        batches: Sequence[Batch | torch.Tensor] | None,
+    ) -> None:
+        """After a step the job applied: count it, its examples and its time; report progress."""
+        self.local_step += 1
+        n = batch_size if batch_size is not None else batch_examples(batch, batches)
+        self.examples += n or 0
+        self.train_time_s += time.perf_counter() - t0
+        self._report_progress(loss)
+
+    @abstractmethod
+    def pull(self, *, averages: bool = False) -> int:
+        """Load the newest values (or their moving averages) into the model. Returns the global step."""
+
+    # -- what the Supervisor needs -----------------------------------------------------------
+    @abstractmethod
+    def save_shards(self, root: str, step: int, *, exact: bool = False) -> list[dict[str, Any]]:
+        """Write checkpoint ``step``'s shards under ``root``; returns each shard's ``{"record", "version", ...}``."""
+
+    @abstractmethod
+    def job_step(self) -> int:
+        """The job's global step now."""
+
+    # -- counters --------------------------------------------------------------------------
+    def _examples_per_sec(self) -> float:
+        return self.examples / self.train_time_s if self.train_time_s else 0.0
+
+    def stats(self) -> dict[str, Any]:
+        """This task's counters (the launcher's summary holds them as ``trainer``)."""
+        return {
+            "global_step": self.global_step,
+            "local_step": self.local_step,
+            "examples": self.examples,
+            "train_time_s": round(self.train_time_s, 4),
+            "compute_s": round(self.compute_s, 4),
+            "examples_per_sec": round(self._examples_per_sec(), 1),
+        }
 
     def _report_progress(self, loss: float) -> None:
         """After a step, at most every PROGRESS_EVERY_S: the counters and the loss, to the launcher."""
@@ -83,13 +219,29 @@ class TrainerBase:
         self._progress_at = now
         scalar = getattr(self.task, "scalar", None)  # TensorBoard, with or without a Supervisor
         if scalar is not None and getattr(self.task, "logdir", None):
-            per_task_rate = self.examples / self.train_time_s if self.train_time_s else 0.0
-            for name, value in (("loss", loss), ("examples_per_sec", per_task_rate), ("global_step", self.global_step)):
+            for name, value in (("loss", loss), ("examples_per_sec", self._examples_per_sec()), ("global_step", self.global_step)):
                 scalar(f"progress/{name}", float(value), self.global_step)
         send = getattr(self.task, "report_progress", None)  # tasks without a launcher: a no-op there
         if send is not None:
             # train_time_s travels too: the job's rate is computed from it (psflow.launch.metrics.job_rate)
             send(global_step=self.global_step, local_step=self.local_step, examples=self.examples,
-                 train_time_s=round(self.train_time_s, 4),
-                 examples_per_sec=round(self.examples / self.train_time_s, 1) if self.train_time_s else 0.0,
+                 train_time_s=round(self.train_time_s, 4), examples_per_sec=round(self._examples_per_sec(), 1),
                  loss=float(loss))
+
+    # -- end -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the strategy holds (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+
+    @abstractmethod
+    def _release(self) -> None:
+        """What ``close`` does, once."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -31,13 +31,12 @@ import torch
 
 from psflow.checkpoint.keys import StateKey, parse_key
 from psflow.errors import ConfigError, PsflowError
-from psflow.fault import inject
-from psflow.optim import OptimizerSpec, Schedule
+from psflow.optim import OptimizerSpec
 from psflow.ps.client import PsClient
 from psflow.ps.placement import ParamInfo, Placement, place, split_tensor
 from psflow.ps.progress import StepPlan
 from psflow.train.base import TrainerBase
-from psflow.train.towers import Batch, batch_examples, run_step_closure
+from psflow.train.towers import Batch, run_step_closure
 
 
 class Trainer(TrainerBase):
@@ -66,7 +65,7 @@ class Trainer(TrainerBase):
 
     def __new__(cls, model: torch.nn.Module, optimizer: OptimizerSpec, task: Any = None, **kwargs: Any) -> Any:
         # The strategy picks the implementation, so a script runs unchanged under --strategy ps|allreduce.
-        # AllReduceTrainer is not a subclass, so Python does not run Trainer.__init__ on it.
+        # AllReduceTrainer is not a subclass of Trainer, so Python does not initialize it a second time.
         if cls is Trainer:
             strategy = kwargs.get("strategy")
             if strategy is None:
@@ -81,20 +80,10 @@ class Trainer(TrainerBase):
                 return AllReduceTrainer(model, optimizer, task, **kwargs)
         return super().__new__(cls)
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: OptimizerSpec,
-        task: Any = None,
-        *,
-        schedule: Schedule | None = None,
-        ema_decay: float | None = None,
-        devices: Sequence[str | torch.device] | None = None,
-        **settings: Any,
-    ) -> None:
-        self._setup(model, optimizer, task, schedule=schedule, ema_decay=ema_decay, devices=devices, settings=settings,
-                    why_spec="The parameter servers apply it, so it travels as data, not as a torch.optim object.")
-        task = self.task
+    _why_spec = "The parameter servers apply it, so it travels as data, not as a torch.optim object."
+
+    def _init_strategy(self) -> None:
+        task, model = self.task, self.model
         for name, p in self.params.items():
             if not p.is_contiguous() or p.device.type != "cpu":
                 raise ConfigError(f"Parameter {name!r} must be a contiguous CPU tensor to train against parameter servers.")
@@ -117,11 +106,11 @@ class Trainer(TrainerBase):
         self.stopped = False  # the ps refused the last step: the job reached the plan's stop step
         self._restored_positions: Mapping[str, Any] | None = None
         self._install_grad_hooks()
-        task._attach_trainer(self)
-        if self.config.log_placement and task.is_chief:
+
+    def _log_placement(self) -> None:
+        if self.task.is_chief:
             print(self.placement.format_table(), flush=True)
-        if self.config.log_placement and self.towers is not None:
-            print(self.towers.format_placement(str(task.task_id)), flush=True)
+        super()._log_placement()
 
     # -- readiness -------------------------------------------------------------------------
     def plan_steps(self, *, stop_at: int | None = None, snapshot_every: int | None = None, data: Any = None) -> None:
@@ -149,15 +138,12 @@ class Trainer(TrainerBase):
                 splits them, so a checkpoint restores into any number of ps.
             data_positions: every worker's data position by replica index (``"0"``, ``"1"``...);
                 each worker gets its own back in :attr:`ready_info`.
+
+        Raises:
+            ConfigError: the checkpoint lacks some of the model's parameters.
         """
+        super().restore_from(step, tensors)
         self._restored_positions = data_positions
-        missing = [n for n in self.params if n not in tensors]
-        if missing:
-            raise ConfigError(
-                f"The checkpoint has no values for {missing[:5]}. It was written for a different model; "
-                "point logdir elsewhere or build the same model."
-            )
-        self._restore = (step, tensors)
 
     def prepare(self) -> int:
         """Chief: initialize the ps shards. Others: wait until they are. Returns the global step."""
@@ -225,10 +211,7 @@ class Trainer(TrainerBase):
 
         Returns the loss as a float. Afterwards the model holds the newest values from the ps.
         """
-        if self._faults:
-            inject(self._faults, str(self.task.task_id), self.local_step)
-        self.prepare()  # before the clock starts: setup is not training time
-        t0 = time.perf_counter()
+        t0 = self._begin_step()
         cfg = self.config
         if cfg.mode == "ssp":
             self.client.clock(self.worker, self.local_step, cfg.sync_timeout_s)
@@ -269,13 +252,7 @@ class Trainer(TrainerBase):
             # The job reached its stop step before this batch: nothing of it was applied or counted.
             self.stopped = True
             return value
-        self.local_step += 1
-        if batch_size is None:
-            batch_size = batch_examples(batch, batches)
-        if batch_size is not None:
-            self.examples += batch_size
-        self.train_time_s += time.perf_counter() - t0
-        self._report_progress(value)
+        self._end_step(t0, value, batch_size, batch, batches)
         return value
 
     def _grads(self, shard: int) -> list[tuple[str, torch.Tensor]]:
@@ -358,31 +335,12 @@ class Trainer(TrainerBase):
         return int(self.client.status()[0]["version"])
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "global_step": self.global_step,
-            "local_step": self.local_step,
-            "examples": self.examples,
-            "train_time_s": round(self.train_time_s, 4),
-            "compute_s": round(self.compute_s, 4),
-            "examples_per_sec": round(self.examples / self.train_time_s, 1) if self.train_time_s else 0.0,
-            "stale_pushes": self.stale_pushes,
-            "early_pushes": self.early_pushes,
-            "mode": self.config.mode,
-        }
+        return {**super().stats(), "stale_pushes": self.stale_pushes, "early_pushes": self.early_pushes, "mode": self.config.mode}
 
-    def close(self) -> None:
+    def _release(self) -> None:
         """Tell the ps this worker is done (they exit when every worker is) and disconnect."""
-        if self._closed:
-            return
-        self._closed = True
         try:
             if self._ready or not self.task.is_chief:
                 self.client.done(self.worker)
         finally:
             self.client.close()
-
-    def __enter__(self) -> Trainer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
