@@ -39,6 +39,7 @@ class TrainConfig:
     ready_timeout_s: float = 120.0  # non-chief: the longest wait for the chief to initialize the ps
     # ps: once every worker is done or lost, how long it waits for a lost one to come back before it fails
     lost_worker_timeout_s: float = 300.0
+    progress_every_s: float = 1.0  # trainers: how often a task sends its counters to the launcher's live status
     log_placement: bool = False
     # All-reduce off loopback: gloo's store and connections are not covered by the job secret.
     allow_unauthenticated_allreduce: bool = False
@@ -62,7 +63,7 @@ class TrainConfig:
             raise ConfigError(f"staleness must be an integer >= 0; received {self.staleness!r}.")
         if self.split_bytes is not None and (not isinstance(self.split_bytes, int) or self.split_bytes < 0):
             raise ConfigError(f"split_bytes must be an integer >= 0 or None; received {self.split_bytes!r}.")
-        for name in ("sync_timeout_s", "ready_timeout_s", "lost_worker_timeout_s"):
+        for name in ("sync_timeout_s", "ready_timeout_s", "lost_worker_timeout_s", "progress_every_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{name} must be a positive number of seconds; received {v!r}.")

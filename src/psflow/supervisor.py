@@ -175,6 +175,8 @@ class Supervisor:
             launcher's ``--logdir`` or ``PSFLOW_LOGDIR``) or ``PSFLOW_RESUME=1`` is set; a run
             that fell back to the shared default ``runs/default`` refuses to continue another
             run's checkpoints. True: continue them. False: refuse to start where checkpoints exist.
+        poll_s: chief, async mode: seconds between looks at the ps's bookkeeping while it waits for
+            the other workers to finish before the final checkpoint.
     """
 
     def __init__(
@@ -194,6 +196,7 @@ class Supervisor:
         ema_for_export: bool = False,
         data: Any = None,
         resume: bool | None = None,
+        poll_s: float = 0.25,
     ) -> None:
         if task is None:
             from psflow.task import current_task
@@ -209,6 +212,8 @@ class Supervisor:
         for name, value in (("save_model_secs", save_model_secs), ("max_seconds", max_seconds)):
             if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number of seconds or None; received {value!r}.")
+        if not (isinstance(poll_s, (int, float)) and poll_s > 0 and math.isfinite(poll_s)):
+            raise ConfigError(f"poll_s must be a positive number of seconds; received {poll_s!r}.")
         for name, value in (("save_model_steps", save_model_steps), ("max_steps", max_steps),
                             ("summary_every_steps", summary_every_steps), ("histogram_every_steps", histogram_every_steps)):
             if value is not None:
@@ -237,6 +242,7 @@ class Supervisor:
         self.hooks: list[Hook] = list(hooks)
         self.ema_for_export = ema_for_export
         self.data = data
+        self.poll_s = poll_s
         self.diverged = False
         self.examples = 0
         self.start_step = 0
@@ -585,7 +591,7 @@ class Supervisor:
                 self._say(f"waiting for {len(missing)} other worker(s) to finish before the final checkpoint")
                 announced = True
             self._save_if_due(int(status["version"]))
-            time.sleep(0.25)  # a poll of the ps's bookkeeping, not a synchronisation: any reply order is fine
+            time.sleep(self.poll_s)  # a poll of the ps's bookkeeping, not a synchronisation: any reply order is fine
 
     def _write_done(self) -> None:
         done = self.logdir / DONE_FILE

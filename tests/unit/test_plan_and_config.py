@@ -18,7 +18,8 @@ def test_train_config_rejects_unknown_mode_with_the_allowed_ones():
 
 
 @pytest.mark.parametrize("field,value", [("replicas_to_aggregate", 0), ("total_num_replicas", -1), ("staleness", -2),
-                                         ("sync_timeout_s", 0), ("ready_timeout_s", float("inf"))])
+                                         ("sync_timeout_s", 0), ("ready_timeout_s", float("inf")),
+                                         ("progress_every_s", 0.0)])
 def test_train_config_rejects_bad_numbers_naming_the_field(field, value):
     with pytest.raises(ConfigError, match=field):
         TrainConfig(**{field: value})

@@ -257,6 +257,7 @@ def task_with_trainer(ema_decay=None):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"save_model_secs": 0}, "save_model_secs must be a positive number of seconds or None; received 0"),
+    ({"poll_s": 0}, "poll_s must be a positive number of seconds; received 0"),
     ({"max_steps": -3}, "max_steps must be a positive integer; received -3"),
     ({"keep_checkpoints": 0}, "keep_checkpoints must be a positive integer; received 0"),
     ({"summary_every_steps": 2.5}, "summary_every_steps must be a positive integer; received 2.5"),

@@ -36,8 +36,6 @@ from psflow.fault import inject, parse_faults
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.train.towers import Batch, Towers, batch_examples
 
-PROGRESS_EVERY_S = 1.0  # how often a trainer sends its counters to the launcher's live status
-
 
 class TrainerBase(ABC):
     """The parts of a trainer that do not depend on how gradients travel.
@@ -212,9 +210,9 @@ class TrainerBase(ABC):
         }
 
     def _report_progress(self, loss: float) -> None:
-        """After a step, at most every PROGRESS_EVERY_S: the counters and the loss, to the launcher."""
+        """After a step, at most every ``progress_every_s``: the counters and the loss, to the launcher."""
         now = time.monotonic()
-        if self._progress_at is not None and now - self._progress_at < PROGRESS_EVERY_S:
+        if self._progress_at is not None and now - self._progress_at < self.config.progress_every_s:
             return
         self._progress_at = now
         scalar = getattr(self.task, "scalar", None)  # TensorBoard, with or without a Supervisor
