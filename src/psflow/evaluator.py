@@ -17,7 +17,6 @@ Called from a training script for ``task.is_evaluator`` (see ``examples/mnist_so
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -153,10 +152,3 @@ def _on_sigterm(handler: Callable[[], None]) -> Any:
         return None
     return signal.signal(signal.SIGTERM, lambda signum, frame: handler())
 
-
-def read_done(logdir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The chief's DONE record of a run (``{"global_step": ..., "task": ..., "time_unix": ...}``), or None."""
-    try:
-        return json.loads((Path(logdir) / DONE_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None

@@ -394,8 +394,9 @@ def _pickle_parts(obj: Any, path: Path) -> list[Arrays]:
     return parts
 
 
-def _pixels_if_exact(images: np.ndarray, chunk_rows: int = 8192) -> np.ndarray:
+def _pixels_if_exact(images: np.ndarray) -> np.ndarray:
     """Return uint8 ``k`` where ``images == k / d`` exactly (d = 255 or 256), else float32."""
+    chunk_rows = 8192  # rows per pass: the float temporaries stay near 25 MB whatever the split's size
     for denominator in (np.float32(255), np.float32(256)):
         pixels = np.empty(images.shape, dtype=np.uint8)
         exact = True
