@@ -32,7 +32,7 @@ from psflow import optim
 from psflow.config import TrainConfig
 from psflow.devices import SoftPlacementWarning
 from psflow.errors import ConfigError
-from psflow.train.towers import Towers, split_batch
+from psflow.train.towers import Towers, run_step_closure, split_batch
 
 pytestmark = pytest.mark.timeout(60)
 torch.set_num_threads(1)
@@ -202,6 +202,15 @@ def test_bad_batches_are_rejected_with_what_was_received() -> None:
         towers.compute_gradients(loss_fn, batches=[(x, y)])
     with pytest.raises(ConfigError, match="not both"):
         towers.compute_gradients(loss_fn, batch=(x, y), batches=[(x, y), (x, y)])
+
+
+def test_a_loss_that_is_not_one_number_is_rejected_naming_what_came_back() -> None:
+    x, y = make_batch(4)
+    per_example = lambda m, xb, yb: F.cross_entropy(m(xb), yb, reduction="none")  # noqa: E731
+    with pytest.raises(ConfigError, match=r"The loss function must return a scalar tensor; received Tensor\(2,\)\."):
+        Towers(make_model(), ["cpu", "cpu"]).compute_gradients(per_example, batch=(x, y))
+    with pytest.raises(ConfigError, match=r"closure must return the loss as a scalar tensor; received float\."):
+        run_step_closure(lambda m, xb, yb: 0.5, make_model(), batch=(x, y))
 
 
 # -- inside the Trainer, against a real in-process parameter server ---------------------------

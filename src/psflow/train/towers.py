@@ -56,6 +56,15 @@ def _as_batch(batch: Any) -> tuple[torch.Tensor, ...]:
     return items
 
 
+def _scalar_loss(loss: Any, what: str) -> torch.Tensor:
+    """``loss`` if it is a one-element tensor; else a ConfigError that starts with ``what``."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ConfigError(
+            f"{what}; received {type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}."
+        )
+    return loss
+
+
 def split_batch(batch: Batch | torch.Tensor, n: int) -> list[tuple[torch.Tensor, ...]]:
     """Split each tensor of ``batch`` along dim 0 into ``n`` slices (sizes differ by at most one).
 
@@ -170,12 +179,8 @@ class Towers:
                 continue  # fewer examples than replicas: this tower has none
             for p in replica.parameters():
                 p.grad = None
-            loss = loss_fn(replica, *(t.to(device, non_blocking=True) for t in part))
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ConfigError(
-                    f"The loss function must return a scalar tensor; received {type(loss).__name__}"
-                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}."
-                )
+            loss = _scalar_loss(loss_fn(replica, *(t.to(device, non_blocking=True) for t in part)),
+                                "The loss function must return a scalar tensor")
             loss.backward()
             losses.append((w, loss.detach()))
         self._average_onto_master(weights)
@@ -246,11 +251,7 @@ def run_step_closure(
         return towers.compute_gradients(closure, batch=batch, batches=batches)
     if batches is not None:
         raise ConfigError("batches= (one batch per device) needs devices=[...] with one device per batch; use batch=.")
-    loss = closure(model, *_as_batch(batch)) if batch is not None else closure()
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ConfigError(
-            f"The step's closure must return the loss as a scalar tensor; received {type(loss).__name__}"
-            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}."
-        )
+    loss = _scalar_loss(closure(model, *_as_batch(batch)) if batch is not None else closure(),
+                        "The step's closure must return the loss as a scalar tensor")
     loss.backward()
     return float(loss.detach())
