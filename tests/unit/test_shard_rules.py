@@ -79,21 +79,23 @@ def test_with_backups_a_lost_worker_lowers_the_quorum_and_its_held_gradient_leav
     r = rules(n=2, m=3)
     r.push(0, 0)
     assert r.worker_lost(0) == []  # lost: its gradient is no longer held; nobody fails (one backup)
-    assert r.pending == set() and r.needed() == 2 and r.lost_failure() is None
+    assert r.pending == set() and r.needed() == 2 and r.lost_hold_message(1.0) is None
     r.push(1, 0)
     assert acts(r.worker_lost(2)) == [("APPLY", (1,))]  # one live worker left: a step of one
     assert r.version == 1 and r.lost_at == {0: 0, 2: 0}
 
 
-def test_without_backups_a_lost_worker_fails_the_step_until_it_is_back() -> None:
+def test_without_backups_a_step_is_held_for_a_lost_worker_until_it_is_back() -> None:
     r = rules(workers=2)
     r.push(0, 0)
-    (fail,) = r.worker_lost(1)
-    assert fail.act is Act.FAIL and fail.reason == r.lost_failure()
-    assert fail.reason.startswith("worker:1 lost its connection to ps shard 0 without finishing")
-    assert "(replicas_to_aggregate = total_num_replicas = 2)" in fail.reason
+    assert r.worker_lost(1) == []  # no FAIL: the step is held (until the waiting pulls' deadline)
+    assert r.pending == {0} and r.needed() == 2 and r.version == 0
+    reason = r.lost_hold_message(2.5)
+    assert reason is not None and reason == r.sync_wait_message(1, 2.5)
+    assert reason.startswith("worker:1 lost its connection to ps shard 0 without finishing")
+    assert "(replicas_to_aggregate = total_num_replicas = 2)" in reason and "held 2.5 s (sync_timeout_s)" in reason
     assert acts(r.worker_back(1)) == [("BACK", (1,))]
-    assert r.lost_failure() is None and r.lost == set()
+    assert r.lost_hold_message(2.5) is None and r.lost == set()
     assert acts(r.push(1, 0)) == [("HOLD", (1,)), ("APPLY", (0, 1))]
 
 

@@ -119,16 +119,17 @@ def test_a_lost_worker_that_pushes_again_is_no_longer_lost() -> None:
     assert store.lost_workers == set()
 
 
-def test_sync_without_backups_fails_naming_the_lost_worker_and_what_to_do() -> None:
+def test_sync_without_backups_holds_the_step_to_its_deadline_naming_the_lost_worker_and_what_to_do() -> None:
     store = _store("sync", workers=2)
     store.push(0, 0, _ONES)
     store.worker_lost(1)
     with pytest.raises(TrainingError, match=re.escape(
             "worker:1 lost its connection to ps shard 0 without finishing (killed or crashed?), and sync training "
-            "without backup workers (replicas_to_aggregate = total_num_replicas = 2) cannot take a step without it. "
-            "Restart the run (it resumes from the last checkpoint under a Supervisor), or give it backup workers "
-            "(total_num_replicas > replicas_to_aggregate) so that steps go on without a lost worker.")):
-        store.pull(min_version=1, timeout_s=5)
+            "without backup workers (replicas_to_aggregate = total_num_replicas = 2) cannot take a step without it: "
+            "step 0 was held 0.1 s (sync_timeout_s) for it to come back. Restart lost workers (psflow run --restart "
+            "on-failure), or give the job backup workers (total_num_replicas > replicas_to_aggregate) so that steps "
+            "go on without a lost worker.")):
+        store.pull(min_version=1, timeout_s=0.1)
 
 
 def test_the_run_is_done_when_every_worker_said_so_and_not_before() -> None:
@@ -159,9 +160,10 @@ def test_a_worker_that_finished_does_not_hold_back_ssp() -> None:
 
 def test_stats_are_plain_json_with_the_wait_in_milliseconds_precision() -> None:
     stats = StoreStats(pushes=3, applied_updates=2, stale_dropped=1, stale_by_worker={2: 1, 0: 4},
-                       steps_without_all=1, wait_s=1.23456)
+                       steps_without_all=1, duplicates=2, superseded=1, wait_s=1.23456)
     assert stats.to_dict() == {"pushes": 3, "applied_updates": 2, "stale_dropped": 1,
-                               "stale_by_worker": {"0": 4, "2": 1}, "steps_without_all": 1, "wait_s": 1.235}
+                               "stale_by_worker": {"0": 4, "2": 1}, "steps_without_all": 1, "duplicates": 2,
+                               "superseded": 1, "wait_s": 1.235}
 
 
 def test_the_time_spent_waiting_adds_up() -> None:

@@ -9,9 +9,11 @@ Shards that move: given ``resolve(task) -> address`` (a task started by the laun
 ``wire/resolve.py``), a connection to a shard that is lost is closed and forgotten, after every
 other shard's reply of that exchange has been read (so that no connection is left out of step); the
 next request to that shard reconnects wherever the shard listens now. A request that is safe to
-repeat (``_REPEATABLE``: reads and waits) is sent again at once on the fresh connection; any other
-(a push: its gradient may have been applied) raises the loss to the caller. Without ``resolve``
-(cluster from flags or TF_CONFIG) a lost connection raises, as it always did.
+repeat (``_REPEATABLE``: reads, waits, PS_DONE) is sent again at once on the fresh connection. A
+push is resent only when it carries a sequence number (``seq``): the ps then recognises a push it
+has already decided and does not apply it again (see :mod:`psflow.ps.rules`, DUPLICATE); a push
+without one raises the loss to the caller (its gradient may have been applied). Without
+``resolve`` (cluster from flags or TF_CONFIG) a lost connection raises, as it always did.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from psflow.wire.ops import Op
 log = logging.getLogger("psflow")
 
 # Requests a shard may receive twice without harm: sent again after a lost connection (with a resolver).
-_REPEATABLE = frozenset({Op.PS_PULL, Op.PS_STATUS, Op.PS_READY, Op.PS_CLOCK})
+_REPEATABLE = frozenset({Op.PS_PULL, Op.PS_STATUS, Op.PS_READY, Op.PS_CLOCK, Op.PS_DONE})
 
 
 class PsClient:
@@ -65,6 +67,9 @@ class PsClient:
         self.connect_timeout_s = connect_timeout_s
         self.addresses = [cluster.address(TaskId("ps", i)) for i in range(self.num_shards)]
         self._secret, self._limits, self._resolve = secret, limits, resolve
+        # Pushes sent and not answered yet that the ps deduplicates (they carry ``seq``): shard ->
+        # (meta, gradients), resent once on a fresh connection if the connection drops before the reply.
+        self._unanswered: dict[int, tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]] = {}
         self.conns: list[Connection | None] = []
         try:
             for i in range(self.num_shards):
@@ -74,6 +79,12 @@ class PsClient:
             raise
 
     # -- connections -----------------------------------------------------------------------
+    @property
+    def reconnects(self) -> bool:
+        """Whether a lost connection is forgotten and made again (a resolver was given): after a
+        failed exchange the other connections are still in step and the client stays usable."""
+        return self._resolve is not None
+
     def _connect(self, shard: int, address: str) -> Connection:
         return connect(address, secret=self._secret, task=str(self.task), peer=f"ps:{shard}",
                        deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve)
@@ -173,8 +184,14 @@ class PsClient:
         frames = self._all(Op.PS_INIT, [meta] * self.num_shards, [list(v.items()) for v in per_shard])
         return [bool(f.meta.get("initialized")) for f in frames]
 
-    def wait_ready(self, placement_digest: str, timeout_s: float) -> dict[str, Any]:
-        meta = {"timeout_s": timeout_s, "placement_digest": placement_digest}
+    def wait_ready(self, placement_digest: str, timeout_s: float, *, worker: int | None = None,
+                   attempt: int = 0) -> dict[str, Any]:
+        """Wait until every shard is initialized; returns shard 0's reply (version, settings, data
+        positions; ssp: ``clock``, where this worker resumes). A training replica names itself
+        (``worker``) and its ``attempt``: a restarted one takes over from its earlier attempt."""
+        meta: dict[str, Any] = {"timeout_s": timeout_s, "placement_digest": placement_digest}
+        if worker is not None:
+            meta.update(worker=worker, attempt=attempt)
         frames = self._all(Op.PS_READY, [meta] * self.num_shards, wait_s=timeout_s)
         return frames[0].meta
 
@@ -222,20 +239,37 @@ class PsClient:
 
     def send_push(
         self, shard: int, worker: int, version: int, grads: Sequence[tuple[str, torch.Tensor]], *, wait_s: float,
-        position: dict[str, Any] | None = None,
+        position: dict[str, Any] | None = None, attempt: int = 0, seq: int | None = None,
     ) -> None:
         """Send one shard's push-pull request without waiting for the reply (the trainer sends each
         shard's gradients as soon as backward has produced them). ``position``: the worker's data
-        position after this batch, which the shard keeps for checkpoints."""
-        conn = self._conn(shard)
-        conn.set_timeout(self.request_timeout_s + wait_s + self.reply_margin_s)
-        meta: dict[str, Any] = {"worker": worker, "version": version, "pull": True, "timeout_s": wait_s}
+        position after this batch, which the shard keeps for checkpoints. ``attempt`` and ``seq``
+        (the push's number within the attempt) let the ps drop a push of an earlier attempt and
+        recognise this one if it is resent: with ``seq`` and a resolver, a connection lost before
+        the reply is made again and the push resent once (by :meth:`recv_push_replies`)."""
+        meta: dict[str, Any] = {"worker": worker, "version": version, "pull": True, "timeout_s": wait_s, "attempt": attempt}
         if position is not None:
             meta["position"] = position
+        self._unanswered.pop(shard, None)
+        if seq is not None:
+            meta["seq"] = seq
+            if self._resolve is not None:
+                self._unanswered[shard] = (meta, grads)
+        try:
+            self._send_push_now(shard, meta, grads)
+        except PeerLostError as e:
+            self._on_error(shard, e, None)
+            if shard not in self._unanswered:
+                raise  # not resendable: the caller learns of the loss now
+
+    def _send_push_now(self, shard: int, meta: dict[str, Any], grads: Sequence[tuple[str, torch.Tensor]]) -> None:
+        conn = self._conn(shard)
+        conn.set_timeout(self.request_timeout_s + float(meta["timeout_s"]) + self.reply_margin_s)
         try:
             conn.send(Op.PS_PUSH, meta, grads)
         except TransportError as e:
-            self._on_error(shard, e, None)
+            if not isinstance(e, PeerLostError):
+                self._on_error(shard, e, None)
             raise
 
     def recv_push_replies(self, shards: Iterable[int], dests: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, Any]]:
@@ -244,12 +278,9 @@ class PsClient:
         lost: TransportError | None = None
         for shard in shards:
             dest = dests[shard]
-            conn = self.conns[shard]
-            if conn is None:  # lost while sending (with a resolver): there is no reply to read
-                lost = lost or PeerLostError(f"ps:{shard}: the connection was lost before its reply.")
-                continue
+            unanswered = self._unanswered.pop(shard, None)
             try:
-                frame = conn.recv(alloc=lambda spec, d=dest: d.get(spec.name))
+                frame = self._recv_push_reply(shard, dest, unanswered)
             except TransportError as e:
                 lost = self._on_error(shard, e, lost)
                 continue
@@ -263,12 +294,32 @@ class PsClient:
             raise first_error
         return metas
 
-    def clock(self, worker: int, clock: int, timeout_s: float) -> int:
-        meta = {"worker": worker, "clock": clock, "timeout_s": timeout_s}
+    def _recv_push_reply(
+        self, shard: int, dest: Mapping[str, torch.Tensor],
+        unanswered: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]] | None,
+    ) -> Frame:
+        """The reply to the push sent to ``shard``; a push the ps deduplicates (``unanswered``) is
+        resent once on a fresh connection if the connection was lost before the reply."""
+        conn = self.conns[shard]
+        try:
+            if conn is None:  # lost while sending (with a resolver): there is no reply to read
+                raise PeerLostError(f"ps:{shard}: the connection was lost before its reply.")
+            return conn.recv(alloc=lambda spec: dest.get(spec.name))
+        except PeerLostError as e:
+            if unanswered is None:
+                raise
+            self._lost(shard, e)
+            log.warning("%s: resending push %s to ps:%d on a fresh connection (the ps drops it if it had it).",
+                        self.task, unanswered[0].get("seq"), shard)
+            self._send_push_now(shard, *unanswered)
+            return self.conns[shard].recv(alloc=lambda spec: dest.get(spec.name))  # type: ignore[union-attr]
+
+    def clock(self, worker: int, clock: int, timeout_s: float, *, attempt: int = 0) -> int:
+        meta = {"worker": worker, "clock": clock, "timeout_s": timeout_s, "attempt": attempt}
         return int(self._all(Op.PS_CLOCK, [meta], wait_s=timeout_s, shards=[0])[0].meta["slowest"])
 
-    def done(self, worker: int) -> None:
-        self._all(Op.PS_DONE, [{"worker": worker}] * self.num_shards)
+    def done(self, worker: int, *, attempt: int = 0) -> None:
+        self._all(Op.PS_DONE, [{"worker": worker, "attempt": attempt}] * self.num_shards)
 
     def status(self, *, clock_log: bool = False) -> list[dict[str, Any]]:
         return [f.meta for f in self._all(Op.PS_STATUS, [{"clock_log": clock_log}] * self.num_shards)]
@@ -282,6 +333,7 @@ class PsClient:
             if c is not None:
                 c.close()
         self.conns = []
+        self._unanswered.clear()
 
 
 def _land(frames: Sequence[Frame], dests: Sequence[Mapping[str, torch.Tensor]]) -> None:

@@ -77,6 +77,11 @@ class Progress:
         if isinstance(position, Mapping):
             self._pending[str(worker)] = dict(position)
 
+    def discard_pending(self, worker: int) -> None:
+        """Sync: ``worker``'s held gradient left without being applied (lost, or a newer attempt
+        joined): its position stays where its last applied batch left it, so the batch is redone."""
+        self._pending.pop(str(worker), None)
+
     def step_applied(self) -> None:
         """Sync: the pending gradients were applied together."""
         self.positions.update(self._pending)

@@ -52,14 +52,18 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
         Field("ema_decay", NUMBER, nullable=True), Field("meta", DICT, nullable=True),
         Field("step_plan", DICT, nullable=True), Field("data_positions", DICT, nullable=True),
     ),
-    Op.PS_READY: (Field("timeout_s", SECONDS), Field("placement_digest", STR)),
+    # A training replica's readiness names it and its attempt (a restarted worker rejoins); others' do not.
+    Op.PS_READY: (Field("timeout_s", SECONDS), Field("placement_digest", STR), Field("worker", REPLICA), Field("attempt", INT)),
     Op.PS_PULL: (Field("min_version", INT), Field("timeout_s", SECONDS), Field("averages", BOOL)),
     Op.PS_PUSH: (
         Field("worker", REPLICA, required=True), Field("version", INT, required=True), Field("pull", BOOL),
-        Field("timeout_s", SECONDS), Field("position", DICT, nullable=True),
+        Field("timeout_s", SECONDS), Field("position", DICT, nullable=True), Field("attempt", INT), Field("seq", INT),
     ),
-    Op.PS_CLOCK: (Field("worker", REPLICA, required=True), Field("clock", INT, required=True), Field("timeout_s", SECONDS)),
-    Op.PS_DONE: (Field("worker", REPLICA, required=True),),
+    Op.PS_CLOCK: (
+        Field("worker", REPLICA, required=True), Field("clock", INT, required=True), Field("timeout_s", SECONDS),
+        Field("attempt", INT),
+    ),
+    Op.PS_DONE: (Field("worker", REPLICA, required=True), Field("attempt", INT)),
     Op.PS_STATUS: (Field("clock_log", BOOL),),
     Op.PS_SHUTDOWN: (),
     Op.PS_SAVE: (

@@ -9,12 +9,13 @@ carries the decisions out (optimizer steps, copies, condition waits, errors); te
 Events (``ShardRules`` methods; each records an :class:`Event`)::
 
     configure(settings, version)   the chief's PS_INIT: mode, N and M, staleness, stop step, start version
-    push(worker, step)             a gradient computed from version ``step``
-    clock(worker, clock)           ssp: ``worker`` starts clock ``clock`` (once per local step)
+    push(worker, step, attempt, push_seq)   a gradient computed from version ``step``
+    clock(worker, clock, attempt)  ssp: ``worker`` starts clock ``clock`` (once per local step)
     clock_expired(worker, clock, waited_s)   ssp: a held worker's wait ran out
-    worker_done(worker)            PS_DONE: the worker finished
+    worker_done(worker, attempt)   PS_DONE: the worker finished
     worker_lost(worker)            the worker's connections closed without PS_DONE
-    worker_back(worker)            a lost worker sent a request again (restarted)
+    worker_back(worker)            a lost worker sent a request again
+    join(worker, attempt)          PS_READY of a training replica: ``attempt`` is its restart count
     tick(now)                      time passed (``now``: monotonic seconds): the lost-worker deadline
 
 Decisions (:class:`Act`), in the order the store must carry them out::
@@ -27,15 +28,19 @@ Decisions (:class:`Act`), in the order the store must carry them out::
     DROP_STALE  sync: the gradient is of an older version, or a second one in a step: dropped
     STOPPED     the version reached the step plan's stop: the push is not applied
     BACK        a lost worker is waited for again
+    REJOINED    a newer ``attempt`` of ``workers[0]`` takes over (ssp: ``clock`` is where it resumes)
+    SUPERSEDED  a request of an older ``attempt`` than the worker's newest is dropped (to its sender:
+                an error, ``reason``); with ``clock``: that attempt's held ssp wait ends so
+    DUPLICATE   the push's (attempt, push_seq) was decided already (``outcome``): not applied again
     WAIT_LOST   every other worker is done: the shard now waits for lost ones only, with a deadline
-    FAIL        ``reason`` says why: a push from a newer version (to its sender), a lost worker
-                that sync without backups cannot step without, an ssp wait or a lost-worker wait past
-                its deadline
+    FAIL        ``reason`` says why: a push from a newer version (to its sender), an ssp wait or a
+                lost-worker wait past its deadline
 
 States of a worker, seen by this shard::
 
     live --worker_done--> done                     (final: worker_lost after it changes nothing)
-    live --worker_lost--> lost --worker_back / push--> live
+    live --worker_lost--> lost --worker_back / push / join--> live
+    live or lost --join/push/clock of a newer attempt--> live (REJOINED; the older attempt: SUPERSEDED)
     live --clock too far ahead--> held --slowest clocks, others done or lost--> live (RELEASE)
                                         --clock_expired--> live (FAIL to that worker)
 
@@ -43,10 +48,37 @@ Modes: async and ssp apply every push at once (APPLY, ``version`` counts pushes)
 fills with one push per worker of the current version (HOLD); once it holds ``needed()`` workers
 (N; lowered by done workers, and by lost ones where M > N backups stand in) the step is applied
 (APPLY, ``version`` grows by one) and later pushes of that version are stale (DROP_STALE). A done
-or lost worker may so complete a step. Without backups a lost worker fails the waiting steps
-(FAIL, and :meth:`lost_failure` while it stays lost) until it is back. Ssp: a worker at clock c is
-held until every live worker's clock is at least c - staleness (a live worker that never reported
-a clock counts as 0). A RELEASE stands: a later event does not hold the worker again.
+or lost worker may so complete a step. Without backups a step is held for a lost worker: until its
+deadline (the waiting pulls' ``sync_timeout_s``, whose error is :meth:`lost_hold_message`) or until
+it comes back. Ssp: a worker at clock c is held until every live worker's clock is at least
+c - staleness (a live worker that never reported a clock counts as 0). A RELEASE stands: a later
+event does not hold the worker again.
+
+Restarted workers (attempts). Every push, clock, PS_DONE and readiness request names the sender's
+attempt (its restart count, 0 first; the launcher's PSFLOW_ATTEMPT). The shard keeps each worker's
+newest attempt. A restarted worker's readiness (join) with a newer attempt makes it live again
+(REJOINED; BACK if it was lost) and drops what its earlier attempt left here: its held sync gradient
+(its batch is redone), its held ssp clock waits (SUPERSEDED, so no thread waits for a dead process)
+and its push numbers. From then on every request of an older attempt is SUPERSEDED: dropped, and
+answered with an error (a push of the dead process still in flight is never applied after its
+successor started, so the successor's data position, read at join, stays exact). The same attempt
+joining again changes nothing. The modes, for the restarted worker:
+
+- async: its first push is applied like any other;
+- sync: it pulls the current version, so its first push is for the step being gathered. Without
+  backups that step was held for it (see above); with backups the step may have gone on without it,
+  and its push is then stale like a backup's;
+- ssp: it resumes at :meth:`resume_clock`, the later of the clock this shard last recorded for it
+  and the slowest clock of the other live workers. That keeps the bound meaningful (its values are
+  fresh: it has just pulled) and never deadlocks: it neither holds back workers that went on while
+  it was lost (it does not restart at 0) nor is held itself (nobody live is slower than it).
+
+A done worker stays done: a later attempt is recorded and fenced like any other, but not waited for.
+
+Duplicate pushes: a push with a ``push_seq`` that is not above the last one of the same attempt was
+decided already (the client resent it after its connection dropped before the reply): DUPLICATE,
+with the first decision's ``outcome``, and nothing is applied. A lost sync worker's held gradient
+leaves with it, so its resent push is taken again (the number is forgotten with the gradient).
 
 The lost-worker deadline: once every worker is done or lost and some are lost, the first ``tick``
 starts the wait (WAIT_LOST); a tick ``lost_worker_timeout_s`` later fails (FAIL); a tick that finds
@@ -54,11 +86,11 @@ the wait over (a worker back) resets it.
 
 Sequence numbers: every recorded event and decision takes the next number of the shard's sequence,
 the event first, then its decisions. An event that changes nothing (``worker_back`` of a worker
-that is not lost, ``worker_lost`` of a done worker, a ``tick`` with nothing to decide) is not
-recorded. Given the same events in the same order a ShardRules makes the same decisions with the
+that is not lost, ``worker_lost`` of a done worker, ``join`` of the known attempt of a live worker,
+a ``tick`` with nothing to decide) is not recorded. Given the same events in the same order a ShardRules makes the same decisions with the
 same numbers: :meth:`ShardRules.replay` rebuilds a shard's state from its log, the step
-primary-backup replication needs. Reads (:meth:`needed`, :meth:`lost_failure`,
-:meth:`sync_wait_message`, :meth:`waiting_only_for_lost`) are not events.
+primary-backup replication needs. Reads (:meth:`needed`, :meth:`lost_hold_message`,
+:meth:`resume_clock`, :meth:`sync_wait_message`, :meth:`waiting_only_for_lost`) are not events.
 """
 
 from __future__ import annotations
@@ -81,6 +113,7 @@ class On(enum.Enum):
     DONE = "done"
     LOST = "lost"
     BACK = "back"
+    JOIN = "join"
     TICK = "tick"
 
 
@@ -93,6 +126,9 @@ class Act(enum.Enum):
     DROP_STALE = "drop_stale"
     STOPPED = "stopped"
     BACK = "back"
+    REJOINED = "rejoined"
+    SUPERSEDED = "superseded"
+    DUPLICATE = "duplicate"
     WAIT_LOST = "wait_lost"
     FAIL = "fail"
 
@@ -125,6 +161,8 @@ class Event:
     value: int | None = None
     seconds: float | None = None
     settings: RuleSettings | None = None
+    attempt: int = 0  # PUSH, CLOCK, DONE, JOIN: the sender's attempt (its restart count)
+    push_seq: int | None = None  # PUSH: the sender's push number within its attempt (None: no dedup)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +178,9 @@ class Decision:
     clock: int | None = None  # HOLD/RELEASE (ssp): the clock held
     slowest: int | None = None  # RELEASE: the slowest live clock
     without_all: bool = False  # APPLY (sync): fewer than the M workers not done contributed
-    reason: str = ""  # FAIL: the error text; WAIT_LOST: whom the shard waits for
+    reason: str = ""  # FAIL, SUPERSEDED: the error text; WAIT_LOST: whom the shard waits for
+    attempt: int | None = None  # REJOINED: the new attempt; SUPERSEDED: the older attempt refused
+    outcome: Act | None = None  # DUPLICATE: what the shard decided for the push the first time
 
 
 Record = Event | Decision
@@ -176,6 +216,9 @@ class ShardRules:
         self.lost_at: dict[int, int] = {}  # lost worker -> the version when it was lost
         self.clocks: dict[int, int] = {}  # ssp: each live worker's latest clock
         self.held: set[tuple[int, int]] = set()  # ssp: (worker, clock) waiting for the slowest
+        self.lost_clocks: dict[int, int] = {}  # ssp: a lost worker's last clock (where a new attempt resumes)
+        self.attempts: dict[int, int] = {}  # worker -> its newest attempt seen (absent: 0)
+        self.last_push: dict[int, tuple[int, int, Act]] = {}  # worker -> (attempt, push_seq, outcome) of its last push
         self.lost_wait_since: float | None = None  # when only lost workers were left (tick time)
         self.seq = 0  # the last sequence number taken
         self.log: list[Record] | None = [] if keep_log else None
@@ -188,12 +231,28 @@ class ShardRules:
         self.configured = True
         return self._decided(ev, self._release_held(ev))
 
-    def push(self, worker: int, step: int) -> list[Decision]:
-        ev = self._event(On.PUSH, worker, step)
-        out: list[Decision] = []
+    def push(self, worker: int, step: int, attempt: int = 0, push_seq: int | None = None) -> list[Decision]:
+        """A gradient computed from version ``step`` by ``worker``'s attempt ``attempt``; ``push_seq``
+        numbers the attempt's pushes (a resent push keeps its number and is a DUPLICATE)."""
+        ev = self._event(On.PUSH, worker, step, attempt=attempt, push_seq=push_seq)
+        superseded = self._superseded(ev, worker, attempt, "push")
+        if superseded is not None:
+            return self._decided(ev, [superseded])
+        out = self._join(ev, worker, attempt)
         if worker in self.lost:
             self._bring_back(worker)
             out.append(self._decide(ev, Act.BACK, workers=(worker,)))
+        last = self.last_push.get(worker)
+        if push_seq is not None and last is not None and (attempt, push_seq) <= last[:2]:
+            out.append(self._decide(ev, Act.DUPLICATE, workers=(worker,), outcome=last[2]))
+            return self._decided(ev, out)
+        decided = len(out)
+        self._push_rules(ev, worker, step, out)
+        if push_seq is not None and out[decided].act is not Act.FAIL:
+            self.last_push[worker] = (attempt, push_seq, out[decided].act)
+        return self._decided(ev, out)
+
+    def _push_rules(self, ev: Event, worker: int, step: int, out: list[Decision]) -> None:
         stop_at = self.settings.stop_at
         if stop_at is not None and self.version >= stop_at:
             out.append(self._decide(ev, Act.STOPPED, workers=(worker,)))
@@ -210,10 +269,13 @@ class ShardRules:
             self.pending.add(worker)
             out.append(self._decide(ev, Act.HOLD, workers=(worker,)))
             out.extend(self._maybe_complete_step(ev))
-        return self._decided(ev, out)
 
-    def clock(self, worker: int, clock: int) -> list[Decision]:
-        ev = self._event(On.CLOCK, worker, clock)
+    def clock(self, worker: int, clock: int, attempt: int = 0) -> list[Decision]:
+        ev = self._event(On.CLOCK, worker, clock, attempt=attempt)
+        superseded = self._superseded(ev, worker, attempt, "clock")
+        if superseded is not None:
+            return self._decided(ev, [superseded])
+        joined = self._join(ev, worker, attempt)
         self.clocks[worker] = clock
         slowest = self._slowest(clock)
         if clock - slowest <= self.settings.staleness:
@@ -221,7 +283,7 @@ class ShardRules:
         else:
             self.held.add((worker, clock))
             out = [self._decide(ev, Act.HOLD, workers=(worker,), clock=clock)]
-        return self._decided(ev, out + self._release_held(ev))
+        return self._decided(ev, joined + out + self._release_held(ev))
 
     def clock_expired(self, worker: int, clock: int, waited_s: float) -> list[Decision]:
         ev = self._event(On.CLOCK_EXPIRED, worker, clock, seconds=waited_s)
@@ -231,8 +293,12 @@ class ShardRules:
             f"(clocks {dict(sorted(self.clocks.items()))}, staleness {self.settings.staleness}). A worker is stalled "
             "or dead; raise sync_timeout_s or restart it."))])
 
-    def worker_done(self, worker: int) -> list[Decision]:
-        ev = self._event(On.DONE, worker)
+    def worker_done(self, worker: int, attempt: int = 0) -> list[Decision]:
+        ev = self._event(On.DONE, worker, attempt=attempt)
+        superseded = self._superseded(ev, worker, attempt, "PS_DONE")
+        if superseded is not None:
+            return self._decided(ev, [superseded])
+        self.attempts[worker] = max(attempt, self.attempts.get(worker, 0))
         self.done.add(worker)
         self.clocks.pop(worker, None)
         # Fewer live workers lower the number a step needs; the step may now be complete.
@@ -241,22 +307,42 @@ class ShardRules:
 
     def worker_lost(self, worker: int) -> list[Decision]:
         """Stop waiting for ``worker`` where the mode allows (async: nothing to do; ssp: it no longer
-        holds the others back; sync with backups: steps need one gradient fewer, its held gradient
-        leaves with it; sync without backups: waiting steps fail, naming it)."""
+        holds the others back; sync: its held gradient leaves with it, and with backups steps need
+        one gradient fewer; without backups the step stays held for it until its deadline or until
+        it comes back)."""
         if worker in self.done:
             return []
         ev = self._event(On.LOST, worker)
         self.lost.add(worker)
         self.lost_at.setdefault(worker, self.version)
-        self.clocks.pop(worker, None)
+        if worker in self.clocks:
+            self.lost_clocks[worker] = self.clocks.pop(worker)
         out: list[Decision] = []
         if self.settings.mode == "sync" and self.configured:
-            self.pending.discard(worker)
+            if worker in self.pending:
+                self.pending.discard(worker)
+                # Its held gradient left: the same push, resent after a reconnect, is taken again.
+                self.last_push.pop(worker, None)
             out.extend(self._maybe_complete_step(ev))
-            reason = self.lost_failure()
-            if reason is not None:
-                out.append(self._decide(ev, Act.FAIL, workers=tuple(sorted(self.lost)), reason=reason))
         return self._decided(ev, out + self._release_held(ev))
+
+    def join(self, worker: int, attempt: int = 0) -> list[Decision]:
+        """``worker``'s attempt ``attempt`` asked for readiness. A newer attempt than any seen is a
+        restarted worker: REJOINED (its earlier attempt's held gradient and ssp waits leave; ssp: it
+        resumes at :meth:`resume_clock`); an older one is SUPERSEDED; the same one changes nothing
+        but bringing a lost worker back."""
+        known = self.attempts.get(worker, 0)
+        if attempt == known and worker not in self.lost:
+            return []
+        ev = self._event(On.JOIN, worker, attempt=attempt)
+        superseded = self._superseded(ev, worker, attempt, "readiness request")
+        if superseded is not None:
+            return self._decided(ev, [superseded])
+        out = self._join(ev, worker, attempt)
+        if worker in self.lost:
+            self._bring_back(worker)
+            out.append(self._decide(ev, Act.BACK, workers=(worker,)))
+        return self._decided(ev, out)
 
     def worker_back(self, worker: int) -> list[Decision]:
         """A lost ``worker`` sent a request again: wait for it as before. Nothing for one not lost."""
@@ -299,17 +385,19 @@ class ShardRules:
         if on is On.CONFIGURE:
             return self.configure(event.settings or RuleSettings(), v or 0)
         if on is On.PUSH:
-            return self.push(_int(w), _int(v))
+            return self.push(_int(w), _int(v), event.attempt, event.push_seq)
         if on is On.CLOCK:
-            return self.clock(_int(w), _int(v))
+            return self.clock(_int(w), _int(v), event.attempt)
         if on is On.CLOCK_EXPIRED:
             return self.clock_expired(_int(w), _int(v), event.seconds or 0.0)
         if on is On.DONE:
-            return self.worker_done(_int(w))
+            return self.worker_done(_int(w), event.attempt)
         if on is On.LOST:
             return self.worker_lost(_int(w))
         if on is On.BACK:
             return self.worker_back(_int(w))
+        if on is On.JOIN:
+            return self.join(_int(w), event.attempt)
         return self.tick(event.seconds or 0.0)
 
     @classmethod
@@ -351,8 +439,8 @@ class ShardRules:
         gone = self.done | self.lost if self.has_backups() else self.done
         return max(1, min(n, self.num_workers - len(gone)))
 
-    def lost_failure(self) -> str | None:
-        """Sync without backups with a lost worker: why no step can complete (else None)."""
+    def lost_hold_message(self, waited_s: float) -> str | None:
+        """Sync without backups with a lost worker: why the step is held (else None)."""
         if self.settings.mode != "sync" or not self.lost or self.has_backups():
             return None
         names = ", ".join(f"worker:{w}" for w in sorted(self.lost))
@@ -360,12 +448,26 @@ class ShardRules:
         return (
             f"{names} lost its connection to ps shard {self.shard} without finishing (killed or crashed?), and sync "
             f"training without backup workers (replicas_to_aggregate = total_num_replicas = {n}) cannot take a step "
-            "without it. Restart the run (it resumes from the last checkpoint under a Supervisor), or give it backup "
-            "workers (total_num_replicas > replicas_to_aggregate) so that steps go on without a lost worker."
+            f"without it: step {self.version} was held {waited_s:.1f} s (sync_timeout_s) for it to come back. Restart "
+            "lost workers (psflow run --restart on-failure), or give the job backup workers (total_num_replicas > "
+            "replicas_to_aggregate) so that steps go on without a lost worker."
         )
 
+    def resume_clock(self, worker: int) -> int:
+        """Ssp: the clock a new attempt of ``worker`` starts at: its last recorded clock, or the
+        slowest clock of the other live workers if that is later (it pulls the newest values, so it
+        is as fresh as they are; it never starts behind the clock it had)."""
+        own = self.clocks.get(worker, self.lost_clocks.get(worker, 0))
+        gone = self.done | self.lost
+        others = [c for w, c in self.clocks.items() if w != worker and w not in gone]
+        return max([own] + ([min(others)] if others else []))
+
     def sync_wait_message(self, min_version: int, waited_s: float) -> str:
-        """Why a wait for ``min_version`` ran out: the gradients the step has and whose are missing."""
+        """Why a wait for ``min_version`` ran out: the gradients the step has and whose are missing
+        (a lost worker without backups: :meth:`lost_hold_message`)."""
+        held_for_lost = self.lost_hold_message(waited_s)
+        if held_for_lost is not None:
+            return held_for_lost
         m = self.settings.total_num_replicas or self.num_workers
         missing = sorted(set(range(m)) - self.done - self.lost - self.pending)
         names = ", ".join(f"worker:{w}" for w in missing) or "none"
@@ -393,6 +495,8 @@ class ShardRules:
             "pending": sorted(self.pending), "done": sorted(self.done), "lost": sorted(self.lost),
             "lost_at": dict(sorted(self.lost_at.items())), "clocks": dict(sorted(self.clocks.items())),
             "held": sorted(self.held), "lost_wait_since": self.lost_wait_since, "seq": self.seq,
+            "lost_clocks": dict(sorted(self.lost_clocks.items())), "attempts": dict(sorted(self.attempts.items())),
+            "last_push": dict(sorted(self.last_push.items())),
         }
 
     # -- internals -------------------------------------------------------------------------
@@ -427,11 +531,50 @@ class ShardRules:
     def _bring_back(self, worker: int) -> None:
         self.lost.discard(worker)
         self.lost_at.pop(worker, None)
+        if worker in self.lost_clocks:  # ssp: back at the clock it had, not at 0
+            self.clocks[worker] = self.lost_clocks.pop(worker)
+
+    def _superseded(self, ev: Event, worker: int, attempt: int, what: str) -> Decision | None:
+        """SUPERSEDED if ``attempt`` is older than ``worker``'s newest: its request is dropped."""
+        newest = self.attempts.get(worker, 0)
+        if attempt >= newest:
+            return None
+        return self._decide(ev, Act.SUPERSEDED, workers=(worker,), attempt=attempt, reason=(
+            f"ps shard {self.shard} dropped a {what} of worker:{worker} attempt {attempt}: attempt {newest} of "
+            f"worker:{worker} has joined since (the task was restarted). An earlier attempt of a task that is still "
+            "running must stop; its work is redone by the newer one."))
+
+    def _join(self, ev: Event, worker: int, attempt: int) -> list[Decision]:
+        """A newer attempt of ``worker`` takes over (else nothing): what its earlier attempt left on
+        this shard leaves with it (its held sync gradient, its held ssp clocks, its push numbers)."""
+        old = self.attempts.get(worker, 0)
+        if attempt <= old:
+            return []
+        self.attempts[worker] = attempt
+        self.last_push.pop(worker, None)
+        self.pending.discard(worker)
+        out = [self._decide(ev, Act.SUPERSEDED, workers=(worker,), clock=c, attempt=old, reason=(
+            f"worker:{worker} attempt {old} was waiting at clock {c} when attempt {attempt} joined: it was restarted."))
+            for w, c in sorted(self.held) if w == worker]
+        self.held -= {(w, c) for w, c in self.held if w == worker}
+        clock = None
+        if self.settings.mode == "ssp":
+            clock = self.resume_clock(worker)
+            self.lost_clocks.pop(worker, None)
+            if worker not in self.lost:
+                self.clocks[worker] = clock
+        out.append(self._decide(ev, Act.REJOINED, workers=(worker,), attempt=attempt, clock=clock))
+        if worker in self.lost:
+            self._bring_back(worker)
+            out.append(self._decide(ev, Act.BACK, workers=(worker,)))
+            if clock is not None:
+                self.clocks[worker] = clock
+        return out + self._release_held(ev)
 
     def _event(self, on: On, worker: int | None = None, value: int | None = None, *, seconds: float | None = None,
-               settings: RuleSettings | None = None) -> Event:
+               settings: RuleSettings | None = None, attempt: int = 0, push_seq: int | None = None) -> Event:
         self.seq += 1
-        return Event(self.seq, on, worker, value, seconds, settings)
+        return Event(self.seq, on, worker, value, seconds, settings, attempt, push_seq)
 
     def _decide(self, ev: Event, act: Act, **fields: Any) -> Decision:
         self.seq += 1

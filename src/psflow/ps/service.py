@@ -168,8 +168,11 @@ class PsService:
                 f"(placement digest {digest[:12]} vs {self.store.placement_digest[:12]}). "
                 "Every worker must build the same model with the same --placement and number of ps."
             )
-        return Reply({"version": self.store.version, "config": self.store.config.to_dict(), "meta": self.store.meta,
-                      "data_positions": self.store.data_positions()})
+        if "worker" in req.meta:  # a training replica: a restarted one takes over from its earlier attempt
+            joined = self.store.join(int(req.meta["worker"]), int(req.meta.get("attempt", 0)))
+        else:
+            joined = {"version": self.store.version, "data_positions": self.store.data_positions()}
+        return Reply({**joined, "config": self.store.config.to_dict(), "meta": self.store.meta})
 
     def _pull(self, req: Request) -> Reply:
         version, values = self.store.pull(
@@ -191,11 +194,14 @@ class PsService:
 
     def _push(self, req: Request) -> Reply:
         version = int(req.meta.get("version", 0))
-        result = self.store.push(int(req.meta["worker"]), version, req.tensors, position=req.meta.get("position"))
+        seq = req.meta.get("seq")
+        result = self.store.push(int(req.meta["worker"]), version, req.tensors, position=req.meta.get("position"),
+                                 attempt=int(req.meta.get("attempt", 0)), push_seq=None if seq is None else int(seq))
         if not req.meta.get("pull"):
             return Reply(result)
         # Push-pull in one round trip: reply with the values after this update. In sync mode an
-        # accepted gradient waits for its step to complete (a stale one gets the newest values now).
+        # accepted gradient (or a duplicate of one) waits for its step to complete (a stale one gets
+        # the newest values now).
         wait_for_step = self.store.config.mode == "sync" and result.get("applied")
         current, values = self.store.pull(
             min_version=version + 1 if wait_for_step else 0,
@@ -205,12 +211,13 @@ class PsService:
 
     def _clock(self, req: Request) -> Reply:
         slowest = self.store.clock(
-            int(req.meta["worker"]), int(req.meta["clock"]), timeout_s=float(req.meta.get("timeout_s", self.default_wait_s))
+            int(req.meta["worker"]), int(req.meta["clock"]), timeout_s=float(req.meta.get("timeout_s", self.default_wait_s)),
+            attempt=int(req.meta.get("attempt", 0)),
         )
         return Reply({"slowest": slowest})
 
     def _done(self, req: Request) -> Reply:
-        self.store.worker_done(int(req.meta["worker"]))
+        self.store.worker_done(int(req.meta["worker"]), int(req.meta.get("attempt", 0)))
         if self.store.all_done():
             self._shutdown.set()
         return Reply({"done": sorted(self.store.done_workers)})

@@ -44,6 +44,8 @@ class StoreStats:
     stale_dropped: int = 0
     stale_by_worker: dict[int, int] = field(default_factory=dict)
     steps_without_all: int = 0  # sync steps applied before every one of the M workers had pushed
+    duplicates: int = 0  # pushes resent after a reconnect, decided already: not applied again
+    superseded: int = 0  # requests of an attempt older than its worker's newest: dropped
     wait_s: float = 0.0  # time workers spent blocked in sync/ssp waits on this shard
     clock_log: list[tuple[int, int, int]] = field(default_factory=list)  # ssp: (worker, clock, slowest clock) at release
 
@@ -54,6 +56,8 @@ class StoreStats:
             "stale_dropped": self.stale_dropped,
             "stale_by_worker": {str(k): v for k, v in sorted(self.stale_by_worker.items())},
             "steps_without_all": self.steps_without_all,
+            "duplicates": self.duplicates,
+            "superseded": self.superseded,
             "wait_s": round(self.wait_s, 3),
         }
 
@@ -76,7 +80,8 @@ class ParameterStore:
         self._schedule: Schedule | None = None
         self._ema: MovingAverage | None = None
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}  # sync: each worker's held gradients
-        self._released: dict[tuple[int, int], int] = {}  # ssp: (worker, clock) released -> the slowest clock
+        self._released: dict[tuple[int, int, int], int] = {}  # ssp: (worker, clock, attempt) released -> the slowest clock
+        self._superseded: set[tuple[int, int, int]] = set()  # ssp: (worker, clock, attempt) waits a newer attempt ended
         self.progress = Progress()  # exact stop and checkpoint steps, workers' data positions
         self._cond = threading.Condition()
         self._initialized = False
@@ -156,10 +161,9 @@ class ParameterStore:
         with self._cond:
             if self.version < min_version:
                 rules = self.rules
-                self._wait(lambda: rules.version >= min_version or rules.lost_failure() is not None, timeout_s,
+                # Held for a lost worker too (sync without backups): until it comes back or the deadline.
+                self._wait(lambda: rules.version >= min_version, timeout_s,
                            lambda: TrainingError(rules.sync_wait_message(min_version, timeout_s)))
-                if self.version < min_version:
-                    raise TrainingError(rules.lost_failure())
             src = self._ema.shadow() if (averages and self._ema) else self.values
             if self.config.mode == "async" and not averages:
                 # Hogwild reads, as TensorFlow's default (use_locking=False): no copy on the hot path.
@@ -168,21 +172,33 @@ class ParameterStore:
 
     # -- updates ---------------------------------------------------------------------------
     def push(
-        self, worker: int, version: int, grads: Mapping[str, torch.Tensor], *, position: Mapping[str, Any] | None = None
+        self, worker: int, version: int, grads: Mapping[str, torch.Tensor], *, position: Mapping[str, Any] | None = None,
+        attempt: int = 0, push_seq: int | None = None,
     ) -> dict[str, Any]:
         """Apply (async, ssp) or aggregate (sync) one worker's gradients for this shard.
 
         ``position`` is the worker's data position after the batch these gradients come from; it
         is recorded when the batch is consumed. Past the step plan's stop nothing is applied and the
-        reply says ``stopped``.
+        reply says ``stopped``. ``attempt`` and ``push_seq`` fence a restarted worker's earlier
+        attempt (TrainingError) and make a resent push a ``duplicate`` (see :mod:`psflow.ps.rules`).
         """
         self._require_init()
         self._check_grads(grads)
         with self._cond:
             self.stats.pushes += 1
             reply: dict[str, Any] = {"applied": True}
-            for d in self.rules.push(worker, version):
-                if d.act is Act.STOPPED:
+            for d in self.rules.push(worker, version, attempt, push_seq):
+                if d.act is Act.SUPERSEDED and d.clock is None:
+                    self.stats.superseded += 1
+                    raise TrainingError(d.reason)
+                if d.act is Act.DUPLICATE:
+                    self.stats.duplicates += 1
+                    reply = {"applied": d.outcome in (Act.APPLY, Act.HOLD), "duplicate": True}
+                    if d.outcome is Act.DROP_STALE:
+                        reply["stale"] = True
+                    elif d.outcome is Act.STOPPED:
+                        reply["stopped"] = True
+                elif d.act is Act.STOPPED:
                     reply = {"applied": False, "stopped": True}
                 elif d.act is Act.DROP_STALE:
                     self.progress.consumed(worker, position)  # a dropped batch is not trained again
@@ -217,7 +233,12 @@ class ParameterStore:
                 self.stats.stale_dropped += 1
                 self.stats.stale_by_worker[w] = self.stats.stale_by_worker.get(w, 0) + 1
             elif d.act is Act.RELEASE:
-                self._released[(d.workers[0], d.clock or 0)] = d.slowest or 0
+                w = d.workers[0]
+                self._released[(w, d.clock or 0, self.rules.attempts.get(w, 0))] = d.slowest or 0
+            elif d.act is Act.REJOINED:
+                self.progress.discard_pending(d.workers[0])  # its held gradient left: the batch is redone
+            elif d.act is Act.SUPERSEDED and d.clock is not None:
+                self._superseded.add((d.workers[0], d.clock, d.attempt or 0))
         self._cond.notify_all()
 
     def _apply_step(self, d: Decision) -> None:
@@ -251,32 +272,73 @@ class ParameterStore:
         self._cond.notify_all()
 
     # -- bounded staleness -----------------------------------------------------------------
-    def clock(self, worker: int, clock: int, *, timeout_s: float) -> int:
+    def clock(self, worker: int, clock: int, *, timeout_s: float, attempt: int = 0) -> int:
         """Record ``worker`` at ``clock``; wait until the slowest live worker is within staleness.
-        Returns the slowest live clock when it was released."""
-        key = (worker, clock)
+        Returns the slowest live clock when it was released.
+
+        Raises:
+            TrainingError: the wait ran out; or ``attempt`` is older than the worker's newest
+                (before or while it waits: a restarted worker joined).
+        """
+        key = (worker, clock, attempt)
         with self._cond:
-            self._act(self.rules.clock(worker, clock))
+            decisions = self.rules.clock(worker, clock, attempt)
+            self._raise_superseded(decisions)
+            self._act(decisions)
 
             def expired() -> TrainingError:
                 (fail,) = self.rules.clock_expired(worker, clock, timeout_s)
                 return TrainingError(fail.reason)
 
-            self._wait(lambda: key in self._released, timeout_s, expired)
+            self._wait(lambda: key in self._released or key in self._superseded, timeout_s, expired)
+            if key in self._superseded:
+                self._superseded.discard(key)
+                self.stats.superseded += 1
+                raise TrainingError(f"worker:{worker} attempt {attempt} was waiting at clock {clock} on ps shard "
+                                    f"{self.shard} when a newer attempt of it joined: this attempt is superseded.")
             slowest = self._released.pop(key)
             self.stats.clock_log.append((worker, clock, slowest))
             return slowest
 
     # -- lifecycle -------------------------------------------------------------------------
-    def worker_done(self, worker: int) -> None:
+    def worker_done(self, worker: int, attempt: int = 0) -> None:
         with self._cond:
-            self._act(self.rules.worker_done(worker))
+            decisions = self.rules.worker_done(worker, attempt)
+            self._raise_superseded(decisions)
+            self._act(decisions)
 
     def worker_lost(self, worker: int) -> None:
         """``worker``'s connections closed without PS_DONE: stop waiting for it where the mode allows
         (see :meth:`ShardRules.worker_lost`)."""
         with self._cond:
-            self._act(self.rules.worker_lost(worker))
+            held = worker in self.rules.pending
+            decisions = self.rules.worker_lost(worker)
+            if held and worker not in self.rules.pending:
+                self.progress.discard_pending(worker)  # before a step its loss completes is applied
+            self._act(decisions)
+
+    def join(self, worker: int, attempt: int = 0) -> dict[str, Any]:
+        """Training replica ``worker``'s attempt ``attempt`` is ready to train (PS_READY): a newer
+        attempt takes over from the earlier one (see :meth:`ShardRules.join`). Returns, read at once
+        under the lock, the version, every worker's data position and (ssp) the clock it resumes at.
+
+        Raises:
+            TrainingError: ``attempt`` is older than the worker's newest.
+        """
+        with self._cond:
+            decisions = self.rules.join(worker, attempt)
+            self._raise_superseded(decisions)
+            self._act(decisions)
+            out: dict[str, Any] = {"version": self.version, "data_positions": self.progress.positions_now()}
+            if self.config.mode == "ssp":
+                out["clock"] = self.rules.clocks.get(worker, 0)
+            return out
+
+    def _raise_superseded(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            if d.act is Act.SUPERSEDED and d.clock is None:
+                self.stats.superseded += 1
+                raise TrainingError(d.reason)
 
     def worker_back(self, worker: int) -> bool:
         """A lost ``worker`` sent a request again (restarted): wait for it as before. True if it was lost."""

@@ -15,6 +15,16 @@ protocol:
 The first values come from an explicit pull in ``prepare()``; after that every step is one round
 trip per shard (push-pull, as ps-lite does), which halves the latency of a pull then a push.
 
+Restarts: a trainer names its task's ``attempt`` (the launcher's PSFLOW_ATTEMPT; 0 on the first
+start) at readiness and on every push, clock and PS_DONE, and numbers its pushes (``seq``). A
+restarted worker so takes over from its dead attempt on every shard (which drops that attempt's
+late pushes), gets the data position of its last applied batch and (ssp) the clock it resumes at
+in the readiness reply. Shard 0 keeps the data positions and receives each step's push last: a
+batch whose position it recorded was sent to every other shard before. With a resolver (a launched
+task), a shard connection that drops is made again: pulls and waits are repeated, and a push whose
+reply was lost is resent (the ps recognises it by its number and does not apply it twice); a failed
+step leaves the other connections in step instead of closing the client.
+
 Initialization: the chief sends the model's initial values (or restored ones, from the Supervisor)
 to every shard once; every other worker waits until the shards are ready.
 """
@@ -98,6 +108,9 @@ class Trainer(TrainerBase):
         self.client = PsClient(task.cluster, task.task_id, task.secret, connect_timeout_s=task.connect_timeout_s,
                                resolve=task.resolve)
         self.versions = [0] * task.num_ps
+        self.attempt = int(getattr(task, "attempt", 0) or 0)  # the launcher's restart count (PSFLOW_ATTEMPT)
+        self.clock_base = 0  # ssp: the clock this attempt starts at (from readiness: a restarted worker resumes)
+        self._push_seq = 0  # this attempt's steps sent: each push carries it, so a resent one is recognised
         self.stale_pushes = 0
         self._holds_averages = False  # pull(averages=True) put moving averages into the model
         self.step_plan = StepPlan()  # the chief sends it to the ps (Supervisor: max_steps, save_model_steps)
@@ -151,8 +164,9 @@ class Trainer(TrainerBase):
             return self.global_step
         if self.task.is_chief:
             self._initialize()
-        info = self.client.wait_ready(self.digest, self.config.ready_timeout_s)
+        info = self.client.wait_ready(self.digest, self.config.ready_timeout_s, worker=self.worker, attempt=self.attempt)
         self.ready_info = info
+        self.clock_base = int(info.get("clock", 0))
         self.global_step = int(info["version"])
         self.versions = self.client.pull(self._dests)
         self._ready = True
@@ -214,7 +228,7 @@ class Trainer(TrainerBase):
         t0 = self._begin_step()
         cfg = self.config
         if cfg.mode == "ssp":
-            self.client.clock(self.worker, self.local_step, cfg.sync_timeout_s)
+            self.client.clock(self.worker, self.clock_base + self.local_step, cfg.sync_timeout_s, attempt=self.attempt)
         # ssp: the values from the last push-pull predate the clock wait, and ssp bounds the staleness
         # of the values a step computes from. After pull(averages=True) the model holds averages.
         if (cfg.mode == "ssp" and self.local_step > 0) or self._holds_averages:
@@ -231,10 +245,11 @@ class Trainer(TrainerBase):
         # transfer to one shard overlaps the backward pass of the layers that live on the others.
         self._sent = set()
         self._remaining = {s: set(names) for s, names in self._shard_params.items()}
+        self._push_seq += 1
         try:
             value = run_step_closure(closure, self.model, towers=self.towers, batch=batch, batches=batches)
             self.compute_s += time.perf_counter() - t1
-            for shard in range(self.task.num_ps):
+            for shard in [*range(1, self.task.num_ps), 0]:  # shard 0 (the data position) last
                 if shard not in self._sent:
                     self._send_shard(shard)
         except BaseException:
@@ -286,30 +301,40 @@ class Trainer(TrainerBase):
         for shard in self._param_shards.get(name, ()):
             left = self._remaining[shard]
             left.discard(name)
-            if not left and shard not in self._sent:
-                # "early" only when backward still owes another shard gradients: that is the overlap
-                early = any(self._remaining[t] for t in self._remaining if t != shard)
-                self._send_shard(shard, during_backward=early)
+            if not left and shard not in self._sent and shard != 0:
+                self._send_early(shard)
+        # Shard 0 records the worker's data position: it goes once every other shard has its push,
+        # so a batch it recorded is never missing from another shard (see the module docstring).
+        if 0 not in self._sent and not self._remaining.get(0) and len(self._sent) == self.task.num_ps - 1:
+            self._send_early(0)
+
+    def _send_early(self, shard: int) -> None:
+        # "early" only when backward still owes another shard gradients: that is the overlap
+        early = any(self._remaining[t] for t in self._remaining if t != shard)
+        self._send_shard(shard, during_backward=early)
 
     def _send_shard(self, shard: int, *, during_backward: bool = False) -> None:
         assert self._sent is not None
         # Shard 0 keeps the workers' data positions; the iterator has already moved past this batch.
         position = self.data_source.state_dict() if shard == 0 and self.data_source is not None else None
         self.client.send_push(shard, self.worker, self.versions[shard], self._grads(shard), wait_s=self.config.sync_timeout_s,
-                              position=position)
+                              position=position, attempt=self.attempt, seq=self._push_seq)
         self._sent.add(shard)
         if not during_backward:
             self._late.add(shard)
 
     def _drain_sent(self) -> None:
         """The step failed after some shards got their gradients: read those replies so the
-        connections stay in step (or close them if even that fails)."""
+        connections stay in step. If even that fails, a client that reconnects has already
+        forgotten the lost connections (the others are in step) and stays usable; one that does
+        not is closed."""
         sent, self._sent = self._sent or set(), None
         self._late.clear()
         try:
             self.client.recv_push_replies(sorted(sent), self._dests)
         except PsflowError:
-            self.client.close()
+            if not self.client.reconnects:
+                self.client.close()
 
     def pull(self, *, averages: bool = False) -> int:
         """Load the newest ps values (or their moving averages) into the model. Returns the global step."""
@@ -341,6 +366,6 @@ class Trainer(TrainerBase):
         """Tell the ps this worker is done (they exit when every worker is) and disconnect."""
         try:
             if self._ready or not self.task.is_chief:
-                self.client.done(self.worker)
+                self.client.done(self.worker, attempt=self.attempt)
         finally:
             self.client.close()
