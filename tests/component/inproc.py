@@ -10,11 +10,15 @@ Invariants: every server binds port 0 and the cluster is built from the addresse
 free-port guessing); ``close()`` stops every server and closes every client it handed out; every
 wait has a deadline (``run_threads`` joins with a timeout and fails naming the threads still alive).
 
-Used by tests/component/test_sync_modes.py.
+:class:`CuttingProxy` is a TCP path in front of one server that can drop a connection at an exact
+point of an exchange (a network blip), for the client's reconnect-and-resend tests.
+
+Used by tests/component/test_sync_modes.py and test_rejoin.py.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +50,7 @@ class InprocTask:
     fail_at: str | None = None
     trainers: list[Trainer] = field(default_factory=list)
     resolve: Callable[[str], str] | None = None  # where a peer listens now (a launched task's address book)
+    attempt: int = 0  # the restart count (a launched task's PSFLOW_ATTEMPT)
 
     @property
     def num_ps(self) -> int:
@@ -104,15 +109,19 @@ class InprocCluster:
             self.close()
             raise
 
-    def task(self, index: int, *, fail_at: str | None = None, **config: Any) -> InprocTask:
-        """The task of ``worker:index``; ``config`` overrides fields of the job's TrainConfig."""
-        return InprocTask(self.cluster, TaskId("worker", index), SECRET, replace(self.config, **config), fail_at=fail_at)
+    def task(self, index: int, *, fail_at: str | None = None, attempt: int = 0, **config: Any) -> InprocTask:
+        """The task of ``worker:index`` (its ``attempt``: a restarted worker's is above 0); ``config``
+        overrides fields of the job's TrainConfig."""
+        return InprocTask(self.cluster, TaskId("worker", index), SECRET, replace(self.config, **config), fail_at=fail_at,
+                          attempt=attempt)
 
     def trainer(
-        self, index: int, model: torch.nn.Module, optimizer: OptimizerSpec, *, fail_at: str | None = None, **settings: Any
+        self, index: int, model: torch.nn.Module, optimizer: OptimizerSpec, *, fail_at: str | None = None,
+        attempt: int = 0, **settings: Any
     ) -> Trainer:
-        """A Trainer for ``worker:index``, connected to every ps shard."""
-        trainer = Trainer(model, optimizer, self.task(index, fail_at=fail_at), **settings)
+        """A Trainer for ``worker:index``, connected to every ps shard; ``attempt`` > 0 is a
+        restarted worker's (a new process for the same task)."""
+        trainer = Trainer(model, optimizer, self.task(index, fail_at=fail_at, attempt=attempt), **settings)
         self._clients.append(trainer.client)
         return trainer
 
@@ -195,3 +204,73 @@ def run_threads(targets: Sequence[Callable[[], Any]], *, timeout_s: float) -> li
     """Run each target on its own thread; return their results in order (see :meth:`ThreadGroup.join`)."""
     group = ThreadGroup({f"target-{i}": fn for i, fn in enumerate(targets)}).start()
     return list(group.join(timeout_s=timeout_s).values())
+
+
+class CuttingProxy:
+    """A TCP forwarder on 127.0.0.1 in front of the server at ``target``: a network path that drops.
+
+    ``cut_next("reply")`` makes it close the next connection that carries bytes from the server (the
+    reply to the request in flight, which the server received and carried out) instead of
+    forwarding them; ``cut_next("request")`` drops the next bytes a client sends before the server
+    gets them. Both sides of that connection are closed, as when a connection drops; later
+    connections pass untouched. ``cuts`` counts the connections it dropped.
+    """
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._armed: str | None = None
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self.cuts = 0
+        threading.Thread(target=self._accept, name="cutting-proxy", daemon=True).start()
+
+    def cut_next(self, direction: str) -> None:
+        assert direction in ("request", "reply")
+        with self._lock:
+            self._armed = direction
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(self._target, timeout=5.0)
+            server.settimeout(None)
+            with self._lock:
+                self._socks += [client, server]
+            for src, dst, direction in ((client, server, "request"), (server, client, "reply")):
+                threading.Thread(target=self._pump, args=(src, dst, direction), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                with self._lock:
+                    cut = self._armed == direction
+                    if cut:
+                        self._armed = None
+                        self.cuts += 1
+                if cut:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() waiting in its thread
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            for sock in self._socks:
+                sock.close()

@@ -10,7 +10,9 @@ chief asks for it).
 
 It also keeps each worker's data position (epoch, batch, shuffle seed: ``BatchIterator.state_dict``)
 as of the last of its batches whose gradients this shard consumed, so that a checkpoint holds every
-worker's place in its data, consistent with the parameters it holds.
+worker's place in its data, consistent with the parameters it holds, and a restarted worker gets
+back (at readiness) the position of its last applied batch, not of its last one sent. A sync
+gradient's position waits with it (``pending``) and is forgotten if the gradient leaves unapplied.
 
 Pure bookkeeping, no locks: :class:`psflow.ps.store.ParameterStore` calls it under its own lock.
 Workers are keyed by their replica index as a string (JSON object keys).

@@ -11,7 +11,10 @@ bound); the store carries its decisions out:
   divided by their number);
 - HOLD (sync): the received gradients are copied into a buffer this store owns until the step;
 - HOLD (ssp): the worker's clock request waits, at most its ``timeout_s``, for RELEASE;
-- DROP_STALE, STOPPED: the reply says so; FAIL: the reason is raised as a TrainingError.
+- DROP_STALE, STOPPED, DUPLICATE: the reply says so; FAIL: the reason is raised as a TrainingError;
+- REJOINED (a restarted worker's readiness, :meth:`join`): its earlier attempt's held sync position
+  is forgotten with its gradient; SUPERSEDED: a request of that earlier attempt is refused with a
+  TrainingError, and a clock wait of it still held ends with one.
 
 A sync pull of a newer version waits at most ``timeout_s`` (``sync_timeout_s``); the error names
 the workers still missing. ``version`` of shard 0 is the job's ``global_step``: every worker push
