@@ -13,7 +13,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TextIO
 
 import click
 
@@ -46,6 +46,29 @@ class Console:
                 return
             for line in block:
                 self._echo(f"{prefix} {line.rstrip()}")
+
+    def pump(self, task: str, stream: TextIO, log_file: TextIO, color: str) -> None:
+        """Copy a task's output to its log file and the console, until the stream ends; closes
+        ``log_file``. A traceback is echoed once it is whole, and only once per run: the same error in
+        every task (a script that fails at import) shows as one traceback and a line per other task.
+        The log file keeps everything. Used by every backend that streams its tasks' output."""
+        prefix = click.style(f"[{task}]", fg=color)
+        block: list[str] | None = None
+        with log_file:
+            for line in stream:
+                log_file.write(line)
+                log_file.flush()
+                if block is None and line.startswith("Traceback (most recent call last):"):
+                    block = [line]
+                elif block is not None:
+                    block.append(line)
+                    if not line[:1].isspace():  # the exception line ends the traceback
+                        self.task_traceback(task, prefix, block)
+                        block = None
+                else:
+                    self.echo(f"{prefix} {line.rstrip()}")
+            if block:
+                self.task_traceback(task, prefix, block)
 
     def traceback_shown_by(self, traceback: str) -> str | None:
         """The task whose output showed this traceback already, if any."""

@@ -29,9 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
-
-import click
+from typing import Any
 
 from psflow.launch import errorreport
 from psflow.launch.backend import Backend, RunResult
@@ -86,12 +84,7 @@ class LocalBackend(Backend):
 
     # -- the Backend seam ----------------------------------------------------------------------------
     def open(self, plan: LaunchPlan) -> None:
-        logdir = Path(plan.logdir)
-        (logdir / "logs").mkdir(parents=True, exist_ok=True)
-        rotate_logs(logdir / "logs", self.keep_logs)  # a rerun into this logdir keeps the earlier runs' logs
-        (logdir / "errors").mkdir(parents=True, exist_ok=True)
-        for stale in (logdir / "errors").glob("*.json*"):  # reports (and temporaries) of an earlier run
-            stale.unlink()
+        prepare_logdir(Path(plan.logdir), self.keep_logs)
         self._plan = plan
         self._procs, self._started, self._exits = {}, [], queue.Queue()
         self._colors = {tp.task: _COLORS[i % len(_COLORS)] for i, tp in enumerate(plan.tasks)}
@@ -107,7 +100,7 @@ class LocalBackend(Backend):
         self._procs[task.task] = p
         self._started.append(p)
         log_file = open(Path(plan.logdir) / "logs" / f"{task.file_stem}.log", "w" if attempt == 0 else "a")  # noqa: SIM115 (the pump closes it)
-        threading.Thread(target=self._pump, args=(task.task, p.stdout, log_file, self._colors.get(task.task, "white")),
+        threading.Thread(target=self.console.pump, args=(task.task, p.stdout, log_file, self._colors.get(task.task, "white")),
                          daemon=True).start()
         threading.Thread(target=self._watch, args=(task.task, attempt, p), daemon=True).start()
         return p.pid
@@ -200,27 +193,14 @@ class LocalBackend(Backend):
         )
         return p, forks
 
-    def _pump(self, task: str, stream: TextIO, log_file: TextIO, color: str) -> None:
-        """Copy a task's output to its log file and the console. A traceback is echoed once it is
-        whole, and only once per run: the same error in every task (a script that fails at import)
-        shows as one traceback and a line per other task. The log file keeps everything."""
-        prefix = click.style(f"[{task}]", fg=color)
-        block: list[str] | None = None
-        with log_file:
-            for line in stream:
-                log_file.write(line)
-                log_file.flush()
-                if block is None and line.startswith("Traceback (most recent call last):"):
-                    block = [line]
-                elif block is not None:
-                    block.append(line)
-                    if not line[:1].isspace():  # the exception line ends the traceback
-                        self.console.task_traceback(task, prefix, block)
-                        block = None
-                else:
-                    self.console.echo(f"{prefix} {line.rstrip()}")
-            if block:
-                self.console.task_traceback(task, prefix, block)
+def prepare_logdir(logdir: Path, keep_logs: int) -> None:
+    """``logs/`` and ``errors/`` of a run about to start: the earlier runs' logs rotated (see
+    :func:`rotate_logs`), their error reports gone. Called by a backend's ``open``."""
+    (logdir / "logs").mkdir(parents=True, exist_ok=True)
+    rotate_logs(logdir / "logs", keep_logs)  # a rerun into this logdir keeps the earlier runs' logs
+    (logdir / "errors").mkdir(parents=True, exist_ok=True)
+    for stale in (logdir / "errors").glob("*.json*"):  # reports (and temporaries) of an earlier run
+        stale.unlink()
 
 
 def rotate_logs(logs: Path, keep: int) -> None:
