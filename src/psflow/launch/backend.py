@@ -6,8 +6,8 @@ the tasks it is told to, and hands over a task's error report. What to start, st
 when the run is over, is decided by :class:`psflow.launch.controller.RunController`; the loop that
 connects the two is :class:`psflow.launch.runner.Runner`.
 
-Lifecycle: ``open(plan)`` -> ``start`` / ``poll`` / ``stop`` / ``error_report`` -> ``close()``
-(always called, also after an error: nothing the backend started may outlive it).
+Lifecycle: ``open(plan)`` -> ``start`` / ``poll`` / ``stop`` / ``error_report`` / ``ended_by`` ->
+``close()`` (always called, also after an error: nothing the backend started may outlive it).
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Stop whatever is still running and release what :meth:`open` took."""
+
+    def ended_by(self) -> str | None:
+        """Why the place the tasks run in ended the run from outside (a scheduler job cancelled,
+        out of time), once, or None. The runner takes it as a stop request, before the exits it
+        caused. Default: never (local processes end only when the runner says)."""
+        return None
 
     @abstractmethod
     def start(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> Any:

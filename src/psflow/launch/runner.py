@@ -7,7 +7,8 @@ The I/O shell of :class:`psflow.launch.controller.RunController`. It
 2. turns the controller's decisions into backend actions: start an attempt (with the task's
    environment), stop tasks (warning the user where the controller says so), note a restart;
 3. feeds the controller what happens: the backend's exits (each failed task's error report first),
-   the passing time (every ``tick_s``), and Ctrl-C / SIGTERM as a stop request;
+   the passing time (every ``tick_s``), and Ctrl-C / SIGTERM, or the backend's place ending the run
+   (``Backend.ended_by``: a cancelled Slurm job), as a stop request;
 4. records it all in the run store (:mod:`psflow.launch.runstore`: ``status.json``,
    ``events.jsonl``, ``summary.json``), and, once the controller has finished the run, prints the
    root cause first, then what the other failed tasks said.
@@ -133,7 +134,11 @@ class Runner:
             if reason is not None:
                 pending.extend(controller.handle(StopRequested(reason, time.time())))
                 continue
-            for exited in self.backend.poll(timeout_s=self.tick_s):
+            exits = self.backend.poll(timeout_s=self.tick_s)
+            ended = self.backend.ended_by()  # before the exits it caused: they are then a stop's, not failures
+            if ended is not None:
+                pending.extend(controller.handle(StopRequested(ended, time.time())))
+            for exited in exits:
                 pending.extend(self._exited(exited, controller, store))
             pending.extend(controller.handle(TimeAdvanced(time.time())))
             store.tick()  # publish the last changes of a quiet spell
