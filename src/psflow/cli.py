@@ -6,11 +6,12 @@ import difflib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from psflow.config import TrainConfig, check_launch_settings
-from psflow.errors import PsflowError
+from psflow.errors import ConfigError, PsflowError
 
 
 @click.group()
@@ -47,13 +48,17 @@ def main() -> None:
               help="Fork the tasks from one process that imported torch once (faster start), or start each afresh.")
 @click.option("--live/--no-live", default=None,
               help="Show a live table of the tasks under their output (default: when printing to a terminal).")
+@click.option("--backend", type=click.Choice(["local", "slurm"]), default="local", show_default=True,
+              help="Where the tasks run: processes on this machine, or steps of one Slurm job.")
+@click.option("--nodes", type=click.IntRange(min=1), default=None, help="slurm: nodes to allocate (default 1).")
+@click.option("--dry-run", is_flag=True, help="slurm: print the sbatch script and exit.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
         fail_at: str | None, log_placement: bool, preload: bool, live: bool | None, threads: int | None,
-        **settings: object) -> None:
+        backend: str, nodes: int | None, dry_run: bool, **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
-    from psflow.launch import LocalBackend, make_plan
+    from psflow.launch import make_plan
     from psflow.launch.metrics import final_line
 
     script_args = _script_args(click.get_current_context(), script, script_args)
@@ -67,15 +72,39 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         plan = make_plan(script, list(script_args), num_ps=num_ps, num_workers=num_workers,
                          chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=fail_at,
                          threads=threads)
+        runner = _backend(backend, nodes, dry_run, preload=preload, live=live)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
+    if dry_run:
+        click.echo(runner.script(plan), nl=False)
+        return
     click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; "
                f"threads={plan.threads} per task ({plan.cores} cores{'' if threads else ', --threads N to change'}); "
                f"logs in {plan.logdir}")
-    result = LocalBackend(preload=preload, live=live).run(plan)
+    try:
+        result = runner.run(plan)
+    except PsflowError as e:
+        raise click.ClickException(str(e)) from e
     click.echo(final_line(result.summary))
     click.echo(f"psflow: summary: {plan.logdir}/summary.json   logs: {plan.logdir}/logs/")
     sys.exit(result.exit_code)
+
+
+def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live: bool | None) -> Any:
+    """The backend ``psflow run --backend NAME`` runs on (a LocalBackend or a SlurmBackend).
+
+    Raises:
+        ConfigError: a Slurm option (--nodes, --dry-run) for a local run.
+    """
+    if name == "slurm":
+        from psflow.launch.slurm import SlurmBackend
+
+        return SlurmBackend(nodes=nodes or 1, live=live)
+    if nodes is not None or dry_run:
+        raise ConfigError(f"{'--nodes' if nodes is not None else '--dry-run'} is for --backend slurm; this run is local.")
+    from psflow.launch import LocalBackend
+
+    return LocalBackend(preload=preload, live=live)
 
 
 def _script_args(ctx: click.Context, script: str, script_args: tuple[str, ...]) -> tuple[str, ...]:

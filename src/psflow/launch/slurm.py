@@ -1,0 +1,528 @@
+"""SlurmBackend: the tasks of a plan as steps of one Slurm job.
+
+Implements :class:`psflow.launch.backend.Backend` (``psflow run --backend slurm --nodes K``). How a
+run maps onto Slurm, and why:
+
+- **One allocation per run, held by the batch script.** :meth:`SlurmBackend.open` submits the
+  script of :func:`batch_script` (what ``psflow run --dry-run`` prints) with ``sbatch`` and waits,
+  through ``squeue``, until the job runs. The script starts no task: it holds the allocation until
+  the launcher writes ``end`` into ``LOGDIR/slurm/heartbeat``, or until that file has stood still
+  for ``hold_timeout_s`` (so that a launcher killed with SIGKILL does not hold nodes for ever).
+- **One job step per task attempt**, started by the launcher: ``srun --jobid=JOB --overlap -N1 -n1
+  -w NODE -J TASK.aATTEMPT ...`` (:func:`step_argv`). The srun client runs on the launcher's host
+  and relays the task's output, which is streamed like a local task's (the console with the
+  ``[task]`` prefix, ``LOGDIR/logs/<task>.log``); the client's exit is the task's exit. So start,
+  poll and stop are per task, and the run's restart policy restarts one task alone, as a new step on
+  the same node, while the others run on.
+- **Nodes**: the plan's task *i* runs on node *i* mod K of the allocation's node list (squeue's
+  ``%N``, expanded): with ``--nodes 3``, ps:0 on the first node, worker:0 on the second, worker:1 on
+  the third. Steps ``--overlap``, so that more tasks than nodes share them.
+- **Addresses**: a task under the launcher takes its role from ``PSFLOW_TASK``, binds port 0 on
+  its node's name (``PSFLOW_BIND_HOST``; Slurm's node names resolve to the nodes) and registers with
+  the launcher's coordinator (``PSFLOW_COORDINATOR``), as a local task does;
+  Slurm's own variables (``SLURM_PROCID``, ports from ``PSFLOW_BASE_PORT`` plus the local id) are
+  what ``psflow.init`` reads in a script under the user's *own* ``srun``, without this launcher.
+  Fixed ports would be wrong here: a restarted attempt would find its port still held by the one
+  that is dying, and every emulated node of a one-host cluster shares one port space; with port 0
+  the coordinator's address book announces a restarted task's new address. The coordinator listens
+  where the launcher's server binds (loopback): right while the nodes are this host, as in the
+  tests; nodes on other hosts need an address they can reach and the job secret off loopback
+  (issue 11, item 5).
+- **Stopping**: ``scancel --signal=TERM JOB.STEP`` (the task's own SIGTERM handling, as locally),
+  then ``scancel --signal=KILL`` after ``grace_s``. Signals to the srun client are not used for the
+  first stage: srun takes SIGTERM as "force termination" and kills the step at once.
+- **Following the job**: ``squeue`` while Slurm lists it, then ``scontrol show job`` (kept for
+  ``MinJobAge``), then ``sacct`` where accounting is on. A job that ends under the run (``scancel``,
+  its time limit, a node failure) is reported through :meth:`SlurmBackend.ended_by`, before the
+  exits it caused: the run stops (exit code 130) and says why.
+- **Exit codes**: srun exits 128+N for a task killed by signal N; that becomes -N, as ``Popen``
+  reports a local task's signal (the root cause then reads "killed (SIGKILL)").
+- **Files**: the log dir must be one directory for the launcher and every node: the tasks write
+  their error reports (read by :meth:`SlurmBackend.error_report`) and read the job secret there, and
+  the batch script reads the heartbeat there. One host here; several hosts need a shared log dir
+  (issue 11, item 4).
+
+States of the job, as the backend sees it::
+
+    (none) --open: sbatch--> PENDING --squeue: RUNNING--> running --close: "end" | scancel--> ended
+    running --scancel / time limit / node failure (ended_by)--> ended
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from psflow.cluster import expand_slurm_nodelist
+from psflow.errors import ClusterError, ConfigError
+from psflow.launch import errorreport
+from psflow.launch.backend import Backend, RunResult
+from psflow.launch.console import Console
+from psflow.launch.contract import TaskEnv
+from psflow.launch.controller import TaskExited
+from psflow.launch.forkserver import die_with_parent
+from psflow.launch.local import prepare_logdir
+from psflow.launch.plan import LaunchPlan, TaskPlan
+
+_COLORS = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green"]
+_WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING")  # not running yet, may still run
+_RUNNING = ("RUNNING",)
+_CLI_TIMEOUT_S = 30.0  # one squeue/scontrol/scancel call (a dead slurmctld makes each hang)
+
+
+# ------------------------------------------------------------------------------------ rendering
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    """What the batch script and the steps ask Slurm for.
+
+    Args:
+        nodes: nodes in the allocation (``--nodes``); the plan's tasks are spread over them.
+        hold_timeout_s: the batch script releases the allocation once the launcher's heartbeat has
+            stood still this long.
+        sbatch_args: more ``#SBATCH`` options, as written on sbatch's command line
+            (``("--partition=gpu", "--time=01:00:00")``). sbatch's own environment (SBATCH_PARTITION,
+            SBATCH_ACCOUNT, SBATCH_TIMELIMIT) applies too.
+    """
+
+    nodes: int = 1
+    hold_timeout_s: float = 60.0
+    sbatch_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ConfigError(f"--nodes must be a positive number of Slurm nodes; received {self.nodes!r}.")
+        if not self.hold_timeout_s > 0:
+            raise ConfigError(f"hold_timeout_s must be a positive number of seconds; received {self.hold_timeout_s!r}.")
+
+
+def slurm_dir(plan: LaunchPlan) -> Path:
+    """Where the run's Slurm files lie: the batch script, its output, the heartbeat (absolute: the
+    batch script and the steps read them on the nodes)."""
+    return Path(plan.logdir).resolve() / "slurm"
+
+
+def tasks_per_node(num_tasks: int, nodes: int) -> int:
+    """The most tasks any node runs when ``num_tasks`` are spread round-robin over ``nodes``."""
+    return max(1, -(-num_tasks // nodes))
+
+
+def node_of(index: int, nodes: Sequence[str]) -> str:
+    """The node the plan's task ``index`` runs on: round-robin over the allocation's ``nodes``."""
+    return nodes[index % len(nodes)]
+
+
+def step_name(task: str, attempt: int) -> str:
+    """The job step's name for ``task``'s ``attempt``: ``worker:1``, 2 -> ``worker-1.a2``."""
+    return f"{task.replace(':', '-')}.a{attempt}"
+
+
+def step_argv(job_id: str, node: str, task: TaskPlan, attempt: int, *, threads: int, cwd: str) -> list[str]:
+    """The srun command that runs ``task``'s ``attempt`` as a step of job ``job_id`` on ``node``."""
+    return ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+            f"--cpus-per-task={threads}", f"--job-name={step_name(task.task, attempt)}", f"--chdir={cwd}",
+            "--unbuffered", *task.argv]
+
+
+def batch_script(plan: LaunchPlan, settings: SlurmSettings, *, cwd: str | None = None) -> str:
+    """The sbatch script of ``plan``: it asks for the allocation and holds it (see the module's
+    docstring); the comments show the step each task runs as. Pure: the same plan and settings give
+    the same text.
+
+    Example:
+        >>> print(batch_script(make_plan("train.py"), SlurmSettings(nodes=3)))  # doctest: +SKIP
+        #!/bin/bash
+        #SBATCH --job-name=psflow-20250101-120000-ab12cd
+        ...
+    """
+    cwd = cwd or os.getcwd()
+    sdir = slurm_dir(plan)
+    per_node = tasks_per_node(len(plan.tasks), settings.nodes)
+    nodes = [f"NODE{i}" for i in range(settings.nodes)]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=psflow-{plan.run_id}",
+        f"#SBATCH --nodes={settings.nodes}",
+        f"#SBATCH --ntasks-per-node={per_node}",
+        f"#SBATCH --cpus-per-task={plan.threads}",
+        f"#SBATCH --output={sdir}/batch-%j.out",
+        f"#SBATCH --chdir={cwd}",
+        *(f"#SBATCH {a}" for a in settings.sbatch_args),
+        "#",
+        f"# psflow run {plan.run_id}: this job holds the allocation; the launcher (psflow run --backend slurm)",
+        "# starts each task as a step of it, and restarts one alone under the run's restart policy:",
+    ]
+    for i, tp in enumerate(plan.tasks):
+        argv = step_argv("JOB", node_of(i, nodes), tp, 0, threads=plan.threads, cwd=cwd)
+        lines.append(f"#   {tp.task:<12} {shlex.join(argv)}")
+    lines += [
+        f"# (JOB: this job; NODE0..NODE{settings.nodes - 1}: the allocation's nodes in order), each with its PSFLOW_* environment.",
+        "# The job ends when the launcher writes 'end' into the heartbeat file, or when the heartbeat has",
+        f"# stood still for {settings.hold_timeout_s:g} s (the launcher is gone).",
+        "set -u",
+        f"heartbeat={shlex.quote(str(sdir / 'heartbeat'))}",
+        f"hold_s={max(1, round(settings.hold_timeout_s))}",
+        'last="" quiet=0',
+        "while :; do",
+        '  beat=$(cat "$heartbeat" 2>/dev/null || true)',
+        '  [ "$beat" = end ] && exit 0',
+        '  if [ "$beat" != "$last" ]; then last=$beat quiet=0; else quiet=$((quiet + 1)); fi',
+        '  if [ "$quiet" -ge "$hold_s" ]; then',
+        '    echo "psflow: no heartbeat from the launcher for ${hold_s} s in $heartbeat: releasing the allocation." >&2',
+        "    exit 1",
+        "  fi",
+        "  sleep 1",
+        "done",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def exit_code_of(srun_code: int) -> int:
+    """A task's exit code from its srun client's: 128+N (a task killed by signal N) becomes -N."""
+    if 128 < srun_code < 128 + signal.NSIG:
+        return -(srun_code - 128)
+    return srun_code
+
+
+def parse_job_id(sbatch_out: str) -> str:
+    """The job id of ``sbatch --parsable``'s output (``123`` or ``123;cluster``)."""
+    job_id = sbatch_out.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise ClusterError(f"sbatch did not answer with a job id. Received: {sbatch_out.strip()!r}.")
+    return job_id
+
+
+def parse_scontrol_job(text: str) -> tuple[str, str]:
+    """``(state, reason)`` from ``scontrol -o show job``'s line (``JobState=CANCELLED Reason=None``)."""
+    fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
+    return fields.get("JobState", "UNKNOWN"), fields.get("Reason", "None")
+
+
+# ------------------------------------------------------------------------------------ Slurm's CLI
+
+
+class SlurmCli:
+    """Slurm's commands (sbatch, squeue, scontrol, sacct, scancel), each with a deadline."""
+
+    def __init__(self, timeout_s: float = _CLI_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+
+    def call(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s, stdin=subprocess.DEVNULL)
+        except FileNotFoundError as e:
+            raise ClusterError(f"Slurm's `{argv[0]}` is not on PATH. --backend slurm runs where Slurm's client commands "
+                               "(sbatch, srun, squeue, scancel) are installed and configured (SLURM_CONF).") from e
+        except subprocess.TimeoutExpired as e:
+            raise ClusterError(f"`{shlex.join(argv)}` did not answer within {self.timeout_s:g} s: is slurmctld up? "
+                               "(`scontrol ping`)") from e
+
+    def submit(self, script: Path) -> str:
+        r = self.call("sbatch", "--parsable", str(script))
+        if r.returncode != 0:
+            raise ClusterError(f"sbatch refused the job script {script}: {r.stderr.strip() or r.stdout.strip()}")
+        return parse_job_id(r.stdout)
+
+    def job(self, job_id: str) -> tuple[str, str, str]:
+        """``(state, reason, nodelist)`` of ``job_id``; state ``UNKNOWN`` where Slurm no longer knows it."""
+        r = self.call("squeue", "-h", "-j", job_id, "-o", "%T|%r|%N")
+        if r.returncode == 0 and r.stdout.strip():
+            state, reason, nodes = (r.stdout.strip().splitlines()[0].split("|") + ["", ""])[:3]
+            if state != "COMPLETING":  # COMPLETING hides how it ended (CANCELLED, TIMEOUT, ...): scontrol tells
+                return state, reason, nodes
+        r = self.call("scontrol", "-o", "show", "job", job_id)
+        if r.returncode == 0 and r.stdout.strip():
+            return (*parse_scontrol_job(r.stdout), "")
+        r = self.call("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State")
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.split()[0], "None", ""
+        return "UNKNOWN", "None", ""
+
+    def steps(self, job_id: str) -> dict[str, str]:
+        """The job's running steps: name -> ``JOB.STEP``."""
+        r = self.call("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j")
+        out: dict[str, str] = {}
+        for line in r.stdout.splitlines() if r.returncode == 0 else []:
+            step, _, name = line.partition("|")
+            out[name.strip()] = step.strip()
+        return out
+
+    def cancel(self, target: str, sig: str | None = None) -> None:
+        self.call("scancel", *([f"--signal={sig}"] if sig else []), target)
+
+
+# ------------------------------------------------------------------------------------ the backend
+
+
+class SlurmBackend(Backend):
+    """Every task of a plan as a step of one Slurm job (see the module's docstring).
+
+    Args:
+        nodes: nodes to ask for; the tasks are spread round-robin over them.
+        echo, live: the console (see :class:`psflow.launch.console.Console`).
+        register_timeout_s: the rendezvous deadline, for :meth:`run`.
+        queue_timeout_s: the longest wait for the job to start running.
+        hold_timeout_s, sbatch_args: see :class:`SlurmSettings`.
+        job_check_s: how often the job's state is checked while the run goes on.
+        keep_logs: logs of earlier runs into the same log dir kept per task.
+
+    Example:
+        >>> SlurmBackend(nodes=3).run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
+        0
+    """
+
+    def __init__(
+        self, *, nodes: int = 1, echo: Callable[[str], None] | None = None, live: bool | None = None,
+        register_timeout_s: float = 120.0, queue_timeout_s: float = 3600.0, hold_timeout_s: float = 60.0,
+        sbatch_args: Sequence[str] = (), job_check_s: float = 5.0, keep_logs: int = 5, cli: SlurmCli | None = None,
+    ) -> None:
+        super().__init__(Console(echo, live=live))
+        self.settings = SlurmSettings(nodes=nodes, hold_timeout_s=hold_timeout_s, sbatch_args=tuple(sbatch_args))
+        self.register_timeout_s = register_timeout_s
+        self.queue_timeout_s = queue_timeout_s
+        self.job_check_s = job_check_s
+        self.keep_logs = keep_logs
+        self.cli = cli or SlurmCli()
+        self.job_id: str | None = None
+        self.nodes: list[str] = []
+        self._plan: LaunchPlan | None = None
+        self._procs: dict[str, subprocess.Popen[str]] = {}  # task -> its current attempt's srun client
+        self._steps: dict[str, str] = {}  # task -> its current attempt's step name
+        self._started: list[subprocess.Popen[str]] = []
+        self._exits: queue.Queue[TaskExited] = queue.Queue()
+        self._lock = threading.Lock()
+        self._ended: str | None = None  # why the job ended under the run, until ended_by() takes it
+        self._ended_told = self._closing = False
+        self._beat = 0
+        self._beat_at = self._checked_at = 0.0
+
+    def script(self, plan: LaunchPlan) -> str:
+        """The batch script :meth:`open` submits for ``plan`` (``psflow run --dry-run`` prints it)."""
+        return batch_script(plan, self.settings)
+
+    def run(self, plan: LaunchPlan) -> RunResult:
+        """Run ``plan`` to its end under the default rules (see :class:`psflow.launch.runner.Runner`)."""
+        from psflow.launch.runner import Runner
+
+        return Runner(self, register_timeout_s=self.register_timeout_s).run(plan)
+
+    # -- the Backend seam ----------------------------------------------------------------------------
+    def open(self, plan: LaunchPlan) -> None:
+        prepare_logdir(Path(plan.logdir), self.keep_logs)
+        sdir = slurm_dir(plan)
+        sdir.mkdir(parents=True, exist_ok=True)
+        self._plan = plan
+        self._procs, self._steps, self._started, self._exits = {}, {}, [], queue.Queue()
+        self._ended, self._ended_told, self._closing = None, False, False
+        self._heartbeat(force=True)
+        script = sdir / "job.sh"
+        script.write_text(self.script(plan))
+        self.job_id = self.cli.submit(script)
+        self.console.echo(f"psflow: Slurm job {self.job_id} submitted ({self.settings.nodes} node(s)); script {script}")
+        self.nodes = self._wait_running(plan)
+        self.console.echo(f"psflow: Slurm job {self.job_id} running on {', '.join(self.nodes)}")
+
+    def start(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> int:
+        plan = self._require_plan()
+        index = plan.task_names().index(task.task)
+        full = {k: v for k, v in os.environ.items() if not _is_job_variable(k)}
+        full.pop("PSFLOW_SECRET", None)  # the launcher's own, if any: tasks read the run's secret file
+        node = node_of(index, self.nodes)
+        full.update({**TaskEnv(bind_host=node).render(), **env})  # the plan's own bind host wins
+        if full.get("PSFLOW_NUM_THREADS"):  # a fresh interpreter's torch reads it at import
+            full["OMP_NUM_THREADS"] = full["PSFLOW_NUM_THREADS"]
+        if attempt > 0:  # the last attempt's report was read when it exited
+            errorreport.path_for(Path(plan.logdir) / "errors", task.task).unlink(missing_ok=True)
+        argv = step_argv(str(self.job_id), node, task, attempt, threads=plan.threads, cwd=os.getcwd())
+        p = subprocess.Popen(argv, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, text=True, bufsize=1, preexec_fn=die_with_parent)
+        self._procs[task.task], self._steps[task.task] = p, step_name(task.task, attempt)
+        self._started.append(p)
+        log_file = open(Path(plan.logdir) / "logs" / f"{task.file_stem}.log", "w" if attempt == 0 else "a")  # noqa: SIM115 (the pump closes it)
+        pump = threading.Thread(target=self.console.pump, daemon=True,
+                                args=(task.task, p.stdout, log_file, _COLORS[index % len(_COLORS)]))
+        pump.start()
+        threading.Thread(target=self._watch, args=(task.task, attempt, p, pump), daemon=True).start()
+        return p.pid
+
+    def poll(self, timeout_s: float = 0.0) -> list[TaskExited]:
+        self._heartbeat()
+        if time.monotonic() - self._checked_at >= self.job_check_s:
+            self._check_job()
+        try:
+            exits = [self._exits.get(timeout=timeout_s) if timeout_s > 0 else self._exits.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                exits.append(self._exits.get_nowait())
+            except queue.Empty:
+                return exits
+
+    def ended_by(self) -> str | None:
+        with self._lock:
+            if self._ended is None or self._ended_told:
+                return None
+            self._ended_told = True
+            return self._ended
+
+    def stop(self, tasks: Sequence[str], grace_s: float) -> None:
+        live = {t: self._procs[t] for t in tasks if t in self._procs and self._procs[t].poll() is None}
+        if not live:
+            return
+        try:
+            steps = self.cli.steps(str(self.job_id)) if self.job_id else {}
+        except ClusterError as e:  # then the srun clients end their steps
+            self.console.warn(f"cannot list the steps of Slurm job {self.job_id}: {e}")
+            steps = {}
+        for t, p in live.items():
+            step = steps.get(self._steps[t])
+            if step is not None:
+                try:
+                    self.cli.cancel(step, "TERM")
+                except ClusterError:
+                    _signal_group(p, signal.SIGTERM)
+            else:  # not a step yet (or no more): the srun client ends it
+                _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for t, p in live.items():
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                step = steps.get(self._steps[t])
+                if step is not None:
+                    with contextlib.suppress(ClusterError):
+                        self.cli.cancel(step, "KILL")
+                _kill_client(p)
+
+    def error_report(self, task: str) -> dict[str, Any] | None:
+        return errorreport.read(Path(self._require_plan().logdir) / "errors", task)
+
+    def close(self) -> None:
+        grace_s = self._plan.grace_s if self._plan is not None else 0.0
+        self._closing = True  # steps end now because the run does: not "ended under the run"
+        try:
+            if self.job_id is not None:
+                self.stop(list(self._procs), grace_s)
+        finally:
+            for p in self._started:
+                _kill_client(p)
+            if self.job_id is not None and self._plan is not None:
+                self._release()
+
+    # -- the job -------------------------------------------------------------------------------------
+    def _require_plan(self) -> LaunchPlan:
+        if self._plan is None:
+            raise RuntimeError("SlurmBackend used before open(plan).")
+        return self._plan
+
+    def _heartbeat(self, *, force: bool = False, text: str | None = None) -> None:
+        """Tell the batch script the launcher lives (every few seconds), or ``text`` (``end``)."""
+        now = time.monotonic()
+        if not force and text is None and now - self._beat_at < min(5.0, self.settings.hold_timeout_s / 4):
+            return
+        self._beat, self._beat_at = self._beat + 1, now
+        path = slurm_dir(self._require_plan()) / "heartbeat"
+        tmp = path.with_name("heartbeat.tmp")
+        tmp.write_text(text or f"{self._beat}\n")
+        os.replace(tmp, path)  # the script reads a whole beat or the last one
+
+    def _wait_running(self, plan: LaunchPlan) -> list[str]:
+        """The allocation's nodes, once the job runs; ClusterError if it ends or waits too long."""
+        deadline = time.monotonic() + self.queue_timeout_s
+        shown = ""
+        while True:
+            state, reason, nodelist = self.cli.job(str(self.job_id))
+            if state in _RUNNING and nodelist:
+                return expand_slurm_nodelist(nodelist)
+            if state not in _WAITING:
+                raise ClusterError(f"Slurm job {self.job_id} ended before it ran: {state} (reason: {reason}). "
+                                   f"Its output: {slurm_dir(plan)}/batch-{self.job_id}.out")
+            if f"{state} {reason}" != shown:
+                shown = f"{state} {reason}"
+                self.console.echo(f"psflow: Slurm job {self.job_id} is {state} (reason: {reason})")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"Slurm job {self.job_id} did not start within {self.queue_timeout_s:g} s "
+                                   f"(state {state}, reason: {reason}). SlurmBackend(queue_timeout_s=...) waits longer.")
+            self._heartbeat()
+            time.sleep(0.2)
+
+    def _check_job(self) -> None:
+        """Whether the job still runs; if not, why (for ended_by), said once on the console."""
+        self._checked_at = time.monotonic()
+        if self.job_id is None or self._closing:
+            return
+        try:
+            state, reason, _ = self.cli.job(self.job_id)
+            settle = time.monotonic() + 3.0
+            while state == "COMPLETING" and time.monotonic() < settle:  # how it ended shows once its steps are gone
+                time.sleep(0.2)
+                state, reason, _ = self.cli.job(self.job_id)
+        except ClusterError as e:
+            self.console.warn(f"cannot check Slurm job {self.job_id}: {e}")
+            return
+        if state in _RUNNING:
+            return
+        with self._lock:
+            if self._ended is not None or self._closing:
+                return
+            self._ended = f"Slurm job {self.job_id} {state}" + (f" ({reason})" if reason not in ("None", "") else "")
+        self.console.warn(f"Slurm job {self.job_id} ended while the run went on: {state}; the run stops.")
+
+    def _watch(self, task: str, attempt: int, p: subprocess.Popen[str], pump: threading.Thread) -> None:
+        code = exit_code_of(p.wait())
+        pump.join(timeout=10)  # the log is whole before the exit is seen
+        # Was the step ended by the job's end (scancel, time limit)? Said before its exit is seen, for
+        # ended_by: even a task that exits 0 on the SIGTERM does not make a cancelled run succeed.
+        self._check_job()
+        self._exits.put(TaskExited(task, attempt, code, time.time()))
+
+    def _release(self) -> None:
+        """End the job: ``end`` for the batch script (the job completes), scancel if it lingers."""
+        try:
+            self._heartbeat(text="end")
+        except OSError:
+            pass
+        deadline = time.monotonic() + 5.0
+        try:
+            while time.monotonic() < deadline:
+                if self.cli.job(str(self.job_id))[0] not in (*_WAITING, *_RUNNING):
+                    return
+                time.sleep(0.2)
+            self.cli.cancel(str(self.job_id))
+        except ClusterError as e:
+            self.console.warn(f"could not end Slurm job {self.job_id} ({e}); `scancel {self.job_id}` ends it.")
+
+
+def _is_job_variable(name: str) -> bool:
+    """A variable of a Slurm job the launcher itself may run in (under salloc): not for the steps of
+    its own job, which srun sets afresh. SLURM_CONF (where Slurm is) stays."""
+    return name.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and name != "SLURM_CONF"
+
+
+def _signal_group(p: subprocess.Popen[str], sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_client(p: subprocess.Popen[str]) -> None:
+    """SIGKILL to an srun client (its step ends with it) and reap it."""
+    if p.poll() is None:
+        _signal_group(p, signal.SIGKILL)
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
