@@ -1,0 +1,196 @@
+"""psflow on a real Slurm: the launcher's ``--backend slurm``, and a script under the user's own srun.
+
+The cluster is Debian's slurmctld, three slurmd "nodes" named 127.0.0.1-3 (each its own loopback
+address) and munge, brought up in a temporary directory by ``tools/slurm_cluster.sh`` (installed with
+apt where missing and root). Where Slurm cannot be had, every test here skips and says what is
+missing. Each test runs in well under a minute; every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import PSFLOW, ROOT, SOFTMAX, log_tails, pid_alive, read_summary, task_env
+
+pytestmark = pytest.mark.timeout(120)
+
+CLUSTER_SCRIPT = ROOT / "tools" / "slurm_cluster.sh"
+NODES = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+
+
+@pytest.fixture(scope="module")
+def slurm_conf() -> Iterator[str]:
+    """SLURM_CONF of a three-node cluster, up for this module's tests."""
+    if shutil.which("bash") is None:
+        pytest.skip("Slurm tests need bash to start the cluster (tools/slurm_cluster.sh)")
+    cluster_dir = tempfile.mkdtemp(prefix="psflow-slurm-")  # short: munge's socket path has a length limit
+    up = subprocess.run(["bash", str(CLUSTER_SCRIPT), "up", cluster_dir, "3"], capture_output=True, text=True, timeout=900)
+    try:
+        if up.returncode == 2:
+            pytest.skip(f"no Slurm here: {up.stderr.strip().splitlines()[-1]}")
+        assert up.returncode == 0, f"the Slurm cluster did not come up:\n{up.stderr[-3000:]}"
+        yield str(Path(cluster_dir) / "slurm.conf")
+    finally:
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "down", cluster_dir], capture_output=True, timeout=120)
+        shutil.rmtree(cluster_dir, ignore_errors=True)
+
+
+def slurm_env(conf: str, **extra: str) -> dict[str, str]:
+    return task_env(SLURM_CONF=conf, **extra)
+
+
+def slurm(conf: str, *argv: str) -> str:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=slurm_env(conf))
+    return r.stdout
+
+
+def job_state(conf: str, job_id: str) -> str:
+    m = re.search(r"JobState=(\S+)", slurm(conf, "scontrol", "-o", "show", "job", job_id))
+    return m.group(1) if m else "UNKNOWN"
+
+
+def wait_until_ended(conf: str, job_id: str, timeout_s: float = 30) -> str:
+    """The job's final state, once squeue no longer lists it and it is no longer COMPLETING."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = job_state(conf, job_id)
+        if not slurm(conf, "squeue", "-h", "-j", job_id).strip() and state not in ("RUNNING", "COMPLETING", "PENDING"):
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"Slurm job {job_id} still listed after {timeout_s} s: {slurm(conf, 'squeue', '-h', '-s')}")
+
+
+def free_base(n: int) -> int:
+    """A base port whose next ``n`` ports were free on loopback a moment ago (held together, then released)."""
+    for _ in range(50):
+        held: list[socket.socket] = []
+        try:
+            held.append(socket.socket())
+            held[0].bind(("127.0.0.1", 0))
+            base = held[0].getsockname()[1]
+            for port in range(base + 1, base + n):
+                held.append(socket.socket())
+                held[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free loopback ports")
+
+
+def job_id_of(output: str) -> str:
+    m = re.search(r"Slurm job (\d+) submitted", output)
+    assert m, output[-3000:]
+    return m.group(1)
+
+
+def run_on_slurm(conf: str, logdir: Path, *args: str, timeout_s: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([PSFLOW, "run", "--backend", "slurm", "--nodes", "3", "--logdir", str(logdir), *args],
+                          capture_output=True, text=True, timeout=timeout_s, env=slurm_env(conf), cwd=ROOT)
+
+
+def assert_nothing_left(conf: str, summary: dict) -> None:
+    assert not slurm(conf, "squeue", "-h", "-s").strip(), "a job step outlived the run"
+    assert not any(pid_alive(t["pid"]) for t in summary["tasks"] if t.get("pid")), "an srun client outlived the run"
+
+
+def test_mnist_softmax_trains_on_three_slurm_nodes_to_its_accuracy(slurm_conf, tmp_path):
+    logdir = tmp_path / "run"
+    r = run_on_slurm(slurm_conf, logdir, SOFTMAX, "--", "--epochs", "6", "--init", "zeros", "--print_every", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:] + log_tails(logdir)
+    s = read_summary(logdir)
+    assert s["status"] == "succeeded" and s["global_step"] == 3600 and s["test_accuracy"] >= 0.88, s
+    # One task per node, each listening on its node's own address.
+    assert sorted(t["address"].rsplit(":", 1)[0] for t in s["tasks"]) == NODES
+    assert "[worker:1] worker=1, final accuracy = " in r.stdout  # the steps' output streams through the launcher
+    assert "final accuracy" in (logdir / "logs" / "worker-1.log").read_text()
+    job_id = job_id_of(r.stdout)
+    assert wait_until_ended(slurm_conf, job_id) == "COMPLETED"  # the launcher released the allocation
+    assert_nothing_left(slurm_conf, s)
+
+
+def test_a_failing_worker_fails_the_slurm_run_with_its_error_as_root_cause(slurm_conf, tmp_path):
+    logdir = tmp_path / "fail"
+    r = run_on_slurm(slurm_conf, logdir, "--fail-at", "worker:1@step=5", SOFTMAX, "--", "--epochs", "1", "--init", "zeros")
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    root_line = r.stdout.index("Root cause: worker:1 exited with code 1")
+    assert "Injected failure in worker:1 at step 5" in r.stdout[root_line:]
+    s = read_summary(logdir)
+    assert s["status"] == "failed" and s["root_cause"] == "worker:1"
+    wait_until_ended(slurm_conf, job_id_of(r.stdout))
+    assert_nothing_left(slurm_conf, s)
+
+
+def start_long_run(conf: str, logdir: Path) -> tuple[subprocess.Popen, str, list[str]]:
+    """A run of 200 epochs, once training is under way: the launcher, its Slurm job id, its lines so far."""
+    p = subprocess.Popen([PSFLOW, "run", "--backend", "slurm", "--nodes", "3", "--logdir", str(logdir), SOFTMAX, "--",
+                          "--epochs", "200", "--init", "zeros", "--print_every", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=slurm_env(conf), cwd=ROOT)
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
+    assert p.stdout is not None
+    for line in p.stdout:  # the pipe ends if the launcher dies, so this loop ends too
+        lines.append(line)
+        if "global_step=" in line or time.monotonic() > deadline:
+            break
+    assert any("global_step=" in line for line in lines), "".join(lines)[-3000:]
+    return p, job_id_of("".join(lines)), lines
+
+
+def finish(p: subprocess.Popen, lines: list[str], timeout_s: float = 60) -> str:
+    try:
+        out, _ = p.communicate(timeout=timeout_s)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+    return "".join(lines) + out
+
+
+def test_scancel_of_the_job_stops_the_run_and_every_step(slurm_conf, tmp_path):
+    logdir = tmp_path / "scancel"
+    p, job_id, lines = start_long_run(slurm_conf, logdir)
+    subprocess.run(["scancel", job_id], check=True, timeout=30, env=slurm_env(slurm_conf))
+    out = finish(p, lines)
+    assert p.returncode == 130, out[-3000:]
+    assert f"Slurm job {job_id} ended while the run went on: CANCELLED" in out
+    s = read_summary(logdir)
+    assert s["status"] == "stopped"
+    assert wait_until_ended(slurm_conf, job_id) == "CANCELLED"
+    assert_nothing_left(slurm_conf, s)
+
+
+def test_ctrl_c_stops_every_step_and_releases_the_allocation(slurm_conf, tmp_path):
+    logdir = tmp_path / "ctrlc"
+    p, job_id, lines = start_long_run(slurm_conf, logdir)
+    p.send_signal(signal.SIGINT)
+    out = finish(p, lines)
+    assert p.returncode == 130, out[-3000:]
+    assert "Ctrl-C: stopping every task" in out
+    s = read_summary(logdir)
+    assert s["status"] == "stopped" and all(t["exit_code"] is not None for t in s["tasks"])
+    assert "stopped at step" in (logdir / "logs" / "worker-0.log").read_text()  # SIGTERM reached the task itself
+    assert wait_until_ended(slurm_conf, job_id) == "COMPLETED"
+    assert_nothing_left(slurm_conf, s)
+
+
+def test_a_psflow_script_under_the_users_own_srun_needs_no_launcher(slurm_conf, tmp_path):
+    base = free_base(3)  # the tasks listen on base + SLURM_PROCID, each on its node's address
+    r = subprocess.run(["srun", "--nodes=3", "--ntasks=3", "--unbuffered", str(Path(PSFLOW).parent / "python"), "-u",
+                        SOFTMAX, "--epochs", "1", "--init", "zeros", "--logdir", str(tmp_path / "byhand")],
+                       capture_output=True, text=True, timeout=90, cwd=ROOT,
+                       env=slurm_env(slurm_conf, PSFLOW_BASE_PORT=str(base), PSFLOW_CONNECT_TIMEOUT_S="30"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "worker=0, final accuracy = " in r.stdout and "worker=1, final accuracy = " in r.stdout
+    assert (tmp_path / "byhand" / "checkpoints").is_dir(), "the chief (worker:0) saved no checkpoint"
