@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,6 +131,39 @@ def test_a_failing_worker_fails_the_slurm_run_with_its_error_as_root_cause(slurm
     assert s["status"] == "failed" and s["root_cause"] == "worker:1"
     wait_until_ended(slurm_conf, job_id_of(r.stdout))
     assert_nothing_left(slurm_conf, s)
+
+
+def test_a_killed_task_is_restarted_alone_as_a_new_step(slurm_conf, tmp_path, monkeypatch):
+    from psflow.launch import RestartPolicy, Runner, make_plan
+    from psflow.launch.slurm import SlurmBackend
+
+    monkeypatch.setenv("SLURM_CONF", slurm_conf)
+    lines: list[str] = []
+    backend = SlurmBackend(nodes=3, echo=lines.append)
+    plan = make_plan(SOFTMAX, ["--epochs", "6", "--init", "zeros", "--print_every", "1"], logdir=str(tmp_path / "restart"))
+    killed: list[str] = []
+
+    def kill_worker_1_once_it_trains() -> None:
+        deadline = time.monotonic() + 60
+        while not any("worker=1,epoch=0" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        step = backend.cli.steps(str(backend.job_id)).get("worker-1.a0")
+        if step is not None:
+            subprocess.run(["scancel", "--signal=KILL", step], timeout=30, capture_output=True)
+            killed.append(step)
+
+    killer = threading.Thread(target=kill_worker_1_once_it_trains, daemon=True)
+    killer.start()
+    result = Runner(backend, policy=RestartPolicy("on-failure", max_restarts=1, backoff_base_s=0.2)).run(plan)
+    killer.join(timeout=10)
+    out = "\n".join(lines)
+    assert killed, out[-3000:]
+    assert result.exit_code == 0, out[-3000:]
+    tasks = {t["task"]: t for t in result.summary["tasks"]}
+    assert tasks["worker:1"]["attempts"] == 2 and tasks["worker:1"]["exits"][0]["code"] == -9  # SIGKILL, as srun's 137
+    assert tasks["ps:0"]["attempts"] == 1 and tasks["worker:0"]["attempts"] == 1  # the others ran on
+    assert "worker=1, final accuracy" in out  # attempt 1 trained to the end
+    assert_nothing_left(slurm_conf, result.summary)
 
 
 def start_long_run(conf: str, logdir: Path) -> tuple[subprocess.Popen, str, list[str]]:
