@@ -36,7 +36,8 @@ def main() -> None:
 @click.option("--sync-timeout", "sync_timeout_s", type=float, default=None, help="sync/ssp: longest wait for a step (s).")
 @click.option("--lost-worker-timeout", "lost_worker_timeout_s", type=float, default=None,
               help="ps: once the other workers are done, longest wait for a lost worker to reconnect (s).")
-@click.option("--placement", type=click.Choice(["round_robin", "greedy", "contiguous"]), default=None, help="How parameters go on ps shards.")
+@click.option("--placement", type=click.Choice(["balanced", "round_robin", "greedy", "contiguous"]), default=None,
+              help="How parameters go on ps shards (default balanced: equal bytes per shard, big tensors split; round_robin: TensorFlow's).")
 @click.option("--log-placement", is_flag=True, help="Print where each parameter lives (like log_device_placement).")
 @click.option("--allow-unauthenticated-allreduce", is_flag=True, default=None,
               help="Let --strategy allreduce run off loopback, where its traffic (gloo) is not covered by the job secret.")

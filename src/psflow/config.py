@@ -23,7 +23,8 @@ from psflow.errors import ConfigError
 
 MODES = ("async", "sync", "ssp")
 STRATEGIES = ("ps", "allreduce")
-PLACEMENTS = ("round_robin", "greedy", "contiguous")
+# psflow.ps.placement.STRATEGIES (not imported: this module stays free of torch); the first is the default.
+PLACEMENTS = ("balanced", "round_robin", "greedy", "contiguous")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class TrainConfig:
     total_num_replicas: int | None = None  # sync: M; None = every worker
     staleness: int = 4  # ssp: how far a worker may run ahead of the slowest
     sync_timeout_s: float = 60.0  # sync/ssp: the longest wait for a step before the job fails
-    placement: str = "round_robin"
+    placement: str = "balanced"  # equal bytes per ps shard; "round_robin" is TensorFlow's layout
     split_bytes: int | None = None  # split tensors above this many bytes across ps shards
     ready_timeout_s: float = 120.0  # non-chief: the longest wait for the chief to initialize the ps
     # ps: once every worker is done or lost, how long it waits for a lost one to come back before it fails

@@ -103,6 +103,7 @@ class Task:
         self._writer: Any = None  # TensorBoard scalars (task.scalar, the trainer's progress), made on first use
         self._writer_lock = threading.Lock()
         self._writer_warned = False
+        self._placement_warned = False
         self.summary_flush_s = 2.0  # a killed task loses at most this much of its scalars
         if self.is_ps:
             from psflow.fault import crashing_save, parse_faults
@@ -273,6 +274,20 @@ class Task:
 
     def _attach_trainer(self, trainer: Any) -> None:
         self.trainers.append(trainer)
+        self._warn_imbalance(trainer)
+
+    def _warn_imbalance(self, trainer: Any) -> None:
+        """On the chief, once: warn when the trainer's placement leaves one ps with most of the bytes."""
+        placement = getattr(trainer, "placement", None)
+        if not self.is_chief or self._placement_warned or placement is None:
+            return
+        from psflow.ps.placement import ImbalancedPlacementWarning, imbalance_message
+
+        message = imbalance_message(placement, trainer.config.placement)
+        if message is not None:
+            self._placement_warned = True
+            # stacklevel 4: the user's Trainer(...) line (via Trainer.__init__ and _attach_trainer)
+            warnings.warn(f"{self.task_id}: {message}", ImbalancedPlacementWarning, stacklevel=4)
 
     def finish(self) -> None:
         """Close trainers (telling the ps this worker is done), report final stats, stop the server."""

@@ -31,8 +31,9 @@ def train(placement: str, num_ps: int = 2) -> tuple[torch.nn.Module, dict]:
         return model, trainer.stats()
 
 
-def test_gradients_of_late_layers_leave_during_backward_with_contiguous_placement():
-    _, stats = train("contiguous")
+@pytest.mark.parametrize("placement", ["contiguous", "balanced"])
+def test_gradients_of_late_layers_leave_during_backward_with_model_order_placements(placement: str):
+    _, stats = train(placement)
     # ps:1 holds only the last layers, whose gradients backward produces first: sent early every step.
     assert stats["early_pushes"] >= STEPS
 

@@ -41,7 +41,7 @@ def test_from_module_lists_trainable_params_in_order_with_dtype_and_bytes() -> N
 
 def test_round_robin_puts_ith_param_on_shard_i_mod_n() -> None:
     params = [_vec(f"p{i}", 10 * (i + 1)) for i in range(5)]
-    placement = place(params, 2)
+    placement = place(params, 2, strategy="round_robin")
     assert [(p.param, p.shard, p.rows) for p in placement.pieces] == [
         ("p0", 0, None), ("p1", 1, None), ("p2", 0, None), ("p3", 1, None), ("p4", 0, None),
     ]
@@ -66,7 +66,7 @@ def test_greedy_breaks_ties_by_lowest_shard_then_model_order() -> None:
 
 def test_large_param_is_split_into_nearly_equal_row_ranges_on_distinct_shards() -> None:
     params = [ParamInfo("emb", (10, 4)), ParamInfo("w", (4, 4)), ParamInfo("b", (4,))]
-    placement = place(params, 3, split_bytes=100)
+    placement = place(params, 3, strategy="round_robin", split_bytes=100)
     assert [(p.key, p.shard) for p in placement.pieces] == [
         ("emb#0:4", 0), ("emb#4:7", 1), ("emb#7:10", 2),
         # Pieces count as variables for round robin, as TF's partitioned variables do.
@@ -77,7 +77,7 @@ def test_large_param_is_split_into_nearly_equal_row_ranges_on_distinct_shards() 
 
 def test_split_uses_at_most_dim0_pieces_and_never_splits_a_single_row() -> None:
     params = [ParamInfo("tall", (2, 100)), ParamInfo("row", (1, 100)), ParamInfo("s", ())]
-    placement = place(params, 4, split_bytes=0)
+    placement = place(params, 4, strategy="round_robin", split_bytes=0)
     assert [p.key for p in placement.pieces_of("tall")] == ["tall#0:1", "tall#1:2"]
     assert [p.key for p in placement.pieces_of("row")] == ["row"]
     assert [p.key for p in placement.pieces_of("s")] == ["s"]
@@ -165,7 +165,7 @@ def test_format_table_lists_every_piece_shard_and_per_shard_totals() -> None:
     params = [
         ParamInfo("embedding.weight", (10, 4)), ParamInfo("fc.weight", (4, 4)), _vec("fc.bias", 4)
     ]
-    placement = place(params, 3, split_bytes=100)
+    placement = place(params, 3, strategy="round_robin", split_bytes=100)
     table = placement.format_table()
     lines = table.splitlines()
     assert lines[0].split() == ["parameter", "shape", "bytes", "shard", "rows"]
@@ -223,7 +223,7 @@ def test_from_dict_rejects_malformed_placements_with_the_value(mutate, message: 
 
 
 def test_unknown_strategy_is_rejected_listing_the_allowed_ones() -> None:
-    with pytest.raises(ConfigError, match=r"'fastest'.*\['round_robin', 'greedy', 'contiguous'\]"):
+    with pytest.raises(ConfigError, match=r"'fastest'.*\['balanced', 'round_robin', 'greedy', 'contiguous'\]"):
         place([_vec("a", 1)], 1, strategy="fastest")
 
 

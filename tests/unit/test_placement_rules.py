@@ -105,7 +105,7 @@ def test_greedy_counts_a_split_parameter_by_the_bytes_of_each_piece() -> None:
 
 
 def test_format_table_lists_each_piece_then_the_bytes_per_shard() -> None:
-    pl = place([ParamInfo("emb", (3, 2)), ParamInfo("b", (2,), "float16")], 2, split_bytes=8)
+    pl = place([ParamInfo("emb", (3, 2)), ParamInfo("b", (2,), "float16")], 2, strategy="round_robin", split_bytes=8)
     assert pl.format_table() == (
         "parameter  shape   bytes  shard  rows\n"
         "emb        (2, 2)  16     ps:0   0:2\n"
@@ -152,7 +152,7 @@ def test_from_dict_names_the_part_that_is_wrong(d: object, message: str) -> None
 
 def test_assemble_returns_a_whole_piece_as_is_and_glues_row_ranges_into_a_new_tensor() -> None:
     params = [ParamInfo("w", (2, 2)), ParamInfo("emb", (3, 2))]
-    pl = place(params, 2, split_bytes=16)
+    pl = place(params, 2, strategy="round_robin", split_bytes=16)
     w, emb = torch.ones(2, 2), torch.arange(6.0).reshape(3, 2)
     pieces = {"w": w, "emb#0:2": emb[0:2], "emb#2:3": emb[2:3]}
     out = assemble(params, pieces, pl)

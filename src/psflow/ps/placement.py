@@ -13,16 +13,32 @@ Invariants of a :class:`Placement` (checked on construction, so ``from_dict`` in
 * the pieces of one split parameter live on distinct shards, each in ``[0, num_shards)``;
 * ``pieces`` is ordered by parameter (in ``params`` order), then by first row.
 
-Strategies (mirroring TensorFlow 1.x):
+Strategies:
 
-* ``round_robin`` (TF's default): the i-th variable goes to shard ``i % num_shards``. Pieces of a
-  split parameter count as variables, as TF's partitioned variables do, so they continue the count.
+* ``balanced`` (psflow's default): the parameters laid end to end in model order, cut into
+  ``num_shards`` runs of equal bytes; a cut that falls inside a tensor splits it at the nearest row
+  boundary (dim 0), so every shard holds its fair share of the bytes to within one row. More
+  precisely, the units are the rows of each *cuttable* tensor (``shape[0] >= 2`` and more than
+  ``split_bytes`` bytes, :data:`BALANCED_SPLIT_BYTES` when None) and every other tensor whole; a unit
+  goes to the shard whose byte range holds its midpoint. So no shard exceeds the fair share by more
+  than the largest unit, a tensor is split only where a cut falls (at most ``num_shards - 1`` extra
+  pieces in all), and the shards follow model order like ``contiguous``: backward produces the last
+  layers' gradients first, so the last shard's push leaves while backward still runs on the
+  earlier layers (the overlap), which a size-sorted placement (``greedy``) gives up.
+* ``round_robin`` (TensorFlow's default, kept for compatibility): the i-th variable goes to shard
+  ``i % num_shards``. Pieces of a split parameter count as variables, as TF's partitioned variables
+  do, so they continue the count. Blind to sizes: on a conv net with 2 shards every weight lands
+  on ps:0 and every bias on ps:1.
 * ``greedy`` (TF's ``GreedyLoadBalancingStrategy`` with a byte-size load function): largest first,
   each onto the shard with the fewest bytes so far; ties go to the lowest shard index.
-* ``contiguous`` (psflow's): parameters in model order, cut into ``num_shards`` runs of about equal
-  bytes (a parameter goes to the shard whose byte range holds its midpoint). Backward produces the
-  last layers' gradients first, so a shard holding only late layers can receive its gradients while
-  backward still runs on the earlier ones: this is the placement that lets communication overlap.
+* ``contiguous``: parameters in model order, cut into ``num_shards`` runs of about equal bytes (a
+  parameter goes to the shard whose byte range holds its midpoint), never splitting a tensor.
+
+For ``round_robin``, ``greedy`` and ``contiguous``, ``split_bytes`` splits every tensor above that
+size into ``min(num_shards, shape[0])`` nearly equal row ranges before placing them (TF's
+``fixed_size_partitioner``); ``balanced`` splits only where its cuts fall.
+
+:func:`imbalance` is the check behind the chief's warning when one shard holds most of the bytes.
 """
 
 from __future__ import annotations
@@ -36,7 +52,19 @@ import torch
 
 from psflow.errors import ConfigError
 
-STRATEGIES: tuple[str, ...] = ("round_robin", "greedy", "contiguous")
+STRATEGIES: tuple[str, ...] = ("balanced", "round_robin", "greedy", "contiguous")
+DEFAULT_STRATEGY = "balanced"
+# ``balanced`` leaves tensors of at most this many bytes whole unless ``split_bytes`` says otherwise:
+# cutting a bias into pieces of a few bytes adds a piece for no balance worth having.
+BALANCED_SPLIT_BYTES = 16 * 1024
+# The chief warns when one shard holds more than this times its fair share of the bytes...
+IMBALANCE_RATIO = 1.5
+# ...and at least this many bytes beyond it: a model of a few KiB keeps no ps busy either way.
+IMBALANCE_MIN_EXCESS_BYTES = 64 * 1024
+
+
+class ImbalancedPlacementWarning(UserWarning):
+    """One ps shard holds most of the parameter bytes (see :func:`imbalance`)."""
 
 
 def _dtype_itemsize(dtype: str) -> int:
@@ -295,7 +323,7 @@ def place(
     params: Sequence[ParamInfo],
     num_shards: int,
     *,
-    strategy: str = "round_robin",
+    strategy: str = DEFAULT_STRATEGY,
     split_bytes: int | None = None,
 ) -> Placement:
     """Assign every parameter (or piece of one) to a ps shard.
@@ -303,11 +331,15 @@ def place(
     Args:
         params: The trainable parameters in model order (see :meth:`ParamInfo.from_module`).
         num_shards: Number of ps shards, at least 1.
-        strategy: ``"round_robin"`` (TF's default), ``"greedy"`` (least bytes first) or
-            ``"contiguous"`` (model order in byte-balanced runs; lets communication overlap backward).
-        split_bytes: If set, a parameter larger than this many bytes with ``shape[0] >= 2`` is
-            split along dim 0 into ``min(num_shards, shape[0])`` nearly equal row ranges on
-            distinct shards (TF's ``fixed_size_partitioner``); the first ranges get the extra rows.
+        strategy: ``"balanced"`` (the default: model order cut into equal byte runs, splitting
+            the tensors the cuts fall in; balance and overlap with backward), ``"round_robin"``
+            (TF's default), ``"greedy"`` (least bytes first) or ``"contiguous"`` (model order in
+            about equal runs of whole tensors). See the module docstring.
+        split_bytes: For ``balanced``: tensors of at most this many bytes are never cut (None:
+            :data:`BALANCED_SPLIT_BYTES`). For the others: if set, a parameter larger than this
+            many bytes with ``shape[0] >= 2`` is split along dim 0 into ``min(num_shards,
+            shape[0])`` nearly equal row ranges on distinct shards (TF's
+            ``fixed_size_partitioner``); the first ranges get the extra rows.
 
     Returns:
         The :class:`Placement`.
@@ -317,9 +349,13 @@ def place(
             parameter names.
 
     Example:
-        >>> pl = place([ParamInfo("a", (4,)), ParamInfo("b", (4,)), ParamInfo("c", (4,))], 2)
+        >>> pl = place([ParamInfo("a", (4,)), ParamInfo("b", (4,)), ParamInfo("c", (4,))], 2,
+        ...            strategy="round_robin")
         >>> [p.shard for p in pl.pieces]
         [0, 1, 0]
+        >>> pl = place([ParamInfo("w", (64, 256)), ParamInfo("b", (64,))], 2)
+        >>> [(p.key, p.shard) for p in pl.pieces], pl.shard_bytes()
+        ([('w#0:32', 0), ('w#32:64', 1), ('b', 1)], [32768, 33024])
     """
     _check_num_shards(num_shards)
     if strategy not in STRATEGIES:
@@ -335,6 +371,8 @@ def place(
         if not isinstance(p, ParamInfo):
             raise ConfigError(f"place() takes ParamInfo objects. Received: {p!r}.")
     _check_unique_names(params)
+    if strategy == "balanced":
+        return Placement(num_shards, params, _balanced(params, num_shards, split_bytes))
 
     # Each unit is (param, rows) to be placed; split params yield several units that must land
     # on distinct shards.
@@ -396,6 +434,98 @@ def _contiguous(
         assigned[p.name] = [(home + i) % num_shards for i in range(len(units[p.name]))]
         done += p.nbytes
     return assigned
+
+
+def _balanced(params: Sequence[ParamInfo], num_shards: int, split_bytes: int | None) -> tuple[Piece, ...]:
+    min_cut = BALANCED_SPLIT_BYTES if split_bytes is None else split_bytes
+    total = sum(p.nbytes for p in params)
+    pieces: list[Piece] = []
+    offset = 0  # bytes of the parameters before p, in model order
+    for p in params:
+        # A cuttable tensor has >= 2 rows and more than min_cut >= 0 bytes, so its rows are not empty.
+        if total == 0 or len(p.shape) == 0 or p.shape[0] < 2 or p.nbytes <= min_cut:
+            pieces.append(Piece(p.name, _shard_of(2 * offset + p.nbytes, num_shards, total)))
+        else:
+            pieces += _cut_rows(p, offset, num_shards, total)
+        offset += p.nbytes
+    return tuple(pieces)
+
+
+def _shard_of(twice_mid: int, num_shards: int, total: int) -> int:
+    """The shard whose byte range ``[k * total / n, (k + 1) * total / n)`` holds the midpoint.
+
+    Integer arithmetic on twice the midpoint (a unit's start plus its end), so no rounding decides."""
+    return 0 if total == 0 else min(num_shards - 1, twice_mid * num_shards // (2 * total))
+
+
+def _cut_rows(p: ParamInfo, offset: int, num_shards: int, total: int) -> list[Piece]:
+    """Each row of ``p`` (at ``offset`` bytes) to the shard of its midpoint; one piece per shard."""
+    rows, row_bytes = p.shape[0], p.nbytes // p.shape[0]
+    first = _shard_of(2 * offset + row_bytes, num_shards, total)
+    last = _shard_of(2 * offset + (2 * rows - 1) * row_bytes, num_shards, total)
+    if first == last:
+        return [Piece(p.name, first)]
+    # Row i is on shard >= k iff (2 * offset + (2i + 1) * row_bytes) * n >= 2 * k * total.
+    den = 2 * row_bytes * num_shards
+    starts = [0] + [
+        min(rows, max(0, -((num_shards * (2 * offset + row_bytes) - 2 * k * total) // den)))
+        for k in range(first + 1, last + 1)
+    ] + [rows]
+    # A shard whose range falls between two rows gets no piece; the others stay in order.
+    return [
+        Piece(p.name, first + i, (starts[i], starts[i + 1]))
+        for i in range(last - first + 1)
+        if starts[i] < starts[i + 1]
+    ]
+
+
+def imbalance(placement: Placement) -> tuple[int, float] | None:
+    """The shard that holds most of the bytes, if one does: ``(shard, its share of the bytes)``.
+
+    A shard counts when it holds more than :data:`IMBALANCE_RATIO` times its fair share
+    (``1 / num_shards`` of the bytes) and at least :data:`IMBALANCE_MIN_EXCESS_BYTES` beyond it.
+    None with one shard, or when no shard does.
+
+    Example:
+        >>> params = [ParamInfo("w", (512, 3136)), ParamInfo("b", (512,))]
+        >>> shard, share = imbalance(place(params, 2, strategy="round_robin"))
+        >>> shard, round(share, 4)
+        (0, 0.9997)
+        >>> imbalance(place(params, 2)) is None
+        True
+    """
+    loads = placement.shard_bytes()
+    total = sum(loads)
+    if placement.num_shards < 2 or total == 0:
+        return None
+    heavy = max(range(placement.num_shards), key=lambda s: (loads[s], -s))
+    fair = total / placement.num_shards
+    if loads[heavy] > IMBALANCE_RATIO * fair and loads[heavy] - fair >= IMBALANCE_MIN_EXCESS_BYTES:
+        return heavy, loads[heavy] / total
+    return None
+
+
+def imbalance_message(placement: Placement, strategy: str) -> str | None:
+    """The warning for :func:`imbalance`: the shard, its share, the strategy and what to change."""
+    found = imbalance(placement)
+    if found is None:
+        return None
+    shard, share = found
+    loads = placement.shard_bytes()
+    head = (
+        f"Unbalanced ps shards: ps:{shard} holds {loads[shard]:,} of the {sum(loads):,} parameter bytes "
+        f"({share:.2%}; a fair share with {placement.num_shards} ps is {1 / placement.num_shards:.1%}) "
+        f"under --placement {strategy}, so it does most of the work while the other ps wait. "
+    )
+    if strategy != "balanced":
+        return head + (
+            "Use --placement balanced (the default), which cuts the model into equal byte runs and "
+            "splits the large tensors they fall in; keep round_robin only for TensorFlow's layout."
+        )
+    return head + (
+        "Its tensors cannot be cut finer (one row, or at most split_bytes bytes): use fewer ps, "
+        "or lower split_bytes."
+    )
 
 
 def _greedy(
