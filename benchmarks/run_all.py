@@ -5,10 +5,11 @@ one after the other, so they do not compete for the two cores; their markdown re
 concatenated under one header, and their progress (stderr) goes to the terminal. A benchmark that
 fails is reported as failed in the file and makes this script exit non-zero, after the others ran.
 
-Flags: ``--quick`` is passed to every benchmark (a smoke run of a few minutes in all). The checkpoint
-and CNN benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's few
-steps per round) so that ``make bench`` stays within about a quarter of an hour; run
-``benchmarks/bench_cnn.py`` and ``benchmarks/bench_checkpoint.py`` without it for the full figures.
+Flags: ``--quick`` is passed to every benchmark (a smoke run of a few minutes in all). The checkpoint,
+CNN and placement benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's
+few steps per round, the placement one's single async round) so that ``make bench`` stays within
+about a quarter of an hour; run ``benchmarks/bench_cnn.py``, ``benchmarks/bench_checkpoint.py`` and
+``benchmarks/bench_placement.py`` without it for the full figures.
 
 Run: ``.venv/bin/python benchmarks/run_all.py [--quick] [--only transport,training]``.
 """
@@ -31,6 +32,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "training": [],
     "checkpoint": ["--quick"],
     "cnn": ["--quick"],
+    "placement": ["--quick"],
 }
 TIMEOUT_S = 900
 

@@ -132,6 +132,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--start_step", type=int, default=5, help="with --target_step: time from this global step on")
     p.add_argument("--test_examples", type=int, default=2000, help="with --target_step: test images the chief evaluates")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (the example's default)")
+    p.add_argument("--split_bytes", type=int, default=None, help="the Trainer's split_bytes (default: the config's)")
     args = p.parse_args(argv)
     if min(args.warmup, args.steps, args.target_step, args.start_step) < 0 or args.steps < 1:
         p.error(f"step counts must be >= 0 and --steps >= 1; received {vars(args)}")
@@ -150,7 +151,8 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model = cnn()
-    trainer = pf.Trainer(model, pf.optim.Adam(lr=LR), task)
+    settings = {} if args.split_bytes is None else {"split_bytes": args.split_bytes}
+    trainer = pf.Trainer(model, pf.optim.Adam(lr=LR), task, **settings)
     train = pf.data.mnist("train", flatten=False).shard(task)
     batches = train.batches(BATCH, epochs=EPOCHS, seed=task.replica_index)
     if not args.target_step:
