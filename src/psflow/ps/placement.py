@@ -38,7 +38,9 @@ For ``round_robin``, ``greedy`` and ``contiguous``, ``split_bytes`` splits every
 size into ``min(num_shards, shape[0])`` nearly equal row ranges before placing them (TF's
 ``fixed_size_partitioner``); ``balanced`` splits only where its cuts fall.
 
-:func:`imbalance` is the check behind the chief's warning when one shard holds most of the bytes.
+:func:`imbalance` and :func:`imbalance_message` are the check and the text of the warning
+(:class:`ImbalancedPlacementWarning`) that the chief's task gives once, from ``psflow.task``, when a
+placement leaves one shard with most of the bytes.
 """
 
 from __future__ import annotations
