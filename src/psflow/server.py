@@ -224,7 +224,7 @@ class Server:
             except (AuthError, FrameError) as e:
                 self._refuse(conn, str(e))
                 return
-            except TransportError:  # the deadline passed, or the peer left
+            except (TransportError, OSError):  # the deadline passed, the peer left, or stop() closed the socket
                 return
             finally:
                 self._handshake_done()
@@ -235,6 +235,8 @@ class Server:
                 while not self._stopped.is_set():
                     if not self._serve_one(conn, cache):
                         return
+            except OSError:  # stop() closed the socket under a request (settimeout on a closed fd)
+                return
             finally:
                 with self._lock:
                     self._peer_conns[conn.peer] -= 1
@@ -281,7 +283,7 @@ class Server:
             conn.set_timeout(None)
             conn.send(op, meta, tensors)
             return True
-        except TransportError:
+        except (TransportError, OSError):
             return False
 
 
