@@ -36,6 +36,8 @@ def main() -> None:
 @click.option("--sync-timeout", "sync_timeout_s", type=float, default=None, help="sync/ssp: longest wait for a step (s).")
 @click.option("--lost-worker-timeout", "lost_worker_timeout_s", type=float, default=None,
               help="ps: once the other workers are done, longest wait for a lost worker to reconnect (s).")
+@click.option("--ps-replicas", "ps_replicas", type=int, default=None,
+              help="Copies of each ps shard: 2 keeps a backup on the next ps, which takes over if the primary dies.")
 @click.option("--placement", type=click.Choice(["balanced", "round_robin", "greedy", "contiguous"]), default=None,
               help="How parameters go on ps shards (default balanced: equal bytes per shard, big tensors split; round_robin: TensorFlow's).")
 @click.option("--log-placement", is_flag=True, help="Print where each parameter lives (like log_device_placement).")

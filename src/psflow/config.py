@@ -42,6 +42,9 @@ class TrainConfig:
     lost_worker_timeout_s: float = 300.0
     progress_every_s: float = 1.0  # trainers: how often a task sends its counters to the launcher's live status
     log_placement: bool = False
+    # ps: copies of each shard. 2: shard s's primary ps:s forwards every applied update to its backup
+    # ps:(s+1 mod P) and acknowledges a push once the backup holds it (psflow.ps.replication)
+    ps_replicas: int = 1
     # All-reduce off loopback: gloo's store and connections are not covered by the job secret.
     allow_unauthenticated_allreduce: bool = False
 
@@ -56,6 +59,9 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer; received {v!r}.")
+        if self.ps_replicas not in (1, 2) or isinstance(self.ps_replicas, bool):
+            raise ConfigError(f"ps_replicas must be 1 (no copy) or 2 (a backup of each shard on the next ps); "
+                              f"received {self.ps_replicas!r}.")
         if not isinstance(self.allow_unauthenticated_allreduce, bool):
             raise ConfigError(
                 f"allow_unauthenticated_allreduce must be true or false; received {self.allow_unauthenticated_allreduce!r}."
@@ -130,6 +136,11 @@ def check_launch_settings(config: TrainConfig, given: set[str], *, num_replicas:
         if config.mode != "sync":
             raise ConfigError(f"--mode {config.mode} with --strategy allreduce: all-reduce steps are synchronous. "
                               "Drop --mode, or use --strategy ps for async or ssp training.")
+    if config.ps_replicas == 2 and (config.strategy != "ps" or num_ps < 2):
+        why = ("all-reduce has no parameter servers" if config.strategy != "ps" else
+               f"this run has {num_ps} ps, and a shard's backup must live on another ps task")
+        raise ConfigError(f"--ps-replicas 2: {why}. Use --ps 2 or more with --strategy ps, or drop --ps-replicas "
+                          "(with one ps, a dead ps rolls back to the newest checkpoint).")
     if "staleness" in given and config.mode != "ssp":
         raise ConfigError(f"--staleness {config.staleness} applies to --mode ssp only; this run is --mode {config.mode}. "
                           "Add --mode ssp, or drop --staleness.")

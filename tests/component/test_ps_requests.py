@@ -38,6 +38,7 @@ VALID: dict[int, dict[str, Any]] = {
     Op.PS_STATUS: {},
     Op.PS_SHUTDOWN: {},
     Op.PS_SAVE: {"root": "/nonexistent", "step": 1, "num_shards": 1},
+    Op.PS_REPLICATE: {"kind": "batch", "shard": 0},
 }
 
 

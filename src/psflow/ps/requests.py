@@ -66,6 +66,8 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
     Op.PS_DONE: (Field("worker", REPLICA, required=True), Field("attempt", INT)),
     Op.PS_STATUS: (Field("clock_log", BOOL),),
     Op.PS_SHUTDOWN: (),
+    # From a shard's primary ps to its backup (psflow.ps.replication); the service checks the sender.
+    Op.PS_REPLICATE: (Field("kind", STR, required=True), Field("shard", INT, required=True), Field("last_seq", INT)),
     Op.PS_SAVE: (
         Field("root", STR, required=True), Field("step", INT, required=True), Field("num_shards", COUNT, required=True),
         Field("exact", BOOL), Field("timeout_s", SECONDS), Field("crash_after_bytes", INT, nullable=True),

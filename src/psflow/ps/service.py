@@ -3,6 +3,11 @@
 Called by psflow.task for a ps task. ``join()`` returns when every worker has said it is done (or a
 shutdown request came), which is how a psflow ps exits by itself at the end of a job, unlike
 TensorFlow's ``server.join()``.
+
+With ``ps_replicas = 2`` (in the chief's PS_INIT) the service is also its shard's primary, whose
+store forwards every recorded event to the backup ps (:mod:`psflow.ps.replication`) and answers a
+request only once the backup holds the state the reply shows; and it is the backup of the shard
+before it, kept in ``backups`` and fed by that shard's primary (PS_REPLICATE).
 """
 
 from __future__ import annotations
@@ -14,14 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from psflow.checkpoint.keys import split_state
-from psflow.cluster import ClusterSpec
+from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
-from psflow.errors import ConfigError, TrainingError
+from psflow.errors import ConfigError, RemoteError, TrainingError, TransportError
 from psflow.ps import requests
 from psflow.ps.progress import StepPlan
+from psflow.ps.replication import Batch, Forwarder, backup_of
 from psflow.ps.rules import Act
 from psflow.ps.store import ParameterStore
 from psflow.server import Reply, Request, Server
+from psflow.wire.conn import Connection, Resolve, connect
 from psflow.wire.ops import Op
 
 log = logging.getLogger("psflow.ps")
@@ -59,8 +66,13 @@ class PsService:
             clients always name one; a pull's or a save's default is ``sync_timeout_s``.
     """
 
-    def __init__(self, server: Server, shard: int, cluster: ClusterSpec, *, default_wait_s: float = 60.0) -> None:
+    def __init__(self, server: Server, shard: int, cluster: ClusterSpec, *, default_wait_s: float = 60.0,
+                 resolve: Resolve | None = None, failover_s: float = 5.0) -> None:
         self.server = server
+        self.resolve = resolve  # where the backup ps listens now (a launched task's address book)
+        self.failover_s = failover_s  # replication: how long the backup may not answer before the primary goes on alone
+        self.backups: dict[int, ParameterStore] = {}  # shard -> its copy here (this ps is that shard's backup)
+        self._backup_conn: Connection | None = None
         self.shard = shard
         self.cluster = cluster
         self.default_wait_s = default_wait_s
@@ -78,6 +90,7 @@ class PsService:
             Op.PS_STATUS: self._status,
             Op.PS_SHUTDOWN: self._stop,
             Op.PS_SAVE: self._save,
+            Op.PS_REPLICATE: self._replicate,
         }
         for op, fn in routes.items():
             # A push's gradients are applied (async) or copied (sync) before the handler returns, so
@@ -116,6 +129,8 @@ class PsService:
     def stop(self) -> None:
         """Make :meth:`join` return (as a PS_SHUTDOWN request does)."""
         self._shutdown.set()
+        if self.store.forwarder is not None:
+            self.store.forwarder.close()
 
     def watch_lost_workers(self, now: float) -> None:
         """Called about once a second by the ps's main loop (Task.join), ``now`` from ``time.monotonic()``.
@@ -135,23 +150,58 @@ class PsService:
 
     # -- handlers --------------------------------------------------------------------------
     def _init(self, req: Request) -> Reply:
-        m = req.meta
-        values, opt_state, ema_state = split_state(req.tensors)
-        first = self.store.initialize(
-            values,
-            optimizer=m["optimizer"],
-            config=TrainConfig.from_dict(m["config"]),
-            placement_digest=str(m.get("placement_digest", "")),
-            version=int(m.get("version", 0)),
-            schedule=m.get("schedule"),
-            ema_decay=m.get("ema_decay"),
-            meta=m.get("meta"),
-            optimizer_state=opt_state or None,
-            ema_state=ema_state or None,
-            step_plan=StepPlan.from_dict(m.get("step_plan")),
-            data_positions=m.get("data_positions"),
-        )
+        config = TrainConfig.from_dict(req.meta["config"])
+        forwarder = None
+        if config.ps_replicas == 2 and not self.store.initialized:
+            num_ps = self.cluster.num_tasks("ps")
+            forwarder = Forwarder(self.shard, backup_of(self.shard, num_ps), self._send_to_backup,
+                                  ({**req.meta, "kind": "init", "shard": self.shard}, list(req.tensors.items())),
+                                  failover_s=self.failover_s)
+        first = _initialize(self.store, req.meta, req.tensors, forwarder)
+        self._acked()
         return Reply({"initialized": first, "version": self.store.version})
+
+    # -- replication -----------------------------------------------------------------------
+    def _acked(self, timeout_s: float | None = None) -> None:
+        """A primary with a backup: return once the backup holds the state this shard is in now."""
+        forwarder = self.store.forwarder
+        if forwarder is not None:
+            forwarder.wait_acked(self.store.seq, self.failover_s + 60.0 if timeout_s is None else timeout_s)
+
+    def _send_to_backup(self, meta: dict[str, Any], tensors: list[tuple[str, Any]]) -> dict[str, Any]:
+        """One PS_REPLICATE request to the backup ps, on this primary's own connection (made again
+        where the backup listens now after a loss). Called by the forwarder's thread only."""
+        backup = backup_of(self.shard, self.cluster.num_tasks("ps"))
+        if self._backup_conn is None:
+            address = self.cluster.address(TaskId("ps", backup))
+            self._backup_conn = connect(address, secret=self.server.secret, task=f"ps:{self.shard}", peer=f"ps:{backup}",
+                                        deadline_s=self.failover_s, resolve=self.resolve)
+        try:
+            return self._backup_conn.request(Op.PS_REPLICATE, meta, tensors, timeout_s=self.failover_s + 60.0).meta
+        except (TransportError, RemoteError):
+            self._backup_conn.close()
+            self._backup_conn = None
+            raise
+
+    def _replicate(self, req: Request) -> Reply:
+        """This ps as the backup of shard ``shard``: its primary's init, then its events in order."""
+        shard = int(req.meta["shard"])
+        num_ps = self.cluster.num_tasks("ps")
+        if req.peer != f"ps:{shard}" or shard >= num_ps or backup_of(shard, num_ps) != self.shard:
+            raise ConfigError(f"PS_REPLICATE from {req.peer} for shard {shard} refused: ps:{self.shard} is the backup "
+                              f"of shard {(self.shard - 1) % num_ps} only, and only its primary ps sends its records.")
+        store = self.backups.get(shard)
+        if req.meta["kind"] == "init":
+            if store is None:
+                store = ParameterStore(shard, self.store.num_workers)
+                _initialize(store, req.meta, req.tensors, None)
+                self.backups[shard] = store
+                log.info("ps:%d: holds the backup of shard %d (from step %d).", self.shard, shard, store.version)
+            return Reply({"seq": store.seq})
+        if store is None:
+            raise TrainingError(f"ps:{self.shard} received records of shard {shard} before its init: the primary "
+                                "must send the init first (it re-syncs this backup).")
+        return Reply({"seq": store.follow(Batch.from_wire(req.meta, req.tensors))})
 
     def _ready(self, req: Request) -> Reply:
         timeout_s = float(req.meta.get("timeout_s", self.default_wait_s))
@@ -172,6 +222,7 @@ class PsService:
             joined = self.store.join(int(req.meta["worker"]), int(req.meta.get("attempt", 0)))
         else:
             joined = {"version": self.store.version, "data_positions": self.store.data_positions()}
+        self._acked()
         return Reply({**joined, "config": self.store.config.to_dict(), "meta": self.store.meta})
 
     def _pull(self, req: Request) -> Reply:
@@ -180,6 +231,7 @@ class PsService:
             timeout_s=float(req.meta.get("timeout_s", self.store.config.sync_timeout_s)),
             averages=bool(req.meta.get("averages", False)),
         )
+        self._acked()  # the values shown are the backup's too: a failover never goes back past them
         return Reply({"version": version}, list(values.items()))
 
     def _peer_gone(self, peer: str) -> None:
@@ -198,6 +250,7 @@ class PsService:
         result = self.store.push(int(req.meta["worker"]), version, req.tensors, position=req.meta.get("position"),
                                  attempt=int(req.meta.get("attempt", 0)), push_seq=None if seq is None else int(seq))
         if not req.meta.get("pull"):
+            self._acked()  # acknowledged once the backup holds it
             return Reply(result)
         # Push-pull in one round trip: reply with the values after this update. In sync mode an
         # accepted gradient (or a duplicate of one) waits for its step to complete (a stale one gets
@@ -207,6 +260,7 @@ class PsService:
             min_version=version + 1 if wait_for_step else 0,
             timeout_s=float(req.meta.get("timeout_s", self.store.config.sync_timeout_s)),
         )
+        self._acked()  # acknowledged once the backup holds it (sync: the step it completed)
         return Reply({**result, "version": current}, list(values.items()))
 
     def _clock(self, req: Request) -> Reply:
@@ -214,10 +268,12 @@ class PsService:
             int(req.meta["worker"]), int(req.meta["clock"]), timeout_s=float(req.meta.get("timeout_s", self.default_wait_s)),
             attempt=int(req.meta.get("attempt", 0)),
         )
+        self._acked()
         return Reply({"slowest": slowest})
 
     def _done(self, req: Request) -> Reply:
         self.store.worker_done(int(req.meta["worker"]), int(req.meta.get("attempt", 0)))
+        self._acked()
         if self.store.all_done():
             self._shutdown.set()
         return Reply({"done": sorted(self.store.done_workers)})
@@ -234,6 +290,14 @@ class PsService:
         }
         if req.meta.get("clock_log"):
             meta["clock_log"] = s.stats.clock_log
+        if s.forwarder is not None or self.backups:  # ps_replicas = 2
+            fwd = s.forwarder
+            meta["replication"] = {
+                "acked_seq": fwd.outbox.acked_seq if fwd else None, "seq": s.seq,
+                "degraded": fwd.degraded if fwd else None,
+                "backups": {str(k): {"version": b.version, "seq": b.seq, "applied_updates": b.stats.applied_updates}
+                            for k, b in sorted(self.backups.items())},
+            }
         return Reply(meta)
 
     def _stop(self, req: Request) -> Reply:
@@ -244,6 +308,26 @@ class PsService:
         if self.on_save is None:
             raise ConfigError(f"ps:{self.shard} cannot save checkpoints: no checkpoint writer is attached.")
         return Reply(self.on_save(req.meta))
+
+
+def _initialize(store: ParameterStore, m: dict[str, Any], tensors: Any, forwarder: Forwarder | None) -> bool:
+    """A PS_INIT request (the chief's, or its copy forwarded to a backup) carried out on ``store``."""
+    values, opt_state, ema_state = split_state(tensors)
+    return store.initialize(
+        values,
+        optimizer=m["optimizer"],
+        config=TrainConfig.from_dict(m["config"]),
+        placement_digest=str(m.get("placement_digest", "")),
+        version=int(m.get("version", 0)),
+        schedule=m.get("schedule"),
+        ema_decay=m.get("ema_decay"),
+        meta=m.get("meta"),
+        optimizer_state=opt_state or None,
+        ema_state=ema_state or None,
+        step_plan=StepPlan.from_dict(m.get("step_plan")),
+        data_positions=m.get("data_positions"),
+        forwarder=forwarder,
+    )
 
 
 def default_save(service: PsService) -> Callable[[dict[str, Any]], dict[str, Any]]:

@@ -20,15 +20,22 @@ A sync pull of a newer version waits at most ``timeout_s`` (``sync_timeout_s``);
 the workers still missing. ``version`` of shard 0 is the job's ``global_step``: every worker push
 reaches every shard. Exact stop and checkpoint steps, and the workers' data positions, are kept in
 ``progress`` (:mod:`psflow.ps.progress`), updated under the same lock as the values.
+
+Replication (``ps_replicas = 2``, :mod:`psflow.ps.replication`): a primary's store hands every
+event its rules record, with the push's data position and the update an APPLY applied, to its
+:class:`~psflow.ps.replication.Forwarder` under the lock (so in sequence order); a backup's store
+is fed those batches by :meth:`ParameterStore.follow`, which steps its own rules with each event
+and carries the decisions out with the shipped update. Without replication nothing of this runs.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,7 +44,10 @@ from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
 from psflow.optim import MovingAverage, OptimizerSpec, Schedule, set_lr
 from psflow.ps.progress import Progress, StepPlan
-from psflow.ps.rules import Act, Decision, RuleSettings, ShardRules
+from psflow.ps.rules import Act, Decision, Event, On, RuleSettings, ShardRules
+
+if TYPE_CHECKING:
+    from psflow.ps.replication import Batch, Forwarder
 
 
 @dataclass
@@ -88,6 +98,9 @@ class ParameterStore:
         self.progress = Progress()  # exact stop and checkpoint steps, workers' data positions
         self._cond = threading.Condition()
         self._initialized = False
+        self._forwarder: Forwarder | None = None  # a primary with a backup: where recorded events go
+        self._ship_position: Mapping[str, Any] | None = None  # the data position of the push being decided
+        self._ship_updates: dict[int, dict[str, torch.Tensor]] = {}  # APPLY's new version -> the update applied
 
     # -- the rules' state, read --------------------------------------------------------------
     @property
@@ -125,8 +138,10 @@ class ParameterStore:
         ema_state: Mapping[str, torch.Tensor] | None = None,
         step_plan: StepPlan | None = None,
         data_positions: Mapping[str, Any] | None = None,
+        forwarder: Forwarder | None = None,
     ) -> bool:
-        """Set the shard's values once. Returns False (and changes nothing) if already initialized."""
+        """Set the shard's values once. Returns False (and changes nothing) if already initialized.
+        ``forwarder``: replicate to a backup from here on (started here, with the state after init)."""
         with self._cond:
             if self._initialized:
                 return False
@@ -149,6 +164,10 @@ class ParameterStore:
             plan = step_plan or StepPlan()
             self.progress.configure(plan, data_positions)
             self._act(self.rules.configure(RuleSettings.of(config, plan.stop_at), version))
+            if forwarder is not None:
+                self.rules.log = []  # records from here on are shipped (the init itself travels whole)
+                self._forwarder = forwarder
+                forwarder.start(self.rules.seq)
             self._initialized = True
             self._cond.notify_all()
             return True
@@ -188,42 +207,51 @@ class ParameterStore:
         self._require_init()
         self._check_grads(grads)
         with self._cond:
-            self.stats.pushes += 1
-            reply: dict[str, Any] = {"applied": True}
-            for d in self.rules.push(worker, version, attempt, push_seq):
-                if d.act is Act.SUPERSEDED and d.clock is None:
-                    self.stats.superseded += 1
-                    raise TrainingError(d.reason)
-                if d.act is Act.DUPLICATE:
-                    self.stats.duplicates += 1
-                    reply = {"applied": d.outcome in (Act.APPLY, Act.HOLD), "duplicate": True}
-                    if d.outcome is Act.DROP_STALE:
-                        reply["stale"] = True
-                    elif d.outcome is Act.STOPPED:
-                        reply["stopped"] = True
-                elif d.act is Act.STOPPED:
-                    reply = {"applied": False, "stopped": True}
-                elif d.act is Act.DROP_STALE:
-                    self.progress.consumed(worker, position)  # a dropped batch is not trained again
-                    self._act([d])
-                    reply = {"applied": False, "stale": True}
-                elif d.act is Act.FAIL:
-                    raise TrainingError(d.reason)
-                elif d.act is Act.HOLD:
-                    # The received tensors are the connection's reusable buffers: keep a copy in buffers
-                    # this store owns (allocated once per worker, reused every step).
-                    own = self._buffers.setdefault(worker, {})
-                    for k, g in grads.items():
-                        if k not in own:
-                            own[k] = torch.empty_like(g)
-                        own[k].copy_(g)
-                    self.progress.pending(worker, position)
-                elif d.act is Act.APPLY and self.config.mode != "sync":
-                    self.progress.consumed(worker, position)  # before _apply: a snapshot it takes includes it
-                    self._apply(grads, d)
-                else:
-                    self._act([d])
-            return {"version": self.version, **reply}
+            self._ship_position = position
+            try:
+                return self._push(worker, version, grads, position, attempt, push_seq)
+            finally:
+                self._ship()
+
+    def _push(self, worker: int, version: int, grads: Mapping[str, torch.Tensor], position: Mapping[str, Any] | None,
+              attempt: int, push_seq: int | None) -> dict[str, Any]:
+        """The push's decisions, carried out (under the lock)."""
+        self.stats.pushes += 1
+        reply: dict[str, Any] = {"applied": True}
+        for d in self.rules.push(worker, version, attempt, push_seq):
+            if d.act is Act.SUPERSEDED and d.clock is None:
+                self.stats.superseded += 1
+                raise TrainingError(d.reason)
+            if d.act is Act.DUPLICATE:
+                self.stats.duplicates += 1
+                reply = {"applied": d.outcome in (Act.APPLY, Act.HOLD), "duplicate": True}
+                if d.outcome is Act.DROP_STALE:
+                    reply["stale"] = True
+                elif d.outcome is Act.STOPPED:
+                    reply["stopped"] = True
+            elif d.act is Act.STOPPED:
+                reply = {"applied": False, "stopped": True}
+            elif d.act is Act.DROP_STALE:
+                self.progress.consumed(worker, position)  # a dropped batch is not trained again
+                self._act([d])
+                reply = {"applied": False, "stale": True}
+            elif d.act is Act.FAIL:
+                raise TrainingError(d.reason)
+            elif d.act is Act.HOLD:
+                # The received tensors are the connection's reusable buffers: keep a copy in buffers
+                # this store owns (allocated once per worker, reused every step).
+                own = self._buffers.setdefault(worker, {})
+                for k, g in grads.items():
+                    if k not in own:
+                        own[k] = torch.empty_like(g)
+                    own[k].copy_(g)
+                self.progress.pending(worker, position)
+            elif d.act is Act.APPLY and self.config.mode != "sync":
+                self.progress.consumed(worker, position)  # before _apply: a snapshot it takes includes it
+                self._apply(grads, d)
+            else:
+                self._act([d])
+        return {"version": self.version, **reply}
 
     def _act(self, decisions: list[Decision]) -> None:
         """Carry out the decisions of an event that brought no gradients (and a push's sync step),
@@ -268,6 +296,9 @@ class ParameterStore:
             for p in self.values.values():
                 p.grad = None
         self.stats.applied_updates += 1
+        if self._forwarder is not None:  # async: the connection's buffers are reused; sync: a fresh sum
+            self._ship_updates[d.version] = (dict(grads) if self.config.mode == "sync"
+                                             else {k: g.clone() for k, g in grads.items()})
         if self._ema is not None:
             self._ema.update(self.values, num_updates=d.version)
         if self.progress.wants_snapshot(d.version):
@@ -284,7 +315,7 @@ class ParameterStore:
                 (before or while it waits: a restarted worker joined).
         """
         key = (worker, clock, attempt)
-        with self._cond:
+        with self._cond, self._recorded():
             decisions = self.rules.clock(worker, clock, attempt)
             self._raise_superseded(decisions)
             self._act(decisions)
@@ -305,7 +336,7 @@ class ParameterStore:
 
     # -- lifecycle -------------------------------------------------------------------------
     def worker_done(self, worker: int, attempt: int = 0) -> None:
-        with self._cond:
+        with self._cond, self._recorded():
             decisions = self.rules.worker_done(worker, attempt)
             self._raise_superseded(decisions)
             self._act(decisions)
@@ -313,7 +344,7 @@ class ParameterStore:
     def worker_lost(self, worker: int) -> None:
         """``worker``'s connections closed without PS_DONE: stop waiting for it where the mode allows
         (see :meth:`ShardRules.worker_lost`)."""
-        with self._cond:
+        with self._cond, self._recorded():
             held = worker in self.rules.pending
             decisions = self.rules.worker_lost(worker)
             if held and worker not in self.rules.pending:
@@ -328,7 +359,7 @@ class ParameterStore:
         Raises:
             TrainingError: ``attempt`` is older than the worker's newest.
         """
-        with self._cond:
+        with self._cond, self._recorded():
             decisions = self.rules.join(worker, attempt)
             self._raise_superseded(decisions)
             self._act(decisions)
@@ -350,7 +381,7 @@ class ParameterStore:
         # while one of them is serving its request.
         if worker not in self.rules.lost:
             return False
-        with self._cond:
+        with self._cond, self._recorded():
             decisions = self.rules.worker_back(worker)
             self._act(decisions)
             return bool(decisions)
@@ -364,7 +395,7 @@ class ParameterStore:
     def tick(self, now: float) -> list[Decision]:
         """Time passed (``now`` from ``time.monotonic()``): the lost-worker wait's WAIT_LOST and FAIL
         decisions, for the caller to log or raise."""
-        with self._cond:
+        with self._cond, self._recorded():
             return self.rules.tick(now)
 
     def all_done(self) -> bool:
@@ -409,6 +440,97 @@ class ParameterStore:
         """Every worker's data position now (by replica index), for readiness replies."""
         with self._cond:
             return self.progress.positions_now()
+
+    # -- replication -----------------------------------------------------------------------
+    @property
+    def seq(self) -> int:
+        """The last sequence number the shard's rules took (a reply shows the state up to it)."""
+        with self._cond:
+            return self.rules.seq
+
+    @property
+    def forwarder(self) -> Forwarder | None:
+        return self._forwarder
+
+    @contextmanager
+    def _recorded(self) -> Iterator[None]:
+        """Under the lock: whatever the block records goes to the backup, even when it raises."""
+        try:
+            yield
+        finally:
+            self._ship()
+
+    def _ship(self) -> None:
+        """Hand the events recorded since the last call to the forwarder (under the lock: in order)."""
+        if self._forwarder is None:
+            return
+        log = self.rules.log or []
+        events = [r for r in log if isinstance(r, Event)]
+        positions = {e.seq: self._ship_position for e in events if e.on is On.PUSH and self._ship_position is not None}
+        self._forwarder.add(events, self.rules.seq, positions, self._ship_updates)
+        log.clear()
+        self._ship_position = None
+        self._ship_updates = {}
+
+    def follow(self, batch: Batch) -> int:
+        """A backup's store: step the rules with the primary's events, in order, and carry their
+        decisions out with the shipped updates. Returns the last sequence number held.
+
+        Raises:
+            TrainingError: an event skips a number, or the rules decided differently from the
+                primary (no update for an APPLY, or a different sequence number after the batch).
+        """
+        from psflow.ps.replication import check_next
+
+        self._require_init()
+        with self._cond:
+            applied = False
+            for ev in batch.events:
+                if not check_next(self.shard, ev.seq, self.rules.seq):
+                    continue  # held already: a batch resent after a reconnect
+                applied = True
+                held = ev.on is On.LOST and ev.worker in self.rules.pending
+                decisions = self.rules.step(ev)
+                if held and ev.worker not in self.rules.pending:
+                    self.progress.discard_pending(ev.worker)
+                self._follow(ev, decisions, batch)
+            if applied and self.rules.seq != batch.last_seq:
+                raise TrainingError(
+                    f"The backup of ps shard {self.shard} is at record {self.rules.seq} after a batch the primary "
+                    f"ended at {batch.last_seq}: its rules decided differently. The copies diverged; re-sync it.")
+            self._cond.notify_all()
+            return self.rules.seq
+
+    def _follow(self, ev: Event, decisions: list[Decision], batch: Batch) -> None:
+        position = batch.positions.get(ev.seq)
+        worker = ev.worker if ev.worker is not None else -1
+        if ev.on is On.PUSH:
+            self.stats.pushes += 1
+        for d in decisions:
+            if d.act is Act.APPLY:
+                update = batch.updates.get(d.version)
+                if update is None:
+                    raise TrainingError(
+                        f"The backup of ps shard {self.shard} decided to apply version {d.version} (event {ev.seq}), "
+                        "but the primary sent no update for it: the copies diverged; re-sync it.")
+                if self.config.mode == "sync":
+                    if d.without_all:
+                        self.stats.steps_without_all += 1
+                    self.progress.step_applied()
+                else:
+                    self.progress.consumed(worker, position)
+                self._apply(update, d)
+            elif d.act is Act.HOLD and ev.on is On.PUSH:
+                self.progress.pending(worker, position)  # the gradient itself stays on the primary
+            elif d.act is Act.DROP_STALE:
+                self.progress.consumed(worker, position)
+                self._act([d])
+            elif d.act is Act.DUPLICATE:
+                self.stats.duplicates += 1
+            elif d.act is Act.SUPERSEDED and d.clock is None:
+                self.stats.superseded += 1
+            elif d.act not in (Act.FAIL, Act.STOPPED):
+                self._act([d])
 
     # -- helpers ---------------------------------------------------------------------------
     def _require_init(self) -> None:

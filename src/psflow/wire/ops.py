@@ -23,6 +23,7 @@ class Op(enum.IntEnum):
     PS_CLOCK = 26    # bounded staleness: report / wait on clocks
     PS_SAVE = 27     # write this shard's checkpoint
     PS_SHUTDOWN = 28
+    PS_REPLICATE = 29  # primary ps -> its backup ps: the shard's init, then its recorded events in order
     # launcher coordination
     CO_REGISTER = 40  # task -> launcher: my address; reply: the cluster (first round: once all registered)
     CO_REPORT = 41    # task -> launcher: metrics / final results

@@ -1,0 +1,126 @@
+"""Unit tests of primary-backup replication's pure parts (psflow.ps.replication) and of a backup
+store fed by hand: placement of backups, records on the wire, ordering, gaps refused, resent
+batches skipped, and a backup that ends in its primary's state (what ``ShardRules.replay`` gives)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from psflow.config import TrainConfig, check_launch_settings
+from psflow.errors import ConfigError, PsflowError, TrainingError
+from psflow.ps.replication import Batch, Outbox, backup_of, check_next, event_from_dict, event_to_dict
+from psflow.ps.rules import Event, On, RuleSettings, ShardRules
+from psflow.ps.store import ParameterStore
+
+
+def test_each_shards_backup_is_the_next_ps_wrapping_around() -> None:
+    assert [backup_of(s, 3) for s in range(3)] == [1, 2, 0]
+    assert [backup_of(s, 2) for s in range(2)] == [1, 0]
+    with pytest.raises(ValueError, match="second ps task"):
+        backup_of(0, 1)
+
+
+def test_events_cross_the_wire_unchanged_and_configure_never_does() -> None:
+    rules = ShardRules(0, 2, keep_log=True)
+    rules.configure(RuleSettings(mode="sync"), 0)
+    rules.push(0, 0, attempt=1, push_seq=3)
+    rules.worker_lost(1)
+    rules.tick(12.5)
+    events = [r for r in rules.log or [] if isinstance(r, Event)]
+    for ev in events[1:]:
+        assert event_from_dict(event_to_dict(ev)) == ev
+    with pytest.raises(ValueError, match="CONFIGURE"):
+        event_to_dict(events[0])
+    with pytest.raises(PsflowError, match="malformed"):
+        event_from_dict({"seq": 2, "on": "nonsense"})
+
+
+def test_a_gap_is_refused_and_a_record_held_already_is_skipped() -> None:
+    assert check_next(0, 8, 7) is True
+    assert check_next(0, 7, 7) is False  # a resent batch
+    with pytest.raises(TrainingError, match="received event 10: 2 records are missing"):
+        check_next(0, 10, 7)
+
+
+def test_the_outbox_ships_in_order_as_one_batch_and_counts_acknowledgements() -> None:
+    out = Outbox()
+    e1, e2 = Event(2, On.PUSH, 0, 0), Event(5, On.PUSH, 1, 1)
+    out.add([e1], 4, {2: {"epoch": 0}}, {1: {"w": torch.ones(2)}})
+    out.add([e2], 7, {}, {2: {"w": torch.zeros(2)}})
+    batch = out.take()
+    assert batch is not None and batch.events == [e1, e2] and batch.last_seq == 7
+    assert sorted(batch.updates) == [1, 2] and batch.positions == {2: {"epoch": 0}}
+    assert out.take() is None and out.queued_seq == 7
+    out.acked(7)
+    out.acked(4)  # never goes back
+    assert out.acked_seq == 7
+
+
+def test_a_batch_crosses_the_wire_unchanged() -> None:
+    batch = Batch([Event(2, On.PUSH, 0, 0, push_seq=1)], {2: {"epoch": 1}}, {1: {"a.weight": torch.arange(3.0)}}, 4)
+    meta, tensors = batch.to_wire(0)
+    back = Batch.from_wire(meta, dict(tensors))
+    assert back.events == batch.events and back.positions == batch.positions and back.last_seq == 4
+    assert torch.equal(back.updates[1]["a.weight"], torch.arange(3.0))
+
+
+class Capture:
+    """A stand-in for the Forwarder: the store hands it what it records."""
+
+    def __init__(self) -> None:
+        self.outbox = Outbox()
+
+    def start(self, init_seq: int) -> None:
+        self.outbox.queued_seq = init_seq
+
+    def add(self, events, last_seq, positions, updates) -> None:  # noqa: ANN001
+        self.outbox.add(events, last_seq, positions, updates)
+
+
+def _store(mode: str, forwarder: Capture | None = None) -> ParameterStore:
+    s = ParameterStore(0, 2)
+    s.initialize({"w": torch.ones(3)}, optimizer={"name": "sgd", "lr": 0.5}, config=TrainConfig(mode=mode),
+                 placement_digest="d", forwarder=forwarder)  # type: ignore[arg-type]
+    return s
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_backup_fed_the_primarys_batches_ends_in_its_state(mode: str) -> None:
+    cap = Capture()
+    primary, backup = _store(mode, cap), _store(mode)
+    for step in range(3):
+        primary.push(0, primary.version, {"w": torch.full((3,), 1.0 + step)}, position={"batch": step}, push_seq=step + 1)
+        primary.push(1, primary.version, {"w": torch.full((3,), -0.5)}, push_seq=step + 1)
+    primary.push(0, 0, {"w": torch.ones(3)}, push_seq=1)  # a resent push: DUPLICATE
+    primary.worker_lost(1)
+    batch = cap.outbox.take()
+    assert batch is not None and all(e.on is not On.CONFIGURE for e in batch.events)
+    if mode == "sync":  # after aggregation: one update per step, not one per push
+        assert len(batch.updates) == 3
+    assert backup.follow(batch) == primary.seq
+    assert torch.equal(backup.values["w"], primary.values["w"]) and backup.version == primary.version
+    assert backup.rules.state() == primary.rules.state()
+    assert backup.progress.positions_now() == primary.progress.positions_now()
+    assert backup.follow(batch) == primary.seq  # resent after a reconnect: held already, nothing applied twice
+    assert torch.equal(backup.values["w"], primary.values["w"])
+
+
+def test_a_backup_refuses_a_batch_past_a_gap() -> None:
+    cap = Capture()
+    primary, backup = _store("async", cap), _store("async")
+    primary.push(0, 0, {"w": torch.ones(3)})
+    cap.outbox.take()  # lost
+    primary.push(1, 1, {"w": torch.ones(3)})
+    with pytest.raises(TrainingError, match="records are missing"):
+        backup.follow(cap.outbox.take())  # type: ignore[arg-type]
+    assert backup.version == 0
+
+
+def test_ps_replicas_is_1_or_2_and_2_needs_a_second_ps() -> None:
+    assert TrainConfig().ps_replicas == 1
+    with pytest.raises(ConfigError, match="ps_replicas must be 1 .* received 3"):
+        TrainConfig(ps_replicas=3)
+    check_launch_settings(TrainConfig(ps_replicas=2), {"ps_replicas"}, num_replicas=2, num_ps=2)
+    with pytest.raises(ConfigError, match="--ps-replicas 2: this run has 1 ps.*Use --ps 2 or more"):
+        check_launch_settings(TrainConfig(ps_replicas=2), {"ps_replicas"}, num_replicas=2, num_ps=1)
