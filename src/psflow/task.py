@@ -109,7 +109,7 @@ class Task:
             from psflow.fault import crashing_save, parse_faults
             from psflow.ps.service import PsService, default_save
 
-            self.ps_service = PsService(server, task_id.index, cluster)
+            self.ps_service = PsService(server, task_id.index, cluster, resolve=self.resolve)
             self.ps_service.on_save = crashing_save(default_save(self.ps_service), parse_faults(fail_at), str(task_id))
 
     # -- roles -----------------------------------------------------------------------------

@@ -14,6 +14,13 @@ push is resent only when it carries a sequence number (``seq``): the ps then rec
 has already decided and does not apply it again (see :mod:`psflow.ps.rules`, DUPLICATE); a push
 without one raises the loss to the caller (its gradient may have been applied). Without
 ``resolve`` (cluster from flags or TF_CONFIG) a lost connection raises, as it always did.
+
+Failover (``replicas=2``, :mod:`psflow.ps.replication`): shard s has a backup on ps:(s+1 mod P).
+A lost connection is made again to the shard's primary if it answers within ``failover_s``; if it
+does not (dead, or restarting), to its backup, and from then on every request for shard s goes
+there and names the shard (``shard``: the backup serves its own shard too). The backup takes over
+at once: it holds every push the primary acknowledged, and a resent push it holds already is a
+DUPLICATE. Such a client reconnects with or without ``resolve``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.errors import PsflowError, RemoteError, TransportError
+from psflow.ps.replication import backup_of
 from psflow.wire.conn import Connection, Frame, PeerLostError, Resolve, connect
 from psflow.wire.frame import Limits
 from psflow.wire.ops import Op
@@ -59,14 +67,20 @@ class PsClient:
         reply_margin_s: float = 15.0,
         limits: Limits = Limits(),
         resolve: Resolve | None = None,
+        replicas: int = 1,
+        failover_s: float = 2.0,
     ) -> None:
         self.task = task
+        self.replicas = replicas  # 2: each shard has a backup on the next ps (failover)
+        self.failover_s = failover_s  # replicas=2: how long a lost primary may not answer before its backup serves
+        self.routes: dict[int, int] = {}  # shard -> the ps serving it in place of its dead primary
         self.num_shards = cluster.num_tasks("ps")
         self.request_timeout_s = request_timeout_s
         self.reply_margin_s = reply_margin_s
         self.connect_timeout_s = connect_timeout_s
         self.addresses = [cluster.address(TaskId("ps", i)) for i in range(self.num_shards)]
         self._secret, self._limits, self._resolve = secret, limits, resolve
+        self._cluster = cluster
         # Pushes sent and not answered yet that the ps deduplicates (they carry ``seq``): shard ->
         # (meta, gradients), resent once on a fresh connection if the connection drops before the reply.
         self._unanswered: dict[int, tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]] = {}
@@ -83,7 +97,7 @@ class PsClient:
     def reconnects(self) -> bool:
         """Whether a lost connection is forgotten and made again (a resolver was given): after a
         failed exchange the other connections are still in step and the client stays usable."""
-        return self._resolve is not None
+        return self._resolve is not None or self.replicas == 2
 
     def _connect(self, shard: int, address: str) -> Connection:
         return connect(address, secret=self._secret, task=str(self.task), peer=f"ps:{shard}",
@@ -92,6 +106,8 @@ class PsClient:
     def _conn(self, shard: int) -> Connection:
         """The shard's connection; reconnected (where the shard listens now) if it was lost."""
         conn = self.conns[shard]
+        if conn is None and self.replicas == 2:
+            conn = self.conns[shard] = self._connect_serving(shard)
         if conn is None:
             assert self._resolve is not None  # only a client with a resolver forgets connections
             address = self.addresses[shard]
@@ -105,6 +121,35 @@ class PsClient:
             self.addresses[shard] = conn.address
             log.warning("%s: reconnected to ps:%d at %s.", self.task, shard, conn.address)
         return conn
+
+    def _where(self, ps: int) -> str:
+        address = self._cluster.address(TaskId("ps", ps))
+        if self._resolve is not None:
+            try:
+                return self._resolve(f"ps:{ps}")
+            except PsflowError as e:
+                log.warning("%s: cannot ask where ps:%d listens now (%s); trying %s.", self.task, ps, e, address)
+        return address
+
+    def _connect_serving(self, shard: int) -> Connection:
+        """replicas=2: a connection to the ps that serves ``shard`` now: its primary if it answers
+        within ``failover_s``, else its backup (which takes over; later requests go there)."""
+        serving = self.routes.get(shard, shard)
+        if serving == shard:
+            try:
+                return connect(self._where(shard), secret=self._secret, task=str(self.task), peer=f"ps:{shard}",
+                               deadline_s=self.failover_s, limits=self._limits, resolve=self._resolve)
+            except TransportError as e:
+                serving = backup_of(shard, self.num_shards)
+                self.routes[shard] = serving
+                log.warning("%s: ps:%d did not answer within %g s (%s); its backup ps:%d serves shard %d now.",
+                            self.task, shard, self.failover_s, e, serving, shard)
+        return connect(self._where(serving), secret=self._secret, task=str(self.task), peer=f"ps:{serving}",
+                       deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve)
+
+    def _routed(self, shard: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """A request's meta, naming the shard where its backup serves it."""
+        return {**meta, "shard": shard} if shard in self.routes else meta
 
     def _lost(self, shard: int, error: TransportError) -> None:
         """Forget the shard's connection (it is out of step or dead): the next request reconnects."""
@@ -127,7 +172,7 @@ class PsClient:
         try:
             return self._exchange(op, metas, tensors, dests, wait_s, shards)
         except PeerLostError:
-            if self._resolve is None or op not in _REPEATABLE:
+            if not self.reconnects or op not in _REPEATABLE:
                 raise
             # A shard went away before answering: ask again where it listens now (it may have restarted).
             return self._exchange(op, metas, tensors, dests, wait_s, shards)
@@ -149,7 +194,7 @@ class PsClient:
         for j, i in enumerate(shards):
             try:
                 conns[j].set_timeout(timeout)
-                conns[j].send(op, metas[j], tensors[j] if tensors else ())
+                conns[j].send(op, self._routed(i, metas[j]), tensors[j] if tensors else ())
                 sent.append(j)
             except TransportError as e:
                 lost = self._on_error(i, e, lost)
@@ -174,7 +219,7 @@ class PsClient:
     def _on_error(self, shard: int, error: TransportError, first: TransportError | None) -> TransportError:
         """A shard's exchange failed. Without a resolver, raise at once (as always); with one,
         forget the connection and go on with the other shards. Returns the first error."""
-        if self._resolve is None:
+        if not self.reconnects:
             raise error
         self._lost(shard, error)
         return first or error
@@ -253,7 +298,7 @@ class PsClient:
         self._unanswered.pop(shard, None)
         if seq is not None:
             meta["seq"] = seq
-            if self._resolve is not None:
+            if self.reconnects:
                 self._unanswered[shard] = (meta, grads)
         try:
             self._send_push_now(shard, meta, grads)
@@ -266,7 +311,7 @@ class PsClient:
         conn = self._conn(shard)
         conn.set_timeout(self.request_timeout_s + float(meta["timeout_s"]) + self.reply_margin_s)
         try:
-            conn.send(Op.PS_PUSH, meta, grads)
+            conn.send(Op.PS_PUSH, self._routed(shard, meta), grads)
         except TransportError as e:
             if not isinstance(e, PeerLostError):
                 self._on_error(shard, e, None)

@@ -36,11 +36,22 @@ reconnect).
 States of the replication, seen by the primary::
 
     starting --init acked--> replicating --backup unreachable past failover_s--> degraded
-    (degraded: the primary goes on alone and logs why; nothing is waited for. Re-syncing a restarted
-    backup from the primary is a later step: until then a shard survives one ps death, not two.)
+    (degraded: the primary goes on alone and logs why; nothing is waited for.)
 
-Failover (the backup takes over when the primary dies, workers re-route) is driven by the workers'
-clients; this module holds the pure parts both sides share and the primary's sender.
+Failover. A worker's client (:class:`~psflow.ps.client.PsClient` with ``replicas=2``) that loses
+its connection to shard s's primary and cannot make it again within its ``failover_s`` sends every
+later request for shard s to the backup, naming the shard. The backup's service takes over on the
+first such request (:meth:`ParameterStore.take_over`, a recorded TAKEOVER event): it serves the
+copy from then on; its version never goes back (it holds every event the primary had acknowledged,
+and a pull was answered only with a state the backup held); the sync gradients held for the current
+step lived on the primary only, so they and their push numbers are forgotten and their resent pushes
+taken again; any other resent push it holds already is a DUPLICATE (by worker, attempt and push
+number), so nothing acknowledged is lost and nothing is applied twice. The taken-over shard has no
+backup (it survives one ps death, not two).
+
+Not yet: a restarted ps re-syncing from the survivor (the survivor sending it the shard's state and
+then its records) and becoming the backup again; until then the restarted ps serves nothing of the
+taken-over shard, and its own shard's survivor copy keeps serving.
 """
 
 from __future__ import annotations

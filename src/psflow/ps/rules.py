@@ -17,6 +17,7 @@ Events (``ShardRules`` methods; each records an :class:`Event`)::
     worker_back(worker)            a lost worker sent a request again
     join(worker, attempt)          PS_READY of a training replica: ``attempt`` is its restart count
     tick(now)                      time passed (``now``: monotonic seconds): the lost-worker deadline
+    take_over()                    replication: this copy (a backup) serves the shard now; its primary died
 
 Decisions (:class:`Act`), in the order the store must carry them out::
 
@@ -115,6 +116,7 @@ class On(enum.Enum):
     BACK = "back"
     JOIN = "join"
     TICK = "tick"
+    TAKEOVER = "takeover"
 
 
 class Act(enum.Enum):
@@ -379,6 +381,16 @@ class ShardRules:
             "lost_worker_timeout_s (--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG by hand), or see its log "
             "for why it died."))])
 
+    def take_over(self) -> list[Decision]:
+        """A backup serves the shard now (its primary died): the sync gradients held for the step
+        lived on the primary only, so their workers' pushes are taken again when resent (their push
+        numbers are forgotten with them, as a lost worker's are). Nothing is decided."""
+        ev = self._event(On.TAKEOVER)
+        for worker in self.pending:
+            self.last_push.pop(worker, None)
+        self.pending.clear()
+        return self._decided(ev, [])
+
     def step(self, event: Event) -> list[Decision]:
         """Apply a recorded ``event`` (of another ShardRules' log): what :meth:`replay` does."""
         on, w, v = event.on, event.worker, event.value
@@ -398,6 +410,8 @@ class ShardRules:
             return self.worker_back(_int(w))
         if on is On.JOIN:
             return self.join(_int(w), event.attempt)
+        if on is On.TAKEOVER:
+            return self.take_over()
         return self.tick(event.seconds or 0.0)
 
     @classmethod

@@ -73,6 +73,8 @@ class PsService:
         self.failover_s = failover_s  # replication: how long the backup may not answer before the primary goes on alone
         self.backups: dict[int, ParameterStore] = {}  # shard -> its copy here (this ps is that shard's backup)
         self._backup_conn: Connection | None = None
+        self.serving: dict[int, ParameterStore] = {}  # shard -> the backup copy that took over from its dead primary
+        self._takeover_lock = threading.Lock()
         self.shard = shard
         self.cluster = cluster
         self.default_wait_s = default_wait_s
@@ -108,7 +110,7 @@ class PsService:
                 log.warning("ps:%d: %s", self.shard, e)
                 raise
             worker = self._worker_of(req.peer)
-            if worker is not None and self.store.worker_back(worker):
+            if worker is not None and self._store_for(req).worker_back(worker):
                 log.warning("ps:%d: worker:%d is back (it sent %s); waiting for it as before.", self.shard, worker, op.name)
             return handler(req)
 
@@ -131,6 +133,8 @@ class PsService:
         self._shutdown.set()
         if self.store.forwarder is not None:
             self.store.forwarder.close()
+        if self._backup_conn is not None:
+            self._backup_conn.close()
 
     def watch_lost_workers(self, now: float) -> None:
         """Called about once a second by the ps's main loop (Task.join), ``now`` from ``time.monotonic()``.
@@ -162,11 +166,33 @@ class PsService:
         return Reply({"initialized": first, "version": self.store.version})
 
     # -- replication -----------------------------------------------------------------------
-    def _acked(self, timeout_s: float | None = None) -> None:
+    def _acked(self, store: ParameterStore | None = None) -> None:
         """A primary with a backup: return once the backup holds the state this shard is in now."""
-        forwarder = self.store.forwarder
+        store = store or self.store
+        forwarder = store.forwarder
         if forwarder is not None:
-            forwarder.wait_acked(self.store.seq, self.failover_s + 60.0 if timeout_s is None else timeout_s)
+            forwarder.wait_acked(store.seq, self.failover_s + 60.0)
+
+    def _store_for(self, req: Request) -> ParameterStore:
+        return self.store_of(req.meta.get("shard"))
+
+    def store_of(self, shard: Any) -> ParameterStore:
+        """The store serving ``shard`` here: this ps's own, or (a request that names another shard,
+        sent once its primary died) the backup copy, which takes over on the first such request."""
+        if shard is None or shard == self.shard:
+            return self.store
+        store = self.backups.get(shard) if isinstance(shard, int) else None
+        if store is None:
+            raise ConfigError(f"ps:{self.shard} was asked to serve shard {shard!r}, but holds no copy of it (it serves "
+                              f"shard {self.shard} and the backups of {sorted(self.backups)}). Is the job running with "
+                              "ps_replicas=2 on every task?")
+        with self._takeover_lock:
+            if shard not in self.serving:
+                store.take_over()
+                self.serving[shard] = store
+                log.warning("ps:%d: takes over shard %d at step %d: its primary ps:%d is gone.", self.shard, shard,
+                            store.version, shard)
+        return store
 
     def _send_to_backup(self, meta: dict[str, Any], tensors: list[tuple[str, Any]]) -> dict[str, Any]:
         """One PS_REPLICATE request to the backup ps, on this primary's own connection (made again
@@ -204,34 +230,36 @@ class PsService:
         return Reply({"seq": store.follow(Batch.from_wire(req.meta, req.tensors))})
 
     def _ready(self, req: Request) -> Reply:
+        store = self._store_for(req)
         timeout_s = float(req.meta.get("timeout_s", self.default_wait_s))
-        if not self.store.wait_initialized(timeout_s):
+        if not store.wait_initialized(timeout_s):
             raise TrainingError(
                 f"ps:{self.shard} is still not initialized after {timeout_s:.1f} s: it waits for the chief to send "
                 "the initial parameters. Is the chief running? Raise the wait with ready_timeout_s "
                 "(psflow.init(config=TrainConfig(ready_timeout_s=...)), or in PSFLOW_TRAIN_CONFIG by hand)."
             )
         digest = str(req.meta.get("placement_digest", ""))
-        if digest and digest != self.store.placement_digest:
+        if digest and digest != store.placement_digest:
             raise ConfigError(
                 f"{req.peer} places the model differently from the chief on ps:{self.shard} "
-                f"(placement digest {digest[:12]} vs {self.store.placement_digest[:12]}). "
+                f"(placement digest {digest[:12]} vs {store.placement_digest[:12]}). "
                 "Every worker must build the same model with the same --placement and number of ps."
             )
         if "worker" in req.meta:  # a training replica: a restarted one takes over from its earlier attempt
-            joined = self.store.join(int(req.meta["worker"]), int(req.meta.get("attempt", 0)))
+            joined = store.join(int(req.meta["worker"]), int(req.meta.get("attempt", 0)))
         else:
-            joined = {"version": self.store.version, "data_positions": self.store.data_positions()}
-        self._acked()
-        return Reply({**joined, "config": self.store.config.to_dict(), "meta": self.store.meta})
+            joined = {"version": store.version, "data_positions": store.data_positions()}
+        self._acked(store)
+        return Reply({**joined, "config": store.config.to_dict(), "meta": store.meta})
 
     def _pull(self, req: Request) -> Reply:
-        version, values = self.store.pull(
+        store = self._store_for(req)
+        version, values = store.pull(
             min_version=int(req.meta.get("min_version", 0)),
-            timeout_s=float(req.meta.get("timeout_s", self.store.config.sync_timeout_s)),
+            timeout_s=float(req.meta.get("timeout_s", store.config.sync_timeout_s)),
             averages=bool(req.meta.get("averages", False)),
         )
-        self._acked()  # the values shown are the backup's too: a failover never goes back past them
+        self._acked(store)  # the values shown are the backup's too: a failover never goes back past them
         return Reply({"version": version}, list(values.items()))
 
     def _peer_gone(self, peer: str) -> None:
@@ -240,43 +268,49 @@ class PsService:
         worker = self._worker_of(peer)  # a worker that dies before its first push is lost all the same
         if worker is None or worker in self.store.done_workers:
             return
+        for store in self.serving.values():  # shards taken over from a dead primary
+            if worker not in store.done_workers:
+                store.worker_lost(worker)
         self.store.worker_lost(worker)
         log.warning("ps:%d: lost worker:%d: its connection closed at global step %d without PS_DONE (killed or crashed?).",
                     self.shard, worker, self.store.version)
 
     def _push(self, req: Request) -> Reply:
+        store = self._store_for(req)
         version = int(req.meta.get("version", 0))
         seq = req.meta.get("seq")
-        result = self.store.push(int(req.meta["worker"]), version, req.tensors, position=req.meta.get("position"),
+        result = store.push(int(req.meta["worker"]), version, req.tensors, position=req.meta.get("position"),
                                  attempt=int(req.meta.get("attempt", 0)), push_seq=None if seq is None else int(seq))
         if not req.meta.get("pull"):
-            self._acked()  # acknowledged once the backup holds it
+            self._acked(store)  # acknowledged once the backup holds it
             return Reply(result)
         # Push-pull in one round trip: reply with the values after this update. In sync mode an
         # accepted gradient (or a duplicate of one) waits for its step to complete (a stale one gets
         # the newest values now).
-        wait_for_step = self.store.config.mode == "sync" and result.get("applied")
-        current, values = self.store.pull(
+        wait_for_step = store.config.mode == "sync" and result.get("applied")
+        current, values = store.pull(
             min_version=version + 1 if wait_for_step else 0,
-            timeout_s=float(req.meta.get("timeout_s", self.store.config.sync_timeout_s)),
+            timeout_s=float(req.meta.get("timeout_s", store.config.sync_timeout_s)),
         )
-        self._acked()  # acknowledged once the backup holds it (sync: the step it completed)
+        self._acked(store)  # acknowledged once the backup holds it (sync: the step it completed)
         return Reply({**result, "version": current}, list(values.items()))
 
     def _clock(self, req: Request) -> Reply:
-        slowest = self.store.clock(
+        store = self._store_for(req)
+        slowest = store.clock(
             int(req.meta["worker"]), int(req.meta["clock"]), timeout_s=float(req.meta.get("timeout_s", self.default_wait_s)),
             attempt=int(req.meta.get("attempt", 0)),
         )
-        self._acked()
+        self._acked(store)
         return Reply({"slowest": slowest})
 
     def _done(self, req: Request) -> Reply:
-        self.store.worker_done(int(req.meta["worker"]), int(req.meta.get("attempt", 0)))
-        self._acked()
-        if self.store.all_done():
+        store = self._store_for(req)
+        store.worker_done(int(req.meta["worker"]), int(req.meta.get("attempt", 0)))
+        self._acked(store)
+        if all(s.all_done() for s in (self.store, *self.serving.values())):
             self._shutdown.set()
-        return Reply({"done": sorted(self.store.done_workers)})
+        return Reply({"done": sorted(store.done_workers)})
 
     def _status(self, req: Request) -> Reply:
         s = self.store
@@ -297,6 +331,7 @@ class PsService:
                 "degraded": fwd.degraded if fwd else None,
                 "backups": {str(k): {"version": b.version, "seq": b.seq, "applied_updates": b.stats.applied_updates}
                             for k, b in sorted(self.backups.items())},
+                "serving": sorted(self.serving),
             }
         return Reply(meta)
 
@@ -336,12 +371,13 @@ def default_save(service: PsService) -> Callable[[dict[str, Any]], dict[str, Any
 
     def save(meta: dict[str, Any]) -> dict[str, Any]:
         exact = int(meta["step"]) if meta.get("exact") else None
-        version, tensors, positions = service.store.checkpoint_state(
+        shard = int(meta.get("shard", service.shard))
+        version, tensors, positions = service.store_of(shard).checkpoint_state(
             exact, timeout_s=float(meta.get("timeout_s", service.store.config.sync_timeout_s)))
         record = checkpoint.write_shard(
             Path(meta["root"]),
             int(meta["step"]),
-            service.shard,
+            shard,
             int(meta["num_shards"]),
             tensors,
             _crash_after_bytes=meta.get("crash_after_bytes"),

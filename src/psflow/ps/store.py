@@ -472,6 +472,15 @@ class ParameterStore:
         self._ship_position = None
         self._ship_updates = {}
 
+    def take_over(self) -> None:
+        """This backup copy serves the shard now (see :meth:`ShardRules.take_over`): the held sync
+        gradients' data positions leave with them (their batches are resent and taken again)."""
+        with self._cond, self._recorded():
+            for worker in sorted(self.rules.pending):
+                self.progress.discard_pending(worker)
+            self.rules.take_over()
+            self._cond.notify_all()
+
     def follow(self, batch: Batch) -> int:
         """A backup's store: step the rules with the primary's events, in order, and carry their
         decisions out with the shipped updates. Returns the last sequence number held.
