@@ -524,10 +524,12 @@ def _install_user_error_hook() -> None:
 
 def _install_error_report(task: Task, path: str | None) -> None:
     """On an uncaught exception: write {task, exception, message, traceback} as JSON where the
-    launcher asked (``PSFLOW_ERROR_FILE``); a psflow error is shown as one clear line, not a traceback."""
+    launcher asked (``PSFLOW_ERROR_FILE``); a psflow error is shown as one clear line, not a traceback.
+    From then on the task ignores SIGTERM and exits 1 by itself (see :func:`errorreport.ignore_stop_requests`)."""
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        errorreport.ignore_stop_requests()  # failing: it ends by itself, with its own exit code (1)
         if path:
             errorreport.write(path, str(task.task_id), exc, tb)
         if issubclass(exc_type, PsflowError):

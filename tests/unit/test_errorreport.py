@@ -67,3 +67,36 @@ def test_the_report_module_stays_light():
     code = "import sys, psflow.launch.errorreport, psflow.launch.contract; print('torch' in sys.modules, 'psflow.launch.local' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+_FAILING = """
+import os, signal, sys, time
+from psflow.launch.errorreport import ignore_stop_requests
+ignore_stop_requests()
+print("reported", flush=True)
+if sys.argv[1] == "stopped-now":
+    os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(float(sys.argv[2]))  # its teardown, slow on a busy machine
+sys.exit(3)
+"""
+
+
+def test_a_failing_task_that_is_asked_to_stop_ends_by_itself_with_its_own_exit_code():
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", _FAILING, "stopped-now", "0.2"], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (3, "reported\n"), r.stderr
+
+
+def test_a_stop_during_a_failing_tasks_teardown_does_not_make_it_read_as_killed():
+    import signal
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", _FAILING, "stopped-later", "1.0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "reported\n"
+        p.send_signal(signal.SIGTERM)  # as the launcher stops the others on the first exit
+        assert p.wait(timeout=30) == 3
+    finally:
+        p.kill()
+        p.wait(timeout=30)

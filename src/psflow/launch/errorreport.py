@@ -8,12 +8,20 @@ traceback, time_unix}``.
 Invariant: a reader sees a whole report or none, never half of one: the writer writes a temporary
 file next to it and renames it into place. Writing never raises (the task's log keeps the
 traceback when the disk cannot); reading returns None for a missing or unreadable report.
+
+A failing task calls :func:`ignore_stop_requests` before its last words (report, error output): it
+is on its way out, and ends with its own exit code. The launcher stops every other task on the first
+exit; a task that reported its failure but is still tearing down (seconds, with torch loaded on a
+busy machine) would otherwise end as stopped (-15), and its report, perhaps the oldest one (the root
+cause), would stand beside an exit that says nothing of it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -68,3 +76,17 @@ def read(path_or_dir: str | os.PathLike[str], task: str | None = None) -> dict[s
     except (OSError, ValueError):
         return None
     return report if isinstance(report, dict) else None
+
+
+def ignore_stop_requests() -> None:
+    """A failing task from now on ignores SIGTERM (the launcher's stop request) and exits by itself,
+    with its failure's own exit code; one that hangs on its way out still gets the launcher's SIGKILL
+    after the run's ``grace_s``.
+
+    SIG_IGN, not a Python handler: the interpreter puts Python handlers back to the default during
+    its teardown (``_PySignal_Fini``, before the slow part: the collection and module teardown with
+    torch loaded), and under the default disposition a SIGTERM delivered to any thread ends the
+    process. Only the main thread may set handlers: elsewhere this does nothing.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -157,6 +157,9 @@ def _become_task(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, re
         # The traceback a fresh interpreter prints: from the script's frames on, not the fork server's.
         tb = _from_script(e.__traceback__, script)
         e.__traceback__ = tb  # the default hook prints the exception's own traceback
+        from psflow.launch.errorreport import ignore_stop_requests
+
+        ignore_stop_requests()  # failing: it ends by itself, with its own exit code (1), as psflow's hook does
         if not getattr(sys.excepthook, "psflow_reports", False):  # failed before psflow.init installed its hook
             _write_error_report(env, e, tb)
         sys.excepthook(type(e), e, tb)
