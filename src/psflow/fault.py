@@ -8,7 +8,14 @@ Checkpoint faults: ``ps:K@save=N:crash_after=BYTES`` makes ps task K die (SIGKIL
 writes its shard of the N-th checkpoint it is asked for (counted from 1), leaving exactly BYTES bytes
 of the shard's temporary file on disk, as a process killed mid-write would.
 
-Example: ``psflow run --fail-at worker:1@step=30:kill ...``, ``--fail-at ps:0@save=2:crash_after=100``
+Attempts: a fault fires on a task's first attempt only (attempt 0), so that a task restarted after it
+(``psflow run --restart on-failure``) goes on instead of meeting the same fault again. A suffix
+``@attempt=K`` moves it to the task's K-th restart: ``worker:1@step=30:kill@attempt=1`` kills the
+first restart of worker:1 at its step 30. Each task reads only the faults of its own attempt
+(:func:`for_attempt`, with ``PSFLOW_ATTEMPT``).
+
+Example: ``psflow run --fail-at worker:1@step=30:kill ...``, ``--fail-at ps:0@save=2:crash_after=100``,
+``--fail-at worker:1@step=30:kill,worker:1@step=40:kill@attempt=1``
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from psflow.errors import CheckpointError, ConfigError, TrainingError
 
-_RE = re.compile(r"^(?P<task>[a-z]+:\d+)@step=(?P<step>\d+)(?::(?P<action>raise|kill|stall=(?P<stall>[0-9.]+)|delay=(?P<delay>[0-9.]+)))?$")
-_SAVE_RE = re.compile(r"^(?P<task>[a-z]+:\d+)@save=(?P<save>[1-9]\d*):crash_after=(?P<bytes>\d+)$")
+_ATTEMPT = r"(?:@attempt=(?P<attempt>\d+))?"
+_RE = re.compile(r"^(?P<task>[a-z]+:\d+)@step=(?P<step>\d+)(?::(?P<action>raise|kill|stall=(?P<stall>[0-9.]+)|delay=(?P<delay>[0-9.]+)))?"
+                 + _ATTEMPT + "$")
+_SAVE_RE = re.compile(r"^(?P<task>[a-z]+:\d+)@save=(?P<save>[1-9]\d*):crash_after=(?P<bytes>\d+)" + _ATTEMPT + "$")
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ class Fault:
     action: str = "raise"  # raise | kill | stall | delay (delay: sleep before every step from `step` on) | crash_save
     seconds: float = 0.0
     crash_after_bytes: int = 0  # crash_save: bytes of the shard file left on disk; `step` is the save number
+    attempt: int = 0  # the task's attempt it fires on (0: the first start; n: the n-th restart)
 
 
 def parse_faults(text: str | None) -> list[Fault]:
@@ -46,33 +56,60 @@ def parse_faults(text: str | None) -> list[Fault]:
             continue
         saving = _SAVE_RE.match(part)
         if saving:
-            faults.append(Fault(saving["task"], int(saving["save"]), "crash_save", crash_after_bytes=int(saving["bytes"])))
+            faults.append(Fault(saving["task"], int(saving["save"]), "crash_save", crash_after_bytes=int(saving["bytes"]),
+                                attempt=int(saving["attempt"] or 0)))
             continue
         m = _RE.match(part)
         if not m:
             raise ConfigError(
-                f"Bad fault spec {part!r}. Use TASK@step=N[:raise|:kill|:stall=SECONDS|:delay=SECONDS], e.g. worker:1@step=30:kill, "
-                "or ps:K@save=N:crash_after=BYTES."
+                f"Bad fault spec {part!r}. Use TASK@step=N[:raise|:kill|:stall=SECONDS|:delay=SECONDS][@attempt=K], e.g. "
+                "worker:1@step=30:kill, or ps:K@save=N:crash_after=BYTES[@attempt=K]."
             )
         action = (m["action"] or "raise").split("=")[0]
-        faults.append(Fault(m["task"], int(m["step"]), action, float(m["stall"] or m["delay"] or 0.0)))
+        faults.append(Fault(m["task"], int(m["step"]), action, float(m["stall"] or m["delay"] or 0.0), attempt=int(m["attempt"] or 0)))
     return faults
+
+
+def for_attempt(text: str | None, attempt: int) -> str | None:
+    """The part of a ``--fail-at`` spec that fires on a task's ``attempt`` (None if nothing does).
+
+    Example:
+        >>> for_attempt("worker:1@step=30:kill,worker:1@step=9@attempt=1", 1)
+        'worker:1@step=9@attempt=1'
+    """
+    parts = [p.strip() for p in (text or "").split(",") if p.strip()]
+    kept = [p for p in parts if parse_faults(p)[0].attempt == attempt]
+    return ",".join(kept) or None
 
 
 _TRAINERS = ("chief", "worker")  # the jobs that take steps (and so reach a step trigger)
 
 
-def check_faults(faults: list[Fault], tasks: list[str]) -> None:
+def check_faults(faults: list[Fault], tasks: list[str], last_attempt: Mapping[str, int] | None = None) -> None:
     """Check that every fault can fire in a run of ``tasks``, before any task starts.
+
+    Args:
+        faults: the parsed ``--fail-at``.
+        tasks: the run's tasks.
+        last_attempt: the highest attempt each job's tasks can reach under the run's restart policy
+            (0 for a job that is never restarted); None: not checked.
 
     Raises:
         ConfigError: a fault names a task the run does not have, a step trigger on a task that takes
-            no steps (a ps, the evaluator), or a checkpoint-save crash on a task that is not a ps.
+            no steps (a ps, the evaluator), a checkpoint-save crash on a task that is not a ps, or an
+            attempt the task never reaches.
     """
     for f in faults:
         job = f.task.split(":")[0]
         if f.task not in tasks:
             raise ConfigError(f"--fail-at names {f.task}, which this run does not have. Its tasks: {', '.join(tasks)}.")
+        if last_attempt is not None and f.attempt > last_attempt.get(job, 0):
+            most = last_attempt.get(job, 0)
+            trigger = f"save={f.step}" if f.action == "crash_save" else f"step={f.step}"
+            raise ConfigError(f"--fail-at {f.task}@{trigger}...@attempt={f.attempt}: {f.task} reaches attempt {most} at "
+                              f"most ({'it is never restarted' if most == 0 else f'--max-restarts {most}'}), so this "
+                              f"fault would never fire. Restart it (--restart {job}=on-failure, --max-restarts "
+                              f"{f.attempt}) or name an earlier attempt.")
         if f.action == "crash_save" and job != "ps":
             raise ConfigError(f"--fail-at {f.task}@save=...: only a ps task writes checkpoint shards; name a ps "
                               f"(e.g. ps:0@save={f.step}:crash_after={f.crash_after_bytes}).")

@@ -42,6 +42,7 @@ from psflow.cluster import (
 )
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, PsflowError
+from psflow.fault import for_attempt
 from psflow.launch import errorreport
 from psflow.launch.contract import TaskEnv
 from psflow.rendezvous import bind_rendezvous, check_exposure
@@ -89,7 +90,7 @@ class Task:
         self.resume = resume  # PSFLOW_RESUME; the Supervisor decides what None means
         self.attempt = attempt  # PSFLOW_ATTEMPT: 0 on the first start, n after the n-th restart
         self.connect_timeout_s = connect_timeout_s
-        self.fail_at = fail_at
+        self.fail_at = for_attempt(fail_at, attempt)  # PSFLOW_FAIL_AT: the faults of this attempt only
         self.data_dir = data_dir
         self.rendezvous = rendezvous  # all-reduce, replica 0 only: the TCPStore it serves (psflow.rendezvous)
         self.ps_service = None
@@ -110,7 +111,7 @@ class Task:
             from psflow.ps.service import PsService, default_save
 
             self.ps_service = PsService(server, task_id.index, cluster, resolve=self.resolve)
-            self.ps_service.on_save = crashing_save(default_save(self.ps_service), parse_faults(fail_at), str(task_id))
+            self.ps_service.on_save = crashing_save(default_save(self.ps_service), parse_faults(self.fail_at), str(task_id))
 
     # -- roles -----------------------------------------------------------------------------
     job_name = property(lambda self: self.task_id.job)

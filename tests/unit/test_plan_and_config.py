@@ -8,7 +8,7 @@ import pytest
 
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
-from psflow.fault import Fault, parse_faults
+from psflow.fault import Fault, for_attempt, parse_faults
 from psflow.launch.plan import make_plan
 
 
@@ -90,6 +90,19 @@ def test_fault_specs_parse_and_bad_ones_name_the_syntax():
     assert parse_faults(None) == []
     with pytest.raises(ConfigError, match="Bad fault spec 'worker1@30'"):
         parse_faults("worker1@30")
+
+
+def test_a_fault_fires_on_the_first_attempt_unless_it_names_another():
+    assert parse_faults("worker:1@step=30:kill@attempt=2, ps:0@save=1:crash_after=5@attempt=1") == [
+        Fault("worker:1", 30, "kill", attempt=2), Fault("ps:0", 1, "crash_save", crash_after_bytes=5, attempt=1)]
+    assert parse_faults("worker:1@step=30:stall=1.5")[0].attempt == 0
+    spec = "worker:1@step=30:kill,worker:1@step=40@attempt=1,worker:0@step=5:delay=0.1"
+    # Each attempt of a task reads only its own faults (PSFLOW_FAIL_AT through for_attempt).
+    assert for_attempt(spec, 0) == "worker:1@step=30:kill,worker:0@step=5:delay=0.1"
+    assert for_attempt(spec, 1) == "worker:1@step=40@attempt=1"
+    assert for_attempt(spec, 2) is None and for_attempt(None, 0) is None
+    with pytest.raises(ConfigError, match="@attempt=K"):
+        parse_faults("worker:1@step=30:kill@attempt=x")
 
 
 def test_the_launcher_side_of_psflow_starts_without_torch():
