@@ -12,6 +12,7 @@ import click
 
 from psflow.config import TrainConfig, check_launch_settings
 from psflow.errors import ConfigError, PsflowError
+from psflow.launch.restart import JOBS, RestartPolicy
 
 
 @click.group()
@@ -43,7 +44,20 @@ def main() -> None:
 @click.option("--log-placement", is_flag=True, help="Print where each parameter lives (like log_device_placement).")
 @click.option("--allow-unauthenticated-allreduce", is_flag=True, default=None,
               help="Let --strategy allreduce run off loopback, where its traffic (gloo) is not covered by the job secret.")
-@click.option("--fail-at", default=None, help="Fault injection, e.g. worker:1@step=30 or worker:1@step=30:kill.")
+@click.option("--fail-at", default=None,
+              help="Fault injection, e.g. worker:1@step=30 or worker:1@step=30:kill; fires on a task's first attempt "
+                   "(add @attempt=K for its K-th restart).")
+@click.option("--restart", "restart", default=None, metavar="POLICY|JOB=POLICY,...",
+              help="Restart tasks that exit: never (default), on-failure, always, exit-code (1-127 permanent, "
+                   "128-255 and signals retried); for every job, or per job: worker=on-failure,ps=never.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=None,
+              help="With --restart: restarts allowed per task (default 3).")
+@click.option("--max-restarts-per-run", type=click.IntRange(min=0), default=None,
+              help="With --restart: restarts allowed for all tasks together (default: no cap).")
+@click.option("--restart-backoff", "backoff_base_s", type=click.FloatRange(min=0), default=None,
+              help="With --restart: seconds before a task's first restart, doubled for each later one (default 1).")
+@click.option("--restart-backoff-max", "backoff_max_s", type=click.FloatRange(min=0), default=None,
+              help="With --restart: the longest wait before a restart, in seconds (default 60).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Torch threads per task (default: the cores shared evenly by the tasks); a script's own "
                    "torch.set_num_threads still wins.")
@@ -59,7 +73,9 @@ def main() -> None:
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
         fail_at: str | None, log_placement: bool, preload: bool, live: bool | None, threads: int | None,
-        backend: str, nodes: int | None, dry_run: bool, **settings: object) -> None:
+        backend: str, nodes: int | None, dry_run: bool,
+        restart: str | None, max_restarts: int | None, max_restarts_per_run: int | None,
+        backoff_base_s: float | None, backoff_max_s: float | None, **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
     from psflow.launch import make_plan
     from psflow.launch.metrics import final_line
@@ -72,18 +88,22 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         config = TrainConfig(**overrides, log_placement=log_placement)
         given = set(overrides) | ({"num_ps"} if _given(click.get_current_context(), "num_ps") else set())
         check_launch_settings(config, given, num_replicas=num_workers + int(chief), num_ps=num_ps)
+        policy = _restart_policy(restart, max_restarts=max_restarts, max_restarts_per_run=max_restarts_per_run,
+                                 backoff_base_s=backoff_base_s, backoff_max_s=backoff_max_s)
         plan = make_plan(script, list(script_args), num_ps=num_ps, num_workers=num_workers,
                          chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=fail_at,
-                         threads=threads)
+                         threads=threads, restart=policy)
         runner = _backend(backend, nodes, dry_run, preload=preload, live=live)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     if dry_run:
         click.echo(runner.script(plan), nl=False)
         return
+    jobs = tuple(dict.fromkeys(t.split(":")[0] for t in plan.task_names()))
+    restarts = f"restart={policy.describe(jobs)}; " if policy.describe(jobs) != "never" else ""
     click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; "
                f"threads={plan.threads} per task ({plan.cores} cores{'' if threads else ', --threads N to change'}); "
-               f"logs in {plan.logdir}")
+               f"{restarts}logs in {plan.logdir}")
     try:
         result = runner.run(plan)
     except PsflowError as e:
@@ -108,6 +128,24 @@ def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live
     from psflow.launch import LocalBackend
 
     return LocalBackend(preload=preload, live=live)
+
+
+def _restart_policy(spec: str | None, **budgets: int | float | None) -> RestartPolicy:
+    """The restart policy of ``--restart SPEC`` and its budget and backoff options.
+
+    Raises:
+        ConfigError: a bad SPEC (see :meth:`RestartPolicy.parse`), or a budget or backoff option given
+            without a ``--restart`` that restarts anything (it would do nothing).
+    """
+    given = {k: v for k, v in budgets.items() if v is not None}
+    policy = RestartPolicy.parse(spec, **given)
+    if given and not any(policy.kind_for(job) != "never" for job in JOBS):
+        options = {"max_restarts": "--max-restarts", "max_restarts_per_run": "--max-restarts-per-run",
+                   "backoff_base_s": "--restart-backoff", "backoff_max_s": "--restart-backoff-max"}
+        named = ", ".join(f"{options[k]} {v:g}" for k, v in given.items())
+        raise ConfigError(f"{named} has no effect: no task is restarted (--restart {spec or 'never'}). Add --restart "
+                          "on-failure (or per job: --restart worker=on-failure).")
+    return policy
 
 
 def _script_args(ctx: click.Context, script: str, script_args: tuple[str, ...]) -> tuple[str, ...]:

@@ -3,6 +3,7 @@ option, the value and the fix; no task is started (the backend is replaced by on
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,51 @@ def test_script_arguments_after_the_script_and_after_the_separator_reach_the_scr
     r = run("--ps", "1", "--logdir", str(tmp_path / "r"), script, "--epochs", "3", "--", "--ps", "2", "--", "x")
     assert "a task was about to start" in repr(r.exception), r.output
     assert seen["args"] == ["--epochs", "3", "--ps", "2", "--", "x"]  # only the first -- is psflow's
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--restart", "sometimes"], "--restart 'sometimes': 'sometimes' is not a restart policy; the policies are "
+                                 "never, on-failure, always, exit-code"),
+    (["--restart", "worker=on-failure,pss=never"], "'pss' (in 'pss=never') is not a job"),
+    (["--restart", "worker=retry"], "'retry' is not a restart policy"),
+    (["--restart", "on-failure,never"], "two policies for every job ('on-failure', 'never')"),
+    (["--restart", "worker=never,worker=always"], "worker is given twice"),
+    (["--max-restarts", "3"], "--max-restarts 3 has no effect: no task is restarted (--restart never)"),
+    (["--restart", "never", "--restart-backoff", "2"], "--restart-backoff 2 has no effect"),
+    (["--restart", "on-failure", "--restart-backoff", "9", "--restart-backoff-max", "2"],
+     "backoff_base_s=9.0, backoff_max_s=2.0"),
+    (["--restart", "worker=on-failure", "--max-restarts", "-1"], "-1 is not in the range x>=0"),
+    (["--restart", "worker=on-failure", "--fail-at", "worker:1@step=3:kill@attempt=4"],
+     "worker:1 reaches attempt 3 at most (--max-restarts 3), so this fault would never fire"),
+    (["--restart", "worker=on-failure", "--fail-at", "ps:0@save=1:crash_after=3@attempt=1"],
+     "ps:0 reaches attempt 0 at most (it is never restarted)"),
+])
+def test_restart_options_are_checked_before_any_task_starts(script, args, expected):
+    r = run("--workers", "2", *args, script)
+    assert r.exit_code == 2, r.output
+    assert "Usage:" in r.output and expected in " ".join(r.output.split()), r.output
+    assert "Traceback" not in r.output
+
+
+def test_the_restart_policy_reaches_the_plan(script, tmp_path, monkeypatch):
+    seen = {}
+
+    class Recorder:
+        def __init__(self, **kwargs: object) -> None:
+            pass
+
+        def run(self, plan):
+            seen["plan"] = plan
+            raise SystemExit(0)
+
+    monkeypatch.setattr(psflow.launch, "LocalBackend", Recorder)
+    r = run("--workers", "2", "--logdir", str(tmp_path / "run"), "--restart", "on-failure,ps=never", "--max-restarts", "2",
+            "--max-restarts-per-run", "3", "--restart-backoff", "0.5", "--restart-backoff-max", "4",
+            "--fail-at", "worker:1@step=3:kill@attempt=2", script)
+    assert r.exit_code == 0, r.output
+    policy = seen["plan"].restart
+    assert (policy.kind_for("worker"), policy.kind_for("ps"), policy.kind_for("chief")) == ("on-failure", "never", "on-failure")
+    assert (policy.max_restarts, policy.max_restarts_per_run, policy.backoff_base_s, policy.backoff_max_s) == (2, 3, 0.5, 4.0)
+    assert "restart=ps: never, worker: on-failure; up to 2 restarts per task, 3 per run, backoff 0.5 s doubling to 4 s;" \
+        in r.output, r.output
+    assert json.loads(seen["plan"].to_json())["restart"]["by_job"] == [["ps", "never"]]  # the plan prints its policy

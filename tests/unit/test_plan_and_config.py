@@ -10,6 +10,7 @@ from psflow.config import TrainConfig
 from psflow.errors import ConfigError
 from psflow.fault import Fault, for_attempt, parse_faults
 from psflow.launch.plan import make_plan
+from psflow.launch.restart import RestartPolicy
 
 
 def test_train_config_rejects_unknown_mode_with_the_allowed_ones():
@@ -103,6 +104,18 @@ def test_a_fault_fires_on_the_first_attempt_unless_it_names_another():
     assert for_attempt(spec, 2) is None and for_attempt(None, 0) is None
     with pytest.raises(ConfigError, match="@attempt=K"):
         parse_faults("worker:1@step=30:kill@attempt=x")
+
+
+def test_a_plan_refuses_a_fault_on_an_attempt_its_restart_policy_never_reaches(tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("")
+    policy = RestartPolicy.parse("worker=on-failure", max_restarts=1)
+    plan = make_plan(str(script), logdir=str(tmp_path / "a"), fail_at="worker:1@step=3:kill@attempt=1", restart=policy)
+    assert plan.restart == policy
+    with pytest.raises(ConfigError, match="worker:1 reaches attempt 1 at most"):
+        make_plan(str(script), logdir=str(tmp_path / "b"), fail_at="worker:1@step=3@attempt=2", restart=policy)
+    with pytest.raises(ConfigError, match="it is never restarted"):
+        make_plan(str(script), logdir=str(tmp_path / "c"), fail_at="worker:1@step=3@attempt=1")
 
 
 def test_the_launcher_side_of_psflow_starts_without_torch():

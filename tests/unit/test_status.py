@@ -184,3 +184,35 @@ def test_summary_of_a_run_without_summary_json_says_so_and_shows_the_status(tmp_
     (tmp_path / "summary.json").write_text('{"run_id": "run-1", "sta')
     r = CliRunner().invoke(main, ["summary", str(tmp_path)], terminal_width=200)
     assert r.exit_code == 1 and "cannot be read" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_every_exit_is_kept_with_its_cause_and_a_restart_shows_until_the_next_attempt_starts(tmp_path):
+    st = _status(tmp_path, min_interval_s=0.0)
+    st.started("worker:1", 101)
+    st.exited("worker:1", -9, attempt=0, at=st.snapshot()["tasks"]["worker:1"]["started_unix"] + 12.0)
+    st.restarting("worker:1", 1, after_s=1.0)
+    w1 = read_status(tmp_path)["tasks"]["worker:1"]
+    assert w1["state"] == "restarting" and w1["restart_unix"] is not None
+    [x] = w1["exits"]
+    assert (x["attempt"], x["code"], x["signal"], x["cause"], x["ran_s"], x["restarted"]) == (
+        0, -9, "SIGKILL", "killed (SIGKILL)", 12.0, True)
+    buf = io.StringIO()
+    Console(file=buf, width=160, color_system=None).print(render(st.snapshot()))
+    assert "restarting (was: killed (SIGKILL))" in buf.getvalue()
+    st.started("worker:1", 102, attempt=1)
+    st.exited("worker:1", 0, attempt=1)
+    w1 = read_status(tmp_path)["tasks"]["worker:1"]
+    assert (w1["state"], w1["attempt"], [x["cause"] for x in w1["exits"]]) == ("exited", 1, ["killed (SIGKILL)", "exit code 0"])
+    buf = io.StringIO()
+    Console(file=buf, width=160, color_system=None).print(render(st.snapshot()))
+    row = next(line for line in buf.getvalue().splitlines() if "worker:1" in line)
+    assert "done" in row and "2 (1 restart)" in row, buf.getvalue()
+
+
+def test_a_task_killed_for_memory_says_so_in_the_table(tmp_path):
+    st = _status(tmp_path)
+    st.started("worker:0", 101)
+    st.exited("worker:0", -9, oom_killed=True)
+    buf = io.StringIO()
+    Console(file=buf, width=160, color_system=None).print(render(st.snapshot()))
+    assert "exit -9 (SIGKILL; out of memory?)" in buf.getvalue()

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from psflow.launch.backend import Backend, RunResult
-    from psflow.launch.controller import RestartPolicy, RunController
+    from psflow.launch.controller import RunController
     from psflow.launch.local import LocalBackend
     from psflow.launch.plan import LaunchPlan, TaskPlan, make_plan
+    from psflow.launch.restart import RestartPolicy
     from psflow.launch.runner import Runner
 
 _EXPORTS = {
@@ -25,7 +26,7 @@ _EXPORTS = {
     "LaunchPlan": "psflow.launch.plan",
     "TaskPlan": "psflow.launch.plan",
     "make_plan": "psflow.launch.plan",
-    "RestartPolicy": "psflow.launch.controller",
+    "RestartPolicy": "psflow.launch.restart",
     "RunController": "psflow.launch.controller",
     "Runner": "psflow.launch.runner",
 }

@@ -17,8 +17,8 @@ The rules (those of the local launcher since its first version):
   warning, and the run still succeeds;
 - a stop request (Ctrl-C, SIGTERM) stops every task; the run ends ``stopped`` (exit code 130), even
   if a task had failed before (its root cause is still named);
-- restarts follow a :class:`RestartPolicy` (default ``never``): the attempt count per task, the
-  budget per task and per run, and an exponential backoff.
+- restarts follow a :class:`psflow.launch.restart.RestartPolicy` (default ``never``), chosen per
+  job: the attempt count per task, the budget per task and per run, and an exponential backoff.
 
 Run phases::
 
@@ -52,11 +52,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from psflow.launch.restart import TRAINING_JOBS, RestartPolicy
 from psflow.launch.rootcause import TaskExit, root_cause
-
-TRAINING_JOBS = ("chief", "worker")
-POLICIES = ("never", "on-failure", "always", "exit-code")
-
 
 # ------------------------------------------------------------------------------------------ events
 
@@ -73,12 +70,14 @@ class TaskStarted:
 
 @dataclass(frozen=True)
 class TaskExited:
-    """``task``'s attempt ended: ``code`` is its exit code, negative for the signal that ended it."""
+    """``task``'s attempt ended: ``code`` is its exit code, negative for the signal that ended it;
+    ``oom_killed``: the backend has evidence that the kernel killed it for memory."""
 
     task: str
     attempt: int
     code: int
     at: float
+    oom_killed: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,62 +159,6 @@ class RunFinished:
 Decision = StartTask | StopTasks | RestartTask | RunFinished
 
 
-# ------------------------------------------------------------------------------------------ policy
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """When a task that exited is started again.
-
-    Kinds:
-
-    - ``never``: no task is restarted (the default; a failure fails the run).
-    - ``on-failure``: a non-zero exit is restarted.
-    - ``always``: any exit is restarted while the run is running, a clean one too: a ps or an
-      evaluator has no business exiting before the training tasks are done. A training task's clean
-      exit is its completion and is never restarted (otherwise no run could finish), and nothing is
-      restarted once the run drains or stops.
-    - ``exit-code`` (Kubeflow's): exit codes 1-127 are permanent errors (a bug, a bad flag: the
-      same again), 128-255 and deaths by signal are retryable (137 is SIGKILL, an OOM kill or a
-      preempted node). A negative code (killed by signal N) counts as 128 + N.
-
-    Budgets: ``max_restarts`` per task, ``max_restarts_per_run`` all tasks together (None: no cap
-    beyond the per-task one). A restart the budget does not allow is a failure of the run.
-    Backoff: the n-th restart of a task waits ``backoff_base_s * 2**(n-1)``, at most ``backoff_max_s``.
-    """
-
-    kind: str = "never"
-    max_restarts: int = 3
-    max_restarts_per_run: int | None = None
-    backoff_base_s: float = 1.0
-    backoff_max_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in POLICIES:
-            raise ValueError(f"Restart policy {self.kind!r} is not one of {', '.join(POLICIES)}.")
-        if self.max_restarts < 0 or (self.max_restarts_per_run is not None and self.max_restarts_per_run < 0):
-            raise ValueError(f"Restart budgets must be >= 0; received max_restarts={self.max_restarts}, "
-                             f"max_restarts_per_run={self.max_restarts_per_run}.")
-        if not 0 <= self.backoff_base_s <= self.backoff_max_s:
-            raise ValueError(f"Restart backoff needs 0 <= backoff_base_s <= backoff_max_s; received "
-                             f"backoff_base_s={self.backoff_base_s}, backoff_max_s={self.backoff_max_s}.")
-
-    def is_retryable(self, job: str, code: int) -> bool:
-        """Whether this exit of a task of ``job`` is one the policy restarts (budgets aside)."""
-        if self.kind == "never" or (code == 0 and job in TRAINING_JOBS):
-            return False
-        if self.kind == "always":
-            return True
-        if self.kind == "on-failure":
-            return code != 0
-        status = 128 - code if code < 0 else code  # exit-code: killed by signal N reads as 128 + N
-        return 128 <= status <= 255
-
-    def backoff_s(self, restart: int) -> float:
-        """The wait before a task's ``restart``-th restart (1 for the first)."""
-        return min(self.backoff_max_s, self.backoff_base_s * 2.0 ** (restart - 1))
-
-
 # ------------------------------------------------------------------------------------------- books
 
 
@@ -235,6 +178,15 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}" + (f" ({name})" if name else "")
 
 
+def exit_cause(code: int, oom_killed: bool = False) -> str:
+    """Why an attempt ended, in words: ``"exit code 1"``, ``"killed (SIGKILL)"``, and
+    ``"killed (SIGKILL; out of memory?)"`` only where the backend saw evidence of an OOM kill."""
+    name = signal_name(code)
+    if name is None:
+        return f"exit code {code}"
+    return f"killed ({name}; out of memory?)" if oom_killed else f"killed ({name})"
+
+
 @dataclass
 class ExitRecord:
     """One attempt's end, as the controller recorded it."""
@@ -245,6 +197,19 @@ class ExitRecord:
     stopped: bool  # seen after the run had begun stopping
     report: Mapping[str, Any] | None = None  # the attempt's error report, if it left one
     restarted: bool = False  # a later attempt replaced it
+    started_at: float | None = None  # when the attempt started (None: its start was not seen)
+    oom_killed: bool = False  # the backend saw evidence of an OOM kill
+    not_restarted: str | None = None  # why the policy would have restarted it but did not (a budget spent)
+
+    @property
+    def cause(self) -> str:
+        """``"exit code 1"``, ``"killed (SIGKILL)"`` (see :func:`exit_cause`)."""
+        return exit_cause(self.code, self.oom_killed)
+
+    @property
+    def ran_s(self) -> float | None:
+        """How long the attempt ran, from its start to its exit."""
+        return None if self.started_at is None else max(0.0, self.at - self.started_at)
 
 
 @dataclass
@@ -256,6 +221,7 @@ class TaskRecord:
     attempt: int = 0
     handle: Any = None
     restart_due: float | None = None
+    started_at: float | None = None  # when the current attempt started
     exits: list[ExitRecord] = field(default_factory=list)
 
     @property
@@ -348,7 +314,7 @@ class RunController:
         rec = self._record(e.task)
         if e.attempt != rec.attempt:
             return []  # a late notice of an attempt already replaced
-        rec.state, rec.handle = "running", e.handle
+        rec.state, rec.handle, rec.started_at = "running", e.handle, e.at
         if self.phase == "stopping":  # it was being started when the run began to stop
             return [StopTasks((e.task,), self.grace_s, "the run is stopping")]
         return []
@@ -358,7 +324,8 @@ class RunController:
         if e.attempt != rec.attempt or rec.state not in ("running", "starting", "cancelled"):
             return []  # a stale or repeated notice
         stopped = self.phase == "stopping"
-        exit_ = ExitRecord(e.attempt, e.code, e.at, stopped, self._reports.get((e.task, e.attempt)))
+        exit_ = ExitRecord(e.attempt, e.code, e.at, stopped, self._reports.get((e.task, e.attempt)),
+                           started_at=rec.started_at, oom_killed=e.oom_killed)
         rec.exits.append(exit_)
         rec.state = "exited"
         self._exit_order.append((e.task, exit_))
@@ -394,8 +361,11 @@ class RunController:
         """A RestartTask if the budgets allow it; None when they are spent."""
         done = rec.attempt  # restarts of this task so far
         if done >= self.policy.max_restarts:
+            exit_.not_restarted = f"its restart budget is spent ({done} of {self.policy.max_restarts} per task)"
             return None
         if self.policy.max_restarts_per_run is not None and self.restarts >= self.policy.max_restarts_per_run:
+            exit_.not_restarted = (f"the run's restart budget is spent ({self.restarts} of "
+                                   f"{self.policy.max_restarts_per_run} per run)")
             return None
         after_s = self.policy.backoff_s(done + 1)
         exit_.restarted = True

@@ -4,7 +4,8 @@ Implements :class:`psflow.launch.backend.Backend`. Each attempt of a task runs i
 group (session); its output is prefixed with the task id on the console (each traceback once per
 run, see :mod:`psflow.launch.console`) and kept in ``LOGDIR/logs/<task>.log`` (a rerun into the
 same logdir rotates the earlier runs' logs, logrotate style; a restarted attempt appends). Exits
-are seen by a thread per process and handed out by :meth:`LocalBackend.poll`; :meth:`LocalBackend.stop`
+are seen by a thread per process and handed out by :meth:`LocalBackend.poll` (a SIGKILL exit is
+marked ``oom_killed`` where the cgroup's OOM-kill counter rose, :mod:`psflow.launch.oomkills`); :meth:`LocalBackend.stop`
 sends SIGTERM to each process group and SIGKILL after ``grace_s``, then SIGKILL to the group for
 children a task left behind. No process is left behind: each task, and the fork server, dies with
 its parent, and :meth:`LocalBackend.close` kills every group it started.
@@ -36,6 +37,7 @@ from psflow.launch.backend import Backend, RunResult
 from psflow.launch.console import Console
 from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import ForkServer, die_with_parent
+from psflow.launch.oomkills import OomKills
 from psflow.launch.plan import LaunchPlan, TaskPlan
 
 _FORK_SERVER_READY_S = 60.0
@@ -66,6 +68,7 @@ class LocalBackend(Backend):
         self._started: list[Any] = []  # every process of the run, for close()
         self._exits: queue.Queue[TaskExited] = queue.Queue()
         self._colors: dict[str, str] = {}
+        self._oom_kills: OomKills | None = None
 
     @property
     def live(self) -> bool:
@@ -88,6 +91,7 @@ class LocalBackend(Backend):
         self._plan = plan
         self._procs, self._started, self._exits = {}, [], queue.Queue()
         self._colors = {tp.task: _COLORS[i % len(_COLORS)] for i, tp in enumerate(plan.tasks)}
+        self._oom_kills = OomKills()  # the cgroup's OOM-kill count now: a SIGKILL exit with a rise was OOM-killed
         self._fork_server = self._forks = self._start_fork_server(plan) if self.preload else None
 
     def start(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> int:
@@ -140,7 +144,8 @@ class LocalBackend(Backend):
 
     def _watch(self, task: str, attempt: int, p: Any) -> None:
         code = p.wait()
-        self._exits.put(TaskExited(task, attempt, code, time.time()))
+        oom = code == -signal.SIGKILL and self._oom_kills is not None and self._oom_kills.claim()
+        self._exits.put(TaskExited(task, attempt, code, time.time(), oom_killed=oom))
 
     def _stop_processes(self, procs: Sequence[Any], grace_s: float) -> None:
         """SIGTERM to each live process group, SIGKILL after ``grace_s``; then SIGKILL to every group,

@@ -1,5 +1,8 @@
 """A launch plan: the tasks of a run as plain data (command, environment, restart policy).
 
+The restart policy (:class:`psflow.launch.restart.RestartPolicy`, per job) is the plan's; the runner
+hands it to the run controller, which decides each restart.
+
 Pure: building a plan starts nothing. Every backend (local processes today; Slurm and Kubernetes
 next) carries out the same plan, and a plan can be printed, compared and rendered.
 """
@@ -21,6 +24,7 @@ from psflow.errors import ConfigError
 from psflow.fault import check_faults, parse_faults
 from psflow.launch import errorreport
 from psflow.launch.contract import TaskEnv
+from psflow.launch.restart import JOBS, RestartPolicy
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class LaunchPlan:
     logdir: str
     tasks: tuple[TaskPlan, ...]
     config: TrainConfig = field(default_factory=TrainConfig)
-    max_restarts: int = 0  # per task; restarts come with the failure-recovery work
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # when a task that exited is started again
     grace_s: float = 20.0  # how long a stopped task gets between SIGTERM and SIGKILL
     ps_exit_timeout_s: float = 60.0  # how long ps tasks get to exit by themselves once workers are done
     threads: int = 1  # torch threads per task (PSFLOW_NUM_THREADS), see threads_per_task
@@ -92,12 +96,14 @@ def make_plan(
     extra_env: dict[str, str] | None = None,
     threads: int | None = None,
     cores: int | None = None,
+    restart: RestartPolicy | None = None,
 ) -> LaunchPlan:
     """Plan a run of ``script`` with ``num_ps`` ps and ``num_workers`` workers on this machine.
 
     Each task gets ``threads`` torch threads (``PSFLOW_NUM_THREADS``), by default the host's
     ``cores`` (default: :func:`host_cores`) shared out by :func:`threads_per_task`; a script's own
-    ``torch.set_num_threads`` still wins, as it runs later.
+    ``torch.set_num_threads`` still wins, as it runs later. ``restart``: when tasks that exited are
+    started again (default: never); ``fail_at`` faults fire on the attempts it allows.
 
     Raises:
         ConfigError: a missing script or impossible counts.
@@ -113,7 +119,9 @@ def make_plan(
     check_logdir(logdir)
     names = (["chief:0"] if chief else []) + [f"ps:{i}" for i in range(num_ps if config.strategy == "ps" else 0)]
     names += [f"worker:{i}" for i in range(num_workers)] + (["evaluator:0"] if evaluator else [])
-    check_faults(parse_faults(fail_at), names)  # here, not in every task once they have started
+    restart = restart or RestartPolicy()
+    # here, not in every task once they have started
+    check_faults(parse_faults(fail_at), names, last_attempt={job: restart.last_attempt(job) for job in JOBS})
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"--threads must be a positive number of threads per task; received {threads!r}.")
     cores = cores or host_cores()
@@ -124,4 +132,5 @@ def make_plan(
                            error_file=str(errorreport.path_for(Path(logdir) / "errors", name)), fail_at=fail_at or None)
         env = {**contract.render(), **(extra_env or {})}
         tasks.append(TaskPlan(name, (python, "-u", script, *script_args), tuple(sorted(env.items()))))
-    return LaunchPlan(run_id=run_id, logdir=logdir, tasks=tuple(tasks), config=config, threads=threads, cores=cores)
+    return LaunchPlan(run_id=run_id, logdir=logdir, tasks=tuple(tasks), config=config, restart=restart, threads=threads,
+                      cores=cores)

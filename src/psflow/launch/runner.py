@@ -38,7 +38,7 @@ from psflow.launch.backend import Backend, RunResult
 from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import (
     Decision,
-    RestartPolicy,
+    ExitRecord,
     RestartTask,
     RunController,
     RunFinished,
@@ -53,6 +53,7 @@ from psflow.launch.controller import (
 )
 from psflow.launch.coordinator import Coordinator
 from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.launch.restart import RestartPolicy
 from psflow.launch.runstore import FileRunStore, RunStore
 from psflow.launch.summary import build_summary
 from psflow.server import Server
@@ -69,7 +70,7 @@ class Runner:
     Args:
         backend: where the tasks run.
         register_timeout_s: how long the coordinator waits for every task to register.
-        policy: when tasks are restarted (default: never).
+        policy: when tasks are restarted; None (the default): the plan's (``plan.restart``).
         store: makes the run store for a plan (default: :func:`file_store`).
         tick_s: how often time advances in the controller when nothing happens.
 
@@ -83,7 +84,7 @@ class Runner:
         self.backend = backend
         self.console = backend.console
         self.register_timeout_s = register_timeout_s
-        self.policy = policy or RestartPolicy()
+        self.policy = policy
         self.make_store = store
         self.tick_s = tick_s
 
@@ -102,7 +103,7 @@ class Runner:
                                 require_ps=plan.config.strategy == "ps", on_event=_to_store(store))
             address = server.start()
             controller = RunController(plan.task_names(), grace_s=plan.grace_s, ps_exit_timeout_s=plan.ps_exit_timeout_s,
-                                       policy=self.policy)
+                                       policy=self.policy or plan.restart)
             launcher = TaskEnv(coordinator=address, secret_file=str(secret_file)).render()
             envs = {tp.task: {**dict(tp.env), **launcher} for tp in plan.tasks}
             with self.console.live_table(store.snapshot), _stop_signals() as stops:
@@ -116,6 +117,7 @@ class Runner:
         store.summary(summary)
         store.finished(finished.status)
         self.console.final_table(store.snapshot())
+        self._print_restarts(controller)
         if finished.root_cause is not None:
             self._print_root_cause(plan, controller, finished.root_cause)
         return RunResult(finished.exit_code, summary, finished.root_cause)
@@ -156,8 +158,10 @@ class Runner:
             store.event("stop", tasks=list(d.tasks), grace_s=d.grace_s, reason=d.reason)
             self.backend.stop(d.tasks, d.grace_s)
         elif isinstance(d, RestartTask):
-            self.console.warn(f"{d.task} ended ({d.reason}); restarting it (attempt {d.attempt}) in {d.after_s:.1f} s.")
-            store.event("restart", task=d.task, attempt=d.attempt, after_s=d.after_s, reason=d.reason)
+            x = controller.records[d.task].exits[-1]
+            self.console.warn(f"{_ended(d.task, x)}; restarting it as attempt {d.attempt} in {d.after_s:.1f} s "
+                              f"(restart {d.attempt} of {controller.policy.max_restarts} for this task).")
+            store.task_restarting(d.task, d.attempt, d.after_s, x.cause)
         return []
 
     def _exited(self, e: TaskExited, controller: RunController, store: RunStore) -> list[Decision]:
@@ -166,16 +170,36 @@ class Runner:
             report = self.backend.error_report(e.task)
             if report is not None:
                 out += controller.handle(TaskReported(e.task, e.attempt, report, e.at))
-        store.task_exited(e.task, e.attempt, e.code, e.at)
-        return out + controller.handle(e)
+        store.task_exited(e.task, e.attempt, e.code, e.at, oom_killed=e.oom_killed)
+        out += controller.handle(e)
+        x = controller.records[e.task].exits[-1] if controller.records[e.task].exits else None
+        if x is not None and x.attempt == e.attempt and x.not_restarted:
+            self.console.warn(f"{_ended(e.task, x)}; not restarted: {x.not_restarted}.")
+        return out
 
     # -- the end -----------------------------------------------------------------------------------
+    def _print_restarts(self, controller: RunController) -> None:
+        """A line for each task that was restarted: every attempt and how it ended."""
+        for t, rec in controller.records.items():
+            if rec.attempts < 2:
+                continue
+            ends = [f"attempt {x.attempt}: {x.cause}" + (f" after {x.ran_s:.1f} s" if x.ran_s is not None else "")
+                    for x in rec.exits]
+            if rec.state in ("running", "starting"):  # cannot be at the end; kept for a run cut short
+                ends.append(f"attempt {rec.attempt}: did not exit")
+            self.console.echo(f"psflow: {t}: {rec.attempts} attempts; " + "; ".join(ends))
+
     def _print_root_cause(self, plan: LaunchPlan, controller: RunController, root: str) -> None:
         echo = self.console.echo
         final = {t: r.exits[-1] for t, r in controller.records.items() if r.exits}
         report = final[root].report if root in final else None
         code = final[root].code if root in final else None
-        echo(click.style(f"psflow: the run failed. Root cause: {root} exited with code {code}", fg="red", bold=True))
+        how = ""
+        if root in final:
+            x = final[root]
+            how += f" ({x.cause[len('killed ('):-1]})" if x.cause.startswith("killed (") else ""
+            how += f", on attempt {x.attempt} (after {x.attempt} restart{'s' if x.attempt != 1 else ''})" if x.attempt else ""
+        echo(click.style(f"psflow: the run failed. Root cause: {root} exited with code {code}{how}", fg="red", bold=True))
         errors = Path(plan.logdir) / "errors"
         if report:
             echo(f"  {report.get('exception')}: {report.get('message')}")
@@ -194,6 +218,12 @@ class Runner:
             r = x.report
             why = f"{r.get('exception')}: {r.get('message')}" if r else f"{describe_exit(x.code)} (stopped after the root cause)"
             echo(f"  then {t}: {why}")
+
+
+def _ended(task: str, x: ExitRecord) -> str:
+    """``worker:1 (attempt 0) was killed (SIGKILL) after 12.3 s``, ``... ended with exit code 1 after 2.0 s``."""
+    how = f"was {x.cause}" if x.cause.startswith("killed") else f"ended with {x.cause}"
+    return f"{task} (attempt {x.attempt}) {how}" + (f" after {x.ran_s:.1f} s" if x.ran_s is not None else "")
 
 
 def write_secret(logdir: Path) -> Path:

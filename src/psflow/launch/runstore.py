@@ -5,7 +5,7 @@ coordinator's callbacks (from the launcher server's threads: implementations are
 by ``psflow status`` / ``psflow summary`` and, later, the dashboard. What it records:
 
 - each attempt of each task: started (pid), registered (address), its progress reports, its exit
-  (code, signal name);
+  (code, signal name, cause: ``killed (SIGKILL)``), and the restart that followed it, if one did;
 - the run's events in order (starts, exits, stops and restarts decided, the end);
 - the run's end state, and its summary.
 
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from psflow.launch.controller import signal_name
+from psflow.launch.controller import exit_cause, signal_name
 from psflow.launch.status import RunStatus
 
 EVENTS_FILE = "events.jsonl"
@@ -49,8 +49,13 @@ class RunStore(ABC):
         """``task`` reported metrics (live progress, or its final figures)."""
 
     @abstractmethod
-    def task_exited(self, task: str, attempt: int, code: int, at: float) -> None:
-        """Attempt ``attempt`` of ``task`` ended with exit code ``code`` (negative: the signal)."""
+    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False) -> None:
+        """Attempt ``attempt`` of ``task`` ended with exit code ``code`` (negative: the signal);
+        ``oom_killed``: the backend saw evidence of an OOM kill."""
+
+    @abstractmethod
+    def task_restarting(self, task: str, attempt: int, after_s: float, reason: str) -> None:
+        """``task`` exited (``reason``) and will start again as attempt ``attempt`` in ``after_s`` s."""
 
     @abstractmethod
     def event(self, kind: str, **data: Any) -> None:
@@ -97,9 +102,14 @@ class FileRunStore(RunStore):
         # Progress comes about once a second per task: the live state only, not the history.
         self.status.on_event("report", {"task": task, "metrics": metrics})
 
-    def task_exited(self, task: str, attempt: int, code: int, at: float) -> None:
-        self.status.exited(task, code)
-        self.event("task_exited", task=task, attempt=attempt, code=code, signal=signal_name(code), time_unix=at)
+    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False) -> None:
+        self.status.exited(task, code, attempt=attempt, at=at, oom_killed=oom_killed)
+        self.event("task_exited", task=task, attempt=attempt, code=code, signal=signal_name(code),
+                   cause=exit_cause(code, oom_killed), time_unix=at)
+
+    def task_restarting(self, task: str, attempt: int, after_s: float, reason: str) -> None:
+        self.status.restarting(task, attempt, after_s)
+        self.event("restart", task=task, attempt=attempt, after_s=after_s, reason=reason)
 
     def event(self, kind: str, **data: Any) -> None:
         line = json.dumps({"time_unix": round(time.time(), 3), "event": kind, **data}, default=str)

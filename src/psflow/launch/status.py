@@ -1,8 +1,10 @@
 """The live state of a run: kept by the launcher, written to ``LOGDIR/status.json``, shown as a table.
 
 Owns: every task's state (``starting`` -> ``running`` once registered -> ``exited`` with its code;
-a restarted task is ``starting`` again with its next ``attempt``), pid, address and last progress
-report (global step, local step, examples, examples/sec, loss), and
+a task the restart policy restarts is ``restarting`` through its backoff, then ``starting`` again
+with its next ``attempt``), every attempt's exit (``exits``: attempt, code, signal, cause, how long
+it ran, whether it was restarted), pid, address and last progress report (global step, local step,
+examples, examples/sec, loss), and
 the run's state (``running`` -> ``succeeded`` | ``failed`` | ``stopped``). Updates are pure and
 under a lock (they come from the launcher's threads); :meth:`RunStatus.write` publishes the whole
 state atomically (temporary file + rename), at most every ``min_interval_s`` unless forced, so a
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from psflow.launch.controller import exit_cause, signal_name
 from psflow.launch.liveness import process_identity
 from psflow.launch.metrics import job_rate
 
@@ -54,15 +57,16 @@ class RunStatus:
             "heartbeat_unix": time.time(),
             # Who writes this file: `psflow status` tells a live run from one whose launcher died.
             "launcher": process_identity(os.getpid()),
-            "tasks": {t: {"state": "starting", "attempt": 0, "pid": None, "address": None, "exit_code": None, "progress": {}}
+            "tasks": {t: {"state": "starting", "attempt": 0, "pid": None, "address": None, "exit_code": None, "progress": {},
+                          "exits": []}
                       for t in tasks},
         }
 
     # -- updates (any thread) ------------------------------------------------------------------
     def started(self, task: str, pid: int, attempt: int = 0) -> None:
         # A restart starts over; the first attempt keeps a state its registration may have set already.
-        again = {"state": "starting", "exit_code": None, "address": None} if attempt > 0 else {}
-        self._update(task, pid=pid, identity=process_identity(pid), attempt=attempt, **again)
+        again = {"state": "starting", "exit_code": None, "address": None, "restart_unix": None} if attempt > 0 else {}
+        self._update(task, pid=pid, identity=process_identity(pid), attempt=attempt, started_unix=time.time(), **again)
 
     def on_event(self, kind: str, data: dict[str, Any]) -> None:
         """The coordinator's events: ``registered`` (a task is up) and ``report`` (its metrics)."""
@@ -78,8 +82,27 @@ class RunStatus:
             if isinstance(metrics.get("global_step"), int):
                 self._progress(task, {"global_step": metrics["global_step"]})
 
-    def exited(self, task: str, code: int) -> None:
+    def exited(self, task: str, code: int, *, attempt: int = 0, at: float | None = None, oom_killed: bool = False) -> None:
+        """Attempt ``attempt`` of ``task`` ended with ``code``; its exit joins the task's ``exits``."""
+        at = time.time() if at is None else at
+        with self._lock:
+            entry = self._state["tasks"].get(task)
+            started = entry.get("started_unix") if entry else None
+            if entry is not None:
+                entry["exits"].append({
+                    "attempt": attempt, "code": code, "signal": signal_name(code), "cause": exit_cause(code, oom_killed),
+                    "time_unix": round(at, 3), "ran_s": None if started is None else round(max(0.0, at - started), 3),
+                    "restarted": False})
         self._update(task, state="exited", exit_code=code)
+        self.write(force=True)
+
+    def restarting(self, task: str, attempt: int, after_s: float) -> None:
+        """``task`` will start again as attempt ``attempt`` in ``after_s`` seconds."""
+        with self._lock:
+            entry = self._state["tasks"].get(task)
+            if entry is not None and entry["exits"]:
+                entry["exits"][-1]["restarted"] = True
+        self._update(task, state="restarting", restart_unix=round(time.time() + after_s, 3))
         self.write(force=True)
 
     def finished(self, state: str) -> None:
@@ -160,16 +183,14 @@ def render(state: dict[str, Any]) -> Any:
     caption = Text(state["note"]) if state.get("note") else None  # abandoned: what is gone, what still runs
     table = Table(title=Text(title), title_justify="left", caption=caption, caption_justify="left",
                   expand=False)  # Text: no rich markup in names
-    for col in ("task", "state", "pid", "global step", "local step", "examples/s", "loss"):
+    for col in ("task", "state", "attempts", "pid", "global step", "local step", "examples/s", "loss"):
         table.add_column(col, justify="left" if col in ("task", "state") else "right")
     for name, t in state.get("tasks", {}).items():
         p = t.get("progress") or {}
-        code = t.get("exit_code")
-        shown = t.get("state", "?") if code is None else ("done" if code == 0 else f"exit {code}")
-        shown = "gone" if code is None and t.get("alive") is False else shown  # its process died unseen
         table.add_row(
             name,
-            shown,
+            _state_cell(t),
+            _attempts_cell(t),
             str(t.get("pid") or ""),
             f"{p['global_step']:,}" if "global_step" in p else "",
             f"{p['local_step']:,}" if "local_step" in p else "",
@@ -177,3 +198,25 @@ def render(state: dict[str, Any]) -> Any:
             f"{p['loss']:.4g}" if isinstance(p.get("loss"), (int, float)) else "",
         )
     return table
+
+
+def _state_cell(t: dict[str, Any]) -> str:
+    """``running``, ``done``, ``exit 1``, ``exit -9 (SIGKILL)``, ``restarting (was: killed (SIGKILL))``."""
+    code = t.get("exit_code")
+    exits = t.get("exits") or []
+    if t.get("state") == "restarting" and exits:
+        return f"restarting (was: {exits[-1].get('cause')})"
+    if code is None:
+        return "gone" if t.get("alive") is False else t.get("state", "?")  # gone: its process died unseen
+    if code == 0:
+        return "done"
+    cause = exits[-1].get("cause", "") if exits else ""
+    detail = cause[len("killed ("):-1] if cause.startswith("killed (") else signal_name(code)
+    return f"exit {code}" + (f" ({detail})" if detail else "")
+
+
+def _attempts_cell(t: dict[str, Any]) -> str:
+    """How many attempts started, and how many of them ended restarted: ``1``, ``2 (1 restart)``."""
+    attempts = int(t.get("attempt") or 0) + (1 if t.get("pid") else 0)
+    restarts = sum(1 for x in t.get("exits") or [] if x.get("restarted"))
+    return f"{attempts}" + (f" ({restarts} restart{'s' if restarts != 1 else ''})" if restarts else "")

@@ -59,13 +59,16 @@ def build_summary(
             "steps_without_all_workers": max((s.get("steps_without_all", 0) for s in ps_stats.values()), default=0),
             "wait_s": round(sum(s.get("wait_s", 0.0) for s in ps_stats.values()), 3),
         },
+        "restarts": sum(1 for r in records.values() for x in r.exits if x.restarted),
+        "restart_policy": plan.restart.describe(tuple(dict.fromkeys(t.split(":")[0] for t in plan.task_names()))),
         "tasks": [task_entry(plan, r, addresses.get(t)) for t, r in records.items() if r.started],
         "reports": reports,
     }
 
 
 def task_entry(plan: LaunchPlan, record: TaskRecord, address: str | None) -> dict[str, Any]:
-    """One task in the summary: its last attempt's pid and exit code, and every attempt's exit."""
+    """One task in the summary: its last attempt's pid, exit code and cause, and every attempt's exit
+    (code, signal, cause, how long it ran, whether it was restarted, or why not)."""
     last = record.exits[-1] if record.exits else None
     return {
         "task": record.task,
@@ -73,8 +76,12 @@ def task_entry(plan: LaunchPlan, record: TaskRecord, address: str | None) -> dic
         "address": address,
         "exit_code": last.code if last else None,
         "signal": signal_name(last.code) if last else None,
+        "cause": last.cause if last else None,
         "attempts": record.attempts,
-        "exits": [{"attempt": x.attempt, "code": x.code, "signal": signal_name(x.code), "time_unix": round(x.at, 3),
-                   "stopped": x.stopped, "restarted": x.restarted} for x in record.exits],
+        "exits": [{"attempt": x.attempt, "code": x.code, "signal": signal_name(x.code), "cause": x.cause,
+                   "oom_killed": x.oom_killed, "time_unix": round(x.at, 3),
+                   "ran_s": None if x.ran_s is None else round(x.ran_s, 3), "stopped": x.stopped,
+                   "restarted": x.restarted, **({"not_restarted": x.not_restarted} if x.not_restarted else {})}
+                  for x in record.exits],
         "log": str(Path(plan.logdir) / "logs" / f"{record.task.replace(':', '-')}.log"),
     }

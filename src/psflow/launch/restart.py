@@ -1,0 +1,157 @@
+"""Restart policies: when a task that exited is started again, per job, with budgets and a backoff.
+
+Pure data carried by the launch plan (:attr:`psflow.launch.plan.LaunchPlan.restart`) and read by the
+run controller (:class:`psflow.launch.controller.RunController`), which counts the attempts; this
+module also parses ``psflow run --restart SPEC``.
+
+Kinds:
+
+- ``never``: the task is not restarted (the default; a failure fails the run).
+- ``on-failure``: a non-zero exit (an exit code, a signal) is restarted.
+- ``always``: any exit is restarted while the run is running, a clean one too: a ps or an evaluator
+  has no business exiting before the training tasks are done. A training task's clean exit is its
+  completion and is never restarted (otherwise no run could finish), and nothing is restarted once
+  the run drains or stops.
+- ``exit-code`` (Kubeflow's): exit codes 1-127 are permanent errors (a bug, a bad flag: the same
+  again), 128-255 and deaths by signal are retryable (137 is SIGKILL, an OOM kill or a preempted
+  node). A negative code (killed by signal N) counts as 128 + N.
+
+The kind is chosen per job (``worker=on-failure,ps=never``); budgets and backoff are the run's:
+``max_restarts`` per task, ``max_restarts_per_run`` all tasks together (None: no cap beyond the
+per-task one); a restart the budgets do not allow fails the run. The n-th restart of a task waits
+``backoff_base_s * 2**(n-1)``, at most ``backoff_max_s``.
+
+``--restart`` syntax: comma-separated items, each ``POLICY`` (every job not named otherwise) or
+``JOB=POLICY``: ``on-failure``, ``worker=on-failure,ps=never``, ``on-failure,ps=never``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from psflow.errors import ConfigError
+
+TRAINING_JOBS = ("chief", "worker")
+JOBS = ("chief", "ps", "worker", "evaluator")
+POLICIES = ("never", "on-failure", "always", "exit-code")
+_SYNTAX = ("Write POLICY for every job, or JOB=POLICY items separated by commas (jobs: chief, ps, worker, evaluator), "
+           "e.g. --restart on-failure or --restart worker=on-failure,ps=never.")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a task that exited is started again (see the module docstring for the kinds).
+
+    Args:
+        kind: the policy of every job not in ``by_job``.
+        max_restarts: restarts allowed per task.
+        max_restarts_per_run: restarts allowed for all tasks together (None: no cap).
+        backoff_base_s: the wait before a task's first restart; doubled for each later one.
+        backoff_max_s: the longest wait before a restart.
+        by_job: ``{job: kind}`` for the jobs whose kind differs from ``kind`` (kept as sorted pairs).
+
+    Raises:
+        ConfigError: an unknown kind or job, a negative budget, a backoff outside 0 <= base <= max.
+    """
+
+    kind: str = "never"
+    max_restarts: int = 3
+    max_restarts_per_run: int | None = None
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    by_job: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
+
+    def __post_init__(self) -> None:
+        pairs = self.by_job.items() if isinstance(self.by_job, Mapping) else self.by_job
+        object.__setattr__(self, "by_job", tuple(sorted((str(j), str(k)) for j, k in pairs)))
+        for job, kind in ((None, self.kind), *self.by_job):
+            if kind not in POLICIES:
+                where = f" for {job}" if job else ""
+                raise ConfigError(f"Restart policy {kind!r}{where} is not one of {', '.join(POLICIES)}.")
+            if job is not None and job not in JOBS:
+                raise ConfigError(f"Restart policy for job {job!r}: no such job; the jobs are {', '.join(JOBS)}.")
+        if self.max_restarts < 0 or (self.max_restarts_per_run is not None and self.max_restarts_per_run < 0):
+            raise ConfigError(f"Restart budgets must be >= 0; received max_restarts={self.max_restarts}, "
+                              f"max_restarts_per_run={self.max_restarts_per_run}.")
+        if not 0 <= self.backoff_base_s <= self.backoff_max_s:
+            raise ConfigError(f"Restart backoff needs 0 <= backoff_base_s <= backoff_max_s; received "
+                              f"backoff_base_s={self.backoff_base_s}, backoff_max_s={self.backoff_max_s}.")
+
+    @classmethod
+    def parse(cls, spec: str | None, **budgets: Any) -> RestartPolicy:
+        """The policy of ``psflow run --restart SPEC`` with the given budgets and backoff.
+
+        Example:
+            >>> RestartPolicy.parse("on-failure,ps=never", max_restarts=2).kind_for("ps")
+            'never'
+
+        Raises:
+            ConfigError: naming the item of SPEC that is wrong, what is allowed, and the syntax.
+        """
+        kind, by_job = "never", {}
+        bare = None
+        for item in (i.strip() for i in (spec or "").split(",")):
+            if not item:
+                continue
+            job, sep, value = item.rpartition("=")
+            if not sep:
+                if bare is not None:
+                    raise ConfigError(f"--restart {spec!r}: two policies for every job ({bare!r}, {item!r}); give one. {_SYNTAX}")
+                bare = kind = _kind(item, spec)
+                continue
+            if job not in JOBS:
+                raise ConfigError(f"--restart {spec!r}: {job!r} (in {item!r}) is not a job. {_SYNTAX}")
+            if job in by_job:
+                raise ConfigError(f"--restart {spec!r}: {job} is given twice; give it once. {_SYNTAX}")
+            by_job[job] = _kind(value, spec)
+        return cls(kind, by_job=by_job, **budgets)
+
+    def kind_for(self, job: str) -> str:
+        """The policy of ``job``'s tasks."""
+        return dict(self.by_job).get(job, self.kind)
+
+    def restarts(self, job: str) -> bool:
+        """Whether ``job``'s tasks can be restarted at all."""
+        return self.kind_for(job) != "never" and self.max_restarts > 0 and self.max_restarts_per_run != 0
+
+    def last_attempt(self, job: str) -> int:
+        """The highest attempt a task of ``job`` can reach (0: it is never restarted)."""
+        return self.max_restarts if self.restarts(job) else 0
+
+    def is_retryable(self, job: str, code: int) -> bool:
+        """Whether this exit of a task of ``job`` is one the policy restarts (budgets aside)."""
+        kind = self.kind_for(job)
+        if kind == "never" or (code == 0 and job in TRAINING_JOBS):
+            return False
+        if kind == "always":
+            return True
+        if kind == "on-failure":
+            return code != 0
+        status = 128 - code if code < 0 else code  # exit-code: killed by signal N reads as 128 + N
+        return 128 <= status <= 255
+
+    def backoff_s(self, restart: int) -> float:
+        """The wait before a task's ``restart``-th restart (1 for the first)."""
+        return min(self.backoff_max_s, self.backoff_base_s * 2.0 ** (restart - 1))
+
+    def describe(self, jobs: tuple[str, ...] = JOBS) -> str:
+        """One line for the launcher's banner: ``worker: on-failure, ps: never; up to 3 restarts per task ...``."""
+        kinds = {j: self.kind_for(j) for j in jobs}
+        if not any(k != "never" for k in kinds.values()):
+            return "never"
+        by_kind: dict[str, list[str]] = {}
+        for job, kind in kinds.items():
+            by_kind.setdefault(kind, []).append(job)
+        shown = ", ".join(f"{'/'.join(js)}: {k}" for k, js in by_kind.items())
+        run_cap = f", {self.max_restarts_per_run} per run" if self.max_restarts_per_run is not None else ""
+        return (f"{shown}; up to {self.max_restarts} restarts per task{run_cap}, backoff {self.backoff_base_s:g} s "
+                f"doubling to {self.backoff_max_s:g} s")
+
+
+def _kind(value: str, spec: str | None) -> str:
+    if value not in POLICIES:
+        raise ConfigError(f"--restart {spec!r}: {value!r} is not a restart policy; the policies are "
+                          f"{', '.join(POLICIES)}. {_SYNTAX}")
+    return value
