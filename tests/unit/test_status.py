@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 from rich.console import Console
 
@@ -198,7 +199,9 @@ def test_every_exit_is_kept_with_its_cause_and_a_restart_shows_until_the_next_at
         0, -9, "SIGKILL", "killed (SIGKILL)", 12.0, True)
     buf = io.StringIO()
     Console(file=buf, width=160, color_system=None).print(render(st.snapshot()))
-    assert "restarting (was: killed (SIGKILL))" in buf.getvalue()
+    row = next(line for line in buf.getvalue().splitlines() if "worker:1" in line)
+    assert re.search(r"worker:1 +│ restarting +│ +0 │", row), buf.getvalue()  # state, attempt
+    assert "worker:1 attempt 0: killed (SIGKILL) after 12.0 s; restarted" in buf.getvalue()
     st.started("worker:1", 102, attempt=1)
     st.exited("worker:1", 0, attempt=1)
     w1 = read_status(tmp_path)["tasks"]["worker:1"]
@@ -206,7 +209,8 @@ def test_every_exit_is_kept_with_its_cause_and_a_restart_shows_until_the_next_at
     buf = io.StringIO()
     Console(file=buf, width=160, color_system=None).print(render(st.snapshot()))
     row = next(line for line in buf.getvalue().splitlines() if "worker:1" in line)
-    assert "done" in row and "2 (1 restart)" in row, buf.getvalue()
+    assert re.search(r"worker:1 +│ done +│ +1 │", row), buf.getvalue()
+    assert "worker:1 attempt 0: killed (SIGKILL) after 12.0 s; restarted" in buf.getvalue()
 
 
 def test_a_task_killed_for_memory_says_so_in_the_table(tmp_path):
@@ -216,3 +220,20 @@ def test_a_task_killed_for_memory_says_so_in_the_table(tmp_path):
     buf = io.StringIO()
     Console(file=buf, width=160, color_system=None).print(render(st.snapshot()))
     assert "exit -9 (SIGKILL; out of memory?)" in buf.getvalue()
+
+
+def test_the_table_names_every_task_in_full_on_a_narrow_terminal_and_shows_attempts_only_after_a_restart(tmp_path):
+    st = RunStatus("20261124-005654-b4020d", TASKS, tmp_path, mode="async")
+    for i, t in enumerate(TASKS):
+        st.started(t, 14008 + i)
+        st.on_event("report", {"task": t, "metrics": {"progress": {
+            "global_step": 751, "local_step": 340, "examples_per_sec": 35542.3, "loss": 0.7581}}})
+    for restarted in (False, True):
+        if restarted:
+            st.exited("worker:1", -9)
+            st.restarting("worker:1", 1, after_s=1.0)
+        buf = io.StringIO()
+        Console(file=buf, width=80, color_system=None).print(render(st.snapshot()))
+        out = buf.getvalue()
+        assert all(f"│ {t} " in out for t in TASKS) and ("│ restarting " in out) is restarted, out
+        assert ("attempt" in out) is restarted, out

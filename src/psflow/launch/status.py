@@ -180,17 +180,25 @@ def render(state: dict[str, Any]) -> Any:
 
     title = (f"psflow run {state.get('run_id')} ({state.get('state')}, {state.get('mode')}): global step "
              f"{state.get('global_step', 0):,}, {state.get('examples_per_sec', 0):,.0f} examples/s")
-    caption = Text(state["note"]) if state.get("note") else None  # abandoned: what is gone, what still runs
+    notes = ([state["note"]] if state.get("note") else []) + _restart_lines(state)  # note: an abandoned run's
+    caption = Text("\n".join(notes)) if notes else None
     table = Table(title=Text(title), title_justify="left", caption=caption, caption_justify="left",
                   expand=False)  # Text: no rich markup in names
-    for col in ("task", "state", "attempts", "pid", "global step", "local step", "examples/s", "loss"):
-        table.add_column(col, justify="left" if col in ("task", "state") else "right")
-    for name, t in state.get("tasks", {}).items():
+    tasks = state.get("tasks", {})
+    restarted = any(t.get("attempt") or t.get("state") == "restarting" for t in tasks.values())
+    columns = ("task", "state", *(("attempt",) if restarted else ()), "pid", "global step", "local step", "examples/s", "loss")
+    states = {name: _state_cell(t) for name, t in tasks.items()}
+    widths = {"task": max(map(len, tasks), default=4), "state": max(map(len, states.values()), default=5)}
+    for col in columns:
+        # A task's name and state are never cut ("worker…" would not say which); the figures give way.
+        table.add_column(col, justify="left" if col in widths else "right", no_wrap=col in widths,
+                         min_width=widths.get(col))
+    for name, t in tasks.items():
         p = t.get("progress") or {}
         table.add_row(
             name,
-            _state_cell(t),
-            _attempts_cell(t),
+            states[name],
+            *((str(t.get("attempt") or 0),) if restarted else ()),
             str(t.get("pid") or ""),
             f"{p['global_step']:,}" if "global_step" in p else "",
             f"{p['local_step']:,}" if "local_step" in p else "",
@@ -201,11 +209,11 @@ def render(state: dict[str, Any]) -> Any:
 
 
 def _state_cell(t: dict[str, Any]) -> str:
-    """``running``, ``done``, ``exit 1``, ``exit -9 (SIGKILL)``, ``restarting (was: killed (SIGKILL))``."""
+    """``running``, ``done``, ``exit 1``, ``exit -9 (SIGKILL)``, ``restarting`` (why: in the caption)."""
     code = t.get("exit_code")
     exits = t.get("exits") or []
-    if t.get("state") == "restarting" and exits:
-        return f"restarting (was: {exits[-1].get('cause')})"
+    if t.get("state") == "restarting":
+        return "restarting"
     if code is None:
         return "gone" if t.get("alive") is False else t.get("state", "?")  # gone: its process died unseen
     if code == 0:
@@ -215,8 +223,13 @@ def _state_cell(t: dict[str, Any]) -> str:
     return f"exit {code}" + (f" ({detail})" if detail else "")
 
 
-def _attempts_cell(t: dict[str, Any]) -> str:
-    """How many attempts started, and how many of them ended restarted: ``1``, ``2 (1 restart)``."""
-    attempts = int(t.get("attempt") or 0) + (1 if t.get("pid") else 0)
-    restarts = sum(1 for x in t.get("exits") or [] if x.get("restarted"))
-    return f"{attempts}" + (f" ({restarts} restart{'s' if restarts != 1 else ''})" if restarts else "")
+def _restart_lines(state: dict[str, Any]) -> list[str]:
+    """A line per attempt that was restarted: ``worker:1 attempt 0: killed (SIGKILL) after 4.7 s; restarted``.
+    (The table's ``attempt`` column, shown once a task was restarted, is each task's current attempt.)"""
+    lines = []
+    for name, t in state.get("tasks", {}).items():
+        for x in t.get("exits") or []:
+            if x.get("restarted"):
+                ran = f" after {x['ran_s']:.1f} s" if isinstance(x.get("ran_s"), (int, float)) else ""
+                lines.append(f"{name} attempt {x.get('attempt')}: {x.get('cause')}{ran}; restarted")
+    return lines
