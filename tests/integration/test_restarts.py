@@ -3,7 +3,7 @@ registers again, and the job finishes; every exit is recorded with its cause and
 launcher's output, status.json, events.jsonl and summary.json; a spent budget fails the run.
 
 What is proven here (README, "When something fails"): worker restarts in async mode (every push of the
-epoch applied exactly once), ssp mode, and sync mode with and without backup workers (the ps's side of
+epoch applied exactly once; worker:0, the chief, too), ssp mode, and sync mode with and without backup workers (the ps's side of
 a rejoining worker: tests/component/test_rejoin.py).
 """
 
@@ -76,6 +76,20 @@ def test_async_worker_killed_is_restarted_registers_again_and_the_job_finishes(t
     row = next((line for line in shown.stdout.splitlines() if "worker:1" in line), "")
     assert re.search(r"worker:1 +│ done +│ +1 │", row), shown.stdout  # its state and attempt
     assert "worker:1 attempt 0: killed (SIGKILL) after " in shown.stdout and "; restarted" in shown.stdout, shown.stdout
+
+
+def test_async_chief_worker_killed_is_restarted_and_continues_from_the_ps_without_initializing_it(tmp_path: Path) -> None:
+    # worker:0 is the chief: its restart finds the ps initialized and takes their step and values.
+    logdir = tmp_path / "chief"
+    out, s = launch(logdir, *RESTART, "--fail-at", "worker:0@step=30:kill")
+    assert s["status"] == "succeeded", out
+    w0 = tasks(s)["worker:0"]
+    assert [(x["attempt"], x["cause"], x["restarted"]) for x in w0["exits"]] == [
+        (0, "killed (SIGKILL)", True), (1, "exit code 0", False)], w0
+    steps = [int(m) for m in re.findall(r"worker:0: initialized at step (\d+)", (logdir / "logs" / "worker-0.log").read_text())]
+    assert len(steps) == 2 and steps[0] == 0 and steps[1] >= 30, steps  # attempt 1: the ps's step, not 0
+    ps = s["reports"]["ps:0"]["ps_stats"]
+    assert s["global_step"] == ps["applied_updates"] == ps["pushes"] == STEPS_PER_EPOCH, ps
 
 
 def test_ssp_worker_killed_is_restarted_and_the_job_finishes(tmp_path: Path) -> None:
