@@ -76,3 +76,13 @@ def procs():
             except ProcessLookupError:
                 pass
             p.wait(timeout=10)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_run_left_in_the_checkout():
+    """A test that runs an example without a logdir writes the shared default runs/default in the
+    checkout, and the next run of the suite then refuses to resume it silently: name a tmp logdir."""
+    default = ROOT / "runs" / "default"
+    existed = default.exists()
+    yield
+    assert existed or not default.exists(), f"a test wrote {default}; give its run a logdir under tmp_path"

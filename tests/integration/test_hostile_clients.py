@@ -140,7 +140,7 @@ def start(procs: list, args: list[str], env: dict[str, str]) -> subprocess.Popen
     return p
 
 
-def test_hostile_clients_cost_a_real_ps_little_and_a_real_job_trains_afterwards(procs):
+def test_hostile_clients_cost_a_real_ps_little_and_a_real_job_trains_afterwards(procs, tmp_path):
     ports = free_ports(3)
     cluster = [f"--ps_hosts=localhost:{ports[0]}", f"--worker_hosts=localhost:{ports[1]},localhost:{ports[2]}"]
     ps = start(procs, [PS_SCRIPT, *cluster, "--job_name=ps", "--task_index=0"],
@@ -168,7 +168,7 @@ def test_hostile_clients_cost_a_real_ps_little_and_a_real_job_trains_afterwards(
         print(f"ps baseline RSS {baseline / 1024:.0f} MiB, peak growth under hostile clients {peak_growth_mib:.1f} MiB")
         # Real workers, started while the idle connections still hold the slots, wait them out and train.
         workers = [start(procs, [SOFTMAX, *cluster, "--job_name=worker", f"--task_index={i}", "--epochs", "1",
-                                 "--init", "zeros"], {"PSFLOW_SECRET": SECRET}) for i in range(2)]
+                                 "--init", "zeros", "--logdir", str(tmp_path / "run")], {"PSFLOW_SECRET": SECRET}) for i in range(2)]
         outs = [w.communicate(timeout=180)[0] for w in workers]
     finally:
         for sock in idle:
