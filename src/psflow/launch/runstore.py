@@ -11,8 +11,10 @@ by ``psflow status`` / ``psflow summary`` and, later, the dashboard. What it rec
 
 :class:`FileRunStore` is the file layout of a local run: ``status.json`` (the live state, see
 :mod:`psflow.launch.status`), ``events.jsonl`` (one JSON object per line, appended as they happen),
-``summary.json`` (written once, at the end). The job store of the dashboard (SQLite) implements the
-same interface.
+``summary.json`` (written once, at the end). The job store (SQLite,
+:class:`psflow.platform.sqlrunstore.SqliteRunStore`) implements the same interface, and
+:class:`CompositeRunStore` writes a run to both: the files are the run's own record (its live
+table, its errors are the run's); a copy that fails is warned about once and never stops the run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +134,59 @@ class FileRunStore(RunStore):
 
     def tick(self) -> None:
         self.status.write()
+
+
+class CompositeRunStore(RunStore):
+    """One run written to several stores: ``primary`` first, then each of ``copies``.
+
+    The primary is the run's own record: the live table shows its :meth:`snapshot`, and its errors
+    are the run's. A copy (the job store) that raises is warned about once (``warn``) and still
+    called afterwards, so it records again as soon as it can; the run never stops for it.
+    """
+
+    def __init__(self, primary: RunStore, *copies: RunStore, warn: Callable[[str], None]) -> None:
+        self.primary = primary
+        self.copies = copies
+        self.warn = warn
+        self._warned: set[int] = set()
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> None:
+        getattr(self.primary, method)(*args, **kwargs)
+        for i, store in enumerate(self.copies):
+            try:
+                getattr(store, method)(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 (a copy's failure, whatever it is, must not end the run)
+                if i not in self._warned:
+                    self._warned.add(i)
+                    self.warn(f"cannot record the run in {type(store).__name__} ({type(e).__name__}: {e}); "
+                              f"the run goes on, and its files in the logdir are complete.")
+
+    def task_started(self, task: str, attempt: int, handle: Any) -> None:
+        self._all("task_started", task, attempt, handle)
+
+    def task_registered(self, task: str, address: str) -> None:
+        self._all("task_registered", task, address)
+
+    def report(self, task: str, metrics: dict[str, Any]) -> None:
+        self._all("report", task, metrics)
+
+    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False) -> None:
+        self._all("task_exited", task, attempt, code, at, oom_killed=oom_killed)
+
+    def task_restarting(self, task: str, attempt: int, after_s: float, reason: str) -> None:
+        self._all("task_restarting", task, attempt, after_s, reason)
+
+    def event(self, kind: str, **data: Any) -> None:
+        self._all("event", kind, **data)
+
+    def finished(self, status: str) -> None:
+        self._all("finished", status)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self._all("summary", summary)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.primary.snapshot()
+
+    def tick(self) -> None:
+        self._all("tick")

@@ -1,0 +1,328 @@
+"""The job store: every run on this machine (or cluster head) in one SQLite database.
+
+``$PSFLOW_HOME/jobs.db`` (:mod:`psflow.platform.home`), schema in :mod:`psflow.platform.schema`.
+What it holds, per run: its id, script and arguments, log directory, cluster shape (job -> tasks),
+mode, strategy, backend and restart policy, state and times; each task's state, attempt, address,
+pid or scheduler id, exit code and cause, last heartbeat and last progress; each attempt (started,
+exited, why it was restarted); the run's events in order; and metrics over time per task.
+
+Run states::
+
+    pending --first task started--> running --the launcher's verdict--> succeeded | failed | stopped
+    pending | running --the launcher is gone (read-time verdict, see below)--> abandoned
+
+A :class:`JobStore` is one connection, for one thread. The database is in WAL mode, so readers
+never block the writers and each other; every write is a short ``BEGIN IMMEDIATE`` transaction,
+and a writer that finds the database locked waits (``busy_timeout``) instead of failing, so runs
+launched side by side all record safely. Each run has one writer (its
+:class:`psflow.platform.sqlrunstore.SqliteRunStore`), so two writers never touch the same rows.
+
+A run whose launcher died (killed, the machine rebooted) stays ``running`` in the database; every
+read passes running runs through :func:`psflow.launch.liveness.assess` (the launcher's process
+identity, then its heartbeat) and marks the abandoned ones so, with a note naming what is gone.
+
+Called by the run store (writes) and by ``psflow runs / status / logs`` (reads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from psflow.launch.controller import signal_name
+from psflow.launch.liveness import assess
+from psflow.launch.status import headline
+from psflow.platform.home import jobs_db_path
+from psflow.platform.schema import LATEST, JobStoreError, migrate
+
+__all__ = ["FINAL_STATES", "RUN_STATES", "JobStore", "JobStoreError"]
+
+RUN_STATES = ("pending", "running", "succeeded", "failed", "stopped", "abandoned")
+FINAL_STATES = ("succeeded", "failed", "stopped", "abandoned")
+_RUN_JSON = ("args", "cluster", "restart_policy", "launcher", "summary")
+_TASK_JSON = ("identity", "progress")
+
+
+class JobStore:
+    """One connection to the job store at ``path`` (default ``$PSFLOW_HOME/jobs.db``), created and
+    migrated to the latest schema if need be. Use it from the thread that opened it.
+
+    Args:
+        path: the database file.
+        busy_timeout_s: how long a statement waits for another process's write to finish.
+        migrate_to: the schema version to bring the database to (tests build old databases with it).
+
+    Raises:
+        JobStoreError: the file is not a database, is newer than this psflow, or cannot be opened;
+            the message names the file and what to do.
+
+    Example:
+        >>> with JobStore() as db:
+        ...     [r["id"] for r in db.runs(state="running")]
+        ['20250101-120000-ab12cd']
+    """
+
+    def __init__(self, path: str | Path | None = None, *, busy_timeout_s: float = 10.0, migrate_to: int = LATEST) -> None:
+        self.path = Path(path) if path is not None else jobs_db_path()
+        self.busy_timeout_s = busy_timeout_s
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JobStoreError(f"Cannot create the job store's directory {self.path.parent} ({e}). "
+                                f"Set PSFLOW_HOME to a directory you can write.") from e
+        self.conn: sqlite3.Connection | None = None
+        try:
+            self.conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None)
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+            self.conn.execute("PRAGMA journal_mode = WAL")
+            self.conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
+            self.conn.execute("PRAGMA foreign_keys = ON")
+            self.version = migrate(self.conn, str(self.path), upto=migrate_to)
+        except sqlite3.Error as e:
+            self.close()
+            raise JobStoreError(explain(self.path, e, busy_timeout_s)) from e
+        except JobStoreError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def __enter__(self) -> JobStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        if self.conn is None:
+            raise JobStoreError(f"The job store {self.path} was closed; open it again (JobStore(path)).")
+        return self.conn
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One write transaction: taken at once (``BEGIN IMMEDIATE``), so it waits for another
+        writer up front rather than failing halfway; committed on leaving, rolled back on error."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    # -- writes (inside transaction(); the run's own writer only) -----------------------------------
+    def add_run(self, run: dict[str, Any], tasks: Sequence[str]) -> None:
+        """A new run, ``pending``, with its tasks. ``run``: id, script, args, logdir, cluster, mode,
+        strategy, backend, restart_policy, launcher, created_unix."""
+        row = {**run, **{k: json.dumps(run.get(k)) for k in _RUN_JSON if k in run}, "state": "pending",
+               "heartbeat_unix": run["created_unix"]}
+        cols = ", ".join(row)
+        self._db.execute(f"INSERT INTO runs ({cols}) VALUES ({', '.join(':' + c for c in row)})", row)
+        self._db.executemany("INSERT INTO tasks (run_id, name, position, state) VALUES (?, ?, ?, 'pending')",
+                             [(run["id"], t, i) for i, t in enumerate(tasks)])
+
+    def task_started(self, run_id: str, task: str, attempt: int, at: float, *, pid: int | None,
+                     scheduler_id: str | None, identity: dict[str, Any] | None) -> None:
+        """An attempt of ``task`` started; the run is ``running`` from its first start."""
+        self._db.execute(
+            "UPDATE tasks SET state = 'starting', attempt = ?, pid = ?, scheduler_id = ?, identity = ?, exit_code = NULL,"
+            " exit_cause = NULL, address = CASE WHEN ? > 0 THEN NULL ELSE address END WHERE run_id = ? AND name = ?",
+            (attempt, pid, scheduler_id, json.dumps(identity), attempt, run_id, task))
+        self._db.execute("INSERT OR REPLACE INTO attempts (run_id, task, attempt, pid, scheduler_id, started_unix)"
+                         " VALUES (?, ?, ?, ?, ?, ?)", (run_id, task, attempt, pid, scheduler_id, at))
+        self._db.execute("UPDATE runs SET state = 'running', started_unix = ? WHERE id = ? AND state = 'pending'",
+                         (at, run_id))
+
+    def task_registered(self, run_id: str, task: str, address: str, at: float) -> None:
+        self._db.execute("UPDATE tasks SET state = 'running', address = ?, heartbeat_unix = ? WHERE run_id = ? AND name = ?",
+                         (address, at, run_id, task))
+
+    def task_progress(self, run_id: str, task: str, progress: dict[str, Any], at: float,
+                      points: Sequence[tuple[str, float, int | None]]) -> None:
+        """``task`` was heard from: its last progress figures, and metric ``points`` (name, value, step)."""
+        self._db.execute("UPDATE tasks SET progress = ?, heartbeat_unix = ? WHERE run_id = ? AND name = ?",
+                         (json.dumps(progress), at, run_id, task))
+        self._db.executemany("INSERT INTO metrics (run_id, task, name, time_unix, step, value) VALUES (?, ?, ?, ?, ?, ?)",
+                             [(run_id, task, name, at, step, value) for name, value, step in points])
+
+    def task_exited(self, run_id: str, task: str, attempt: int, at: float, code: int, cause: str) -> None:
+        self._db.execute("UPDATE tasks SET state = 'exited', exit_code = ?, exit_cause = ? WHERE run_id = ? AND name = ?",
+                         (code, cause, run_id, task))
+        self._db.execute("UPDATE attempts SET exited_unix = ?, exit_code = ?, exit_cause = ?"
+                         " WHERE run_id = ? AND task = ? AND attempt = ?", (at, code, cause, run_id, task, attempt))
+
+    def task_restarting(self, run_id: str, task: str, attempt: int, reason: str) -> None:
+        """``task`` will start again as ``attempt``: the attempt before it is marked with ``reason``."""
+        self._db.execute("UPDATE tasks SET state = 'restarting' WHERE run_id = ? AND name = ?", (run_id, task))
+        self._db.execute("UPDATE attempts SET restart_reason = ? WHERE run_id = ? AND task = ? AND attempt = ?",
+                         (reason, run_id, task, attempt - 1))
+
+    def add_event(self, run_id: str, kind: str, at: float, data: dict[str, Any]) -> None:
+        task = data.get("task")
+        self._db.execute("INSERT INTO events (run_id, time_unix, kind, task, data) VALUES (?, ?, ?, ?, ?)",
+                         (run_id, at, kind, task if isinstance(task, str) else None, json.dumps(data, default=str)))
+
+    def heartbeat(self, run_id: str, at: float) -> None:
+        self._db.execute("UPDATE runs SET heartbeat_unix = ? WHERE id = ?", (at, run_id))
+
+    def set_summary(self, run_id: str, summary: dict[str, Any]) -> None:
+        self._db.execute("UPDATE runs SET summary = ?, root_cause = ? WHERE id = ?",
+                         (json.dumps(summary, default=str), summary.get("root_cause"), run_id))
+
+    def finish_run(self, run_id: str, state: str, at: float) -> None:
+        if state not in RUN_STATES:
+            raise JobStoreError(f"Run state {state!r} is not one of {', '.join(RUN_STATES)}.")
+        self._db.execute("UPDATE runs SET state = ?, ended_unix = ?, heartbeat_unix = ? WHERE id = ?",
+                         (state, at, at, run_id))
+
+    # -- reads --------------------------------------------------------------------------------------
+    def runs(self, *, state: str | None = None, limit: int | None = None, metrics: bool = False) -> list[dict[str, Any]]:
+        """Runs, newest first, each with its tasks and headline figures (and each task's latest
+        metrics with ``metrics``); ``state`` keeps only runs in that state (after the liveness check)."""
+        rows = self._db.execute("SELECT * FROM runs ORDER BY created_unix DESC, id").fetchall()
+        tasks = self._tasks([r["id"] for r in rows] if len(rows) < 500 else None)
+        out = []
+        for r in rows:
+            run = self._assessed(_run_dict(r), tasks.get(r["id"], {}))
+            if state is not None and run["state"] != state:
+                continue
+            if metrics:
+                self._add_metrics(run)
+            out.append(run)
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def run(self, run_id: str, *, metrics: bool = True) -> dict[str, Any] | None:
+        """One run (as :meth:`runs` gives them, with metrics by default), or None."""
+        r = self._db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if r is None:
+            return None
+        run = self._assessed(_run_dict(r), self._tasks([run_id]).get(run_id, {}))
+        if metrics:
+            self._add_metrics(run)
+        return run
+
+    def find_run(self, ref: str) -> str | None:
+        """The id of the run ``ref`` names: its id, or a prefix or suffix only one run's id has.
+
+        Raises:
+            JobStoreError: ``ref`` fits several runs (they are named).
+        """
+        if self._db.execute("SELECT 1 FROM runs WHERE id = ?", (ref,)).fetchone():
+            return ref
+        pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        ids = [r[0] for r in self._db.execute(
+            "SELECT id FROM runs WHERE id LIKE ? ESCAPE '\\' OR id LIKE ? ESCAPE '\\' ORDER BY created_unix DESC LIMIT 6",
+            (pattern + "%", "%" + pattern))]
+        if len(ids) > 1:
+            more = ", ..." if len(ids) > 5 else ""
+            raise JobStoreError(f"Run {ref!r} is ambiguous: it fits {', '.join(ids[:5])}{more}. Give more of the id.")
+        return ids[0] if ids else None
+
+    def attempts(self, run_id: str) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._db.execute(
+            "SELECT * FROM attempts WHERE run_id = ? ORDER BY task, attempt", (run_id,))]
+
+    def events(self, run_id: str, *, after_id: int = 0) -> list[dict[str, Any]]:
+        """The run's events after event ``after_id``, oldest first."""
+        return [{**dict(r), "data": json.loads(r["data"])} for r in self._db.execute(
+            "SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id))]
+
+    def metrics(self, run_id: str, *, task: str | None = None, name: str | None = None) -> list[dict[str, Any]]:
+        """Metric points of a run, oldest first, optionally of one task and one name."""
+        sql, args = "SELECT task, name, time_unix, step, value FROM metrics WHERE run_id = ?", [run_id]
+        for col, val in (("task", task), ("name", name)):
+            if val is not None:
+                sql += f" AND {col} = ?"
+                args.append(val)
+        return [dict(r) for r in self._db.execute(sql + " ORDER BY time_unix, rowid", args)]
+
+    def latest_metrics(self, run_id: str) -> dict[str, dict[str, float | None]]:
+        """Each task's latest value of each metric: ``{"worker:0": {"loss": 0.31, ...}}``."""
+        out: dict[str, dict[str, float | None]] = {}
+        # SQLite takes the bare columns of a MAX() aggregate from the row holding the maximum.
+        for r in self._db.execute("SELECT task, name, value, MAX(time_unix) FROM metrics WHERE run_id = ?"
+                                  " GROUP BY task, name", (run_id,)):
+            out.setdefault(r["task"], {})[r["name"]] = r["value"]
+        return out
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _tasks(self, run_ids: Sequence[str] | None) -> dict[str, dict[str, dict[str, Any]]]:
+        if run_ids is None:
+            rows = self._db.execute("SELECT * FROM tasks ORDER BY run_id, position").fetchall()
+        else:
+            marks = ", ".join("?" * len(run_ids))
+            rows = self._db.execute(f"SELECT * FROM tasks WHERE run_id IN ({marks}) ORDER BY run_id, position",
+                                    list(run_ids)).fetchall() if run_ids else []
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for r in rows:
+            t = {k: (json.loads(r[k]) if k in _TASK_JSON and r[k] is not None else r[k]) for k in r.keys()}
+            out.setdefault(t.pop("run_id"), {})[t.pop("name")] = {**t, "exits": []}
+        for run_id, tasks in out.items():
+            for a in self.attempts(run_id):
+                if a["exited_unix"] is not None and a["task"] in tasks:
+                    tasks[a["task"]]["exits"].append(_exit(a))
+        return out
+
+    def _add_metrics(self, run: dict[str, Any]) -> None:
+        latest = self.latest_metrics(run["id"])
+        for name, t in run["tasks"].items():
+            t["metrics"] = latest.get(name, {})
+        summary = run.get("summary") or {}
+        run["metrics"] = summary.get("metrics", {})
+
+    def _assessed(self, run: dict[str, Any], tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """``run`` with its tasks and headline figures; a pending or running run whose launcher is gone
+        becomes ``abandoned`` (persisted, best effort: a read-only reader still shows it)."""
+        run["tasks"] = tasks
+        run.update(headline(run))
+        if run["state"] not in ("pending", "running"):
+            return run
+        seen = assess({**run, "state": "running"}, now_unix=time.time())
+        for name, t in seen["tasks"].items():
+            if "alive" in t:
+                tasks[name]["alive"] = t["alive"]
+        if seen["state"] == "abandoned":
+            run["state"], run["note"] = "abandoned", seen["note"]
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("UPDATE runs SET state = 'abandoned', note = ? WHERE id = ? AND state IN ('pending', 'running')"
+                                 " AND heartbeat_unix IS ?", (run["note"], run["id"], run["heartbeat_unix"]))
+        return run
+
+
+def _exit(a: dict[str, Any]) -> dict[str, Any]:
+    """An attempt's end, as ``status.json``'s ``exits`` hold them (for the status table)."""
+    ran_s = a["exited_unix"] - a["started_unix"] if a["started_unix"] is not None else None
+    return {"attempt": a["attempt"], "code": a["exit_code"], "signal": signal_name(a["exit_code"]),
+            "cause": a["exit_cause"], "time_unix": a["exited_unix"], "ran_s": None if ran_s is None else round(ran_s, 3),
+            "restarted": a["restart_reason"] is not None}
+
+
+def _run_dict(r: sqlite3.Row) -> dict[str, Any]:
+    return {k: (json.loads(r[k]) if k in _RUN_JSON and r[k] is not None else r[k]) for k in r.keys()}
+
+
+def explain(path: Path, e: sqlite3.Error, busy_timeout_s: float) -> str:
+    """What an SQLite error opening or using the job store at ``path`` means, and what to do."""
+    text = str(e)
+    if "locked" in text or "busy" in text:
+        return (f"The job store {path} stayed locked for more than {busy_timeout_s:g} s ({text}): another process "
+                f"holds a long write. Try again; if it persists, find that process (fuser {path}).")
+    if "unable to open" in text or "readonly" in text or "read-only" in text:
+        return (f"Cannot open the job store {path} for writing ({text}). Make it and its directory writable, or set "
+                f"PSFLOW_HOME to a directory you can write.")
+    return (f"The job store {path} is not a readable SQLite database ({text}). Move it aside "
+            f"(mv {path} {path}.corrupt) and psflow starts a new, empty one; the runs' own files (status.json, "
+            f"summary.json, logs/ in their logdirs) are not affected.")
