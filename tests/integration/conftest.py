@@ -16,8 +16,17 @@ PSFLOW = str(Path(sys.executable).parent / "psflow")
 SOFTMAX = str(ROOT / "examples" / "mnist_softmax.py")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _psflow_home(tmp_path_factory):
+    """Every launcher of the tests records its runs in a job store of the session, not in ~/.psflow."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PSFLOW_HOME", str(tmp_path_factory.mktemp("psflow-home")))
+        yield
+
+
 def task_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PSFLOW_", "TF_CONFIG"))}
+    # PSFLOW_HOME is the launcher's (where it records runs), not a task variable: it is kept.
+    env = {k: v for k, v in os.environ.items() if k == "PSFLOW_HOME" or not k.startswith(("PSFLOW_", "TF_CONFIG"))}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

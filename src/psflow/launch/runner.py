@@ -10,8 +10,9 @@ The I/O shell of :class:`psflow.launch.controller.RunController`. It
    the passing time (every ``tick_s``), and Ctrl-C / SIGTERM, or the backend's place ending the run
    (``Backend.ended_by``: a cancelled Slurm job), as a stop request;
 4. records it all in the run store (:mod:`psflow.launch.runstore`: ``status.json``,
-   ``events.jsonl``, ``summary.json``), and, once the controller has finished the run, prints the
-   root cause first, then what the other failed tasks said.
+   ``events.jsonl``, ``summary.json``, and the job store, :mod:`psflow.platform.jobstore`), and,
+   once the controller has finished the run, prints the root cause first, then what the other
+   failed tasks said.
 
 Signals: the first Ctrl-C or SIGTERM asks the run to stop (every task gets SIGTERM, then SIGKILL
 after the plan's ``grace_s``); a second one interrupts the launcher at once, and still nothing it
@@ -54,7 +55,7 @@ from psflow.launch.controller import (
 from psflow.launch.coordinator import Coordinator
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.restart import RestartPolicy
-from psflow.launch.runstore import FileRunStore, RunStore
+from psflow.launch.runstore import CompositeRunStore, FileRunStore, RunStore
 from psflow.launch.summary import build_summary
 from psflow.server import Server
 
@@ -64,6 +65,15 @@ def file_store(plan: LaunchPlan) -> RunStore:
     return FileRunStore(plan.logdir, plan.run_id, plan.task_names(), mode=plan.config.mode, strategy=plan.config.strategy)
 
 
+def recorded_store(plan: LaunchPlan, *, backend: Backend, policy: RestartPolicy, warn: Callable[[str], None]) -> RunStore:
+    """The files in the plan's log dir, and the run in the job store (``$PSFLOW_HOME/jobs.db``)."""
+    from psflow.platform.sqlrunstore import SqliteRunStore, run_record
+
+    name = type(backend).__name__.removesuffix("Backend").lower()
+    record = run_record(plan, backend=name, restart_policy=policy)
+    return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn), warn=warn)
+
+
 class Runner:
     """Carry out plans on ``backend`` under the controller's rules.
 
@@ -71,7 +81,7 @@ class Runner:
         backend: where the tasks run.
         register_timeout_s: how long the coordinator waits for every task to register.
         policy: when tasks are restarted; None (the default): the plan's (``plan.restart``).
-        store: makes the run store for a plan (default: :func:`file_store`).
+        store: makes the run store for a plan (default: :func:`recorded_store`).
         tick_s: how often time advances in the controller when nothing happens.
 
     Example:
@@ -80,7 +90,7 @@ class Runner:
     """
 
     def __init__(self, backend: Backend, *, register_timeout_s: float = 120.0, policy: RestartPolicy | None = None,
-                 store: Callable[[LaunchPlan], RunStore] = file_store, tick_s: float = 0.5) -> None:
+                 store: Callable[[LaunchPlan], RunStore] | None = None, tick_s: float = 0.5) -> None:
         self.backend = backend
         self.console = backend.console
         self.register_timeout_s = register_timeout_s
@@ -98,7 +108,7 @@ class Runner:
             self.backend.open(plan)
             secret_file = write_secret(logdir)
             server = Server("launcher", secret=secret_file.read_bytes())
-            store = self.make_store(plan)
+            store = self.make_store(plan) if self.make_store else self._recorded_store(plan)
             coord = Coordinator(server, plan.task_names(), register_timeout_s=self.register_timeout_s,
                                 require_ps=plan.config.strategy == "ps", on_event=_to_store(store))
             address = server.start()
@@ -121,6 +131,9 @@ class Runner:
         if finished.root_cause is not None:
             self._print_root_cause(plan, controller, finished.root_cause)
         return RunResult(finished.exit_code, summary, finished.root_cause)
+
+    def _recorded_store(self, plan: LaunchPlan) -> RunStore:
+        return recorded_store(plan, backend=self.backend, policy=self.policy or plan.restart, warn=self.console.warn)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _loop(self, plan: LaunchPlan, controller: RunController, store: RunStore, envs: Mapping[str, Mapping[str, str]],
