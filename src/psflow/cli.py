@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -180,15 +182,65 @@ def _given(ctx: click.Context, name: str) -> bool:
 
 
 @main.command()
-@click.argument("logdir", type=click.Path(exists=True, file_okay=False))
-def status(logdir: str) -> None:
-    """Show a run's tasks and progress from LOGDIR/status.json (live while the run goes on; a run
-    whose launcher died reads "abandoned", with the tasks whose processes are gone)."""
+@click.argument("run")
+def status(run: str) -> None:
+    """Show a run's tasks and progress. RUN is a run id from `psflow runs` (or a prefix only it has),
+    or a run's LOGDIR (its status.json: live while the run goes on). A run whose launcher died reads
+    "abandoned", with the tasks whose processes are gone."""
     from rich.console import Console
 
     from psflow.launch.status import render
+    from psflow.platform import views
 
-    Console().print(render(_live_status(logdir)))
+    with _store_errors():
+        Console().print(render(views.status_of(views.find(run))))
+
+
+@main.command()
+@click.option("--state", type=click.Choice(["pending", "running", "succeeded", "failed", "stopped", "abandoned"]),
+              default=None, help="Only the runs in this state.")
+@click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON (each with its tasks and metrics).")
+def runs(state: str | None, as_json: bool) -> None:
+    """List the runs recorded in the job store ($PSFLOW_HOME/jobs.db, default ~/.psflow), newest first."""
+    from rich.console import Console
+
+    from psflow.platform import views
+
+    with _store_errors():
+        found = views.list_runs(state=state)
+    if as_json:
+        click.echo(json.dumps(views.runs_json(found), indent=1, default=str))
+    elif not found:
+        click.echo("psflow: no runs recorded" + (f" in state {state}" if state else "") + ".")
+    else:
+        Console().print(views.runs_table(found))
+
+
+@main.command()
+@click.argument("run")
+@click.option("--task", default=None, help="Only this task's log, e.g. worker:1 (default: every task's).")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing what the tasks write until the run ends.")
+def logs(run: str, task: str | None, follow: bool) -> None:
+    """Print a run's task logs. RUN is a run id from `psflow runs` or a run's LOGDIR."""
+    from psflow.platform import views
+
+    with _store_errors():
+        ref = views.find(run)
+        files = views.log_files(ref, task)
+    over = views.is_over(ref) if follow else (lambda: True)
+    try:
+        views.follow(files, over, click.echo, prefix=len(files) > 1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+@contextlib.contextmanager
+def _store_errors() -> Iterator[None]:
+    """A bad run name or an unreadable job store: one clear line, exit 1."""
+    try:
+        yield
+    except PsflowError as e:
+        raise click.ClickException(str(e)) from e
 
 
 def _live_status(logdir: str) -> dict:
