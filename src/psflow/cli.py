@@ -212,8 +212,8 @@ def runs(state: str | None, as_json: bool) -> None:
         click.echo(json.dumps(views.runs_json(found), indent=1, default=str))
     elif not found:
         click.echo("psflow: no runs recorded" + (f" in state {state}" if state else "") + ".")
-    else:
-        Console().print(views.runs_table(found))
+    else:  # piped: wide enough for whole rows (a terminal's own width otherwise)
+        Console(width=None if sys.stdout.isatty() else 200).print(views.runs_table(found))
 
 
 @main.command()

@@ -92,14 +92,19 @@ def status_of(ref: RunRef) -> dict[str, Any]:
 
 def runs_table(runs: Sequence[dict[str, Any]]) -> Any:
     """A rich Table of runs: id, state, progress, examples/s, started, script."""
+    from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(expand=False)
-    table.add_column("id", no_wrap=True, min_width=max((len(r["id"]) for r in runs), default=2))  # never cut
-    table.add_column("state", no_wrap=True)
-    table.add_column("progress", no_wrap=True)
-    table.add_column("examples/s", justify="right", no_wrap=True)
+    def widest(texts: Any, least: int) -> int:
+        return max((len(t) for t in texts), default=least)
+
+    # Only the script gives way on a narrow screen: an id, a state or a figure cut short says nothing.
+    table = Table(expand=False, box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("id", no_wrap=True, min_width=widest((r["id"] for r in runs), 2))
+    table.add_column("state", no_wrap=True, min_width=widest((r["state"] for r in runs), 5))
+    table.add_column("progress", no_wrap=True, min_width=widest((progress_text(r) for r in runs), 8))
+    table.add_column("examples/s", justify="right", no_wrap=True, min_width=10)
     table.add_column("started", no_wrap=True, min_width=19)
     table.add_column("script", overflow="fold")
     for r in runs:
