@@ -40,6 +40,17 @@ def test_initialize_keeps_the_chiefs_meta_and_says_it_initialized() -> None:
     assert store.meta == {"run": "r1"} and store.initialized
 
 
+def test_a_second_initialize_changes_nothing_and_is_counted() -> None:
+    store = _store(meta={"run": "r1"})
+    store.push(0, 0, _ONES)
+    values = store.values["w"].clone()
+    again = store.initialize({"w": torch.full((2,), 9.0)}, optimizer=SGD(lr=5.0).to_dict(), config=TrainConfig(),
+                             placement_digest="other", version=0, meta={"run": "r2"})
+    assert again is False and store.stats.init_requests == 2
+    assert (store.version, store.meta, store.placement_digest) == (1, {"run": "r1"}, "d")
+    assert torch.equal(store.values["w"], values)
+
+
 @pytest.mark.parametrize("version", [0, 10])
 def test_the_rate_applied_follows_the_global_step_also_after_a_restore(version: int) -> None:
     schedule = ExponentialDecay(decay_steps=1, decay_rate=0.5, staircase=True).to_dict()
@@ -160,10 +171,10 @@ def test_a_worker_that_finished_does_not_hold_back_ssp() -> None:
 
 def test_stats_are_plain_json_with_the_wait_in_milliseconds_precision() -> None:
     stats = StoreStats(pushes=3, applied_updates=2, stale_dropped=1, stale_by_worker={2: 1, 0: 4},
-                       steps_without_all=1, duplicates=2, superseded=1, wait_s=1.23456)
+                       steps_without_all=1, duplicates=2, superseded=1, init_requests=1, wait_s=1.23456)
     assert stats.to_dict() == {"pushes": 3, "applied_updates": 2, "stale_dropped": 1,
                                "stale_by_worker": {"0": 4, "2": 1}, "steps_without_all": 1, "duplicates": 2,
-                               "superseded": 1, "wait_s": 1.235}
+                               "superseded": 1, "init_requests": 1, "wait_s": 1.235}
 
 
 def test_the_time_spent_waiting_adds_up() -> None:

@@ -59,6 +59,7 @@ class StoreStats:
     steps_without_all: int = 0  # sync steps applied before every one of the M workers had pushed
     duplicates: int = 0  # pushes resent after a reconnect, decided already: not applied again
     superseded: int = 0  # requests of an attempt older than its worker's newest: dropped
+    init_requests: int = 0  # PS_INIT received; only the first initializes (a restarted chief sends none)
     wait_s: float = 0.0  # time workers spent blocked in sync/ssp waits on this shard
     clock_log: list[tuple[int, int, int]] = field(default_factory=list)  # ssp: (worker, clock, slowest clock) at release
 
@@ -71,6 +72,7 @@ class StoreStats:
             "steps_without_all": self.steps_without_all,
             "duplicates": self.duplicates,
             "superseded": self.superseded,
+            "init_requests": self.init_requests,
             "wait_s": round(self.wait_s, 3),
         }
 
@@ -143,6 +145,7 @@ class ParameterStore:
         """Set the shard's values once. Returns False (and changes nothing) if already initialized.
         ``forwarder``: replicate to a backup from here on (started here, with the state after init)."""
         with self._cond:
+            self.stats.init_requests += 1
             if self._initialized:
                 return False
             self.values = {k: v.detach().clone().contiguous() for k, v in values.items()}
