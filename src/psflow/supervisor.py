@@ -30,6 +30,31 @@ Invariants:
 - A run continues the checkpoints in its logdir only deliberately (a named logdir, ``resume=True``
   or ``PSFLOW_RESUME=1``), and never starts over at step 0 when every checkpoint there is corrupt.
 
+A restarted chief (the launcher's attempt >= 1 of the chief's task, or the chief started again by
+hand while the ps kept the job) takes over; it does not start the job again:
+
+- It asks the ps first (PS_STATUS on every shard). Where every shard is initialized it sends no
+  PS_INIT and restores no checkpoint over them (the ps's state is newer than any checkpoint); it
+  joins like a restarted worker: its readiness names its attempt (which fences the dead one), and
+  it gets the ps's step (``start_step``; the global step never goes back), values and its own data
+  position, as of its last applied batch. Where some shard is not initialized (the chief died
+  before or during initialization) it initializes or restores as on a first start; a shard that
+  was initialized keeps its state (only the first PS_INIT counts).
+- Its duties go on from there: step-based checkpoints at the next multiple of
+  ``save_model_steps`` after ``start_step`` (a multiple the job passed while the chief was down is
+  not written late; the ps no longer hold its state), time-based ones ``save_model_secs`` after it
+  started; summaries in the same ``summaries/<task>/`` directory, in a new event file (the earlier
+  files stay, the steps go on from the global step); examples/sec from its own examples since it
+  started; ``should_stop``, the wait for the other workers (async), the final checkpoint and DONE,
+  whose step is the job's. The step plan (``max_steps``, ``save_model_steps``) stays the one the
+  first chief sent: pass the same values.
+- While the chief is down nothing waits for it in async mode (the others' readiness, steps and
+  PS_DONE do not involve it; the ps wait for a lost worker only once all the others are done, up
+  to ``lost_worker_timeout_s``). In sync mode without backups a step is held for the lost chief's
+  gradient until ``sync_timeout_s`` (then it fails naming it) or until its new attempt pushes for
+  it; with backups the others go on without it; ssp: as for any worker, the others go on and it
+  resumes at a clock within the bound. No checkpoint is written while it is down.
+
 Layout under ``logdir``: ``checkpoints/ckpt-<step>/``, ``summaries/<task>/``, ``DONE`` (written by the
 chief when the job ends without an error; the evaluator exits on it).
 
@@ -247,6 +272,7 @@ class Supervisor:
         self.examples = 0
         self.start_step = 0
         self.restored_from: Path | None = None
+        self.took_over = False  # chief: it found the ps initialized (a restarted chief) and took over
         self.checkpoints: list[int] = []
         self.first_loss: float | None = None
         self.last_loss: float | None = None
@@ -281,25 +307,31 @@ class Supervisor:
     def _start(self) -> None:
         t0 = time.monotonic()
         ckpt = None
-        self._check_resume()
+        self.took_over = self._finds_ps_initialized()
+        if not self.took_over:
+            self._check_resume()  # a chief that takes over restores nothing from the logdir
         if self.is_chief:
             (self.logdir / DONE_FILE).unlink(missing_ok=True)
         if not self._allreduce and hasattr(self.trainer, "plan_steps"):
             # The ps hold the exact steps: where the job stops and where step-based checkpoints fall.
             self.trainer.plan_steps(stop_at=self.max_steps, snapshot_every=self.save_model_steps, data=self.data)
-        if self.is_chief or self._allreduce:
+        if (self.is_chief and not self.took_over) or self._allreduce:
             ckpt = self._restore()  # all-reduce: every task restores its own optimizer slots
         if not self.is_chief:
             self._say(f"waiting for the chief to initialize the parameter servers (up to ready_timeout_s={self.trainer.config.ready_timeout_s:g} s)"
                       if not self._allreduce else "joining the all-reduce group")
         self.start_step = int(self.trainer.prepare())
         if ckpt is not None and self.start_step != ckpt.step:
-            # Only the chief restarted: the ps kept their state, which is newer than any checkpoint.
+            # The ps were initialized between our look and our PS_INIT (an earlier attempt of this
+            # chief, still alive, got there first): their state stands, not the checkpoint's.
             self._say(f"the parameter servers already hold step {self.start_step}; continuing from them, not from {ckpt.path}")
             ckpt = None
         if ckpt is not None:
             self.restored_from = ckpt.path
             self._say(f"restored from {ckpt.path} at step {self.start_step}")
+        elif self.took_over:
+            self._say(f"took over as chief (attempt {getattr(self.task, 'attempt', 0)}) at step {self.start_step}: the parameter "
+                      "servers kept training; not initializing or restoring them")
         elif self.is_chief:
             self._say(f"initialized at step {self.start_step}")
         else:
@@ -313,6 +345,13 @@ class Supervisor:
         for hook in self.hooks:
             hook.begin(self)
         self._report()
+
+    def _finds_ps_initialized(self) -> bool:
+        """Chief: whether every ps shard holds the job already, so this chief takes over instead of
+        initializing (it was restarted, or started again by hand, while the ps kept the job)."""
+        if not self.is_chief or self._allreduce or not hasattr(self.trainer, "ps_initialized"):
+            return False
+        return bool(self.trainer.ps_initialized())
 
     def _check_resume(self) -> None:
         """Refuse to continue checkpoints this run did not deliberately ask to continue."""
@@ -633,6 +672,7 @@ class Supervisor:
         self.task.report(supervisor={
             "start_step": self.start_step,
             "restored_from": str(self.restored_from) if self.restored_from else None,
+            "took_over": self.took_over,
             "global_step": self.global_step,
             "local_step": self.local_step,
             "checkpoints": list(self.checkpoints),

@@ -1,7 +1,7 @@
 """An in-process psflow cluster for component tests: real servers, real sockets, workers as threads.
 
 Owns: starting one real :class:`~psflow.server.Server` per task on 127.0.0.1 port 0 (each ps task
-hosts a real :class:`~psflow.ps.service.PsService`), the resulting :class:`ClusterSpec`, and
+hosts a real :class:`~psflow.ps.service.PsService` that writes its own checkpoint shards), the resulting :class:`ClusterSpec`, and
 :class:`InprocTask`, the few attributes of :class:`psflow.task.Task` that the Trainer reads, so a
 worker can run as a thread of the test process. Nothing is faked: workers reach the ps over TCP with
 the job secret, exactly as separate processes do.
@@ -13,7 +13,7 @@ wait has a deadline (``run_threads`` joins with a timeout and fails naming the t
 :class:`CuttingProxy` is a TCP path in front of one server that can drop a connection at an exact
 point of an exchange (a network blip), for the client's reconnect-and-resend tests.
 
-Used by tests/component/test_sync_modes.py and test_rejoin.py.
+Used by tests/component/test_sync_modes.py, test_rejoin.py and test_chief_restart.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
 from psflow.optim import OptimizerSpec
 from psflow.ps.client import PsClient
-from psflow.ps.service import PsService
+from psflow.ps.service import PsService, default_save
 from psflow.server import Server
 from psflow.train.trainer import Trainer
 
@@ -51,6 +51,9 @@ class InprocTask:
     trainers: list[Trainer] = field(default_factory=list)
     resolve: Callable[[str], str] | None = None  # where a peer listens now (a launched task's address book)
     attempt: int = 0  # the restart count (a launched task's PSFLOW_ATTEMPT)
+    logdir: str | None = None  # where a Supervisor writes checkpoints and summaries
+    resume: bool | None = None
+    reports: dict[str, Any] = field(default_factory=dict)  # what task.report() sent (no launcher here)
 
     @property
     def num_ps(self) -> int:
@@ -70,6 +73,9 @@ class InprocTask:
 
     def _attach_trainer(self, trainer: Trainer) -> None:
         self.trainers.append(trainer)
+
+    def report(self, **metrics: Any) -> None:
+        self.reports.update(metrics)
 
 
 class InprocCluster:
@@ -105,23 +111,26 @@ class InprocCluster:
             self.cluster = ClusterSpec.from_dict(addrs)
             # Services register their routes before any task of the cluster can know the address.
             self.services = [PsService(self.servers[TaskId("ps", i)], i, self.cluster) for i in range(num_ps)]
+            for service in self.services:
+                service.on_save = default_save(service)  # each ps writes its own checkpoint shard, as a ps task does
         except BaseException:
             self.close()
             raise
 
-    def task(self, index: int, *, fail_at: str | None = None, attempt: int = 0, **config: Any) -> InprocTask:
-        """The task of ``worker:index`` (its ``attempt``: a restarted worker's is above 0); ``config``
-        overrides fields of the job's TrainConfig."""
+    def task(self, index: int, *, fail_at: str | None = None, attempt: int = 0, logdir: str | None = None,
+             **config: Any) -> InprocTask:
+        """The task of ``worker:index`` (its ``attempt``: a restarted worker's is above 0; ``logdir``:
+        the run's, for a Supervisor); ``config`` overrides fields of the job's TrainConfig."""
         return InprocTask(self.cluster, TaskId("worker", index), SECRET, replace(self.config, **config), fail_at=fail_at,
-                          attempt=attempt)
+                          attempt=attempt, logdir=logdir)
 
     def trainer(
         self, index: int, model: torch.nn.Module, optimizer: OptimizerSpec, *, fail_at: str | None = None,
-        attempt: int = 0, **settings: Any
+        attempt: int = 0, logdir: str | None = None, **settings: Any
     ) -> Trainer:
         """A Trainer for ``worker:index``, connected to every ps shard; ``attempt`` > 0 is a
-        restarted worker's (a new process for the same task)."""
-        trainer = Trainer(model, optimizer, self.task(index, fail_at=fail_at, attempt=attempt), **settings)
+        restarted worker's (a new process for the same task). Its task is ``trainer.task``."""
+        trainer = Trainer(model, optimizer, self.task(index, fail_at=fail_at, attempt=attempt, logdir=logdir), **settings)
         self._clients.append(trainer.client)
         return trainer
 

@@ -26,7 +26,10 @@ reply was lost is resent (the ps recognises it by its number and does not apply 
 step leaves the other connections in step instead of closing the client.
 
 Initialization: the chief sends the model's initial values (or restored ones, from the Supervisor)
-to every shard once; every other worker waits until the shards are ready.
+to every shard once; every other worker waits until the shards are ready. A chief that finds every
+shard initialized already (a restarted chief: the ps kept training while it was down) sends nothing
+and takes the ps's step, values and its own data position, like any restarted worker; a shard
+initializes only once in any case (a late PS_INIT is answered ``initialized: False``).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ class Trainer(TrainerBase):
         self.ready_info: dict[str, Any] = {}  # shard 0's readiness reply: step, settings, data positions
         self.stopped = False  # the ps refused the last step: the job reached the plan's stop step
         self._restored_positions: Mapping[str, Any] | None = None
+        self._ps_initialized = False  # every shard answered initialized (a restarted chief takes over)
         self._install_grad_hooks()
 
     def _log_placement(self) -> None:
@@ -158,11 +162,20 @@ class Trainer(TrainerBase):
         super().restore_from(step, tensors)
         self._restored_positions = data_positions
 
+    def ps_initialized(self) -> bool:
+        """Whether every ps shard holds the job's parameters already (asked with PS_STATUS): what a
+        restarted chief finds. Once True it stays True, and is not asked again."""
+        if not self._ps_initialized:
+            self._ps_initialized = all(bool(s.get("initialized")) for s in self.client.status())
+        return self._ps_initialized
+
     def prepare(self) -> int:
-        """Chief: initialize the ps shards. Others: wait until they are. Returns the global step."""
+        """Chief: initialize the ps shards, unless every one already is (a restarted chief takes
+        over). Others: wait until they are. Returns the global step."""
         if self._ready:
             return self.global_step
-        if self.task.is_chief:
+        if self.task.is_chief and not self.ps_initialized():
+            # Shards that an earlier attempt initialized before it died ignore this (the first wins).
             self._initialize()
         info = self.client.wait_ready(self.digest, self.config.ready_timeout_s, worker=self.worker, attempt=self.attempt)
         self.ready_info = info
