@@ -4,7 +4,9 @@ launcher's output, status.json, events.jsonl and summary.json; a spent budget fa
 
 What is proven here (README, "When something fails"): worker restarts in async mode (every push of the
 epoch applied exactly once; worker:0, the chief, too), ssp mode, and sync mode with and without backup workers (the ps's side of
-a rejoining worker: tests/component/test_rejoin.py).
+a rejoining worker: tests/component/test_rejoin.py); a restarted chief (worker:0, or a separate chief:0)
+under a Supervisor takes over without a second initialization: its checkpoints go on after the ps's
+step, the final one is at max_steps and exports (its in-process proof: tests/component/test_chief_restart.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import SOFTMAX, log_tails, pid_alive, read_summary, run_psflow
+from conftest import ROOT, SOFTMAX, log_tails, pid_alive, read_summary, run_psflow
+
+from psflow import checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,10 +90,68 @@ def test_async_chief_worker_killed_is_restarted_and_continues_from_the_ps_withou
     w0 = tasks(s)["worker:0"]
     assert [(x["attempt"], x["cause"], x["restarted"]) for x in w0["exits"]] == [
         (0, "killed (SIGKILL)", True), (1, "exit code 0", False)], w0
-    steps = [int(m) for m in re.findall(r"worker:0: initialized at step (\d+)", (logdir / "logs" / "worker-0.log").read_text())]
-    assert len(steps) == 2 and steps[0] == 0 and steps[1] >= 30, steps  # attempt 1: the ps's step, not 0
+    log = (logdir / "logs" / "worker-0.log").read_text()
+    assert re.findall(r"worker:0: initialized at step (\d+)", log) == ["0"], log[-3000:]  # attempt 0 only
+    [took_over] = re.findall(r"worker:0: took over as chief \(attempt 1\) at step (\d+)", log)
+    assert int(took_over) >= 30, took_over  # attempt 1: the ps's step, not 0
     ps = s["reports"]["ps:0"]["ps_stats"]
     assert s["global_step"] == ps["applied_updates"] == ps["pushes"] == STEPS_PER_EPOCH, ps
+    assert ps["init_requests"] == 1, ps
+
+
+SUPERVISED = str(ROOT / "examples" / "mnist_softmax_supervised.py")
+MAX_STEPS, SAVE_STEPS = 300, 100
+
+
+def launch_supervised(logdir: Path, *args: str) -> tuple[str, dict]:
+    r = run_psflow(["run", "--ps", "1", "--workers", "2", "--logdir", str(logdir), *RESTART, *args, SUPERVISED, "--",
+                    "--init", "zeros", "--epochs", "5", "--max_steps", str(MAX_STEPS), "--save_steps", str(SAVE_STEPS),
+                    "--save_secs", "600", "--log_every", "50"])
+    context = f"{r.stdout[-4000:]}\n{r.stderr[-2000:]}\n{log_tails(logdir)}"
+    assert (logdir / "summary.json").exists(), context
+    return context, read_summary(logdir)
+
+
+def assert_the_chief_took_over(logdir: Path, s: dict, context: str, chief: str = "worker:0") -> tuple[int, list[int]]:
+    """The chief killed once and restarted; attempt 1 took over at the ps's step without a second
+    PS_INIT, and the final checkpoint is at max_steps. Returns (that step, attempt 1's checkpoints)."""
+    assert s["status"] == "succeeded", context
+    by_task = tasks(s)
+    assert by_task[chief]["attempts"] == 2 and [(x["attempt"], x["cause"]) for x in by_task[chief]["exits"]] == [
+        (0, "killed (SIGKILL)"), (1, "exit code 0")], by_task[chief]
+    assert all(t["attempts"] == 1 for name, t in by_task.items() if name != chief), by_task
+    log = (logdir / "logs" / f"{chief.replace(':', '-')}.log").read_text()
+    assert re.findall(rf"{chief}: initialized at step (\d+)", log) == ["0"], context
+    _, _, after = log.partition(f"{chief}: took over as chief (attempt 1) at step ")
+    assert after, context
+    start = int(after.split(":")[0])
+    saved = [int(m) for m in re.findall(r"saved checkpoint \S+ at step (\d+)", after)]
+    # Never a step older than the ps's: the final one may be the step it took over at (the others reached the stop).
+    assert saved and all(step > start for step in saved[:-1]) and saved[-1] == MAX_STEPS >= start, (start, saved)
+    assert all(step % SAVE_STEPS == 0 for step in saved), saved
+    assert checkpoint.find_checkpoint(logdir / "checkpoints").step == MAX_STEPS
+    assert json.loads((logdir / "DONE").read_text())["global_step"] == MAX_STEPS
+    ps = s["reports"]["ps:0"]["ps_stats"]
+    assert ps["init_requests"] == 1 and s["global_step"] == MAX_STEPS, ps
+    return start, saved
+
+
+@pytest.mark.parametrize("chief", ["worker:0", "chief:0"])
+def test_async_chief_killed_under_a_supervisor_takes_over_its_checkpoints_and_the_final_one(tmp_path: Path, chief: str) -> None:
+    # The workers train on while the chief is down (they may even reach max_steps before its restart).
+    logdir = tmp_path / "async"
+    out, s = launch_supervised(logdir, *(["--chief"] if chief == "chief:0" else []), "--fail-at", f"{chief}@step=40:kill")
+    start, _ = assert_the_chief_took_over(logdir, s, out, chief)
+    assert start >= 40, out
+    exported = run_psflow(["export", str(logdir), str(tmp_path / "model.safetensors")], timeout_s=60)
+    assert exported.returncode == 0 and f"step {MAX_STEPS}" in exported.stdout, exported.stdout + exported.stderr
+
+
+def test_sync_chief_killed_under_a_supervisor_is_waited_for_and_takes_over_at_its_step(tmp_path: Path) -> None:
+    # N = M = 2: the job stands at step 40 until attempt 1 pushes for it; then 100, 200, 300 are its.
+    logdir = tmp_path / "sync"
+    out, s = launch_supervised(logdir, "--mode", "sync", "--fail-at", "worker:0@step=40:kill")
+    assert assert_the_chief_took_over(logdir, s, out) == (40, [100, 200, 300]), out
 
 
 def test_ssp_worker_killed_is_restarted_and_the_job_finishes(tmp_path: Path) -> None:
