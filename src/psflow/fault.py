@@ -1,8 +1,15 @@
 """Fault injection, as an argument of the entry point, so that faults are exact and repeatable.
 
 Syntax: ``TASK@step=N[:ACTION]`` with ACTION one of ``raise`` (default: an exception, so the task
-writes its error report), ``kill`` (SIGKILL itself: no report, like an OOM kill) or ``stall=S``
-(sleep S seconds once, like a slow or hung worker). Several faults are separated by commas.
+writes its error report), ``kill`` (SIGKILL itself: no report, like an OOM kill), ``stall=S``
+(sleep S seconds once, like a slow or hung worker), ``delay=S`` (sleep S seconds before every step
+from step N on: a slow worker) or ``hang`` (the main thread stops for ever at step N, while the task's
+other threads, its heartbeats among them, go on: what the hang watchdog catches). Several faults are
+separated by commas.
+
+Two shorthands of ``psflow run`` map onto it (:func:`hang_spec`, :func:`slow_spec`):
+``--hang-at worker:1@step=20`` is ``worker:1@step=20:hang``, and ``--slow worker:2=0.2s`` is
+``worker:2@step=0:delay=0.2`` (0.2 s before every step).
 
 Checkpoint faults: ``ps:K@save=N:crash_after=BYTES`` makes ps task K die (SIGKILL itself) while it
 writes its shard of the N-th checkpoint it is asked for (counted from 1), leaving exactly BYTES bytes
@@ -32,8 +39,10 @@ from typing import Any
 from psflow.errors import CheckpointError, ConfigError, TrainingError
 
 _ATTEMPT = r"(?:@attempt=(?P<attempt>\d+))?"
-_RE = re.compile(r"^(?P<task>[a-z]+:\d+)@step=(?P<step>\d+)(?::(?P<action>raise|kill|stall=(?P<stall>[0-9.]+)|delay=(?P<delay>[0-9.]+)))?"
-                 + _ATTEMPT + "$")
+_RE = re.compile(r"^(?P<task>[a-z]+:\d+)@step=(?P<step>\d+)"
+                 r"(?::(?P<action>raise|kill|hang|stall=(?P<stall>[0-9.]+)|delay=(?P<delay>[0-9.]+)))?" + _ATTEMPT + "$")
+_HANG_RE = re.compile(r"^(?P<task>[a-z]+:\d+)@step=(?P<step>\d+)" + _ATTEMPT + "$")
+_SLOW_RE = re.compile(r"^(?P<task>[a-z]+:\d+)=(?P<seconds>\d+(?:\.\d*)?|\.\d+)s?" + _ATTEMPT + "$")
 _SAVE_RE = re.compile(r"^(?P<task>[a-z]+:\d+)@save=(?P<save>[1-9]\d*):crash_after=(?P<bytes>\d+)" + _ATTEMPT + "$")
 
 
@@ -41,7 +50,8 @@ _SAVE_RE = re.compile(r"^(?P<task>[a-z]+:\d+)@save=(?P<save>[1-9]\d*):crash_afte
 class Fault:
     task: str
     step: int
-    action: str = "raise"  # raise | kill | stall | delay (delay: sleep before every step from `step` on) | crash_save
+    # raise | kill | stall | delay (sleep before every step from `step` on) | hang (for ever) | crash_save
+    action: str = "raise"
     seconds: float = 0.0
     crash_after_bytes: int = 0  # crash_save: bytes of the shard file left on disk; `step` is the save number
     attempt: int = 0  # the task's attempt it fires on (0: the first start; n: the n-th restart)
@@ -62,12 +72,61 @@ def parse_faults(text: str | None) -> list[Fault]:
         m = _RE.match(part)
         if not m:
             raise ConfigError(
-                f"Bad fault spec {part!r}. Use TASK@step=N[:raise|:kill|:stall=SECONDS|:delay=SECONDS][@attempt=K], e.g. "
+                f"Bad fault spec {part!r}. Use TASK@step=N[:raise|:kill|:hang|:stall=SECONDS|:delay=SECONDS][@attempt=K], e.g. "
                 "worker:1@step=30:kill, or ps:K@save=N:crash_after=BYTES[@attempt=K]."
             )
         action = (m["action"] or "raise").split("=")[0]
         faults.append(Fault(m["task"], int(m["step"]), action, float(m["stall"] or m["delay"] or 0.0), attempt=int(m["attempt"] or 0)))
     return faults
+
+
+def hang_spec(text: str | None) -> str | None:
+    """``--hang-at`` as ``--fail-at`` faults: ``worker:1@step=20`` -> ``worker:1@step=20:hang``.
+
+    Example:
+        >>> hang_spec("worker:1@step=20,worker:1@step=5@attempt=1")
+        'worker:1@step=20:hang,worker:1@step=5:hang@attempt=1'
+
+    Raises:
+        ConfigError: naming the part that is wrong and the syntax.
+    """
+    out = []
+    for part in (p.strip() for p in (text or "").split(",")):
+        if not part:
+            continue
+        m = _HANG_RE.match(part)
+        if not m:
+            raise ConfigError(f"--hang-at {part!r}: use TASK@step=N[@attempt=K], e.g. worker:1@step=20 (its main "
+                              "thread stops for ever before step N; heartbeats go on).")
+        out.append(f"{m['task']}@step={m['step']}:hang" + (f"@attempt={m['attempt']}" if m["attempt"] else ""))
+    return ",".join(out) or None
+
+
+def slow_spec(text: str | None) -> str | None:
+    """``--slow`` as ``--fail-at`` faults: ``worker:2=0.2s`` -> ``worker:2@step=0:delay=0.2``.
+
+    Example:
+        >>> slow_spec("worker:2=0.2s")
+        'worker:2@step=0:delay=0.2'
+
+    Raises:
+        ConfigError: naming the part that is wrong and the syntax.
+    """
+    out = []
+    for part in (p.strip() for p in (text or "").split(",")):
+        if not part:
+            continue
+        m = _SLOW_RE.match(part)
+        if not m:
+            raise ConfigError(f"--slow {part!r}: use TASK=SECONDS[s][@attempt=K], e.g. worker:2=0.2s (that task "
+                              "sleeps 0.2 s before every step).")
+        out.append(f"{m['task']}@step=0:delay={float(m['seconds']):g}" + (f"@attempt={m['attempt']}" if m["attempt"] else ""))
+    return ",".join(out) or None
+
+
+def join_specs(*specs: str | None) -> str | None:
+    """Several fault specs as one (``--fail-at``, ``--hang-at``, ``--slow`` together), or None."""
+    return ",".join(s for s in specs if s) or None
 
 
 def for_attempt(text: str | None, attempt: int) -> str | None:
@@ -133,6 +192,11 @@ def inject(faults: list[Fault], task: str, step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.action == "stall":
             time.sleep(f.seconds)  # a deliberately stalled worker
+        elif f.action == "hang":
+            print(f"{task}: injected hang before step {step} (--hang-at): the main thread stops here for ever; "
+                  "its other threads go on", flush=True)
+            while True:  # the frame a stack dump shows; only a signal ends it
+                time.sleep(3600)
         elif f.action == "raise":
             raise TrainingError(f"Injected failure in {task} at step {step} (--fail-at).")
 

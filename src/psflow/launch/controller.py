@@ -1,8 +1,9 @@
 """RunController: the launcher's rules for one run, as a pure state machine.
 
-Events go in (:class:`TaskStarted`, :class:`TaskExited`, :class:`TaskReported`, :class:`HeartbeatMissed`,
-:class:`StopRequested`, :class:`TimeAdvanced`); decisions come out (:class:`StartTask`,
-:class:`StopTasks`, :class:`RestartTask`, :class:`RunFinished`). No I/O and no clock of its own:
+Events go in (:class:`TaskStarted`, :class:`TaskExited`, :class:`TaskReported`, :class:`TaskHeartbeat`,
+:class:`TaskProgressed`, :class:`StacksDumped`, :class:`HeartbeatMissed`, :class:`StopRequested`,
+:class:`TimeAdvanced`); decisions come out (:class:`StartTask`, :class:`StopTasks`, :class:`RestartTask`,
+:class:`DumpStacks`, :class:`RunFinished`). No I/O and no clock of its own:
 every event carries the time it happened (unix seconds, the clock of the tasks' error reports), so a
 test steps a whole run by hand. The runner (:mod:`psflow.launch.runner`) feeds it what the backend
 saw and carries out what it decides.
@@ -18,7 +19,13 @@ The rules (those of the local launcher since its first version):
 - a stop request (Ctrl-C, SIGTERM) stops every task; the run ends ``stopped`` (exit code 130), even
   if a task had failed before (its root cause is still named);
 - restarts follow a :class:`psflow.launch.restart.RestartPolicy` (default ``never``), chosen per
-  job: the attempt count per task, the budget per task and per run, and an exponential backoff.
+  job: the attempt count per task, the budget per task and per run, and an exponential backoff;
+- hangs follow a :class:`psflow.launch.watchdog.HangPolicy` (default off): while the run is running, a
+  task that misses its progress or heartbeat deadline (:class:`psflow.launch.watchdog.Watchdog`) gets
+  :class:`DumpStacks`; ``dump_wait_s`` later it is killed (:class:`StopTasks` with no grace), and its
+  exit is a failure whose cause is the hang (``hung: no progress for 3.1 s; stacks
+  in LOG from line N``), restarted or failing the run under the restart policy like any other. A
+  :class:`HeartbeatMissed` notice (from a backend that watches on its own) counts as frozen at once.
 
 Run phases::
 
@@ -33,6 +40,7 @@ Task states::
     exited   --policy restarts (RestartTask)--> backoff --after_s passed (StartTask)--> starting
     backoff  --stop, failure or draining: the restart is cancelled--> exited
     starting --StopRequested before TaskStarted--> cancelled (never ran; nothing to wait for)
+    running  --deadline missed (DumpStacks)--> running, hung --dump_wait_s passed (StopTasks, no grace)--> exited
 
 A restart cancelled because training finished leaves the task's last exit standing without failing
 the run (the training tasks completed without it); cancelled by a failure or a stop, that exit
@@ -54,6 +62,7 @@ from typing import Any
 
 from psflow.launch.restart import TRAINING_JOBS, RestartPolicy
 from psflow.launch.rootcause import TaskExit, root_cause
+from psflow.launch.watchdog import Hang, HangPolicy, StackDump, Watchdog
 
 # ------------------------------------------------------------------------------------------ events
 
@@ -92,10 +101,43 @@ class TaskReported:
 
 @dataclass(frozen=True)
 class HeartbeatMissed:
-    """``task`` has not been heard from in time. Recorded only (the failure-recovery work acts on it)."""
+    """``task`` has not been heard from in time, by a watcher outside the controller. Counted; with the
+    watchdog on, the task is taken for frozen at once (its stacks are asked for, then it is killed)."""
 
     task: str
     at: float
+
+
+@dataclass(frozen=True)
+class TaskHeartbeat:
+    """``task``'s attempt is alive; ``waiting``: its main thread waits for its peers (a sync quorum)."""
+
+    task: str
+    attempt: int
+    at: float
+    waiting: bool = False
+
+
+@dataclass(frozen=True)
+class TaskProgressed:
+    """``task``'s attempt reported progress; ``step``: its local step (None: not a trainer's report)."""
+
+    task: str
+    attempt: int
+    at: float
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class StacksDumped:
+    """The stacks :class:`DumpStacks` asked for go to ``stacks`` (None: they could not be asked for,
+    ``unavailable`` says why)."""
+
+    task: str
+    attempt: int
+    at: float
+    stacks: StackDump | None = None
+    unavailable: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +155,8 @@ class TimeAdvanced:
     at: float
 
 
-Event = TaskStarted | TaskExited | TaskReported | HeartbeatMissed | StopRequested | TimeAdvanced
+Event = (TaskStarted | TaskExited | TaskReported | TaskHeartbeat | TaskProgressed | StacksDumped | HeartbeatMissed
+         | StopRequested | TimeAdvanced)
 
 
 # --------------------------------------------------------------------------------------- decisions
@@ -148,6 +191,16 @@ class RestartTask:
 
 
 @dataclass(frozen=True)
+class DumpStacks:
+    """``task``'s attempt ``attempt`` missed a deadline (``reason``): have it write every thread's stack
+    into its log (SIGUSR1), and answer with :class:`StacksDumped`. It is killed ``dump_wait_s`` later."""
+
+    task: str
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class RunFinished:
     """Every task has exited: ``status`` is ``succeeded``, ``failed`` or ``stopped``."""
 
@@ -156,7 +209,7 @@ class RunFinished:
     exit_code: int
 
 
-Decision = StartTask | StopTasks | RestartTask | RunFinished
+Decision = StartTask | StopTasks | RestartTask | DumpStacks | RunFinished
 
 
 # ------------------------------------------------------------------------------------------- books
@@ -200,11 +253,13 @@ class ExitRecord:
     started_at: float | None = None  # when the attempt started (None: its start was not seen)
     oom_killed: bool = False  # the backend saw evidence of an OOM kill
     not_restarted: str | None = None  # why the policy would have restarted it but did not (a budget spent)
+    hang: Hang | None = None  # the watchdog caught it: the hang is the cause, whatever the exit code
 
     @property
     def cause(self) -> str:
-        """``"exit code 1"``, ``"killed (SIGKILL)"`` (see :func:`exit_cause`)."""
-        return exit_cause(self.code, self.oom_killed)
+        """``"exit code 1"``, ``"killed (SIGKILL)"`` (see :func:`exit_cause`); for an attempt the
+        watchdog killed, the hang: ``"hung: no progress for 3.1 s; stacks in LOG from line 57"``."""
+        return self.hang.cause if self.hang is not None else exit_cause(self.code, self.oom_killed)
 
     @property
     def ran_s(self) -> float | None:
@@ -223,6 +278,7 @@ class TaskRecord:
     restart_due: float | None = None
     started_at: float | None = None  # when the current attempt started
     exits: list[ExitRecord] = field(default_factory=list)
+    hang: Hang | None = None  # the current attempt missed a deadline: stacks asked for, kill due
 
     @property
     def job(self) -> str:
@@ -257,7 +313,7 @@ class RunController:
     """
 
     def __init__(self, tasks: Sequence[str], *, grace_s: float, ps_exit_timeout_s: float,
-                 policy: RestartPolicy | None = None) -> None:
+                 policy: RestartPolicy | None = None, hangs: HangPolicy | None = None) -> None:
         if not tasks:
             raise ValueError("A run needs at least one task; received none.")
         self.names = list(tasks)
@@ -271,6 +327,8 @@ class RunController:
         self.stopped_by: str | None = None
         self.restarts = 0  # restarts of every task together, for the per-run budget
         self.heartbeats_missed: dict[str, int] = {}
+        self.hangs = hangs or HangPolicy()
+        self.watchdog = Watchdog(self.hangs, training={t for t in self.names if t.split(":")[0] in TRAINING_JOBS})
         self.result: RunFinished | None = None
         self._drain_deadline: float | None = None
         self._exit_order: list[tuple[str, ExitRecord]] = []  # every exit, in the order seen
@@ -300,21 +358,30 @@ class RunController:
             out = []
         elif isinstance(event, HeartbeatMissed):
             self.heartbeats_missed[event.task] = self.heartbeats_missed.get(event.task, 0) + 1
+            out = self._on_heartbeat_missed(event)
+        elif isinstance(event, TaskHeartbeat):
+            self.watchdog.heartbeat(event.task, event.attempt, event.at, waiting=event.waiting)
             out = []
+        elif isinstance(event, TaskProgressed):
+            self.watchdog.progressed(event.task, event.attempt, event.at, event.step)
+            out = []
+        elif isinstance(event, StacksDumped):
+            out = self._on_stacks_dumped(event)
         elif isinstance(event, StopRequested):
             out = self._on_stop_requested(event)
         elif isinstance(event, TimeAdvanced):
             out = []
         else:
             raise TypeError(f"RunController cannot handle {event!r}; expected one of the events in {__name__}.")
-        return out + self._due_restarts() + self._drain_deadline_passed() + self._finish_if_done()
+        return out + self._hangs() + self._due_restarts() + self._drain_deadline_passed() + self._finish_if_done()
 
     # -- events ------------------------------------------------------------------------------------
     def _on_started(self, e: TaskStarted) -> list[Decision]:
         rec = self._record(e.task)
         if e.attempt != rec.attempt:
             return []  # a late notice of an attempt already replaced
-        rec.state, rec.handle, rec.started_at = "running", e.handle, e.at
+        rec.state, rec.handle, rec.started_at, rec.hang = "running", e.handle, e.at, None
+        self.watchdog.started(e.task, e.attempt)
         if self.phase == "stopping":  # it was being started when the run began to stop
             return [StopTasks((e.task,), self.grace_s, "the run is stopping")]
         return []
@@ -323,20 +390,24 @@ class RunController:
         rec = self._record(e.task)
         if e.attempt != rec.attempt or rec.state not in ("running", "starting", "cancelled"):
             return []  # a stale or repeated notice
-        stopped = self.phase == "stopping"
-        exit_ = ExitRecord(e.attempt, e.code, e.at, stopped, self._reports.get((e.task, e.attempt)),
-                           started_at=rec.started_at, oom_killed=e.oom_killed)
+        # Killed by the watchdog: the hang is its cause (one that ended by itself after the dump has its own).
+        hang = rec.hang if rec.hang is not None and rec.hang.attempt == e.attempt and rec.hang.killed else None
+        stopped = self.phase == "stopping" and hang is None  # a hung task's kill is its failure, not a stop's
+        code = e.code
+        exit_ = ExitRecord(e.attempt, code, e.at, stopped, self._reports.get((e.task, e.attempt)),
+                           started_at=rec.started_at, oom_killed=e.oom_killed, hang=hang)
         rec.exits.append(exit_)
-        rec.state = "exited"
+        rec.state, rec.hang = "exited", None
+        self.watchdog.forget(e.task)
         self._exit_order.append((e.task, exit_))
-        if stopped:
+        if stopped or (hang is not None and self.phase == "stopping"):
             return []
-        if self.phase == "running" and self.policy.is_retryable(rec.job, e.code):
+        if self.phase == "running" and self.policy.is_retryable(rec.job, code):
             restart = self._schedule_restart(rec, exit_)
             if restart is not None:
                 return [restart]
-        if e.code != 0:
-            return self._fail(e.task, e.code)
+        if code != 0:
+            return self._fail(e.task, code, exit_.cause if hang is not None else None)
         if self.phase == "running" and all(self._exited_cleanly(r) for r in self.records.values() if r.job in TRAINING_JOBS):
             self.phase = "draining"
             self._drain_deadline = e.at + self.ps_exit_timeout_s
@@ -356,7 +427,43 @@ class RunController:
         return [StopTasks(live, self.grace_s, f"{e.reason}: stopping every task (SIGTERM, then SIGKILL after "
                                               f"{self.grace_s:.0f} s)", warning=True)]
 
+    def _on_heartbeat_missed(self, e: HeartbeatMissed) -> list[Decision]:
+        rec = self._record(e.task)
+        if not self.hangs.enabled or self.phase != "running" or rec.state != "running" or rec.hang is not None:
+            return []
+        quiet = self.now - (rec.started_at if rec.started_at is not None else self.now)
+        return [self._dump(Hang(e.task, rec.attempt, "frozen", quiet, self.now, self.now + self.hangs.dump_wait_s))]
+
+    def _on_stacks_dumped(self, e: StacksDumped) -> list[Decision]:
+        rec = self._record(e.task)
+        if rec.hang is not None and rec.hang.attempt == e.attempt:
+            rec.hang.stacks, rec.hang.unavailable = e.stacks, e.unavailable
+        return []
+
     # -- rules -------------------------------------------------------------------------------------
+    def _hangs(self) -> list[Decision]:
+        """Deadlines missed now: ask for the stacks; dumps whose wait is over: kill the task."""
+        if self.phase != "running":
+            return []
+        out: list[Decision] = []
+        for hang in self.watchdog.overdue(self.now):
+            rec = self.records[hang.task]
+            if rec.state == "running" and rec.attempt == hang.attempt and rec.hang is None:
+                out.append(self._dump(hang))
+        for rec in self.records.values():
+            h = rec.hang
+            if h is not None and not h.killed and rec.state == "running" and self.now >= h.kill_at:
+                h.killed = True
+                out.append(StopTasks((rec.task,), 0.0, f"{rec.task} (attempt {h.attempt}) {h.cause}; killing it",
+                                     warning=True))
+        return out
+
+    def _dump(self, hang: Hang) -> DumpStacks:
+        self.records[hang.task].hang = hang
+        what = "made no progress" if hang.kind == "hung" else "sent no heartbeat"
+        return DumpStacks(hang.task, hang.attempt, f"{hang.task} (attempt {hang.attempt}) {what} for "
+                                                   f"{hang.quiet_s:.1f} s ({hang.kind}); dumping its stacks into its log")
+
     def _schedule_restart(self, rec: TaskRecord, exit_: ExitRecord) -> RestartTask | None:
         """A RestartTask if the budgets allow it; None when they are spent."""
         done = rec.attempt  # restarts of this task so far
@@ -373,14 +480,14 @@ class RunController:
         rec.state, rec.attempt, rec.restart_due = "backoff", rec.attempt + 1, self.now + after_s
         return RestartTask(rec.task, rec.attempt, after_s, describe_exit(exit_.code))
 
-    def _fail(self, task: str, code: int) -> list[Decision]:
+    def _fail(self, task: str, code: int, cause: str | None = None) -> list[Decision]:
         self.first_failure = self.first_failure or task
         self.phase = "stopping"
         self._cancel_restarts()
         live = self._live()
         if not live:
             return []
-        return [StopTasks(live, self.grace_s, f"{task} failed ({describe_exit(code)}); stopping the others")]
+        return [StopTasks(live, self.grace_s, f"{task} failed ({cause or describe_exit(code)}); stopping the others")]
 
     def _due_restarts(self) -> list[Decision]:
         out: list[Decision] = []
@@ -420,6 +527,11 @@ class RunController:
         exits = [TaskExit(t, x.code, x.at, stopped=x.stopped) for t, x in final]
         reports = {t: x.report for t, x in final if x.report is not None}
         return root_cause(self.names, exits, reports) or self.first_failure
+
+    def killed_hang(self, task: str, attempt: int) -> Hang | None:
+        """The hang for which the controller killed ``task``'s ``attempt``, if it did (its exit's cause)."""
+        h = self._record(task).hang
+        return h if h is not None and h.attempt == attempt and h.killed else None
 
     def final_exits(self) -> list[tuple[str, ExitRecord]]:
         """The exits that ended a task for good (not followed by a restart), in the order seen."""
