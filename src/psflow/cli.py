@@ -49,6 +49,17 @@ def main() -> None:
 @click.option("--fail-at", default=None,
               help="Fault injection, e.g. worker:1@step=30 or worker:1@step=30:kill; fires on a task's first attempt "
                    "(add @attempt=K for its K-th restart).")
+@click.option("--hang-at", default=None, metavar="TASK@step=N[@attempt=K],...",
+              help="Fault injection: that task's main thread stops for ever before step N, its heartbeats go on "
+                   "(needs --hang-timeout), e.g. worker:1@step=20.")
+@click.option("--slow", default=None, metavar="TASK=SECONDS[s],...",
+              help="Fault injection: that task sleeps this long before every step, e.g. worker:2=0.2s.")
+@click.option("--hang-timeout", "hang_timeout_s", type=float, default=None,
+              help="Watchdog: a chief/worker with no new step for this many seconds, or any task with no heartbeat "
+                   "for as long, gets its stacks dumped into its log and is killed (then restarted per --restart). "
+                   "Default: off. Give more than the longest pause between steps (evaluation, checkpoints).")
+@click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=float, default=None,
+              help="Watchdog: the heartbeat deadline, if it should differ from --hang-timeout (s).")
 @click.option("--restart", "restart", default=None, metavar="POLICY|JOB=POLICY,...",
               help="Restart tasks that exit: never (default), on-failure, always, exit-code (1-127 permanent, "
                    "128-255 and signals retried); for every job, or per job: worker=on-failure,ps=never.")
@@ -75,12 +86,15 @@ def main() -> None:
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
         fail_at: str | None, log_placement: bool, preload: bool, live: bool | None, threads: int | None,
-        backend: str, nodes: int | None, dry_run: bool,
+        backend: str, nodes: int | None, dry_run: bool, hang_at: str | None, slow: str | None,
+        hang_timeout_s: float | None, heartbeat_timeout_s: float | None,
         restart: str | None, max_restarts: int | None, max_restarts_per_run: int | None,
         backoff_base_s: float | None, backoff_max_s: float | None, **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
+    from psflow.fault import hang_spec, join_specs, slow_spec
     from psflow.launch import make_plan
     from psflow.launch.metrics import final_line
+    from psflow.launch.watchdog import HangPolicy
 
     script_args = _script_args(click.get_current_context(), script, script_args)
     try:
@@ -92,9 +106,11 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         check_launch_settings(config, given, num_replicas=num_workers + int(chief), num_ps=num_ps)
         policy = _restart_policy(restart, max_restarts=max_restarts, max_restarts_per_run=max_restarts_per_run,
                                  backoff_base_s=backoff_base_s, backoff_max_s=backoff_max_s)
+        hangs = HangPolicy(hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
+        faults = join_specs(fail_at, hang_spec(hang_at), slow_spec(slow))
         plan = make_plan(script, list(script_args), num_ps=num_ps, num_workers=num_workers,
-                         chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=fail_at,
-                         threads=threads, restart=policy)
+                         chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=faults,
+                         threads=threads, restart=policy, hangs=hangs)
         runner = _backend(backend, nodes, dry_run, preload=preload, live=live)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
@@ -103,9 +119,10 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         return
     jobs = tuple(dict.fromkeys(t.split(":")[0] for t in plan.task_names()))
     restarts = f"restart={policy.describe(jobs)}; " if policy.describe(jobs) != "never" else ""
+    watchdog = f"watchdog: {hangs.describe()}; " if hangs.enabled else ""
     click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; "
                f"threads={plan.threads} per task ({plan.cores} cores{'' if threads else ', --threads N to change'}); "
-               f"{restarts}logs in {plan.logdir}")
+               f"{restarts}{watchdog}logs in {plan.logdir}")
     try:
         result = runner.run(plan)
     except PsflowError as e:
@@ -284,6 +301,11 @@ def summary(summary: str) -> None:
         click.echo(f"{k:>18}: {data.get(k)}")
     for k, v in (data.get("metrics") or {}).items():  # the script's own, as it named them
         click.echo(f"{k:>18}: {v}")
+    for t in data.get("tasks") or []:  # what the watchdog caught, and where the stacks are
+        for x in t.get("exits") or [] if isinstance(t, dict) else []:
+            if isinstance(x, dict) and isinstance(x.get("hang"), dict):
+                then = "restarted" if x.get("restarted") else "not restarted"
+                click.echo(f"{'hang':>18}: {t.get('task')} attempt {x.get('attempt')}: {x['hang'].get('cause')}; {then}")
 
 
 def _no_summary(path: Path, why: str) -> None:

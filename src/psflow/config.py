@@ -41,6 +41,7 @@ class TrainConfig:
     # ps: once every worker is done or lost, how long it waits for a lost one to come back before it fails
     lost_worker_timeout_s: float = 300.0
     progress_every_s: float = 1.0  # trainers: how often a task sends its counters to the launcher's live status
+    heartbeat_every_s: float = 1.0  # every launched task: how often its heartbeat thread tells the launcher it lives
     log_placement: bool = False
     # ps: copies of each shard. 2: shard s's primary ps:s forwards every applied update to its backup
     # ps:(s+1 mod P) and acknowledges a push once the backup holds it (psflow.ps.replication)
@@ -70,7 +71,7 @@ class TrainConfig:
             raise ConfigError(f"staleness must be an integer >= 0; received {self.staleness!r}.")
         if self.split_bytes is not None and (not isinstance(self.split_bytes, int) or self.split_bytes < 0):
             raise ConfigError(f"split_bytes must be an integer >= 0 or None; received {self.split_bytes!r}.")
-        for name in ("sync_timeout_s", "ready_timeout_s", "lost_worker_timeout_s", "progress_every_s"):
+        for name in ("sync_timeout_s", "ready_timeout_s", "lost_worker_timeout_s", "progress_every_s", "heartbeat_every_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{name} must be a positive number of seconds; received {v!r}.")

@@ -579,7 +579,8 @@ class Supervisor:
             self._quietly(failing, "the last summary", self._write_scalars)
             if self.is_chief:
                 if not failing and not self.diverged and self.trainer.config.mode == "async" and not self._allreduce:
-                    self._wait_for_other_workers()
+                    with self.trainer.waiting("the other workers to finish"):  # not a hang (the watchdog)
+                        self._wait_for_other_workers()
                 self._final_checkpoint(failing)
                 if not failing:
                     self._write_done()

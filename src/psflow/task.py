@@ -12,12 +12,17 @@ The ``PSFLOW_*`` environment variables are read here, through :class:`psflow.lau
 
 Launcher mode: the launcher sets ``PSFLOW_TASK`` and ``PSFLOW_COORDINATOR``; the task binds port 0,
 registers the address it got with the launcher's coordinator and receives the whole cluster once
-every task has registered. No free-port guessing, so no races.
+every task has registered. No free-port guessing, so no races. From then on it sends the launcher a
+heartbeat every ``heartbeat_every_s`` from a thread of its own (:mod:`psflow.heartbeat`), saying
+what its main thread waits for, if it waits for its peers (:meth:`Task.waiting`). Every task writes
+all its threads' stacks into its log on SIGUSR1 (the launcher's watchdog asks so before it kills a
+hung task).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
@@ -26,7 +31,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +48,7 @@ from psflow.cluster import (
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, PsflowError
 from psflow.fault import for_attempt
+from psflow.heartbeat import Heartbeat, install_stack_dumps
 from psflow.launch import errorreport
 from psflow.launch.contract import TaskEnv
 from psflow.rendezvous import bind_rendezvous, check_exposure
@@ -99,6 +105,9 @@ class Task:
         self._finished = False
         self._co_conn = None
         self._co_lock = threading.Lock()
+        self._hb_conn: Any = None  # the heartbeat thread's own connection: a report in flight never delays a beat
+        self._heartbeat: Heartbeat | None = None
+        self.waiting_for: str | None = None  # what the main thread waits for among its peers (heartbeats say it)
         self._report_error: Exception | None = None
         self._progress_warned = False
         self._writer: Any = None  # TensorBoard scalars (task.scalar, the trainer's progress), made on first use
@@ -212,11 +221,48 @@ class Task:
         """
         if not self.coordinator:
             return
-        if not self._send_report({"progress": {**progress, "time_unix": round(time.time(), 3)}}, timeout_s=2.0):
+        progress = {**progress, "attempt": self.attempt, "time_unix": round(time.time(), 3)}
+        if not self._send_report({"progress": progress}, timeout_s=2.0):
             if not self._progress_warned:
                 self._progress_warned = True
                 log.warning("%s could not send progress to the launcher (%s); the run goes on, its live status may lag.",
                             self.task_id, self._report_error)
+
+    @contextlib.contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """Mark a wait for the task's peers (a sync step's quorum, the ssp bound): the heartbeats say
+        so, and the launcher's watchdog does not take this task for the hung one while it lasts.
+
+        Example:
+            >>> with task.waiting("the sync step's quorum"):
+            ...     replies = client.recv_push_replies(...)
+        """
+        previous, self.waiting_for = self.waiting_for, what
+        try:
+            yield
+        finally:
+            self.waiting_for = previous
+
+    def start_heartbeat(self, every_s: float) -> None:
+        """Send the launcher a heartbeat every ``every_s`` from a daemon thread (once; no-op without a launcher)."""
+        if not self.coordinator or self._heartbeat is not None:
+            return
+        self._heartbeat = Heartbeat(self._send_heartbeat, lambda: {"attempt": self.attempt, "waiting": self.waiting_for},
+                                    every_s=every_s, name=f"{self.task_id}-heartbeat").start()
+
+    def _send_heartbeat(self, beat: dict[str, Any]) -> bool:
+        """One heartbeat on the heartbeat thread's own connection (dropped when a request fails)."""
+        try:
+            if self._hb_conn is None:
+                self._hb_conn = connect(self.coordinator, secret=self.secret, task=str(self.task_id), peer="launcher",
+                                        deadline_s=2.0)
+            self._hb_conn.request(Op.CO_REPORT, {"task": str(self.task_id), "metrics": {"heartbeat": beat}}, timeout_s=2.0)
+            return True
+        except PsflowError:
+            if self._hb_conn is not None:
+                self._hb_conn.close()
+                self._hb_conn = None
+            return False
 
     def scalar(self, name: str, value: float, step: int | None = None) -> None:
         """Write a TensorBoard scalar to ``LOGDIR/summaries/<task>`` (the run's logdir, ``task.logdir``).
@@ -304,6 +350,10 @@ class Task:
             self.report(trainer=self.trainers[0].stats())
         if self._co_conn is not None:
             self._co_conn.close()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            if self._hb_conn is not None:
+                self._hb_conn.close()
         with self._writer_lock:
             if self._writer is not None:
                 self._writer.close()
@@ -356,6 +406,7 @@ def init(
     """
     global _current
     _install_user_error_hook()
+    install_stack_dumps()  # SIGUSR1: every thread's stack into the task's log (the watchdog asks before a kill)
     env = dict(os.environ if env is None else env)
     tenv = TaskEnv.parse(env)  # every PSFLOW_* variable, checked before anything starts
     args = list(sys.argv[1:] if argv is None else argv)
@@ -450,6 +501,7 @@ def init(
     )
     _install_error_report(task, tenv.error_file)
     atexit.register(task.finish)
+    task.start_heartbeat(cfg.heartbeat_every_s)
     _current = task
     return task
 

@@ -6,8 +6,8 @@ the tasks it is told to, and hands over a task's error report. What to start, st
 when the run is over, is decided by :class:`psflow.launch.controller.RunController`; the loop that
 connects the two is :class:`psflow.launch.runner.Runner`.
 
-Lifecycle: ``open(plan)`` -> ``start`` / ``poll`` / ``stop`` / ``error_report`` / ``ended_by`` ->
-``close()`` (always called, also after an error: nothing the backend started may outlive it).
+Lifecycle: ``open(plan)`` -> ``start`` / ``poll`` / ``stop`` / ``dump_stacks`` / ``error_report`` /
+``ended_by`` -> ``close()`` (always called, also after an error: nothing the backend started may outlive it).
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from psflow.launch.console import Console
 from psflow.launch.controller import TaskExited
 from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.launch.watchdog import StackDump
 
 
 @dataclass
@@ -65,3 +67,26 @@ class Backend(ABC):
     @abstractmethod
     def error_report(self, task: str) -> dict[str, Any] | None:
         """The error report ``task``'s last attempt wrote, or None."""
+
+    def dump_stacks(self, task: str) -> StackDump | None:
+        """Have ``task``'s running attempt write the stacks of all its threads into its log (SIGUSR1,
+        which every psflow task answers with faulthandler); return where they go (the log and the line
+        they start at or after), or None when the task has no running attempt.
+
+        Raises:
+            NotImplementedError: this backend cannot signal its tasks (the default); the message says so.
+            OSError: the signal could not be sent.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot signal a task for its stacks")
+
+
+def log_end(log: Path) -> int:
+    """The line a dump written to ``log`` from now on starts at or after (1-based): its lines so far, plus one."""
+    lines = 0
+    try:
+        with log.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                lines += chunk.count(b"\n")
+    except FileNotFoundError:
+        pass
+    return lines + 1

@@ -10,11 +10,14 @@ Requests:
         once every expected task has registered; after it (a restarted task, on a new port), at once.
     CO_RESOLVE {task} -> {task, address, pid, attempt, version}: where the task listens now (a
         client whose connection to a peer dropped asks this); {} -> the whole book {version, tasks}.
-    CO_REPORT {task, metrics}; CO_STATUS -> {addresses, reports, version}.
+    CO_REPORT {task, metrics}; CO_STATUS -> {addresses, reports, version}. A report whose metrics
+        are ``{"heartbeat": {attempt, waiting}}`` is a task's heartbeat (:mod:`psflow.heartbeat`): it
+        is passed on as an event, not merged into the reports.
 
 Events (``on_event(kind, data)``, called outside the lock): ``registered`` {task, address} for
 every registration once it is answered (as before the book existed), ``reregistered`` {task,
-address, previous_address, attempt, version} as soon as a task registers again, and ``report``.
+address, previous_address, attempt, version} as soon as a task registers again, ``report``, and
+``heartbeat`` {task, attempt, waiting}.
 
 State: the book; ``reports`` merged per task. Transitions: see the book (assembling -> complete;
 each registration replaces the task's entry and raises the version).
@@ -115,6 +118,10 @@ class Coordinator:
     def _report(self, req: Request) -> Reply:
         task = str(req.meta.get("task"))
         metrics = req.meta.get("metrics") or {}
+        beat = metrics.get("heartbeat") if isinstance(metrics, dict) else None
+        if isinstance(beat, dict) and len(metrics) == 1:
+            self.on_event("heartbeat", {"task": task, "attempt": beat.get("attempt"), "waiting": beat.get("waiting")})
+            return Reply({})
         with self._cond:
             self.reports.setdefault(task, {}).update(metrics)
         self.on_event("report", {"task": task, "metrics": metrics})

@@ -7,8 +7,9 @@ same logdir rotates the earlier runs' logs, logrotate style; a restarted attempt
 are seen by a thread per process and handed out by :meth:`LocalBackend.poll` (a SIGKILL exit is
 marked ``oom_killed`` where the cgroup's OOM-kill counter rose, :mod:`psflow.launch.oomkills`); :meth:`LocalBackend.stop`
 sends SIGTERM to each process group and SIGKILL after ``grace_s``, then SIGKILL to the group for
-children a task left behind. No process is left behind: each task, and the fork server, dies with
-its parent, and :meth:`LocalBackend.close` kills every group it started.
+children a task left behind; :meth:`LocalBackend.dump_stacks` sends SIGUSR1 to the task's process
+alone (not its group: a child without psflow's handler, a data loader's worker, would die of it).
+No process is left behind: each task, and the fork server, dies with its parent, and :meth:`LocalBackend.close` kills every group it started.
 
 Tasks are forked from a fork server that imported torch once (``forkserver.py``; ``preload=False``
 or ``psflow run --no-preload`` starts each as a fresh interpreter): with six tasks on two cores
@@ -33,12 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from psflow.launch import errorreport
-from psflow.launch.backend import Backend, RunResult
+from psflow.launch.backend import Backend, RunResult, log_end
 from psflow.launch.console import Console
 from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import ForkServer, die_with_parent
 from psflow.launch.oomkills import OomKills
 from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.launch.watchdog import StackDump
 
 _FORK_SERVER_READY_S = 60.0
 _ROTATED = re.compile(r"\.\d+\.log$")  # worker-0.1.log: an earlier run's (task names never end in .N)
@@ -125,6 +127,15 @@ class LocalBackend(Backend):
 
     def error_report(self, task: str) -> dict[str, Any] | None:
         return errorreport.read(self._error_file(task))
+
+    def dump_stacks(self, task: str) -> StackDump | None:
+        p = self._procs.get(task)
+        if p is None or p.poll() is not None:
+            return None
+        log = Path(self._require_plan().logdir) / "logs" / f"{task.replace(':', '-')}.log"
+        where = StackDump(str(log), log_end(log))
+        os.kill(p.pid, signal.SIGUSR1)
+        return where
 
     def close(self) -> None:
         grace_s = self._plan.grace_s if self._plan is not None else 0.0

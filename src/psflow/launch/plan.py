@@ -1,7 +1,8 @@
 """A launch plan: the tasks of a run as plain data (command, environment, restart policy).
 
-The restart policy (:class:`psflow.launch.restart.RestartPolicy`, per job) is the plan's; the runner
-hands it to the run controller, which decides each restart.
+The restart policy (:class:`psflow.launch.restart.RestartPolicy`, per job) and the hang policy
+(:class:`psflow.launch.watchdog.HangPolicy`: the watchdog's deadlines) are the plan's; the runner
+hands them to the run controller, which decides each restart and catches each hang.
 
 Pure: building a plan starts nothing. Every backend (local processes today; Slurm and Kubernetes
 next) carries out the same plan, and a plan can be printed, compared and rendered.
@@ -25,6 +26,7 @@ from psflow.fault import check_faults, parse_faults
 from psflow.launch import errorreport
 from psflow.launch.contract import TaskEnv
 from psflow.launch.restart import JOBS, RestartPolicy
+from psflow.launch.watchdog import HangPolicy
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class LaunchPlan:
     tasks: tuple[TaskPlan, ...]
     config: TrainConfig = field(default_factory=TrainConfig)
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # when a task that exited is started again
+    hangs: HangPolicy = field(default_factory=HangPolicy)  # when a task counts as hung (default: never)
     grace_s: float = 20.0  # how long a stopped task gets between SIGTERM and SIGKILL
     ps_exit_timeout_s: float = 60.0  # how long ps tasks get to exit by themselves once workers are done
     threads: int = 1  # torch threads per task (PSFLOW_NUM_THREADS), see threads_per_task
@@ -97,16 +100,19 @@ def make_plan(
     threads: int | None = None,
     cores: int | None = None,
     restart: RestartPolicy | None = None,
+    hangs: HangPolicy | None = None,
 ) -> LaunchPlan:
     """Plan a run of ``script`` with ``num_ps`` ps and ``num_workers`` workers on this machine.
 
     Each task gets ``threads`` torch threads (``PSFLOW_NUM_THREADS``), by default the host's
     ``cores`` (default: :func:`host_cores`) shared out by :func:`threads_per_task`; a script's own
     ``torch.set_num_threads`` still wins, as it runs later. ``restart``: when tasks that exited are
-    started again (default: never); ``fail_at`` faults fire on the attempts it allows.
+    started again (default: never); ``fail_at`` faults fire on the attempts it allows. ``hangs``: the
+    watchdog's deadlines (default: off).
 
     Raises:
-        ConfigError: a missing script or impossible counts.
+        ConfigError: a missing script or impossible counts; a hang fault with no watchdog to catch it;
+            a deadline shorter than two of the reports it watches.
     """
     if not Path(script).is_file():
         raise ConfigError(f"Training script {script!r} does not exist. Give the path of a Python file.")
@@ -121,7 +127,14 @@ def make_plan(
     names += [f"worker:{i}" for i in range(num_workers)] + (["evaluator:0"] if evaluator else [])
     restart = restart or RestartPolicy()
     # here, not in every task once they have started
-    check_faults(parse_faults(fail_at), names, last_attempt={job: restart.last_attempt(job) for job in JOBS})
+    faults = parse_faults(fail_at)
+    check_faults(faults, names, last_attempt={job: restart.last_attempt(job) for job in JOBS})
+    hangs = hangs or HangPolicy()
+    hangs.check_intervals(config.progress_every_s, config.heartbeat_every_s)
+    hung = [f"{f.task}@step={f.step}" for f in faults if f.action == "hang"]
+    if hung and not hangs.enabled:
+        raise ConfigError(f"--hang-at {','.join(hung)}: nothing would catch the hang (the watchdog is off), so the "
+                          "run would wait for ever. Add --hang-timeout S (e.g. --hang-timeout 10).")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"--threads must be a positive number of threads per task; received {threads!r}.")
     cores = cores or host_cores()
@@ -132,5 +145,5 @@ def make_plan(
                            error_file=str(errorreport.path_for(Path(logdir) / "errors", name)), fail_at=fail_at or None)
         env = {**contract.render(), **(extra_env or {})}
         tasks.append(TaskPlan(name, (python, "-u", script, *script_args), tuple(sorted(env.items()))))
-    return LaunchPlan(run_id=run_id, logdir=logdir, tasks=tuple(tasks), config=config, restart=restart, threads=threads,
-                      cores=cores)
+    return LaunchPlan(run_id=run_id, logdir=logdir, tasks=tuple(tasks), config=config, restart=restart, hangs=hangs,
+                      threads=threads, cores=cores)

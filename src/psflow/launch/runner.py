@@ -7,8 +7,11 @@ The I/O shell of :class:`psflow.launch.controller.RunController`. It
 2. turns the controller's decisions into backend actions: start an attempt (with the task's
    environment), stop tasks (warning the user where the controller says so), note a restart;
 3. feeds the controller what happens: the backend's exits (each failed task's error report first),
-   the passing time (every ``tick_s``), and Ctrl-C / SIGTERM, or the backend's place ending the run
-   (``Backend.ended_by``: a cancelled Slurm job), as a stop request;
+   the tasks' heartbeats and progress reports (from the coordinator's threads, through a queue the
+   loop drains: the controller's watchdog), the passing time (every ``tick_s``), and Ctrl-C /
+   SIGTERM, or the backend's place ending the run (``Backend.ended_by``: a cancelled Slurm job), as a
+   stop request; a :class:`~psflow.launch.controller.DumpStacks` decision becomes the backend's
+   ``dump_stacks`` (SIGUSR1), whose location goes back to the controller and into the run store;
 4. records it all in the run store (:mod:`psflow.launch.runstore`: ``status.json``,
    ``events.jsonl``, ``summary.json``, and the job store, :mod:`psflow.platform.jobstore`), and,
    once the controller has finished the run, prints the root cause first, then what the other
@@ -24,6 +27,7 @@ Used by ``psflow run`` through :meth:`psflow.launch.local.LocalBackend.run`.
 from __future__ import annotations
 
 import contextlib
+import queue
 import secrets
 import signal
 import threading
@@ -39,14 +43,19 @@ from psflow.launch.backend import Backend, RunResult
 from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import (
     Decision,
+    DumpStacks,
+    Event,
     ExitRecord,
     RestartTask,
     RunController,
     RunFinished,
+    StacksDumped,
     StartTask,
     StopRequested,
     StopTasks,
     TaskExited,
+    TaskHeartbeat,
+    TaskProgressed,
     TaskReported,
     TaskStarted,
     TimeAdvanced,
@@ -109,15 +118,16 @@ class Runner:
             secret_file = write_secret(logdir)
             server = Server("launcher", secret=secret_file.read_bytes())
             store = self.make_store(plan) if self.make_store else self._recorded_store(plan)
+            signs: queue.Queue[Event] = queue.Queue()  # heartbeats and progress, for the controller's watchdog
             coord = Coordinator(server, plan.task_names(), register_timeout_s=self.register_timeout_s,
-                                require_ps=plan.config.strategy == "ps", on_event=_to_store(store))
+                                require_ps=plan.config.strategy == "ps", on_event=_to_store(store, signs))
             address = server.start()
             controller = RunController(plan.task_names(), grace_s=plan.grace_s, ps_exit_timeout_s=plan.ps_exit_timeout_s,
-                                       policy=self.policy or plan.restart)
+                                       policy=self.policy or plan.restart, hangs=plan.hangs)
             launcher = TaskEnv(coordinator=address, secret_file=str(secret_file)).render()
             envs = {tp.task: {**dict(tp.env), **launcher} for tp in plan.tasks}
             with self.console.live_table(store.snapshot), _stop_signals() as stops:
-                finished = self._loop(plan, controller, store, envs, stops)
+                finished = self._loop(plan, controller, store, envs, stops, signs)
         finally:
             self.backend.close()
             if server is not None:
@@ -137,7 +147,7 @@ class Runner:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _loop(self, plan: LaunchPlan, controller: RunController, store: RunStore, envs: Mapping[str, Mapping[str, str]],
-              stops: _StopSignals) -> RunFinished:
+              stops: _StopSignals, signs: queue.Queue[Event]) -> RunFinished:
         tasks = {tp.task: tp for tp in plan.tasks}
         pending: deque[Decision] = deque(controller.start(time.time()))
         while True:
@@ -155,6 +165,11 @@ class Runner:
                 pending.extend(controller.handle(StopRequested(ended, time.time())))
             for exited in exits:
                 pending.extend(self._exited(exited, controller, store))
+            while True:
+                try:
+                    pending.extend(controller.handle(signs.get_nowait()))
+                except queue.Empty:
+                    break
             pending.extend(controller.handle(TimeAdvanced(time.time())))
             store.tick()  # publish the last changes of a quiet spell
 
@@ -170,6 +185,8 @@ class Runner:
                 self.console.warn(d.reason)
             store.event("stop", tasks=list(d.tasks), grace_s=d.grace_s, reason=d.reason)
             self.backend.stop(d.tasks, d.grace_s)
+        elif isinstance(d, DumpStacks):
+            return self._dump_stacks(d, controller, store)
         elif isinstance(d, RestartTask):
             x = controller.records[d.task].exits[-1]
             self.console.warn(f"{_ended(d.task, x)}; restarting it as attempt {d.attempt} in {d.after_s:.1f} s "
@@ -177,13 +194,35 @@ class Runner:
             store.task_restarting(d.task, d.attempt, d.after_s, x.cause)
         return []
 
+    def _dump_stacks(self, d: DumpStacks, controller: RunController, store: RunStore) -> list[Decision]:
+        """Have the hung task write its stacks into its log; tell the controller and the store where."""
+        self.console.warn(d.reason)
+        stacks, unavailable = None, None
+        try:
+            stacks = self.backend.dump_stacks(d.task)
+            if stacks is None:
+                unavailable = "its process is gone"
+        except NotImplementedError as e:
+            unavailable = str(e)
+        except OSError as e:  # the process died between the decision and the signal
+            unavailable = f"the signal failed: {e}"
+        out = controller.handle(StacksDumped(d.task, d.attempt, time.time(), stacks, unavailable))
+        hang = controller.records[d.task].hang
+        if hang is not None and hang.attempt == d.attempt:
+            store.task_hung(d.task, hang.to_dict())
+            if stacks is not None:
+                self.console.warn(f"{d.task}: stacks of every thread in {stacks}.")
+        return out
+
     def _exited(self, e: TaskExited, controller: RunController, store: RunStore) -> list[Decision]:
         out: list[Decision] = []
         if e.code != 0:  # the report first: the controller may finish the run on this exit
             report = self.backend.error_report(e.task)
             if report is not None:
                 out += controller.handle(TaskReported(e.task, e.attempt, report, e.at))
-        store.task_exited(e.task, e.attempt, e.code, e.at, oom_killed=e.oom_killed)
+        hang = controller.killed_hang(e.task, e.attempt)
+        store.task_exited(e.task, e.attempt, e.code, e.at, oom_killed=e.oom_killed,
+                          hang=None if hang is None else hang.to_dict())
         out += controller.handle(e)
         x = controller.records[e.task].exits[-1] if controller.records[e.task].exits else None
         if x is not None and x.attempt == e.attempt and x.not_restarted:
@@ -221,6 +260,8 @@ class Runner:
                 echo(f"  (traceback above, from {shown_by}; also in {errors})")
             else:
                 echo("  " + str(report.get("traceback", "")).rstrip().replace("\n", "\n  "))
+        elif root in final and final[root].hang is not None:
+            echo(f"  {final[root].cause}")
         else:
             log = Path(plan.logdir) / "logs" / f"{root.replace(':', '-')}.log"
             echo(f"  (no error report; last lines of {log}:)")
@@ -234,8 +275,12 @@ class Runner:
 
 
 def _ended(task: str, x: ExitRecord) -> str:
-    """``worker:1 (attempt 0) was killed (SIGKILL) after 12.3 s``, ``... ended with exit code 1 after 2.0 s``."""
-    how = f"was {x.cause}" if x.cause.startswith("killed") else f"ended with {x.cause}"
+    """``worker:1 (attempt 0) was killed (SIGKILL) after 12.3 s``, ``... ended with exit code 1 after 2.0 s``,
+    ``... was killed by the watchdog (hung: no progress for 3.4 s; stacks in LOG from line 4) after 7.1 s``."""
+    if x.hang is not None:
+        how = f"was killed by the watchdog ({x.cause})"
+    else:
+        how = f"was {x.cause}" if x.cause.startswith("killed") else f"ended with {x.cause}"
     return f"{task} (attempt {x.attempt}) {how}" + (f" after {x.ran_s:.1f} s" if x.ran_s is not None else "")
 
 
@@ -247,18 +292,33 @@ def write_secret(logdir: Path) -> Path:
     return secret_file
 
 
-def _to_store(store: RunStore) -> Callable[[str, dict[str, Any]], None]:
+def _to_store(store: RunStore, signs: queue.Queue[Event] | None = None) -> Callable[[str, dict[str, Any]], None]:
     """The coordinator's events into the run store (``registered``, ``report``; others, such as
-    ``reregistered``, into the run's history)."""
+    ``reregistered``, into the run's history), and heartbeats and progress into ``signs``, as the
+    controller's events (timed by the launcher's clock: the tasks' clocks are not compared)."""
     def on_event(kind: str, data: dict[str, Any]) -> None:
         task = str(data.get("task"))
+        if kind == "heartbeat":
+            if signs is not None:
+                signs.put(TaskHeartbeat(task, _int(data.get("attempt")), time.time(), waiting=bool(data.get("waiting"))))
+            return  # a sign of life, about once a second per task: not the run's history
         if kind == "registered":
             store.task_registered(task, str(data.get("address")))
         elif kind == "report":
-            store.report(task, data.get("metrics") or {})
+            metrics = data.get("metrics") or {}
+            store.report(task, metrics)
+            progress = metrics.get("progress")
+            if signs is not None and isinstance(progress, dict):
+                step = progress.get("local_step")
+                signs.put(TaskProgressed(task, _int(progress.get("attempt")), time.time(),
+                                         step if isinstance(step, int) else None))
         else:
             store.event(f"task_{kind}", **data)
     return on_event
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 class _StopSignals:

@@ -4,8 +4,9 @@ One interface (:class:`RunStore`), written by the runner (:mod:`psflow.launch.ru
 coordinator's callbacks (from the launcher server's threads: implementations are thread-safe), read
 by ``psflow status`` / ``psflow summary`` and, later, the dashboard. What it records:
 
-- each attempt of each task: started (pid), registered (address), its progress reports, its exit
-  (code, signal name, cause: ``killed (SIGKILL)``), and the restart that followed it, if one did;
+- each attempt of each task: started (pid), registered (address), its progress reports, a hang the
+  watchdog caught (kind, how long it was quiet, where its stacks were dumped: log and line), its exit
+  (code, signal name, cause: ``killed (SIGKILL)``, or the hang's), and the restart that followed it;
 - the run's events in order (starts, exits, stops and restarts decided, the end);
 - the run's end state, and its summary.
 
@@ -51,9 +52,16 @@ class RunStore(ABC):
         """``task`` reported metrics (live progress, or its final figures)."""
 
     @abstractmethod
-    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False) -> None:
+    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False,
+                    hang: dict[str, Any] | None = None) -> None:
         """Attempt ``attempt`` of ``task`` ended with exit code ``code`` (negative: the signal);
-        ``oom_killed``: the backend saw evidence of an OOM kill."""
+        ``oom_killed``: the backend saw evidence of an OOM kill; ``hang``: the watchdog killed it
+        (:meth:`psflow.launch.watchdog.Hang.to_dict`, its ``cause`` is the exit's)."""
+
+    def task_hung(self, task: str, hang: dict[str, Any]) -> None:
+        """The watchdog caught ``task`` (:meth:`psflow.launch.watchdog.Hang.to_dict`: kind, quiet
+        time, where its stacks went); it is killed next. Default: into the run's history."""
+        self.event("task_hung", task=task, attempt=hang.get("attempt"), hang=hang)
 
     @abstractmethod
     def task_restarting(self, task: str, attempt: int, after_s: float, reason: str) -> None:
@@ -104,10 +112,15 @@ class FileRunStore(RunStore):
         # Progress comes about once a second per task: the live state only, not the history.
         self.status.on_event("report", {"task": task, "metrics": metrics})
 
-    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False) -> None:
-        self.status.exited(task, code, attempt=attempt, at=at, oom_killed=oom_killed)
+    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False,
+                    hang: dict[str, Any] | None = None) -> None:
+        self.status.exited(task, code, attempt=attempt, at=at, oom_killed=oom_killed, hang=hang)
         self.event("task_exited", task=task, attempt=attempt, code=code, signal=signal_name(code),
-                   cause=exit_cause(code, oom_killed), time_unix=at)
+                   cause=hang["cause"] if hang else exit_cause(code, oom_killed), time_unix=at)
+
+    def task_hung(self, task: str, hang: dict[str, Any]) -> None:
+        self.status.hung(task, hang)
+        super().task_hung(task, hang)
 
     def task_restarting(self, task: str, attempt: int, after_s: float, reason: str) -> None:
         self.status.restarting(task, attempt, after_s)
@@ -170,8 +183,12 @@ class CompositeRunStore(RunStore):
     def report(self, task: str, metrics: dict[str, Any]) -> None:
         self._all("report", task, metrics)
 
-    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False) -> None:
-        self._all("task_exited", task, attempt, code, at, oom_killed=oom_killed)
+    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False,
+                    hang: dict[str, Any] | None = None) -> None:
+        self._all("task_exited", task, attempt, code, at, oom_killed=oom_killed, hang=hang)
+
+    def task_hung(self, task: str, hang: dict[str, Any]) -> None:
+        self._all("task_hung", task, hang)
 
     def task_restarting(self, task: str, attempt: int, after_s: float, reason: str) -> None:
         self._all("task_restarting", task, attempt, after_s, reason)

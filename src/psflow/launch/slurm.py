@@ -28,6 +28,8 @@ run maps onto Slurm, and why:
   where the launcher's server binds (loopback): right while the nodes are this host, as in the
   tests; nodes on other hosts need an address they can reach and the job secret off loopback
   (issue 11, item 5).
+- **Stacks** of a hung task (the watchdog's ``dump_stacks``): ``scancel --signal=USR1 JOB.STEP``; the
+  task's faulthandler writes them to its output, which the srun client relays into its log.
 - **Stopping**: ``scancel --signal=TERM JOB.STEP`` (the task's own SIGTERM handling, as locally),
   then ``scancel --signal=KILL`` after ``grace_s``. Signals to the srun client are not used for the
   first stage: srun takes SIGTERM as "force termination" and kills the step at once.
@@ -66,13 +68,14 @@ from typing import Any
 from psflow.cluster import expand_slurm_nodelist
 from psflow.errors import ClusterError, ConfigError
 from psflow.launch import errorreport
-from psflow.launch.backend import Backend, RunResult
+from psflow.launch.backend import Backend, RunResult, log_end
 from psflow.launch.console import Console
 from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import die_with_parent
 from psflow.launch.local import prepare_logdir
 from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.launch.watchdog import StackDump
 
 _COLORS = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green"]
 _WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING")  # not running yet, may still run
@@ -405,6 +408,24 @@ class SlurmBackend(Backend):
                     with contextlib.suppress(ClusterError):
                         self.cli.cancel(step, "KILL")
                 _kill_client(p)
+
+    def dump_stacks(self, task: str) -> StackDump | None:
+        p, name = self._procs.get(task), self._steps.get(task)
+        if p is None or name is None or p.poll() is not None:
+            return None
+        try:
+            step = self.cli.steps(str(self.job_id)).get(name) if self.job_id else None
+        except ClusterError as e:
+            raise OSError(f"cannot list the steps of Slurm job {self.job_id}: {e}") from e
+        if step is None:
+            return None
+        log = Path(self._require_plan().logdir) / "logs" / f"{task.replace(':', '-')}.log"
+        where = StackDump(str(log), log_end(log))
+        try:
+            self.cli.cancel(step, "USR1")
+        except ClusterError as e:
+            raise OSError(f"scancel --signal=USR1 {step} failed: {e}") from e
+        return where
 
     def error_report(self, task: str) -> dict[str, Any] | None:
         return errorreport.read(Path(self._require_plan().logdir) / "errors", task)

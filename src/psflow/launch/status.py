@@ -2,9 +2,11 @@
 
 Owns: every task's state (``starting`` -> ``running`` once registered -> ``exited`` with its code;
 a task the restart policy restarts is ``restarting`` through its backoff, then ``starting`` again
-with its next ``attempt``), every attempt's exit (``exits``: attempt, code, signal, cause, how long
-it ran, whether it was restarted), pid, address and last progress report (global step, local step,
-examples, examples/sec, loss), and
+with its next ``attempt``; a task the watchdog caught is ``hung`` until its kill is seen, and its
+``hang`` says how and where its stacks went: ``{"attempt", "kind", "quiet_s", "cause", "stacks":
+{"log", "line"}}``), every attempt's exit (``exits``: attempt, code, signal, cause, how long it ran,
+whether it was restarted, and the ``hang`` that ended it), pid, address and last progress report
+(global step, local step, examples, examples/sec, loss), and
 the run's state (``running`` -> ``succeeded`` | ``failed`` | ``stopped``). Updates are pure and
 under a lock (they come from the launcher's threads); :meth:`RunStatus.write` publishes the whole
 state atomically (temporary file + rename), at most every ``min_interval_s`` unless forced, so a
@@ -65,7 +67,7 @@ class RunStatus:
     # -- updates (any thread) ------------------------------------------------------------------
     def started(self, task: str, pid: int, attempt: int = 0) -> None:
         # A restart starts over; the first attempt keeps a state its registration may have set already.
-        again = {"state": "starting", "exit_code": None, "address": None, "restart_unix": None} if attempt > 0 else {}
+        again = {"state": "starting", "exit_code": None, "address": None, "restart_unix": None, "hang": None} if attempt > 0 else {}
         self._update(task, pid=pid, identity=process_identity(pid), attempt=attempt, started_unix=time.time(), **again)
 
     def on_event(self, kind: str, data: dict[str, Any]) -> None:
@@ -82,18 +84,26 @@ class RunStatus:
             if isinstance(metrics.get("global_step"), int):
                 self._progress(task, {"global_step": metrics["global_step"]})
 
-    def exited(self, task: str, code: int, *, attempt: int = 0, at: float | None = None, oom_killed: bool = False) -> None:
-        """Attempt ``attempt`` of ``task`` ended with ``code``; its exit joins the task's ``exits``."""
+    def exited(self, task: str, code: int, *, attempt: int = 0, at: float | None = None, oom_killed: bool = False,
+               hang: dict[str, Any] | None = None) -> None:
+        """Attempt ``attempt`` of ``task`` ended with ``code``; its exit joins the task's ``exits``
+        (``hang``: the watchdog killed it; its cause is the exit's)."""
         at = time.time() if at is None else at
         with self._lock:
             entry = self._state["tasks"].get(task)
             started = entry.get("started_unix") if entry else None
             if entry is not None:
                 entry["exits"].append({
-                    "attempt": attempt, "code": code, "signal": signal_name(code), "cause": exit_cause(code, oom_killed),
+                    "attempt": attempt, "code": code, "signal": signal_name(code),
+                    "cause": hang["cause"] if hang else exit_cause(code, oom_killed),
                     "time_unix": round(at, 3), "ran_s": None if started is None else round(max(0.0, at - started), 3),
-                    "restarted": False})
+                    "restarted": False, **({"hang": hang} if hang else {})})
         self._update(task, state="exited", exit_code=code)
+        self.write(force=True)
+
+    def hung(self, task: str, hang: dict[str, Any]) -> None:
+        """The watchdog caught ``task`` (see :meth:`psflow.launch.watchdog.Hang.to_dict`); it is killed next."""
+        self._update(task, state="hung", hang=hang)
         self.write(force=True)
 
     def restarting(self, task: str, attempt: int, after_s: float) -> None:
@@ -209,7 +219,8 @@ def render(state: dict[str, Any]) -> Any:
 
 
 def _state_cell(t: dict[str, Any]) -> str:
-    """``running``, ``done``, ``exit 1``, ``exit -9 (SIGKILL)``, ``restarting`` (why: in the caption)."""
+    """``running``, ``done``, ``exit 1``, ``exit -9 (SIGKILL)``, ``exit -9 (hung)``, ``restarting`` (why:
+    in the caption)."""
     code = t.get("exit_code")
     exits = t.get("exits") or []
     if t.get("state") == "restarting":
@@ -218,18 +229,26 @@ def _state_cell(t: dict[str, Any]) -> str:
         return "gone" if t.get("alive") is False else t.get("state", "?")  # gone: its process died unseen
     if code == 0:
         return "done"
+    if exits and exits[-1].get("hang"):
+        return f"exit {code} ({exits[-1]['hang'].get('kind', 'hung')})"
     cause = exits[-1].get("cause", "") if exits else ""
     detail = cause[len("killed ("):-1] if cause.startswith("killed (") else signal_name(code)
     return f"exit {code}" + (f" ({detail})" if detail else "")
 
 
 def _restart_lines(state: dict[str, Any]) -> list[str]:
-    """A line per attempt that was restarted: ``worker:1 attempt 0: killed (SIGKILL) after 4.7 s; restarted``.
-    (The table's ``attempt`` column, shown once a task was restarted, is each task's current attempt.)"""
+    """A line per attempt that was restarted or hung: ``worker:1 attempt 0: killed (SIGKILL) after 4.7 s;
+    restarted``, ``worker:1 attempt 0: hung: no progress for 3.1 s; stacks in LOG from line 57 ...``; and
+    one for a task caught now, before its kill. (The table's ``attempt`` column, shown once a task was
+    restarted, is each task's current attempt.)"""
     lines = []
     for name, t in state.get("tasks", {}).items():
         for x in t.get("exits") or []:
-            if x.get("restarted"):
+            if x.get("restarted") or x.get("hang"):
                 ran = f" after {x['ran_s']:.1f} s" if isinstance(x.get("ran_s"), (int, float)) else ""
-                lines.append(f"{name} attempt {x.get('attempt')}: {x.get('cause')}{ran}; restarted")
+                then = "; restarted" if x.get("restarted") else ""
+                lines.append(f"{name} attempt {x.get('attempt')}: {x.get('cause')}{ran}{then}")
+        hang = t.get("hang")
+        if t.get("state") == "hung" and isinstance(hang, dict):
+            lines.append(f"{name} attempt {hang.get('attempt')}: {hang.get('cause')}; being killed")
     return lines

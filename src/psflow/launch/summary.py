@@ -68,7 +68,8 @@ def build_summary(
 
 def task_entry(plan: LaunchPlan, record: TaskRecord, address: str | None) -> dict[str, Any]:
     """One task in the summary: its last attempt's pid, exit code and cause, and every attempt's exit
-    (code, signal, cause, how long it ran, whether it was restarted, or why not)."""
+    (code, signal, cause, how long it ran, whether it was restarted, or why not, and the hang the
+    watchdog killed it for: kind, quiet time, where its stacks went)."""
     last = record.exits[-1] if record.exits else None
     return {
         "task": record.task,
@@ -81,7 +82,8 @@ def task_entry(plan: LaunchPlan, record: TaskRecord, address: str | None) -> dic
         "exits": [{"attempt": x.attempt, "code": x.code, "signal": signal_name(x.code), "cause": x.cause,
                    "oom_killed": x.oom_killed, "time_unix": round(x.at, 3),
                    "ran_s": None if x.ran_s is None else round(x.ran_s, 3), "stopped": x.stopped,
-                   "restarted": x.restarted, **({"not_restarted": x.not_restarted} if x.not_restarted else {})}
+                   "restarted": x.restarted, **({"not_restarted": x.not_restarted} if x.not_restarted else {}),
+                   **({"hang": x.hang.to_dict()} if x.hang is not None else {})}
                   for x in record.exits],
         "log": str(Path(plan.logdir) / "logs" / f"{record.task.replace(':', '-')}.log"),
     }

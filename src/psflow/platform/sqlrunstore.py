@@ -131,11 +131,13 @@ class SqliteRunStore(RunStore):
         points += [(k, float(v), step) for k, v in task_metrics(metrics).items()]
         self._put(lambda db: db.task_progress(self.run_id, task, snapshot, at, points))
 
-    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False) -> None:
-        cause = exit_cause(code, oom_killed)
+    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False,
+                    hang: dict[str, Any] | None = None) -> None:
+        cause = str(hang["cause"]) if hang else exit_cause(code, oom_killed)  # the watchdog's kill: the hang is why
         self._put(lambda db: db.task_exited(self.run_id, task, attempt, at, code, cause))
         self._put(self._event_op("task_exited", {"task": task, "attempt": attempt, "code": code,
-                                                 "signal": signal_name(code), "cause": cause}, at))
+                                                 "signal": signal_name(code), "cause": cause,
+                                                 **({"hang": hang} if hang else {})}, at))
 
     def task_restarting(self, task: str, attempt: int, after_s: float, reason: str) -> None:
         self._put(lambda db: db.task_restarting(self.run_id, task, attempt, reason))

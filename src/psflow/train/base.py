@@ -20,6 +20,7 @@ Invariants: ``global_step`` is the job's step as of this task's last step, pull 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import time
@@ -180,6 +181,18 @@ class TrainerBase(ABC):
         self.examples += n or 0
         self.train_time_s += time.perf_counter() - t0
         self._report_progress(loss)
+
+    def waiting(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Around a wait for the other workers (a sync quorum, the ssp bound, the chief's wait for the
+        others to finish): the task's heartbeats say so, and the launcher's watchdog does not take this
+        task for the hung one while it lasts (see ``Task.waiting``).
+
+        Example:
+            >>> with trainer.waiting("the sync step's quorum"):
+            ...     replies = trainer.client.recv_push_replies(...)
+        """
+        waiting = getattr(self.task, "waiting", None)
+        return waiting(what) if waiting is not None else contextlib.nullcontext()
 
     @abstractmethod
     def pull(self, *, averages: bool = False) -> int:

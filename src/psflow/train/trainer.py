@@ -34,6 +34,7 @@ initializes only once in any case (a late PS_INIT is answered ``initialized: Fal
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -241,7 +242,8 @@ class Trainer(TrainerBase):
         t0 = self._begin_step()
         cfg = self.config
         if cfg.mode == "ssp":
-            self.client.clock(self.worker, self.clock_base + self.local_step, cfg.sync_timeout_s, attempt=self.attempt)
+            with self.waiting("the ssp staleness bound"):
+                self.client.clock(self.worker, self.clock_base + self.local_step, cfg.sync_timeout_s, attempt=self.attempt)
         # ssp: the values from the last push-pull predate the clock wait, and ssp bounds the staleness
         # of the values a step computes from. After pull(averages=True) the model holds averages.
         if (cfg.mode == "ssp" and self.local_step > 0) or self._holds_averages:
@@ -269,7 +271,9 @@ class Trainer(TrainerBase):
             self._drain_sent()
             raise
         sent, self._sent = self._sent, None
-        replies = self.client.recv_push_replies(range(self.task.num_ps), self._dests)
+        # sync: the ps answers once the step is applied, i.e. once the other workers' gradients are in
+        with self.waiting("the sync step's quorum") if cfg.mode == "sync" else contextlib.nullcontext():
+            replies = self.client.recv_push_replies(range(self.task.num_ps), self._dests)
         self.early_pushes += len(sent) - len(self._late)
         self._late.clear()
         self.versions = [int(r["version"]) for r in replies]
