@@ -104,3 +104,21 @@ class Progress:
 
     def positions_now(self) -> dict[str, dict[str, Any]]:
         return {k: dict(v) for k, v in self.positions.items()}
+
+    def export(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Everything but the plan and the positions (which travel as a PS_INIT's), for a full
+        state transfer: the pending positions, and the held snapshots (tensors ``held/<version>/<name>``)."""
+        meta = {"pending": {k: dict(v) for k, v in self._pending.items()},
+                "held": {str(v): {k: dict(p) for k, p in pos.items()} for v, (_, pos) in self._held.items()}}
+        tensors = {f"held/{v}/{k}": t for v, (ts, _) in self._held.items() for k, t in ts.items()}
+        return meta, tensors
+
+    def restore(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`export`, after :meth:`configure`."""
+        self._pending = {str(k): dict(v) for k, v in (meta.get("pending") or {}).items()}
+        held: dict[int, dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            _, version, key = name.split("/", 2)
+            held.setdefault(int(version), {})[key] = t
+        self._held = {v: (held.get(v, {}), {k: dict(p) for k, p in pos.items()})
+                      for v, pos in ((int(v), pos) for v, pos in (meta.get("held") or {}).items())}

@@ -96,6 +96,7 @@ primary-backup replication needs. Reads (:meth:`needed`, :meth:`lost_hold_messag
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -513,6 +514,33 @@ class ShardRules:
             "last_push": dict(sorted(self.last_push.items())),
         }
 
+    def export(self) -> dict[str, Any]:
+        """The whole state as plain JSON data (a full state transfer to a re-syncing backup):
+        :meth:`restore` of it gives a ShardRules whose :meth:`state` is this one's."""
+        st = self.state()
+        return {
+            **st, "settings": dataclasses.asdict(self.settings),
+            "lost_at": _keyed(self.lost_at), "clocks": _keyed(self.clocks), "lost_clocks": _keyed(self.lost_clocks),
+            "attempts": _keyed(self.attempts), "held": [list(h) for h in sorted(self.held)],
+            "last_push": {str(w): [a, s, act.value] for w, (a, s, act) in sorted(self.last_push.items())},
+        }
+
+    @classmethod
+    def restore(cls, shard: int, num_workers: int, data: dict[str, Any]) -> ShardRules:
+        """A ShardRules in the state :meth:`export` wrote (the log starts empty)."""
+        rules = cls(shard, num_workers)
+        rules.settings = RuleSettings(**data["settings"])
+        rules.configured = bool(data["configured"])
+        rules.version, rules.seq = int(data["version"]), int(data["seq"])
+        rules.pending, rules.done, rules.lost = ({int(w) for w in data[k]} for k in ("pending", "done", "lost"))
+        rules.lost_at, rules.clocks, rules.lost_clocks, rules.attempts = (
+            {int(w): int(v) for w, v in data[k].items()} for k in ("lost_at", "clocks", "lost_clocks", "attempts"))
+        rules.held = {(int(w), int(c)) for w, c in data["held"]}
+        rules.last_push = {int(w): (int(a), int(s), Act(act)) for w, (a, s, act) in data["last_push"].items()}
+        since = data["lost_wait_since"]
+        rules.lost_wait_since = None if since is None else float(since)
+        return rules
+
     # -- internals -------------------------------------------------------------------------
     def _slowest(self, clock: int) -> int:
         """The slowest live clock, seen by a worker at ``clock``: 0 while a live worker has not
@@ -599,6 +627,10 @@ class ShardRules:
             self.log.append(ev)
             self.log.extend(decisions)
         return decisions
+
+
+def _keyed(d: dict[int, int]) -> dict[str, int]:
+    return {str(k): v for k, v in sorted(d.items())}
 
 
 def _int(value: int | None) -> int:

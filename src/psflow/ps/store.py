@@ -76,6 +76,13 @@ class StoreStats:
             "wait_s": round(self.wait_s, 3),
         }
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StoreStats:
+        """The counters :meth:`to_dict` wrote (a full state transfer carries them; not the clock log)."""
+        return cls(int(d["pushes"]), int(d["applied_updates"]), int(d["stale_dropped"]),
+                   {int(k): int(v) for k, v in d["stale_by_worker"].items()}, int(d["steps_without_all"]),
+                   int(d["duplicates"]), int(d["superseded"]), float(d["wait_s"]))
+
 
 class ParameterStore:
     """Values and update rule of one ps shard."""
@@ -103,6 +110,7 @@ class ParameterStore:
         self._forwarder: Forwarder | None = None  # a primary with a backup: where recorded events go
         self._ship_position: Mapping[str, Any] | None = None  # the data position of the push being decided
         self._ship_updates: dict[int, dict[str, torch.Tensor]] = {}  # APPLY's new version -> the update applied
+        self._init_settings: dict[str, Any] = {}  # the PS_INIT's optimizer, schedule, ema_decay (a full state repeats them)
 
     # -- the rules' state, read --------------------------------------------------------------
     @property
@@ -164,6 +172,7 @@ class ParameterStore:
             self.config = config
             self.placement_digest = placement_digest
             self.meta = dict(meta or {})
+            self._init_settings = {"optimizer": optimizer, "schedule": schedule, "ema_decay": ema_decay}
             plan = step_plan or StepPlan()
             self.progress.configure(plan, data_positions)
             self._act(self.rules.configure(RuleSettings.of(config, plan.stop_at), version))
@@ -474,6 +483,60 @@ class ParameterStore:
         log.clear()
         self._ship_position = None
         self._ship_updates = {}
+
+    def transfer_state(self) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+        """The shard's whole state now, for a re-syncing backup (:meth:`load_state` there), as a
+        PS_INIT's fields plus the rules' bookkeeping, pending and held positions, held snapshots and
+        counters. Call under the lock (:meth:`replicate_to` does) so that no record slips between."""
+        _, tensors = self.snapshot()
+        progress_meta, held = self.progress.export()
+        meta = {**self._init_settings, "config": self.config.to_dict(), "placement_digest": self.placement_digest,
+                "version": self.version, "meta": self.meta, "step_plan": self.progress.plan.to_dict(),
+                "data_positions": self.progress.positions_now(), "rules": self.rules.export(),
+                "progress": progress_meta, "stats": self.stats.to_dict()}
+        return meta, list(tensors.items()) + [(k, t.clone()) for k, t in held.items()]
+
+    def replicate_to(self, forwarder: Forwarder, meta: Mapping[str, Any]) -> int:
+        """Forward from now on to a backup that starts from this shard's full state (a re-sync), in
+        place of the forwarder there was (replaced: its waiters move to this one). ``meta`` is added
+        to the state's. Returns the sequence number the state is at."""
+        with self._cond:
+            self._require_init()
+            state, tensors = self.transfer_state()
+            old = self._forwarder
+            self.rules.log = []  # every record after the state goes to the new backup
+            self._ship_updates = {}
+            self._forwarder = forwarder
+            forwarder.start(self.rules.seq, ({**state, **meta}, tensors))
+            if old is not None:
+                old.replace()
+            self._cond.notify_all()
+            return self.rules.seq
+
+    def load_state(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        """A re-syncing backup: become the copy :meth:`transfer_state` captured (this store must be
+        new: a restarted ps's). Then :meth:`follow` the records after it.
+
+        Raises:
+            TrainingError: this store is initialized already.
+        """
+        from psflow.checkpoint.keys import split_state
+
+        held = {k: t for k, t in tensors.items() if k.startswith("held/")}
+        values, opt_state, ema_state = split_state({k: t for k, t in tensors.items() if not k.startswith("held/")})
+        if not self.initialize(
+                values, optimizer=meta["optimizer"], config=TrainConfig.from_dict(meta["config"]),
+                placement_digest=str(meta.get("placement_digest", "")), version=int(meta["version"]),
+                schedule=meta.get("schedule"), ema_decay=meta.get("ema_decay"), meta=meta.get("meta"),
+                optimizer_state=opt_state or None, ema_state=ema_state or None,
+                step_plan=StepPlan.from_dict(meta.get("step_plan")), data_positions=meta.get("data_positions")):
+            raise TrainingError(f"ps shard {self.shard}'s copy here is initialized already: a full state is loaded only "
+                                "into the empty copy of a restarted ps.")
+        with self._cond:
+            self.rules = ShardRules.restore(self.shard, self.num_workers, meta["rules"])
+            self.progress.restore(meta.get("progress") or {}, held)
+            self.stats = StoreStats.from_dict(meta["stats"])
+            self._cond.notify_all()
 
     def take_over(self) -> None:
         """This backup copy serves the shard now (see :meth:`ShardRules.take_over`): the held sync
