@@ -46,6 +46,10 @@ class TrainConfig:
     # ps: copies of each shard. 2: shard s's primary ps:s forwards every applied update to its backup
     # ps:(s+1 mod P) and acknowledges a push once the backup holds it (psflow.ps.replication)
     ps_replicas: int = 1
+    # ps_replicas=2, clients: a shard's serving ps that does not answer again within this routes the shard to the other copy
+    primary_failover_s: float = 2.0
+    # ps_replicas=2, ps: a backup that does not answer for this long leaves its shard to go on with one copy (degraded)
+    backup_failover_s: float = 5.0
     # All-reduce off loopback: gloo's store and connections are not covered by the job secret.
     allow_unauthenticated_allreduce: bool = False
 
@@ -71,7 +75,8 @@ class TrainConfig:
             raise ConfigError(f"staleness must be an integer >= 0; received {self.staleness!r}.")
         if self.split_bytes is not None and (not isinstance(self.split_bytes, int) or self.split_bytes < 0):
             raise ConfigError(f"split_bytes must be an integer >= 0 or None; received {self.split_bytes!r}.")
-        for name in ("sync_timeout_s", "ready_timeout_s", "lost_worker_timeout_s", "progress_every_s", "heartbeat_every_s"):
+        for name in ("sync_timeout_s", "ready_timeout_s", "lost_worker_timeout_s", "progress_every_s", "heartbeat_every_s",
+                     "primary_failover_s", "backup_failover_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{name} must be a positive number of seconds; received {v!r}.")

@@ -45,3 +45,8 @@ class DataError(PsflowError):
 
 class TrainingError(PsflowError):
     """Training cannot go on (a NaN, a sync step that can never complete, ...)."""
+
+
+class NotServingError(ClusterError):
+    """A ps does not serve a shard now (it restarted and is re-syncing, or holds the shard's backup
+    copy): retryable, at the other ps of the shard's pair (``ps_replicas=2``)."""

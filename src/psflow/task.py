@@ -119,8 +119,11 @@ class Task:
             from psflow.fault import crashing_save, parse_faults
             from psflow.ps.service import PsService, default_save
 
-            self.ps_service = PsService(server, task_id.index, cluster, resolve=self.resolve)
+            self.ps_service = PsService(server, task_id.index, cluster, resolve=self.resolve,
+                                        failover_s=config.backup_failover_s, attempt=attempt, replicas=config.ps_replicas)
             self.ps_service.on_save = crashing_save(default_save(self.ps_service), parse_faults(self.fail_at), str(task_id))
+            if attempt >= 1 and config.ps_replicas == 2:
+                self.ps_service.start_resync(config.ready_timeout_s)  # serves nothing until its copies are back
 
     # -- roles -----------------------------------------------------------------------------
     job_name = property(lambda self: self.task_id.job)
@@ -180,11 +183,11 @@ class Task:
         previous = signal.signal(signal.SIGTERM, on_term) if in_main else None
         try:
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            store = service.store
             # Serve; about once a second tell the launcher's live status where the job is.
             while not service.join(1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))):
                 if deadline is not None and time.monotonic() >= deadline:
                     break
+                store = service.store  # a restarted ps's own copy arrives with its re-sync
                 if store.initialized:
                     self.report_progress(global_step=store.version, pushes=store.stats.pushes,
                                          stale_dropped=store.stats.stale_dropped)

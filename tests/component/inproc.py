@@ -110,7 +110,8 @@ class InprocCluster:
                 addrs[tid.job].append(server.address)
             self.cluster = ClusterSpec.from_dict(addrs)
             # Services register their routes before any task of the cluster can know the address.
-            self.services = [PsService(self.servers[TaskId("ps", i)], i, self.cluster) for i in range(num_ps)]
+            self.services = [PsService(self.servers[TaskId("ps", i)], i, self.cluster, failover_s=config.backup_failover_s)
+                             for i in range(num_ps)]
             for service in self.services:
                 service.on_save = default_save(service)  # each ps writes its own checkpoint shard, as a ps task does
         except BaseException:
@@ -133,6 +134,23 @@ class InprocCluster:
         trainer = Trainer(model, optimizer, self.task(index, fail_at=fail_at, attempt=attempt, logdir=logdir), **settings)
         self._clients.append(trainer.client)
         return trainer
+
+    def kill_ps(self, index: int) -> None:
+        """What SIGKILL does to a ps: its listener and every connection close at once."""
+        self.servers[TaskId("ps", index)].stop()
+        self.services[index].stop()
+
+    def restart_ps(self, index: int, *, attempt: int = 1) -> PsService:
+        """Start ``ps:index`` again where it listened (a new process of the same task: ``attempt``
+        above 0, nothing held), as the launcher restarts a dead ps. Its re-sync is the caller's to start."""
+        tid = TaskId("ps", index)
+        port = int(self.cluster.address(tid).rsplit(":", 1)[1])
+        server = Server(str(tid), host="127.0.0.1", port=port, secret=SECRET, handshake_timeout_s=5.0)
+        service = PsService(server, index, self.cluster, failover_s=self.config.backup_failover_s, attempt=attempt,
+                            replicas=self.config.ps_replicas)
+        server.start()
+        self.servers[tid], self.services[index] = server, service
+        return service
 
     def client(self) -> PsClient:
         """A separate connection to every ps shard (for status), as an evaluator would hold."""

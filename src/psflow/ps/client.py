@@ -15,17 +15,24 @@ has already decided and does not apply it again (see :mod:`psflow.ps.rules`, DUP
 without one raises the loss to the caller (its gradient may have been applied). Without
 ``resolve`` (cluster from flags or TF_CONFIG) a lost connection raises, as it always did.
 
-Failover (``replicas=2``, :mod:`psflow.ps.replication`): shard s has a backup on ps:(s+1 mod P).
-A lost connection is made again to the shard's primary if it answers within ``failover_s``; if it
-does not (dead, or restarting), to its backup, and from then on every request for shard s goes
-there and names the shard (``shard``: the backup serves its own shard too). The backup takes over
-at once: it holds every push the primary acknowledged, and a resent push it holds already is a
-DUPLICATE. Such a client reconnects with or without ``resolve``.
+Failover (``replicas=2``, :mod:`psflow.ps.replication`): shard s lives on a pair of ps, ps:s and
+its backup ps:(s+1 mod P). A lost connection is made again to the ps serving the shard if it answers
+within ``failover_s`` (TrainConfig.primary_failover_s); if it does not (dead, or restarting), to the
+other ps of the pair, and from then on every request for shard s goes there and names the shard
+(``shard``: that ps serves its own shard too). The copy there takes over at once: it holds every
+push the dead one acknowledged, and a resent push it holds already is a DUPLICATE. Routes flip
+either way: after a re-sync the restarted ps holds the copy, and the shard comes back to it if the
+survivor dies too. A ps that answers that it does not serve the shard (NotServingError: it
+restarted and is re-syncing, or holds only the backup copy; a ps that restarted within
+``failover_s`` is reconnected to) gets the request routed to the other ps of the pair and resent
+(nothing was decided), until ``connect_timeout_s`` has passed. Such a client reconnects with or
+without ``resolve``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -33,7 +40,7 @@ import torch
 
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.errors import PsflowError, RemoteError, TransportError
-from psflow.ps.replication import backup_of
+from psflow.ps.replication import pair_other
 from psflow.wire.conn import Connection, Frame, PeerLostError, Resolve, connect
 from psflow.wire.frame import Limits
 from psflow.wire.ops import Op
@@ -42,6 +49,7 @@ log = logging.getLogger("psflow")
 
 # Requests a shard may receive twice without harm: sent again after a lost connection (with a resolver).
 _REPEATABLE = frozenset({Op.PS_PULL, Op.PS_STATUS, Op.PS_READY, Op.PS_CLOCK, Op.PS_DONE})
+_NOT_SERVING = "NotServingError"  # the ERROR kind of a ps that does not serve the shard now (retry at the other)
 
 
 class PsClient:
@@ -132,20 +140,33 @@ class PsClient:
         return address
 
     def _connect_serving(self, shard: int) -> Connection:
-        """replicas=2: a connection to the ps that serves ``shard`` now: its primary if it answers
-        within ``failover_s``, else its backup (which takes over; later requests go there)."""
+        """replicas=2: a connection to the ps that serves ``shard`` now: the one it is routed to (at
+        first its primary) if it answers within ``failover_s``, else the other ps of the shard's pair
+        (whose copy takes over; later requests go there)."""
         serving = self.routes.get(shard, shard)
-        if serving == shard:
-            try:
-                return connect(self._where(shard), secret=self._secret, task=str(self.task), peer=f"ps:{shard}",
-                               deadline_s=self.failover_s, limits=self._limits, resolve=self._resolve)
-            except TransportError as e:
-                serving = backup_of(shard, self.num_shards)
-                self.routes[shard] = serving
-                log.warning("%s: ps:%d did not answer within %g s (%s); its backup ps:%d serves shard %d now.",
-                            self.task, shard, self.failover_s, e, serving, shard)
-        return connect(self._where(serving), secret=self._secret, task=str(self.task), peer=f"ps:{serving}",
+        try:
+            return connect(self._where(serving), secret=self._secret, task=str(self.task), peer=f"ps:{serving}",
+                           deadline_s=self.failover_s, limits=self._limits, resolve=self._resolve)
+        except TransportError as e:
+            other = self._reroute(shard)
+            log.warning("%s: ps:%d did not answer within %g s (%s); ps:%d serves shard %d now.",
+                        self.task, serving, self.failover_s, e, other, shard)
+        return connect(self._where(other), secret=self._secret, task=str(self.task), peer=f"ps:{other}",
                        deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve)
+
+    def _reroute(self, shard: int) -> int:
+        """Route ``shard`` to the other ps of its pair; returns it. Its connection is made again there."""
+        other = pair_other(shard, self.routes.get(shard, shard), self.num_shards)
+        self.routes[shard] = other
+        conn = self.conns[shard] if shard < len(self.conns) else None
+        if conn is not None:
+            conn.close()
+            self.conns[shard] = None
+        return other
+
+    def _refused(self, frame: Frame) -> bool:
+        """Whether ``frame`` says its ps does not serve the shard now (retryable at the other ps)."""
+        return self.replicas == 2 and frame.op == Op.ERROR and frame.meta.get("kind") == _NOT_SERVING
 
     def _routed(self, shard: int, meta: dict[str, Any]) -> dict[str, Any]:
         """A request's meta, naming the shard where its backup serves it."""
@@ -157,7 +178,7 @@ class PsClient:
         if conn is not None:
             conn.close()
             self.conns[shard] = None
-            log.warning("%s: lost its connection to ps:%d (%s); the next request reconnects.", self.task, shard, error)
+            log.warning("%s: lost its connection for shard %d (%s); the next request reconnects.", self.task, shard, error)
 
     def _all(
         self,
@@ -170,12 +191,42 @@ class PsClient:
     ) -> list[Frame]:
         shards = list(range(self.num_shards)) if shards is None else list(shards)
         try:
-            return self._exchange(op, metas, tensors, dests, wait_s, shards)
+            frames = self._exchange(op, metas, tensors, dests, wait_s, shards)
         except PeerLostError:
             if not self.reconnects or op not in _REPEATABLE:
                 raise
             # A shard went away before answering: ask again where it listens now (it may have restarted).
-            return self._exchange(op, metas, tensors, dests, wait_s, shards)
+            frames = self._exchange(op, metas, tensors, dests, wait_s, shards)
+        return self._resend_refused(op, metas, tensors, dests, wait_s, shards, frames)
+
+    def _resend_refused(self, op: Op, metas: Sequence[dict[str, Any]],
+                        tensors: Sequence[Sequence[tuple[str, torch.Tensor]]] | None,
+                        dests: Sequence[Mapping[str, torch.Tensor]] | None, wait_s: float, shards: list[int],
+                        frames: list[Frame]) -> list[Frame]:
+        """Send each request a ps refused as not serving its shard to the other ps of the pair (the
+        refusing ps decided nothing), until each is answered or ``connect_timeout_s`` has passed."""
+        deadline = time.monotonic() + self.connect_timeout_s
+        while True:
+            refused = [j for j, f in enumerate(frames) if self._refused(f)]
+            if not refused:
+                break
+            if time.monotonic() >= deadline:
+                f = frames[refused[0]]
+                raise RemoteError(f"ps:{self.routes.get(shards[refused[0]], shards[refused[0]])}: "
+                                  f"{f.meta.get('error')} (still refused after {self.connect_timeout_s:g} s)")
+            for j in refused:
+                other = self._reroute(shards[j])
+                log.warning("%s: refused: %s Sending it to ps:%d.", self.task, frames[j].meta.get("error"), other)
+            again = self._exchange(op, [metas[j] for j in refused], [tensors[j] for j in refused] if tensors else None,
+                                   [dests[j] for j in refused] if dests else None, wait_s, [shards[j] for j in refused])
+            for j, f in zip(refused, again):
+                frames[j] = f
+            if any(self._refused(f) for f in again):
+                time.sleep(0.1)  # both copies refuse (one re-syncing): give the re-sync a moment
+        for f, i in zip(frames, shards):
+            if f.op == Op.ERROR:
+                raise RemoteError(f"ps:{i}: {f.meta.get('error', 'unknown error')}")
+        return frames
 
     def _exchange(
         self,
@@ -207,7 +258,7 @@ class PsClient:
             except TransportError as e:
                 lost = self._on_error(i, e, lost)
                 continue
-            if frame.op == Op.ERROR and first_error is None:
+            if frame.op == Op.ERROR and first_error is None and not self._refused(frame):
                 first_error = RemoteError(f"ps:{i}: {frame.meta.get('error', 'unknown error')}")
             frames.append(frame)
         if lost is not None:
@@ -344,7 +395,24 @@ class PsClient:
         unanswered: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]] | None,
     ) -> Frame:
         """The reply to the push sent to ``shard``; a push the ps deduplicates (``unanswered``) is
-        resent once on a fresh connection if the connection was lost before the reply."""
+        resent once on a fresh connection if the connection was lost before the reply, and to the
+        other ps of the shard's pair while a ps refuses it as not serving the shard."""
+        frame = self._recv_push_reply_once(shard, dest, unanswered)
+        deadline = time.monotonic() + self.connect_timeout_s
+        while unanswered is not None and self._refused(frame) and time.monotonic() < deadline:
+            other = self._reroute(shard)
+            log.warning("%s: refused: %s Resending push %s to ps:%d.", self.task, frame.meta.get("error"),
+                        unanswered[0].get("seq"), other)
+            self._send_push_now(shard, *unanswered)
+            frame = self._recv_push_reply_once(shard, dest, unanswered)
+            if self._refused(frame):
+                time.sleep(0.1)  # both copies refuse (one re-syncing): give the re-sync a moment
+        return frame
+
+    def _recv_push_reply_once(
+        self, shard: int, dest: Mapping[str, torch.Tensor],
+        unanswered: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]] | None,
+    ) -> Frame:
         conn = self.conns[shard]
         try:
             if conn is None:  # lost while sending (with a resolver): there is no reply to read

@@ -33,29 +33,58 @@ refuses a batch that skips a number (:func:`check_next`: a gap means a lost batc
 past it would diverge in silence) and skips events it holds already (a batch resent after a
 reconnect).
 
-States of the replication, seen by the primary::
+States of a forwarder (one per shard copy that has a backup: the primary's)::
 
-    starting --init acked--> replicating --backup unreachable past failover_s--> degraded
-    (degraded: the primary goes on alone and logs why; nothing is waited for.)
+    starting --init (or full state) acked--> replicating --backup unreachable past backup_failover_s--> degraded
+    any --the shard's backup re-syncs: a new forwarder from a full state--> replaced
+    (degraded: the serving copy goes on alone and logs why; nothing is waited for or queued.
+     replaced: its waiters wait on the new forwarder, which starts from a state at least as new.)
 
 Failover. A worker's client (:class:`~psflow.ps.client.PsClient` with ``replicas=2``) that loses
-its connection to shard s's primary and cannot make it again within its ``failover_s`` sends every
-later request for shard s to the backup, naming the shard. The backup's service takes over on the
-first such request (:meth:`ParameterStore.take_over`, a recorded TAKEOVER event): it serves the
-copy from then on; its version never goes back (it holds every event the primary had acknowledged,
-and a pull was answered only with a state the backup held); the sync gradients held for the current
-step lived on the primary only, so they and their push numbers are forgotten and their resent pushes
-taken again; any other resent push it holds already is a DUPLICATE (by worker, attempt and push
-number), so nothing acknowledged is lost and nothing is applied twice. The taken-over shard has no
-backup (it survives one ps death, not two).
+its connection to the ps serving shard s and cannot make it again within ``primary_failover_s``
+(TrainConfig) sends every later request for shard s to the other ps of the shard's pair
+(:func:`pair_other`: ps:s and ps:(s+1 mod P) hold shard s; whichever serves it, the other holds its
+copy), naming the shard. That copy takes over on the first such request (a recorded TAKEOVER,
+:meth:`ParameterStore.take_over`): it serves the shard from then on; its version never goes back (it
+holds every event the serving copy had acknowledged, and a pull was answered only with a state the
+copy held); the sync gradients held for the current step lived on the dead copy only, so they and
+their push numbers are forgotten and their resent pushes taken again; any other resent push it holds
+already is a DUPLICATE (by worker, attempt and push number), so nothing acknowledged is lost and
+nothing is applied twice. Until the dead ps is back and re-synced the shard has no backup.
 
-Not yet: a restarted ps re-syncing from the survivor (the survivor sending it the shard's state and
-then its records) and becoming the backup again; until then the restarted ps serves nothing of the
-taken-over shard, and its own shard's survivor copy keeps serving.
+Re-sync. A ps started again (``attempt >= 1``, the launcher's PSFLOW_ATTEMPT) holds nothing: its
+process died with the copies it held. It must never serve its shard from scratch (a client that
+reconnects to it within ``primary_failover_s`` would otherwise find an empty shard). So it starts
+with both its copies *resyncing* and asks the other ps of each pair it belongs to (its own shard's
+survivor, and the primary of the shard before it; with P = 2 both are the other ps) to re-sync it
+(PS_REPLICATE ``resync``). That ps takes the shard over if it held only the copy (a TAKEOVER: no
+client had failed over yet), then, under the store's lock, captures the shard's full state at its
+sequence number N (values, optimizer slots, averages, the rules' bookkeeping, every worker's data
+position, the held snapshots and the counters: :meth:`ParameterStore.transfer_state`) and starts a
+new forwarder to the asker that ships that state first (``state``) and then every record after N.
+It answers the asker once the state is held. The restarted ps is then the *backup* of both shards:
+the survivor stays the primary of the shard it took over (no flip-flop: moving it back would be a
+second failover for nothing), and the backup of the survivor's own shard again. If the survivor
+dies next, clients fail over to the re-synced copy, which takes over with every acknowledged update.
+
+States of one shard's copy on a ps (:class:`Role`; the ps's service keeps one per shard it holds)::
+
+    attempt 0:   own shard   serving   (the chief's PS_INIT fills it; clients wait for readiness)
+                 shard s-1   backup    (its primary's forwarded init fills it)
+    attempt >=1: both        resyncing --full state received--> backup
+    backup    --a request naming the shard (a client failed over)----------> serving (TAKEOVER)
+    backup    --the other ps of the pair asks to re-sync-------------------> serving (TAKEOVER), asker = its backup
+    serving   --the other ps of the pair asks to re-sync-------------------> serving, forwarding to it anew
+    resyncing or backup --a request not naming the shard-----------------> refused: NotServingError
+    resyncing --any request (a re-sync request too)-----------------------> refused: NotServingError
+
+A refusal is retryable (:class:`~psflow.errors.NotServingError`): the client routes the shard to the
+other ps of its pair and sends the request again (nothing was decided by the refusing ps).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -65,7 +94,7 @@ from typing import Any
 
 import torch
 
-from psflow.errors import PsflowError, TrainingError, TransportError
+from psflow.errors import ConfigError, NotServingError, PsflowError, TrainingError, TransportError
 from psflow.ps.rules import Event, On
 
 log = logging.getLogger("psflow.ps")
@@ -77,6 +106,63 @@ def backup_of(shard: int, num_ps: int) -> int:
         raise ValueError(f"A ps shard's backup needs a second ps task; this cluster has {num_ps}. Use 2 or more ps "
                          "with ps_replicas=2.")
     return (shard + 1) % num_ps
+
+
+def pair_other(shard: int, ps: int, num_ps: int) -> int:
+    """The other ps of shard ``shard``'s pair (ps:shard and its backup ps), seen from ps ``ps``.
+
+    Raises:
+        ConfigError: ``ps`` holds no copy of the shard.
+    """
+    backup = backup_of(shard, num_ps)
+    if ps == shard:
+        return backup
+    if ps == backup:
+        return shard
+    raise ConfigError(f"ps:{ps} holds no copy of shard {shard}: its copies live on ps:{shard} and ps:{backup} "
+                      "(ps_replicas=2). Is every task running with the same number of ps?")
+
+
+def shards_held(ps: int, num_ps: int) -> list[int]:
+    """The shards ps ``ps`` holds a copy of: its own and the one before it (``num_ps >= 2``)."""
+    return sorted({ps, (ps - 1) % num_ps})
+
+
+class Role(enum.Enum):
+    """What a ps does with its copy of one shard (see the module docstring's states)."""
+
+    SERVING = "serving"  # answers workers; forwards its records to the other ps of the pair, if it has re-synced
+    BACKUP = "backup"  # follows the serving copy's records; takes over when a client fails over to it
+    RESYNCING = "resyncing"  # a restarted ps waiting for the shard's state: refuses everything
+
+
+class Answer(enum.Enum):
+    SERVE = "serve"
+    TAKE_OVER = "take_over"
+    REFUSE = "refuse"
+
+
+def on_request(role: Role, names_shard: bool) -> Answer:
+    """A worker's request for a shard whose copy here has ``role``; ``names_shard``: the client
+    routed it here after the other copy did not answer (it names the shard)."""
+    if role is Role.SERVING:
+        return Answer.SERVE
+    if role is Role.BACKUP and names_shard:
+        return Answer.TAKE_OVER
+    return Answer.REFUSE
+
+
+def on_resync(role: Role) -> Answer:
+    """The other ps of the pair restarted and asks this copy for the shard's state."""
+    return {Role.SERVING: Answer.SERVE, Role.BACKUP: Answer.TAKE_OVER}.get(role, Answer.REFUSE)
+
+
+def not_serving(ps: int, shard: int, role: Role, num_ps: int) -> NotServingError:
+    other = pair_other(shard, ps, num_ps)
+    why = ("it restarted and is re-syncing the shard's state" if role is Role.RESYNCING
+           else "it holds the shard's backup copy")
+    return NotServingError(f"ps:{ps} does not serve shard {shard} now: {why}; ps:{other} serves it. Retry there "
+                           "(psflow's client routes there by itself).")
 
 
 # -- records on the wire (plain JSON data: nothing received is unpickled) -------------------------
@@ -184,45 +270,64 @@ Send = Callable[[dict[str, Any], Sequence[tuple[str, torch.Tensor]]], dict[str, 
 
 
 class Forwarder:
-    """The primary's sender: ships the init, then each batch in order, to the backup; answers
-    :meth:`wait_acked`. ``send(meta, tensors) -> reply meta`` is one request to the backup (it
-    reconnects itself); it raising for longer than ``failover_s`` degrades the shard (see the module
-    docstring)."""
+    """The serving copy's sender: ships the init (or a full state), then each batch in order, to the
+    backup; answers :meth:`wait_acked`. ``send(meta, tensors) -> reply meta`` is one request to the
+    backup (it reconnects itself); it raising for longer than ``failover_s`` degrades the shard (see
+    the module docstring)."""
 
-    def __init__(self, shard: int, backup: int, send: Send, init: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]],
+    def __init__(self, shard: int, backup: int, send: Send,
+                 init: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]] | None = None,
                  *, failover_s: float = 5.0) -> None:
         self.shard, self.backup = shard, backup
         self.outbox = Outbox()
         self.degraded: str | None = None  # why the primary goes on without its backup
+        self.replaced = False  # a re-sync started a new forwarder for this shard: this one is done
         self._send, self._init, self._failover_s = send, init, failover_s
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"psflow-replicate-{shard}", daemon=True)
 
-    def start(self, init_seq: int) -> None:
-        """Ship the init (the state after the shard's records up to ``init_seq``), then batches."""
+    def start(self, init_seq: int, init: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]] | None = None) -> None:
+        """Ship the init (the state after the shard's records up to ``init_seq``), then batches.
+        ``init`` replaces the one given at construction (a full state, captured under the store's lock)."""
+        if init is not None:
+            self._init = init
+        if self._init is None:
+            raise ValueError("A Forwarder needs the state it starts from (init) before it starts.")
         self.outbox.queued_seq = init_seq
         self._init_seq = init_seq
         self._thread.start()
 
     def add(self, events: list[Event], last_seq: int, positions: Mapping[int, Any],
             updates: Mapping[int, dict[str, torch.Tensor]]) -> None:
-        """Queue what the store just recorded (called under the store's lock: the order is the seq order)."""
+        """Queue what the store just recorded (called under the store's lock: the order is the seq order).
+        Degraded or replaced, nothing is queued: nobody would ship it."""
         with self._cond:
+            if self.degraded is not None or self.replaced:
+                return
             self.outbox.add(events, last_seq, positions, updates)
             self._cond.notify_all()
 
     def wait_acked(self, seq: int, timeout_s: float) -> None:
-        """Return once the backup holds every record up to ``seq`` (or the shard is degraded).
+        """Return once the backup holds every record up to ``seq`` (or the shard is degraded, or
+        this forwarder was replaced: the caller then waits on the new one).
 
         Raises:
             TrainingError: it did not within ``timeout_s``.
         """
         with self._cond:
-            if not self._cond.wait_for(lambda: self.degraded is not None or self.outbox.acked_seq >= seq, timeout_s):
+            if not self._cond.wait_for(lambda: self.degraded is not None or self.replaced
+                                       or self.outbox.acked_seq >= seq, timeout_s):
                 raise TrainingError(
-                    f"ps:{self.shard}'s backup ps:{self.backup} did not confirm record {seq} within {timeout_s:.1f} s "
+                    f"Shard {self.shard}'s backup ps:{self.backup} did not confirm record {seq} within {timeout_s:.1f} s "
                     f"(it holds {self.outbox.acked_seq}). The update is not acknowledged; the worker resends it.")
+
+    def replace(self) -> None:
+        """A new forwarder serves this shard's backup from now on: stop, and release the waiters."""
+        with self._cond:
+            self.replaced = True
+            self.outbox.queued = []
+        self.close()
 
     def close(self) -> None:
         with self._cond:
@@ -230,6 +335,7 @@ class Forwarder:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        assert self._init is not None
         if not self._ship(*self._init):
             return
         with self._cond:
@@ -262,8 +368,9 @@ class Forwarder:
                 if time.monotonic() >= deadline:
                     with self._cond:
                         self.degraded = (f"its backup ps:{self.backup} did not answer for {self._failover_s:g} s "
-                                         f"({e}); ps:{self.shard} goes on without a copy of its shard")
+                                         f"({e}); shard {self.shard} goes on without a copy")
+                        self.outbox.queued = []
                         self._cond.notify_all()
-                    log.warning("ps:%d: %s.", self.shard, self.degraded)
+                    log.warning("shard %d: %s.", self.shard, self.degraded)
                     return False
                 time.sleep(0.05)

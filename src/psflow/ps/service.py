@@ -4,16 +4,20 @@ Called by psflow.task for a ps task. ``join()`` returns when every worker has sa
 shutdown request came), which is how a psflow ps exits by itself at the end of a job, unlike
 TensorFlow's ``server.join()``.
 
-With ``ps_replicas = 2`` (in the chief's PS_INIT) the service is also its shard's primary, whose
-store forwards every recorded event to the backup ps (:mod:`psflow.ps.replication`) and answers a
-request only once the backup holds the state the reply shows; and it is the backup of the shard
-before it, kept in ``backups`` and fed by that shard's primary (PS_REPLICATE).
+With ``ps_replicas = 2`` (in the chief's PS_INIT) the service holds a copy of two shards (its own
+and the one before it), each with a :class:`~psflow.ps.replication.Role` (``roles``): a serving
+copy's store forwards every recorded event to the other ps of the shard's pair and answers a request
+only once that backup holds the state the reply shows; a backup copy (``backups``, or the own shard
+of a restarted ps) is fed by the serving one (PS_REPLICATE). A restarted ps (``attempt >= 1``)
+refuses every request until :meth:`PsService.resync` has brought both its copies back from the other
+ps (see :mod:`psflow.ps.replication` for the states and transitions).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,10 +25,22 @@ from typing import Any
 from psflow.checkpoint.keys import split_state
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
-from psflow.errors import ConfigError, RemoteError, TrainingError, TransportError
+from psflow.errors import ConfigError, PsflowError, RemoteError, TrainingError, TransportError
 from psflow.ps import requests
 from psflow.ps.progress import StepPlan
-from psflow.ps.replication import Batch, Forwarder, backup_of
+from psflow.ps.replication import (
+    Answer,
+    Batch,
+    Forwarder,
+    Role,
+    Send,
+    backup_of,
+    not_serving,
+    on_request,
+    on_resync,
+    pair_other,
+    shards_held,
+)
 from psflow.ps.rules import Act
 from psflow.ps.store import ParameterStore
 from psflow.server import Reply, Request, Server
@@ -32,6 +48,9 @@ from psflow.wire.conn import Connection, Resolve, connect
 from psflow.wire.ops import Op
 
 log = logging.getLogger("psflow.ps")
+
+# Requests for a shard's values and rules: answered by the copy that serves the shard (refused by the others).
+_ROUTED = frozenset({Op.PS_READY, Op.PS_PULL, Op.PS_PUSH, Op.PS_CLOCK, Op.PS_DONE})
 
 
 def warm_up() -> None:
@@ -67,18 +86,27 @@ class PsService:
     """
 
     def __init__(self, server: Server, shard: int, cluster: ClusterSpec, *, default_wait_s: float = 60.0,
-                 resolve: Resolve | None = None, failover_s: float = 5.0) -> None:
+                 resolve: Resolve | None = None, failover_s: float = 5.0, attempt: int = 0, replicas: int = 1) -> None:
         self.server = server
         self.resolve = resolve  # where the backup ps listens now (a launched task's address book)
-        self.failover_s = failover_s  # replication: how long the backup may not answer before the primary goes on alone
-        self.backups: dict[int, ParameterStore] = {}  # shard -> its copy here (this ps is that shard's backup)
-        self._backup_conn: Connection | None = None
-        self.serving: dict[int, ParameterStore] = {}  # shard -> the backup copy that took over from its dead primary
+        self.failover_s = failover_s  # replication: how long a backup may not answer before the serving copy goes on alone
+        self.attempt = attempt  # the task's restart count: from 1 on (with replicas=2) the ps re-syncs before serving
+        self.backups: dict[int, ParameterStore] = {}  # shard -> its copy here (the shard before this ps's own)
+        self.roles: dict[int, Role] = {shard: Role.SERVING}  # shard -> what this ps does with its copy
+        self._links: list[_Link] = []  # connections to other ps, one per forwarder
         self._takeover_lock = threading.Lock()
+        self.resync_error: PsflowError | None = None  # why the re-sync failed (raised by watch_lost_workers)
         self.shard = shard
         self.cluster = cluster
         self.default_wait_s = default_wait_s
-        self.store = ParameterStore(shard, cluster.num_tasks("chief") + cluster.num_tasks("worker"))
+        num_workers = cluster.num_tasks("chief") + cluster.num_tasks("worker")
+        self.store = ParameterStore(shard, num_workers)
+        if replicas == 2 and attempt >= 1 and cluster.num_tasks("ps") >= 2:
+            # A restarted ps: its copies died with its last attempt; both come back from the other ps.
+            for s in shards_held(shard, cluster.num_tasks("ps")):
+                self.roles[s] = Role.RESYNCING
+                if s != shard:
+                    self.backups[s] = ParameterStore(s, num_workers)
         self._shutdown = threading.Event()
         server.on_peer_gone = self._peer_gone
         self.on_save: Callable[[dict[str, Any]], dict[str, Any]] | None = None
@@ -110,7 +138,7 @@ class PsService:
                 log.warning("ps:%d: %s", self.shard, e)
                 raise
             worker = self._worker_of(req.peer)
-            if worker is not None and self._store_for(req).worker_back(worker):
+            if worker is not None and op in _ROUTED and self._store_for(req).worker_back(worker):
                 log.warning("ps:%d: worker:%d is back (it sent %s); waiting for it as before.", self.shard, worker, op.name)
             return handler(req)
 
@@ -131,10 +159,28 @@ class PsService:
     def stop(self) -> None:
         """Make :meth:`join` return (as a PS_SHUTDOWN request does)."""
         self._shutdown.set()
-        if self.store.forwarder is not None:
-            self.store.forwarder.close()
-        if self._backup_conn is not None:
-            self._backup_conn.close()
+        for store in self._copies().values():
+            if store.forwarder is not None:
+                store.forwarder.close()
+        for link in self._links:
+            link.close()
+
+    @property
+    def serving(self) -> dict[int, ParameterStore]:
+        """Shards other than its own that this ps serves: copies it took over from a dead ps."""
+        return {s: c for s, c in self._copies().items() if s != self.shard and self.roles.get(s) is Role.SERVING}
+
+    def _copies(self) -> dict[int, ParameterStore]:
+        return {self.shard: self.store, **self.backups}
+
+    def _serving_copies(self) -> list[ParameterStore]:
+        return [c for s, c in sorted(self._copies().items()) if self.roles.get(s) is Role.SERVING]
+
+    def _maybe_finished(self) -> None:
+        """Every worker is done on each copy this ps serves (serving none: on each copy it holds)."""
+        copies = self._serving_copies() or [c for c in self._copies().values() if c.initialized]
+        if copies and all(c.all_done() for c in copies):
+            self._shutdown.set()
 
     def watch_lost_workers(self, now: float) -> None:
         """Called about once a second by the ps's main loop (Task.join), ``now`` from ``time.monotonic()``.
@@ -146,19 +192,26 @@ class PsService:
         Raises:
             TrainingError: the ps waited ``lost_worker_timeout_s`` for lost workers only; names them.
         """
-        for decision in self.store.tick(now):
-            if decision.act is Act.WAIT_LOST:
-                log.warning("ps:%d: %s", self.shard, decision.reason)
-            elif decision.act is Act.FAIL:
-                raise TrainingError(decision.reason)
+        if self.resync_error is not None:
+            raise self.resync_error
+        for store in self._serving_copies():  # a backup copy ticks with its serving copy's records only
+            for decision in store.tick(now):
+                if decision.act is Act.WAIT_LOST:
+                    log.warning("ps:%d: %s", self.shard, decision.reason)
+                elif decision.act is Act.FAIL:
+                    raise TrainingError(decision.reason)
 
     # -- handlers --------------------------------------------------------------------------
     def _init(self, req: Request) -> Reply:
+        if self.roles.get(self.shard) is not Role.SERVING:
+            # A restarted ps: the shard lives on at the other ps of its pair and comes back from there;
+            # a chief's (restarted chief's) initial values must not replace it.
+            return Reply({"initialized": False, "version": self.store.version})
         config = TrainConfig.from_dict(req.meta["config"])
         forwarder = None
         if config.ps_replicas == 2 and not self.store.initialized:
-            num_ps = self.cluster.num_tasks("ps")
-            forwarder = Forwarder(self.shard, backup_of(self.shard, num_ps), self._send_to_backup,
+            backup = backup_of(self.shard, self.cluster.num_tasks("ps"))
+            forwarder = Forwarder(self.shard, backup, self._sender(backup),
                                   ({**req.meta, "kind": "init", "shard": self.shard}, list(req.tensors.items())),
                                   failover_s=self.failover_s)
         first = _initialize(self.store, req.meta, req.tensors, forwarder)
@@ -167,67 +220,182 @@ class PsService:
 
     # -- replication -----------------------------------------------------------------------
     def _acked(self, store: ParameterStore | None = None) -> None:
-        """A primary with a backup: return once the backup holds the state this shard is in now."""
+        """A copy with a backup: return once the backup holds the state this shard is in now (a
+        forwarder replaced by a re-sync: the new one, whose full state is at least as new)."""
         store = store or self.store
-        forwarder = store.forwarder
-        if forwarder is not None:
-            forwarder.wait_acked(store.seq, self.failover_s + 60.0)
+        seq = store.seq
+        while True:
+            forwarder = store.forwarder
+            if forwarder is None:
+                return
+            forwarder.wait_acked(seq, self.failover_s + 60.0)
+            if not forwarder.replaced:
+                return
 
     def _store_for(self, req: Request) -> ParameterStore:
         return self.store_of(req.meta.get("shard"))
 
     def store_of(self, shard: Any) -> ParameterStore:
-        """The store serving ``shard`` here: this ps's own, or (a request that names another shard,
-        sent once its primary died) the backup copy, which takes over on the first such request."""
-        if shard is None or shard == self.shard:
-            return self.store
-        store = self.backups.get(shard) if isinstance(shard, int) else None
+        """The copy serving ``shard`` here (None: this ps's own). A backup copy takes over on a
+        request that names its shard (sent once the other ps of the pair did not answer); a copy
+        that does not serve refuses with a NotServingError (the client routes to the other ps).
+
+        Raises:
+            ConfigError: this ps holds no copy of ``shard``.
+            NotServingError: its copy is re-syncing, or a backup the request did not name.
+        """
+        s = self.shard if shard is None else shard
+        store = self._copies().get(s) if isinstance(s, int) else None
         if store is None:
             raise ConfigError(f"ps:{self.shard} was asked to serve shard {shard!r}, but holds no copy of it (it serves "
                               f"shard {self.shard} and the backups of {sorted(self.backups)}). Is the job running with "
                               "ps_replicas=2 on every task?")
         with self._takeover_lock:
-            if shard not in self.serving:
-                store.take_over()
-                self.serving[shard] = store
-                log.warning("ps:%d: takes over shard %d at step %d: its primary ps:%d is gone.", self.shard, shard,
-                            store.version, shard)
+            role = self.roles.get(s, Role.BACKUP)
+            answer = on_request(role, shard is not None)
+            if answer is Answer.REFUSE:
+                raise not_serving(self.shard, s, role, self.cluster.num_tasks("ps"))
+            if answer is Answer.TAKE_OVER:
+                other = pair_other(s, self.shard, self.cluster.num_tasks("ps"))
+                self._take_over(s, store, f"a worker could not reach ps:{other}, which served it")
         return store
 
-    def _send_to_backup(self, meta: dict[str, Any], tensors: list[tuple[str, Any]]) -> dict[str, Any]:
-        """One PS_REPLICATE request to the backup ps, on this primary's own connection (made again
-        where the backup listens now after a loss). Called by the forwarder's thread only."""
-        backup = backup_of(self.shard, self.cluster.num_tasks("ps"))
-        if self._backup_conn is None:
-            address = self.cluster.address(TaskId("ps", backup))
-            self._backup_conn = connect(address, secret=self.server.secret, task=f"ps:{self.shard}", peer=f"ps:{backup}",
-                                        deadline_s=self.failover_s, resolve=self.resolve)
-        try:
-            return self._backup_conn.request(Op.PS_REPLICATE, meta, tensors, timeout_s=self.failover_s + 60.0).meta
-        except (TransportError, RemoteError):
-            self._backup_conn.close()
-            self._backup_conn = None
-            raise
+    def _take_over(self, shard: int, store: ParameterStore, why: str) -> None:
+        """Under the takeover lock: this ps's backup copy of ``shard`` serves it from now on."""
+        store.take_over()
+        self.roles[shard] = Role.SERVING
+        log.warning("ps:%d: takes over shard %d at step %d: %s.", self.shard, shard, store.version, why)
+
+    def _sender(self, target: int) -> Send:
+        """One PS_REPLICATE request to ps ``target`` on a connection of this forwarder's own (made
+        again where the target listens now after a loss). Called by that forwarder's thread only."""
+        link = _Link(self, target)
+        self._links.append(link)
+        return link.send
 
     def _replicate(self, req: Request) -> Reply:
-        """This ps as the backup of shard ``shard``: its primary's init, then its events in order."""
-        shard = int(req.meta["shard"])
+        """PS_REPLICATE: a serving copy's init, full state or records for this ps's copy of the
+        shard (``init``, ``state``, ``batch``), or a restarted ps asking for the shard (``resync``)."""
+        shard, kind = int(req.meta["shard"]), req.meta["kind"]
         num_ps = self.cluster.num_tasks("ps")
-        if req.peer != f"ps:{shard}" or shard >= num_ps or backup_of(shard, num_ps) != self.shard:
-            raise ConfigError(f"PS_REPLICATE from {req.peer} for shard {shard} refused: ps:{self.shard} is the backup "
-                              f"of shard {(self.shard - 1) % num_ps} only, and only its primary ps sends its records.")
+        held = shard < num_ps and shard in shards_held(self.shard, num_ps)
+        other = pair_other(shard, self.shard, num_ps) if held else None
+        if other is None or req.peer != f"ps:{other}" or (kind == "init" and backup_of(shard, num_ps) != self.shard):
+            raise ConfigError(f"PS_REPLICATE {kind!r} from {req.peer} for shard {shard} refused: ps:{self.shard} holds "
+                              f"copies of shards {shards_held(self.shard, num_ps)} only, each shared with the other ps "
+                              "of its pair, and only that ps sends its records.")
+        if kind == "resync":
+            return self._resync_peer(shard, other)
+        role = self.roles.get(shard)
+        if role is Role.SERVING:
+            raise TrainingError(f"ps:{self.shard} serves shard {shard} and refuses ps:{other}'s {kind}: two copies "
+                                f"would serve it. ps:{other} must re-sync from this one.")
+        if kind == "init":
+            return self._backup_init(shard, req)
+        if kind == "state":
+            return self._load_state(shard, other, req)
+        store = self.backups.get(shard) if shard != self.shard else self.store
+        if store is None or not store.initialized or role is Role.RESYNCING:
+            raise TrainingError(f"ps:{self.shard} received records of shard {shard} before its init or state: the "
+                                "serving copy must send that first (it re-syncs this backup).")
+        seq = store.follow(Batch.from_wire(req.meta, req.tensors))
+        self._maybe_finished()
+        return Reply({"seq": seq})
+
+    def _backup_init(self, shard: int, req: Request) -> Reply:
+        """The primary's forwarded PS_INIT: this ps holds the shard's backup from its start."""
         store = self.backups.get(shard)
-        if req.meta["kind"] == "init":
-            if store is None:
-                store = ParameterStore(shard, self.store.num_workers)
-                _initialize(store, req.meta, req.tensors, None)
-                self.backups[shard] = store
-                log.info("ps:%d: holds the backup of shard %d (from step %d).", self.shard, shard, store.version)
-            return Reply({"seq": store.seq})
-        if store is None:
-            raise TrainingError(f"ps:{self.shard} received records of shard {shard} before its init: the primary "
-                                "must send the init first (it re-syncs this backup).")
-        return Reply({"seq": store.follow(Batch.from_wire(req.meta, req.tensors))})
+        if store is None or not store.initialized:
+            store = store or ParameterStore(shard, self.store.num_workers)
+            _initialize(store, req.meta, req.tensors, None)
+            self.backups[shard] = store
+            self.roles[shard] = Role.BACKUP
+            log.info("ps:%d: holds the backup of shard %d (from step %d).", self.shard, shard, store.version)
+        return Reply({"seq": store.seq})
+
+    def _load_state(self, shard: int, source: int, req: Request) -> Reply:
+        """A full state of the shard (a re-sync): this ps's copy becomes it, as a backup."""
+        store = self._copies().get(shard)
+        state_seq = int(req.meta["rules"]["seq"])
+        if store is not None and store.initialized and store.seq >= state_seq:
+            return Reply({"seq": store.seq})  # the same state again (its reply was lost): held already
+        if store is None or store.initialized:
+            store = ParameterStore(shard, self.store.num_workers)
+        store.load_state(req.meta, req.tensors)
+        if shard == self.shard:
+            self.store = store
+        else:
+            self.backups[shard] = store
+        self.roles[shard] = Role.BACKUP
+        log.warning("ps:%d: re-synced shard %d from ps:%d at step %d (record %d); holds its backup.", self.shard, shard,
+                    source, store.version, store.seq)
+        return Reply({"seq": store.seq})
+
+    def _resync_peer(self, shard: int, asker: int) -> Reply:
+        """ps ``asker`` restarted and asks for ``shard``: serve it here (taking it over if this held
+        the backup), and forward to the asker from the shard's full state; answered once it holds it."""
+        store = self._copies()[shard]
+        with self._takeover_lock:
+            role = self.roles.get(shard, Role.RESYNCING)
+            answer = on_resync(role)
+            if answer is Answer.REFUSE or not store.initialized:
+                raise not_serving(self.shard, shard, Role.RESYNCING, self.cluster.num_tasks("ps"))
+            if answer is Answer.TAKE_OVER:
+                self._take_over(shard, store, f"ps:{asker} restarted and re-syncs from this copy")
+        forwarder = Forwarder(shard, asker, self._sender(asker), failover_s=self.failover_s)
+        seq = store.replicate_to(forwarder, {"kind": "state", "shard": shard})
+        forwarder.wait_acked(seq, self.failover_s + 60.0)
+        if forwarder.degraded is not None:
+            raise TrainingError(f"ps:{self.shard} could not re-sync ps:{asker} with shard {shard}: {forwarder.degraded}.")
+        log.warning("ps:%d: ps:%d holds shard %d's backup again (re-synced at step %d, record %d).", self.shard, asker,
+                    shard, store.version, seq)
+        return Reply({"seq": seq, "version": store.version})
+
+    def resync(self, timeout_s: float) -> None:
+        """A restarted ps (``attempt >= 1``, replicas=2): ask the other ps of each pair this ps
+        belongs to for the shard's state, one shard after the other; each copy here turns from
+        resyncing to backup when its state arrives (see :mod:`psflow.ps.replication`).
+
+        Raises:
+            TrainingError: a shard could not be re-synced within ``timeout_s`` (its other ps is down
+                too, or refuses); names the shard, the ps and the last error.
+        """
+        num_ps = self.cluster.num_tasks("ps")
+        deadline = time.monotonic() + timeout_s
+        for shard in shards_held(self.shard, num_ps):
+            source = pair_other(shard, self.shard, num_ps)
+            last: Exception | None = None
+            while self.roles.get(shard) is Role.RESYNCING and not self._shutdown.is_set():
+                if time.monotonic() >= deadline:
+                    raise TrainingError(
+                        f"ps:{self.shard} (attempt {self.attempt}) could not re-sync shard {shard} from ps:{source} "
+                        f"within {timeout_s:g} s (last error: {last}). Both copies of the shard are gone or ps:{source} "
+                        "refuses; the job cannot go on without losing acknowledged updates. Raise ready_timeout_s if "
+                        f"ps:{source} is only slow.")
+                try:
+                    link = _Link(self, source, deadline_s=max(0.1, deadline - time.monotonic()))
+                    try:
+                        link.send({"kind": "resync", "shard": shard}, [], timeout_s=self.failover_s + 60.0)
+                    finally:
+                        link.close()
+                except (TransportError, RemoteError) as e:
+                    last = e
+                    time.sleep(0.2)
+
+    def start_resync(self, timeout_s: float) -> threading.Thread:
+        """:meth:`resync` on a thread of its own (the server answers meanwhile: refusals, and the
+        states the other ps sends); a failure is kept in ``resync_error``, raised by the ps's loop."""
+
+        def run() -> None:
+            try:
+                self.resync(timeout_s)
+            except PsflowError as e:
+                log.error("ps:%d: %s", self.shard, e)
+                self.resync_error = e
+
+        thread = threading.Thread(target=run, name=f"psflow-resync-{self.shard}", daemon=True)
+        thread.start()
+        return thread
 
     def _ready(self, req: Request) -> Reply:
         store = self._store_for(req)
@@ -264,16 +432,17 @@ class PsService:
 
     def _peer_gone(self, peer: str) -> None:
         """The server's callback: ``peer``'s last connection closed. A worker that never said
-        PS_DONE is lost (see ParameterStore.worker_lost)."""
+        PS_DONE is lost (see ParameterStore.worker_lost) on every copy this ps serves (a backup copy
+        learns it from its serving copy's records)."""
         worker = self._worker_of(peer)  # a worker that dies before its first push is lost all the same
-        if worker is None or worker in self.store.done_workers:
+        if worker is None:
             return
-        for store in self.serving.values():  # shards taken over from a dead primary
-            if worker not in store.done_workers:
-                store.worker_lost(worker)
-        self.store.worker_lost(worker)
-        log.warning("ps:%d: lost worker:%d: its connection closed at global step %d without PS_DONE (killed or crashed?).",
-                    self.shard, worker, self.store.version)
+        lost = [c for c in self._serving_copies() if worker not in c.done_workers]
+        for store in lost:
+            store.worker_lost(worker)
+        if lost:
+            log.warning("ps:%d: lost worker:%d: its connection closed at global step %d without PS_DONE (killed or "
+                        "crashed?).", self.shard, worker, lost[0].version)
 
     def _push(self, req: Request) -> Reply:
         store = self._store_for(req)
@@ -308,8 +477,7 @@ class PsService:
         store = self._store_for(req)
         store.worker_done(int(req.meta["worker"]), int(req.meta.get("attempt", 0)))
         self._acked(store)
-        if all(s.all_done() for s in (self.store, *self.serving.values())):
-            self._shutdown.set()
+        self._maybe_finished()
         return Reply({"done": sorted(store.done_workers)})
 
     def _status(self, req: Request) -> Reply:
@@ -327,6 +495,7 @@ class PsService:
         if s.forwarder is not None or self.backups:  # ps_replicas = 2
             fwd = s.forwarder
             meta["replication"] = {
+                "roles": {str(k): r.value for k, r in sorted(self.roles.items())},
                 "acked_seq": fwd.outbox.acked_seq if fwd else None, "seq": s.seq,
                 "degraded": fwd.degraded if fwd else None,
                 "backups": {str(k): {"version": b.version, "seq": b.seq, "applied_updates": b.stats.applied_updates}
@@ -343,6 +512,34 @@ class PsService:
         if self.on_save is None:
             raise ConfigError(f"ps:{self.shard} cannot save checkpoints: no checkpoint writer is attached.")
         return Reply(self.on_save(req.meta))
+
+
+class _Link:
+    """One connection from this ps to another ps, for PS_REPLICATE requests (a forwarder's, or a
+    re-sync request); made again where the other ps listens now after a loss."""
+
+    def __init__(self, service: PsService, target: int, *, deadline_s: float | None = None) -> None:
+        self.service, self.target = service, target
+        self.deadline_s = service.failover_s if deadline_s is None else deadline_s
+        self.conn: Connection | None = None
+
+    def send(self, meta: dict[str, Any], tensors: Any, *, timeout_s: float | None = None) -> dict[str, Any]:
+        svc = self.service
+        if self.conn is None:
+            address = svc.cluster.address(TaskId("ps", self.target))
+            self.conn = connect(address, secret=svc.server.secret, task=f"ps:{svc.shard}", peer=f"ps:{self.target}",
+                                deadline_s=self.deadline_s, resolve=svc.resolve)
+        try:
+            return self.conn.request(Op.PS_REPLICATE, meta, tensors,
+                                     timeout_s=svc.failover_s + 60.0 if timeout_s is None else timeout_s).meta
+        except (TransportError, RemoteError):
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
 
 def _initialize(store: ParameterStore, m: dict[str, Any], tensors: Any, forwarder: Forwarder | None) -> bool:

@@ -110,7 +110,8 @@ class Trainer(TrainerBase):
             for s in range(task.num_ps)
         ]
         self.client = PsClient(task.cluster, task.task_id, task.secret, connect_timeout_s=task.connect_timeout_s,
-                               resolve=task.resolve, replicas=self.config.ps_replicas)
+                               resolve=task.resolve, replicas=self.config.ps_replicas,
+                               failover_s=self.config.primary_failover_s)
         self.versions = [0] * task.num_ps
         self.attempt = int(getattr(task, "attempt", 0) or 0)  # the launcher's restart count (PSFLOW_ATTEMPT)
         self.clock_base = 0  # ssp: the clock this attempt starts at (from readiness: a restarted worker resumes)

@@ -1,0 +1,126 @@
+"""Unit tests of the re-sync's pure parts: the pair of ps that holds a shard, what a copy does with a
+request in each role, the full state transfer of a shard (rules, store) and a replaced forwarder."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from psflow.config import TrainConfig
+from psflow.errors import ConfigError
+from psflow.ps.progress import StepPlan
+from psflow.ps.replication import Answer, Forwarder, Role, on_request, on_resync, pair_other, shards_held
+from psflow.ps.rules import RuleSettings, ShardRules
+from psflow.ps.store import ParameterStore
+
+
+def test_a_shard_lives_on_its_primary_and_the_next_ps() -> None:
+    assert [pair_other(0, 0, 2), pair_other(0, 1, 2)] == [1, 0]
+    assert [pair_other(2, 2, 3), pair_other(2, 0, 3)] == [0, 2]
+    assert shards_held(0, 3) == [0, 2] and shards_held(1, 2) == [0, 1]
+    with pytest.raises(ConfigError, match="ps:1 holds no copy of shard 2"):
+        pair_other(2, 1, 3)
+
+
+def test_only_a_serving_copy_serves_and_a_backup_takes_over_only_when_named() -> None:
+    assert on_request(Role.SERVING, False) is on_request(Role.SERVING, True) is Answer.SERVE
+    assert on_request(Role.BACKUP, True) is Answer.TAKE_OVER
+    assert on_request(Role.BACKUP, False) is Answer.REFUSE  # a client that did not fail over: route it away
+    assert on_request(Role.RESYNCING, True) is on_request(Role.RESYNCING, False) is Answer.REFUSE
+    assert on_resync(Role.SERVING) is Answer.SERVE
+    assert on_resync(Role.BACKUP) is Answer.TAKE_OVER  # the survivor stays primary
+    assert on_resync(Role.RESYNCING) is Answer.REFUSE
+
+
+def _busy_rules(mode: str) -> ShardRules:
+    rules = ShardRules(0, 3)
+    rules.configure(RuleSettings(mode=mode, stop_at=50), 0)
+    for w in range(3):
+        rules.push(w, rules.version, attempt=w % 2, push_seq=1)
+    rules.clock(0, 3)
+    rules.worker_lost(2)
+    rules.join(1, 2)
+    rules.tick(12.5)
+    return rules
+
+
+@pytest.mark.parametrize("mode", ["async", "sync", "ssp"])
+def test_the_rules_state_crosses_as_json_and_decides_the_same_after(mode: str) -> None:
+    import json
+
+    rules = _busy_rules(mode)
+    back = ShardRules.restore(0, 3, json.loads(json.dumps(rules.export())))
+    assert back.state() == rules.state()
+    assert back.push(0, back.version, 0, 2) == rules.push(0, rules.version, 0, 2)
+    assert back.worker_done(1, 2) == rules.worker_done(1, 2)
+
+
+def _store(**init) -> ParameterStore:  # noqa: ANN003
+    s = ParameterStore(0, 2)
+    s.initialize({"w": torch.ones(3), "b": torch.zeros(2)}, optimizer={"name": "adam", "lr": 0.1},
+                 config=TrainConfig(mode="sync"), placement_digest="d", ema_decay=0.9,
+                 step_plan=StepPlan(stop_at=40, snapshot_every=2), data_positions={"0": {"batch": 0}}, **init)
+    return s
+
+
+def test_a_full_state_makes_an_identical_store_that_goes_on_identically() -> None:
+    primary = _store()
+    for step in range(3):
+        for w in range(2):
+            primary.push(w, primary.version, {"w": torch.full((3,), 1.0 + w + step), "b": torch.ones(2)},
+                         position={"batch": step + 1}, push_seq=step + 1)
+    primary.push(0, primary.version, {"w": torch.ones(3), "b": torch.ones(2)}, position={"batch": 9}, push_seq=4)  # held
+    meta, tensors = primary.transfer_state()
+    copy = ParameterStore(0, 2)
+    copy.load_state(meta, dict(tensors))
+    assert copy.version == primary.version == 3 and copy.seq == primary.seq
+    assert copy.rules.state() == primary.rules.state()
+    assert copy.stats.to_dict() == primary.stats.to_dict()
+    assert copy.progress.positions_now() == primary.progress.positions_now()
+    for (k, a), (_, b) in zip(sorted(copy.snapshot()[1].items()), sorted(primary.snapshot()[1].items())):
+        assert torch.equal(a, b), k  # values, Adam's slots and the moving averages
+    held = primary.checkpoint_state(2, timeout_s=1.0)
+    assert copy.checkpoint_state(2, timeout_s=1.0)[2] == held[2]  # the exact step-2 snapshot came along
+    # The copy takes over: the held gradient lived on the primary only; both go on alike from there.
+    copy.take_over()
+    primary.take_over()
+    for w in range(2):
+        for s in (copy, primary):
+            s.push(w, s.version, {"w": torch.ones(3), "b": torch.ones(2)}, push_seq=5)
+    assert torch.equal(copy.values["w"], primary.values["w"]) and copy.version == primary.version == 4
+
+
+def test_a_state_loads_only_into_an_empty_copy() -> None:
+    primary = _store()
+    meta, tensors = primary.transfer_state()
+    with pytest.raises(Exception, match="initialized already"):
+        _store().load_state(meta, dict(tensors))
+
+
+def test_a_replaced_forwarder_releases_its_waiters_and_queues_nothing() -> None:
+    gate = threading.Event()
+
+    def send(meta, tensors):  # noqa: ANN001, ANN202
+        gate.wait(5.0)
+        return {}
+
+    fwd = Forwarder(0, 1, send, ({"kind": "init"}, []), failover_s=1.0)
+    fwd.start(3)
+    waiter = threading.Thread(target=fwd.wait_acked, args=(3, 5.0))
+    waiter.start()
+    fwd.replace()
+    waiter.join(2.0)
+    assert not waiter.is_alive() and fwd.replaced
+    fwd.add([], 4, {}, {})
+    assert fwd.outbox.queued == []
+    gate.set()
+
+
+def test_the_failover_timeouts_are_settings() -> None:
+    assert (TrainConfig().primary_failover_s, TrainConfig().backup_failover_s) == (2.0, 5.0)
+    with pytest.raises(ConfigError, match="primary_failover_s must be a positive number of seconds"):
+        TrainConfig(primary_failover_s=0)
+    with pytest.raises(ConfigError, match="backup_failover_s"):
+        TrainConfig(backup_failover_s=float("inf"))
