@@ -15,6 +15,11 @@ Checkpoint faults: ``ps:K@save=N:crash_after=BYTES`` makes ps task K die (SIGKIL
 writes its shard of the N-th checkpoint it is asked for (counted from 1), leaving exactly BYTES bytes
 of the shard's temporary file on disk, as a process killed mid-write would.
 
+Parameter-server faults at a step: ``ps:K@step=N:kill`` makes ps task K SIGKILL itself once the
+shard it serves as its own reaches version N (for ps:0, the global step), while it answers the push
+that took it there, before the worker has its reply (the hard case for replication: the update may
+be on the backup without the worker knowing). Only ``kill`` is a ps step action.
+
 Attempts: a fault fires on a task's first attempt only (attempt 0), so that a task restarted after it
 (``psflow run --restart on-failure``) goes on instead of meeting the same fault again. A suffix
 ``@attempt=K`` moves it to the task's K-th restart: ``worker:1@step=30:kill@attempt=1`` kills the
@@ -172,11 +177,13 @@ def check_faults(faults: list[Fault], tasks: list[str], last_attempt: Mapping[st
         if f.action == "crash_save" and job != "ps":
             raise ConfigError(f"--fail-at {f.task}@save=...: only a ps task writes checkpoint shards; name a ps "
                               f"(e.g. ps:0@save={f.step}:crash_after={f.crash_after_bytes}).")
+        if job == "ps" and f.action == "kill":
+            continue  # ps:K@step=N:kill: fires when the ps's own shard reaches version N (ps_step_kill)
         if f.action != "crash_save" and job not in _TRAINERS:
             trainers = [t for t in tasks if t.split(":")[0] in _TRAINERS]
             raise ConfigError(f"--fail-at {f.task}@step={f.step}: a {job} task takes no steps, so this fault would never "
                               f"fire. Step faults are for {', '.join(trainers) or 'chief/worker tasks'}; a ps fails with "
-                              "ps:K@save=N:crash_after=BYTES.")
+                              "ps:K@step=N:kill (at its shard's version N) or ps:K@save=N:crash_after=BYTES.")
 
 
 def inject(faults: list[Fault], task: str, step: int) -> None:
@@ -199,6 +206,22 @@ def inject(faults: list[Fault], task: str, step: int) -> None:
                 time.sleep(3600)
         elif f.action == "raise":
             raise TrainingError(f"Injected failure in {task} at step {step} (--fail-at).")
+
+
+def ps_step_kill(faults: list[Fault], task: str) -> Callable[[int], None] | None:
+    """For a ps ``task`` with a ``ps:K@step=N:kill`` fault: a function of its own shard's version
+    that SIGKILLs the process once the version reaches N (None: no such fault)."""
+    steps = [f.step for f in faults if f.task == task and f.action == "kill"]
+    if not steps:
+        return None
+    at = min(steps)
+
+    def check(version: int) -> None:
+        if version >= at:
+            print(f"{task}: injected kill at its shard's version {version} (--fail-at {task}@step={at}:kill)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return check
 
 
 def crashing_save(save: Callable[[dict[str, Any]], dict[str, Any]], faults: list[Fault], task: str) -> Callable[[dict[str, Any]], dict[str, Any]]:

@@ -116,12 +116,13 @@ class Task:
         self._placement_warned = False
         self.summary_flush_s = 2.0  # a killed task loses at most this much of its scalars
         if self.is_ps:
-            from psflow.fault import crashing_save, parse_faults
+            from psflow.fault import crashing_save, parse_faults, ps_step_kill
             from psflow.ps.service import PsService, default_save
 
             self.ps_service = PsService(server, task_id.index, cluster, resolve=self.resolve,
                                         failover_s=config.backup_failover_s, attempt=attempt, replicas=config.ps_replicas)
             self.ps_service.on_save = crashing_save(default_save(self.ps_service), parse_faults(self.fail_at), str(task_id))
+            self.ps_service.after_push = ps_step_kill(parse_faults(self.fail_at), str(task_id))
             if attempt >= 1 and config.ps_replicas == 2:
                 self.ps_service.start_resync(config.ready_timeout_s)  # serves nothing until its copies are back
 
@@ -202,7 +203,9 @@ class Task:
             if in_main:
                 signal.signal(signal.SIGTERM, previous)
         store = self.ps_service.store
-        self.report(ps_stats=store.stats.to_dict(), global_step=store.version, lost_workers=sorted(store.lost_workers))
+        shards = self.ps_service.copies_report()  # ps_replicas=2: every shard copy it holds, and its role
+        self.report(ps_stats=store.stats.to_dict(), global_step=store.version, lost_workers=sorted(store.lost_workers),
+                    **({"shards": shards} if shards else {}))
         self.finish()
 
     def report(self, **metrics: Any) -> None:

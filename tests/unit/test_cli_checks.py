@@ -48,7 +48,8 @@ def test_fail_at_is_checked_before_any_task_starts(script, spec, expected):
 
 
 def test_fail_at_that_can_fire_passes_the_check(script, tmp_path):
-    r = run("--workers", "2", "--logdir", str(tmp_path / "run"), "--fail-at", "worker:1@step=3:kill,ps:0@save=1:crash_after=5", script)
+    r = run("--workers", "2", "--logdir", str(tmp_path / "run"), "--fail-at",
+            "worker:1@step=3:kill,ps:0@save=1:crash_after=5,ps:0@step=7:kill", script)
     assert "a task was about to start" in repr(r.exception)  # got as far as starting the run
 
 

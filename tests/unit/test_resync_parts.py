@@ -124,3 +124,21 @@ def test_the_failover_timeouts_are_settings() -> None:
         TrainConfig(primary_failover_s=0)
     with pytest.raises(ConfigError, match="backup_failover_s"):
         TrainConfig(backup_failover_s=float("inf"))
+
+
+def test_a_ps_step_fault_kills_the_ps_once_its_shard_reaches_the_step(monkeypatch) -> None:  # noqa: ANN001
+    import psflow.fault as fault
+
+    faults = fault.parse_faults("ps:0@step=7:kill,worker:1@step=3:kill")
+    fault.check_faults(faults, ["ps:0", "ps:1", "worker:0", "worker:1"])  # a ps step fault can fire: kill only
+    with pytest.raises(ConfigError, match="a ps task takes no steps"):
+        fault.check_faults(fault.parse_faults("ps:0@step=7"), ["ps:0", "worker:0"])
+    assert fault.ps_step_kill(faults, "ps:1") is None
+    kills: list[int] = []
+    monkeypatch.setattr(fault.os, "kill", lambda pid, sig: kills.append(sig))
+    check = fault.ps_step_kill(faults, "ps:0")
+    assert check is not None
+    check(6)
+    assert kills == []
+    check(7)
+    assert kills == [fault.signal.SIGKILL]

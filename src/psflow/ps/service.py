@@ -110,6 +110,8 @@ class PsService:
         self._shutdown = threading.Event()
         server.on_peer_gone = self._peer_gone
         self.on_save: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        # Called with this ps's own shard's version after each push it applied there, before the reply (--fail-at ps:K@step=N:kill).
+        self.after_push: Callable[[int], None] | None = None
         routes = {
             Op.PS_INIT: self._init,
             Op.PS_READY: self._ready,
@@ -175,6 +177,13 @@ class PsService:
 
     def _serving_copies(self) -> list[ParameterStore]:
         return [c for s, c in sorted(self._copies().items()) if self.roles.get(s) is Role.SERVING]
+
+    def copies_report(self) -> dict[str, dict[str, Any]]:
+        """replicas=2: each shard copy this ps holds, its role, version and counters (empty without replication)."""
+        if not self.backups:
+            return {}
+        return {str(s): {"role": self.roles.get(s, Role.BACKUP).value, "version": c.version, **c.stats.to_dict()}
+                for s, c in sorted(self._copies().items()) if c.initialized}
 
     def _maybe_finished(self) -> None:
         """Every worker is done on each copy this ps serves (serving none: on each copy it holds)."""
@@ -450,6 +459,8 @@ class PsService:
         seq = req.meta.get("seq")
         result = store.push(int(req.meta["worker"]), version, req.tensors, position=req.meta.get("position"),
                                  attempt=int(req.meta.get("attempt", 0)), push_seq=None if seq is None else int(seq))
+        if self.after_push is not None and store is self.store:
+            self.after_push(store.version)
         if not req.meta.get("pull"):
             self._acked(store)  # acknowledged once the backup holds it
             return Reply(result)
