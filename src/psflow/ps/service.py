@@ -259,6 +259,8 @@ class PsService:
             raise ConfigError(f"ps:{self.shard} was asked to serve shard {shard!r}, but holds no copy of it (it serves "
                               f"shard {self.shard} and the backups of {sorted(self.backups)}). Is the job running with "
                               "ps_replicas=2 on every task?")
+        if self.roles.get(s) is Role.SERVING:
+            return store  # the hot path: a serving copy never stops serving, so no lock is needed to read it
         with self._takeover_lock:
             role = self.roles.get(s, Role.BACKUP)
             answer = on_request(role, shard is not None)
