@@ -79,9 +79,10 @@ class StoreStats:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StoreStats:
         """The counters :meth:`to_dict` wrote (a full state transfer carries them; not the clock log)."""
-        return cls(int(d["pushes"]), int(d["applied_updates"]), int(d["stale_dropped"]),
-                   {int(k): int(v) for k, v in d["stale_by_worker"].items()}, int(d["steps_without_all"]),
-                   int(d["duplicates"]), int(d["superseded"]), float(d["wait_s"]))
+        return cls(pushes=int(d["pushes"]), applied_updates=int(d["applied_updates"]), stale_dropped=int(d["stale_dropped"]),
+                   stale_by_worker={int(k): int(v) for k, v in d["stale_by_worker"].items()},
+                   steps_without_all=int(d["steps_without_all"]), duplicates=int(d["duplicates"]),
+                   superseded=int(d["superseded"]), init_requests=int(d.get("init_requests", 0)), wait_s=float(d["wait_s"]))
 
 
 class ParameterStore:
