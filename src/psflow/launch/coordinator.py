@@ -10,7 +10,7 @@ Requests:
         once every expected task has registered; after it (a restarted task, on a new port), at once.
     CO_RESOLVE {task} -> {task, address, pid, attempt, version}: where the task listens now (a
         client whose connection to a peer dropped asks this); {} -> the whole book {version, tasks}.
-    CO_REPORT {task, metrics}; CO_STATUS -> {addresses, reports, version}. A report whose metrics
+    CO_REPORT {task, metrics}. A report whose metrics
         are ``{"heartbeat": {attempt, waiting}}`` is a task's heartbeat (:mod:`psflow.heartbeat`): it
         is passed on as an event, not merged into the reports.
 
@@ -57,7 +57,6 @@ class Coordinator:
         server.register(Op.CO_REGISTER, self._register)
         server.register(Op.CO_RESOLVE, self._resolve)
         server.register(Op.CO_REPORT, self._report)
-        server.register(Op.CO_STATUS, self._status)
 
     @property
     def expected(self) -> list[str]:
@@ -110,10 +109,6 @@ class Coordinator:
             entry, version = self.book.resolve(str(task)), self.book.version
         return Reply({"task": str(task), "address": entry.address, "pid": entry.pid, "attempt": entry.attempt,
                       "version": version})
-
-    def _status(self, req: Request) -> Reply:
-        with self._cond:
-            return Reply({"addresses": self.book.addresses(), "reports": self.reports, "version": self.book.version})
 
     def _report(self, req: Request) -> Reply:
         task = str(req.meta.get("task"))

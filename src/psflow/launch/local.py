@@ -42,7 +42,6 @@ from psflow.launch.oomkills import OomKills
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.watchdog import StackDump
 
-_FORK_SERVER_READY_S = 60.0
 _ROTATED = re.compile(r"\.\d+\.log$")  # worker-0.1.log: an earlier run's (task names never end in .N)
 _COLORS = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green"]
 
@@ -55,9 +54,10 @@ class LocalBackend(Backend):
 
     def __init__(
         self, *, echo: Callable[[str], None] | None = None, register_timeout_s: float = 120.0, preload: bool = True,
-        live: bool | None = None, keep_logs: int = 5,
+        live: bool | None = None, keep_logs: int = 5, fork_server_ready_s: float = 60.0,
     ) -> None:
         super().__init__(Console(echo, live=live))
+        self.fork_server_ready_s = fork_server_ready_s  # how long the fork server may take to import torch
         self.register_timeout_s = register_timeout_s
         self.preload = preload
         if keep_logs < 0:
@@ -183,10 +183,10 @@ class LocalBackend(Backend):
         except OSError as e:
             self.console.warn(f"cannot start the fork server ({e}); starting every task as a fresh process.")
             return None
-        if forks.wait_ready(_FORK_SERVER_READY_S):
+        if forks.wait_ready(self.fork_server_ready_s):
             return forks
         forks.close()
-        self.console.warn(f"the fork server did not start within {_FORK_SERVER_READY_S:.0f} s (see "
+        self.console.warn(f"the fork server did not start within {self.fork_server_ready_s:.0f} s (see "
                           f"{plan.logdir}/logs/forkserver.log); starting every task as a fresh process.")
         return None
 

@@ -27,5 +27,5 @@ class Op(enum.IntEnum):
     # launcher coordination
     CO_REGISTER = 40  # task -> launcher: my address; reply: the cluster (first round: once all registered)
     CO_REPORT = 41    # task -> launcher: metrics / final results
-    CO_STATUS = 42
+    # 42 was CO_STATUS (nothing asked for it; CO_RESOLVE without a task returns the whole book)
     CO_RESOLVE = 43   # task -> launcher: where a task listens now (or the whole address book, with its version)
