@@ -95,16 +95,9 @@ def hang_spec(text: str | None) -> str | None:
     Raises:
         ConfigError: naming the part that is wrong and the syntax.
     """
-    out = []
-    for part in (p.strip() for p in (text or "").split(",")):
-        if not part:
-            continue
-        m = _HANG_RE.match(part)
-        if not m:
-            raise ConfigError(f"--hang-at {part!r}: use TASK@step=N[@attempt=K], e.g. worker:1@step=20 (its main "
-                              "thread stops for ever before step N; heartbeats go on).")
-        out.append(f"{m['task']}@step={m['step']}:hang" + (f"@attempt={m['attempt']}" if m["attempt"] else ""))
-    return ",".join(out) or None
+    return _as_fail_at(text, _HANG_RE, lambda m: f"{m['task']}@step={m['step']}:hang", lambda part: (
+        f"--hang-at {part!r}: use TASK@step=N[@attempt=K], e.g. worker:1@step=20 (its main "
+        "thread stops for ever before step N; heartbeats go on)."))
 
 
 def slow_spec(text: str | None) -> str | None:
@@ -117,15 +110,23 @@ def slow_spec(text: str | None) -> str | None:
     Raises:
         ConfigError: naming the part that is wrong and the syntax.
     """
+    return _as_fail_at(text, _SLOW_RE, lambda m: f"{m['task']}@step=0:delay={float(m['seconds']):g}", lambda part: (
+        f"--slow {part!r}: use TASK=SECONDS[s][@attempt=K], e.g. worker:2=0.2s (that task "
+        "sleeps 0.2 s before every step)."))
+
+
+def _as_fail_at(text: str | None, pattern: re.Pattern[str], render: Callable[[re.Match[str]], str],
+                error: Callable[[str], str]) -> str | None:
+    """The comma-separated parts of a shorthand option, each matched by ``pattern`` and rendered as
+    a ``--fail-at`` fault (its ``@attempt=K`` kept); ConfigError ``error(part)`` for a part that does not match."""
     out = []
     for part in (p.strip() for p in (text or "").split(",")):
         if not part:
             continue
-        m = _SLOW_RE.match(part)
+        m = pattern.match(part)
         if not m:
-            raise ConfigError(f"--slow {part!r}: use TASK=SECONDS[s][@attempt=K], e.g. worker:2=0.2s (that task "
-                              "sleeps 0.2 s before every step).")
-        out.append(f"{m['task']}@step=0:delay={float(m['seconds']):g}" + (f"@attempt={m['attempt']}" if m["attempt"] else ""))
+            raise ConfigError(error(part))
+        out.append(render(m) + (f"@attempt={m['attempt']}" if m["attempt"] else ""))
     return ",".join(out) or None
 
 
