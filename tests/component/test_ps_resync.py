@@ -17,13 +17,12 @@ attempt 1 on the same address (what the launcher's restart does). What is proven
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from inproc import SECRET, InprocCluster, run_threads
+from replicated import Ledger, make_model, train, wait_until
 
 from psflow import optim
 from psflow.cluster import TaskId
@@ -44,64 +43,8 @@ KILL_SURVIVOR_AT = 14
 FAST = {"primary_failover_s": 1.0, "backup_failover_s": 1.0}
 
 
-class TwoLayer(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(8, 6)
-        self.b = torch.nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return TwoLayer()
-
-
-class Ledger:
-    """Every shard's push replies as the worker received them (the acknowledgements)."""
-
-    def __init__(self, t: Trainer) -> None:
-        self.replies: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
-        recv = t.client.recv_push_replies
-
-        def recording(shards, dests):  # noqa: ANN001, ANN202
-            shards = list(shards)
-            metas = recv(shards, dests)
-            for shard, meta in zip(shards, metas):
-                self.replies[shard].append(meta)
-            return metas
-
-        t.client.recv_push_replies = recording  # type: ignore[method-assign]
-
-    def applied(self, shard: int) -> int:
-        return sum(1 for m in self.replies[shard] if m.get("applied") and not m.get("stopped"))
-
-
-def wait_until(pred, timeout_s: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s")
-        time.sleep(0.02)
-
-
 def resynced(service: PsService) -> bool:
     return all(service.roles.get(s) is Role.BACKUP for s in (0, 1))
-
-
-def train(t: Trainer, model: torch.nn.Module, worker: int, seen: list[int], on_step=None) -> int:  # noqa: ANN001
-    g = torch.Generator().manual_seed(worker)
-    x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-    while not t.stopped:
-        t.step(lambda: F.cross_entropy(model(x), y))
-        seen.append(t.global_step)
-        if on_step is not None:
-            on_step(t)
-        assert t.local_step <= 10 * MAX_STEPS
-    t.close()
-    return t.local_step
 
 
 def run_with_faults(c: InprocCluster, *, kill_survivor: bool) -> tuple[list[Ledger], list[list[int]], list[str]]:
@@ -128,8 +71,8 @@ def run_with_faults(c: InprocCluster, *, kill_survivor: bool) -> tuple[list[Ledg
                 events.append("killed ps:1")
                 c.kill_ps(1)
 
-    run_threads([lambda: train(trainers[0], models[0], 0, seen[0], faults),
-                 lambda: train(trainers[1], models[1], 1, seen[1], faults)], timeout_s=WAIT_S)
+    run_threads([lambda: train(trainers[0], models[0], 0, max_steps=MAX_STEPS, seen=seen[0], on_step=faults),
+                 lambda: train(trainers[1], models[1], 1, max_steps=MAX_STEPS, seen=seen[1], on_step=faults)], timeout_s=WAIT_S)
     return ledgers, seen, events
 
 

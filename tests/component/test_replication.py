@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from inproc import InprocCluster, run_threads
+from replicated import batch_for, make_model, train
 
 from psflow import optim
 from psflow.config import TrainConfig
-from psflow.train.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(90)
 torch.set_num_threads(1)
@@ -28,44 +28,13 @@ WAIT_S = 30.0
 MAX_STEPS = 12
 
 
-class TwoLayer(torch.nn.Module):
-    """Two parameters tensors per layer, so that round-robin placement puts some on each shard."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(8, 6)
-        self.b = torch.nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return TwoLayer()
-
-
-def batch_for(worker: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(worker)
-    return torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-
-
-def train(t: Trainer, model: torch.nn.Module, worker: int, acked: list[int] | None = None) -> int:
-    x, y = batch_for(worker)
-    while not t.stopped:
-        t.step(lambda: F.cross_entropy(model(x), y))
-        assert t.local_step <= 10 * MAX_STEPS
-    t.close()
-    return t.local_step
-
-
 def run_job(c: InprocCluster, workers: int, optimizer: optim.OptimizerSpec) -> None:
     models = [make_model() for _ in range(workers)]
     trainers = [c.trainer(w, models[w], optimizer) for w in range(workers)]
     trainers[0].plan_steps(stop_at=MAX_STEPS)
     for t in trainers:
         t.prepare()
-    run_threads([lambda w=w: train(trainers[w], models[w], w) for w in range(workers)], timeout_s=WAIT_S)
+    run_threads([lambda w=w: train(trainers[w], models[w], w, max_steps=MAX_STEPS) for w in range(workers)], timeout_s=WAIT_S)
 
 
 def assert_backups_match(c: InprocCluster) -> None:
