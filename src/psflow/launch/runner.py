@@ -92,6 +92,9 @@ class Runner:
         policy: when tasks are restarted; None (the default): the plan's (``plan.restart``).
         store: makes the run store for a plan (default: :func:`recorded_store`).
         tick_s: how often time advances in the controller when nothing happens.
+        on_tick: called by the loop with the controller, the run store and the time, after each turn
+            (``psflow chaos`` injects its faults there, through the backend); it may read the
+            controller, never step it.
 
     Example:
         >>> Runner(LocalBackend()).run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
@@ -99,13 +102,15 @@ class Runner:
     """
 
     def __init__(self, backend: Backend, *, register_timeout_s: float = 120.0, policy: RestartPolicy | None = None,
-                 store: Callable[[LaunchPlan], RunStore] | None = None, tick_s: float = 0.5) -> None:
+                 store: Callable[[LaunchPlan], RunStore] | None = None, tick_s: float = 0.5,
+                 on_tick: Callable[[RunController, RunStore, float], None] | None = None) -> None:
         self.backend = backend
         self.console = backend.console
         self.register_timeout_s = register_timeout_s
         self.policy = policy
         self.make_store = store
         self.tick_s = tick_s
+        self.on_tick = on_tick
 
     def run(self, plan: LaunchPlan) -> RunResult:
         """Run ``plan`` to its end; return its exit code (0, 1 failed, 130 stopped), summary and root cause."""
@@ -171,6 +176,8 @@ class Runner:
                 except queue.Empty:
                     break
             pending.extend(controller.handle(TimeAdvanced(time.time())))
+            if self.on_tick is not None:
+                self.on_tick(controller, store, time.time())
             store.tick()  # publish the last changes of a quiet spell
 
     def _carry_out(self, d: Decision, tasks: Mapping[str, TaskPlan], controller: RunController, store: RunStore,
