@@ -63,7 +63,7 @@ from psflow.launch.controller import (
 )
 from psflow.launch.coordinator import Coordinator
 from psflow.launch.plan import LaunchPlan, TaskPlan
-from psflow.launch.restart import RestartPolicy
+from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import CompositeRunStore, FileRunStore, RunStore
 from psflow.launch.summary import build_summary
 from psflow.server import Server
@@ -124,11 +124,14 @@ class Runner:
             server = Server("launcher", secret=secret_file.read_bytes())
             store = self.make_store(plan) if self.make_store else self._recorded_store(plan)
             signs: queue.Queue[Event] = queue.Queue()  # heartbeats and progress, for the controller's watchdog
+            group = restart_group(plan.config.strategy, plan.config.ps_replicas, plan.task_names())
+            # All-reduce ranks of a new attempt meet only once all have registered it (rank 0's store moved).
+            rounds = group.members if group is not None and plan.config.strategy == "allreduce" else ()
             coord = Coordinator(server, plan.task_names(), register_timeout_s=self.register_timeout_s,
-                                require_ps=plan.config.strategy == "ps", on_event=_to_store(store, signs))
+                                require_ps=plan.config.strategy == "ps", on_event=_to_store(store, signs), rounds=rounds)
             address = server.start()
             controller = RunController(plan.task_names(), grace_s=plan.grace_s, ps_exit_timeout_s=plan.ps_exit_timeout_s,
-                                       policy=self.policy or plan.restart, hangs=plan.hangs)
+                                       policy=self.policy or plan.restart, hangs=plan.hangs, group=group)
             launcher = TaskEnv(coordinator=address, secret_file=str(secret_file)).render()
             envs = {tp.task: {**dict(tp.env), **launcher} for tp in plan.tasks}
             with self.console.live_table(store.snapshot), _stop_signals() as stops:
@@ -196,7 +199,8 @@ class Runner:
             return self._dump_stacks(d, controller, store)
         elif isinstance(d, RestartTask):
             x = controller.records[d.task].exits[-1]
-            self.console.warn(f"{_ended(d.task, x)}; restarting it as attempt {d.attempt} in {d.after_s:.1f} s "
+            why = f"; {d.group} restarts from its newest checkpoint after {d.reason}" if d.group else ""
+            self.console.warn(f"{_ended(d.task, x)}{why}; restarting it as attempt {d.attempt} in {d.after_s:.1f} s "
                               f"(restart {d.attempt} of {controller.policy.max_restarts} for this task).")
             store.task_restarting(d.task, d.attempt, d.after_s, x.cause)
         return []
