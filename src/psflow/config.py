@@ -52,6 +52,8 @@ class TrainConfig:
     backup_failover_s: float = 5.0
     # All-reduce off loopback: gloo's store and connections are not covered by the job secret.
     allow_unauthenticated_allreduce: bool = False
+    # trainers: keep LOGDIR/ledger/<task>.<attempt> (pushes sent and acknowledged; psflow.train.ledger), for psflow chaos
+    push_ledger: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -284,6 +284,9 @@ class Supervisor:
         self._previous_term: Any = None
         self._terminated = False
         self._entered = False
+        # All-reduce: the data position after the last step every rank applied (a failed step's batch
+        # was taken from the iterator but not applied: a checkpoint written then must not skip it).
+        self._applied_position: dict[str, Any] | None = None
 
     # -- properties ------------------------------------------------------------------------
     is_chief = property(lambda self: bool(self.task.is_chief))
@@ -344,6 +347,7 @@ class Supervisor:
         self._reset_interval()
         for hook in self.hooks:
             hook.begin(self)
+        self._note_applied_position()
         self._report()
 
     def _finds_ps_initialized(self) -> bool:
@@ -459,6 +463,7 @@ class Supervisor:
         self._interval["loss_sum"] += loss
         self._interval["steps"] += 1
         step = self.global_step
+        self._note_applied_position()
         for hook in self.hooks:
             hook.after_step(self, step, loss)
         if self.is_chief:
@@ -520,10 +525,17 @@ class Supervisor:
         return int(self.trainer.job_step())
 
     def _data_positions(self, by_replica: Mapping[str, Any] | None) -> dict[str, Any]:
-        """Every worker's data position by task id: as the ps kept them, else (all-reduce) our own."""
+        """Every worker's data position by task id: as the ps kept them, else (all-reduce) our own
+        after the last step applied."""
         if by_replica:
             return {_task_of_replica(r, self._num_chiefs): p for r, p in sorted(by_replica.items())}
-        return {str(self.task.task_id): self.data.state_dict()} if self.data is not None else {}
+        if self.data is None:
+            return {}
+        return {str(self.task.task_id): self._applied_position or self.data.state_dict()}
+
+    def _note_applied_position(self) -> None:
+        if self._allreduce and self.data is not None:
+            self._applied_position = self.data.state_dict()
 
     def _manifest_meta(self, step: int, versions: Sequence[int], positions: Mapping[str, Any] | None = None) -> dict[str, Any]:
         trainer = self.trainer

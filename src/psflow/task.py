@@ -484,7 +484,7 @@ def init(
             # Replica 0 is chief:0 if the run has one, else worker:0; only the cluster tells, so both bind.
             rendezvous = bind_rendezvous(bind_host, 0, timeout_s=cfg.ready_timeout_s)
             address = f"{parse_address(address)[0]}:{rendezvous.port}"
-        spec = _register(coordinator, task_id, address, key, connect_timeout_s, require_ps)
+        spec = _register(coordinator, task_id, address, key, connect_timeout_s, require_ps, tenv.attempt)
         if rendezvous is not None and spec.chief() != task_id:
             rendezvous = None
     else:
@@ -553,10 +553,12 @@ def _check_allreduce(cfg: TrainConfig, hosts: Iterable[str], bind_host: str, env
                    allowed=cfg.allow_unauthenticated_allreduce)
 
 
-def _register(coordinator: str, task_id: TaskId, address: str, key: bytes, timeout_s: float, require_ps: bool) -> ClusterSpec:
+def _register(coordinator: str, task_id: TaskId, address: str, key: bytes, timeout_s: float, require_ps: bool,
+              attempt: int = 0) -> ClusterSpec:
     conn = connect(coordinator, secret=key, task=str(task_id), peer="launcher", deadline_s=timeout_s)
     try:
-        reply = conn.request(Op.CO_REGISTER, {"task": str(task_id), "address": address, "pid": os.getpid()}, timeout_s=timeout_s + 30)
+        reply = conn.request(Op.CO_REGISTER, {"task": str(task_id), "address": address, "pid": os.getpid(), "attempt": attempt},
+                             timeout_s=timeout_s + 30)
     finally:
         conn.close()
     return ClusterSpec.from_dict(reply.meta["cluster"], require_ps=require_ps)

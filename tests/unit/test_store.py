@@ -177,3 +177,21 @@ def test_a_request_from_a_worker_that_is_not_lost_neither_locks_nor_wakes_the_st
         assert result == {"back": False}, "worker_back waited for the store's lock"
     store.worker_lost(1)
     assert store.worker_back(1) is True and store.lost_workers == set()  # a lost one is still brought back
+
+
+def test_applied_pushes_are_counted_per_worker_attempt_and_duplicates_not_again():
+    store = make_store("async")
+    store.push(0, 0, grads(0), attempt=0, push_seq=1)
+    store.push(0, 0, grads(0), attempt=0, push_seq=2)
+    assert store.push(0, 0, grads(0), attempt=0, push_seq=2).get("duplicate")  # resent: recognised
+    store.push(0, 0, grads(0), attempt=1, push_seq=1)  # the restarted attempt
+    store.push(1, 0, grads(1), attempt=0, push_seq=1)
+    assert store.stats.applied_by == {0: {0: 2, 1: 1}, 1: {0: 1}}
+
+
+def test_a_sync_step_counts_each_held_gradient_under_its_attempt():
+    store = make_store("sync", workers=2)
+    store.push(0, 0, grads(0), attempt=2, push_seq=1)
+    assert store.stats.applied_by == {}  # held, not applied yet
+    store.push(1, 0, grads(1), attempt=0, push_seq=1)
+    assert store.stats.applied_by == {0: {2: 1}, 1: {0: 1}}

@@ -112,6 +112,11 @@ class AddressBook:
         """Every expected task has registered at least once (the first round is over)."""
         return len(self._entries) == len(self.expected)
 
+    def behind(self, attempt: int, members: Sequence[str]) -> list[str]:
+        """The ``members`` that have not registered ``attempt`` (or a later one) yet: a group that
+        restarts together meets again once this is empty (see ``Coordinator(rounds=...)``)."""
+        return [t for t in members if t not in self._entries or self._entries[t].attempt < attempt]
+
     def addresses(self) -> dict[str, str]:
         """task -> its current address, for the tasks that have registered."""
         return {t: e.address for t, e in self._entries.items()}

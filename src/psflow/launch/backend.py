@@ -80,6 +80,17 @@ class Backend(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot signal a task for its stacks")
 
 
+    def send_signal(self, task: str, signum: int) -> bool:
+        """Send ``signum`` to ``task``'s running attempt (every process of it: SIGKILL, SIGSTOP and
+        SIGCONT reach its children too), as ``psflow chaos`` does; True if sent, False when the task
+        has no running attempt. The exit it causes comes through :meth:`poll`.
+
+        Raises:
+            NotImplementedError: this backend cannot signal its tasks (the default); the message says so.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot send signals to its tasks")
+
+
 def log_end(log: Path) -> int:
     """The line a dump written to ``log`` from now on starts at or after (1-based): its lines so far, plus one."""
     lines = 0

@@ -20,6 +20,14 @@ The rules (those of the local launcher since its first version):
   if a task had failed before (its root cause is still named);
 - restarts follow a :class:`psflow.launch.restart.RestartPolicy` (default ``never``), chosen per
   job: the attempt count per task, the budget per task and per run, and an exponential backoff;
+- a :class:`psflow.launch.restart.RestartGroup` (all-reduce ranks; with one copy of each ps shard,
+  the ps and the training tasks) restarts together: when one of its triggers exits and the policy
+  restarts it, the controller stops every other member still running (:class:`StopTasks`), takes
+  their exits as part of the restart (``stopped``: never a failure, whatever their code), and once
+  every member has exited restarts each as its next attempt (:class:`RestartTask` each, with its
+  backoff); they resume from the newest checkpoint. The budgets count every member's restart (a
+  member whose budget is spent fails the run as a single task's would). A failure or a stop before
+  the members have exited cancels the group's restart;
 - hangs follow a :class:`psflow.launch.watchdog.HangPolicy` (default off): while the run is running, a
   task that misses its progress or heartbeat deadline (:class:`psflow.launch.watchdog.Watchdog`) gets
   :class:`DumpStacks`; ``dump_wait_s`` later it is killed (:class:`StopTasks` with no grace), and its
@@ -41,6 +49,7 @@ Task states::
     backoff  --stop, failure or draining: the restart is cancelled--> exited
     starting --StopRequested before TaskStarted--> cancelled (never ran; nothing to wait for)
     running  --deadline missed (DumpStacks)--> running, hung --dump_wait_s passed (StopTasks, no grace)--> exited
+    group member: exited (a trigger's restart) --others stopped and exited--> backoff (RestartTask) --> starting
 
 A restart cancelled because training finished leaves the task's last exit standing without failing
 the run (the training tasks completed without it); cancelled by a failure or a stop, that exit
@@ -60,7 +69,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from psflow.launch.restart import TRAINING_JOBS, RestartPolicy
+from psflow.launch.restart import TRAINING_JOBS, RestartGroup, RestartPolicy
 from psflow.launch.rootcause import TaskExit, root_cause
 from psflow.launch.watchdog import Hang, HangPolicy, StackDump, Watchdog
 
@@ -188,6 +197,7 @@ class RestartTask:
     attempt: int
     after_s: float
     reason: str
+    group: str | None = None  # restarted with its restart group (named): ``reason`` says why the group restarts
 
 
 @dataclass(frozen=True)
@@ -313,7 +323,8 @@ class RunController:
     """
 
     def __init__(self, tasks: Sequence[str], *, grace_s: float, ps_exit_timeout_s: float,
-                 policy: RestartPolicy | None = None, hangs: HangPolicy | None = None) -> None:
+                 policy: RestartPolicy | None = None, hangs: HangPolicy | None = None,
+                 group: RestartGroup | None = None) -> None:
         if not tasks:
             raise ValueError("A run needs at least one task; received none.")
         self.names = list(tasks)
@@ -330,6 +341,10 @@ class RunController:
         self.hangs = hangs or HangPolicy()
         self.watchdog = Watchdog(self.hangs, training={t for t in self.names if t.split(":")[0] in TRAINING_JOBS})
         self.result: RunFinished | None = None
+        self.group = group
+        for t in (*group.members, *group.triggers) if group else ():
+            self._record(t)
+        self._regroup: str | None = None  # a group restart under way: its cause, until every member has exited
         self._drain_deadline: float | None = None
         self._exit_order: list[tuple[str, ExitRecord]] = []  # every exit, in the order seen
         self._reports: dict[tuple[str, int], Mapping[str, Any]] = {}
@@ -384,6 +399,8 @@ class RunController:
         self.watchdog.started(e.task, e.attempt)
         if self.phase == "stopping":  # it was being started when the run began to stop
             return [StopTasks((e.task,), self.grace_s, "the run is stopping")]
+        if self._regroup is not None and self.group is not None and e.task in self.group.members:
+            return [StopTasks((e.task,), self.grace_s, f"{self.group.what} restarts ({self._regroup})")]
         return []
 
     def _on_exited(self, e: TaskExited) -> list[Decision]:
@@ -402,10 +419,18 @@ class RunController:
         self._exit_order.append((e.task, exit_))
         if stopped or (hang is not None and self.phase == "stopping"):
             return []
+        if self._regroup is not None and self.group is not None and e.task in self.group.members:
+            exit_.stopped = True  # stopped for the group's restart (or ended by it): never a failure
+            return self._regroup_when_exited()
         if self.phase == "running" and self.policy.is_retryable(rec.job, code):
-            restart = self._schedule_restart(rec, exit_)
-            if restart is not None:
-                return [restart]
+            if self.group is not None and e.task in self.group.triggers:
+                regroup = self._begin_regroup(rec, exit_)
+                if regroup is not None:
+                    return regroup
+            else:
+                restart = self._schedule_restart(rec, exit_)
+                if restart is not None:
+                    return [restart]
         if code != 0:
             return self._fail(e.task, code, exit_.cause if hang is not None else None)
         if self.phase == "running" and all(self._exited_cleanly(r) for r in self.records.values() if r.job in TRAINING_JOBS):
@@ -417,6 +442,7 @@ class RunController:
     def _on_stop_requested(self, e: StopRequested) -> list[Decision]:
         self.stopped_by = self.stopped_by or e.reason
         self.phase = "stopping"
+        self._cancel_regroup()
         self._cancel_restarts()
         for rec in self.records.values():
             if rec.state == "starting":
@@ -480,9 +506,62 @@ class RunController:
         rec.state, rec.attempt, rec.restart_due = "backoff", rec.attempt + 1, self.now + after_s
         return RestartTask(rec.task, rec.attempt, after_s, describe_exit(exit_.code))
 
+    def _begin_regroup(self, rec: TaskRecord, exit_: ExitRecord) -> list[Decision] | None:
+        """A trigger of the restart group exited and the policy restarts it: stop the other members
+        (their restarts follow once all have exited); None when a budget does not allow it."""
+        assert self.group is not None
+        members = [self.records[t] for t in self.group.members]
+        spent = max(members, key=lambda r: r.attempt)
+        if spent.attempt >= self.policy.max_restarts:
+            exit_.not_restarted = (f"{self.group.what} restarts together and {spent.task}'s restart budget is spent "
+                                   f"({spent.attempt} of {self.policy.max_restarts} per task)")
+            return None
+        cap = self.policy.max_restarts_per_run
+        if cap is not None and self.restarts + len(members) > cap:
+            exit_.not_restarted = (f"the run's restart budget is spent ({self.restarts} of {cap} per run; "
+                                   f"{self.group.what} restarts {len(members)} tasks)")
+            return None
+        exit_.restarted = True  # for now: a failure or a stop before the others exit cancels it
+        self._regroup = f"{rec.task} (attempt {exit_.attempt}) {exit_.cause}"
+        live = tuple(r.task for r in members if r.state == "running")
+        out: list[Decision] = []
+        if live:
+            out.append(StopTasks(live, self.grace_s, f"{self._regroup}: restarting {self.group.what} from its newest "
+                                                     f"checkpoint; stopping {', '.join(live)}", warning=True))
+        return out + self._regroup_when_exited()
+
+    def _regroup_when_exited(self) -> list[Decision]:
+        """Once every member of the group has exited: restart each as its next attempt."""
+        if self._regroup is None or self.group is None:
+            return []
+        members = [self.records[t] for t in self.group.members]
+        if any(r.state in ("running", "starting") for r in members):
+            return []
+        cause, self._regroup = self._regroup, None
+        out: list[Decision] = []
+        for rec in members:
+            if rec.state != "exited":
+                continue  # waiting for its own restart already (a worker's), or never started
+            after_s = self.policy.backoff_s(rec.attempt + 1)
+            rec.exits[-1].restarted = True
+            self.restarts += 1
+            rec.state, rec.attempt, rec.restart_due = "backoff", rec.attempt + 1, self.now + after_s
+            out.append(RestartTask(rec.task, rec.attempt, after_s, cause, group=self.group.what))
+        return out
+
+    def _cancel_regroup(self) -> None:
+        if self._regroup is None or self.group is None:
+            return
+        self._regroup = None
+        for t in self.group.members:  # the trigger's exit was marked restarted for now: it stands again
+            rec = self.records[t]
+            if rec.state == "exited" and rec.exits and rec.exits[-1].restarted:
+                rec.exits[-1].restarted = False
+
     def _fail(self, task: str, code: int, cause: str | None = None) -> list[Decision]:
         self.first_failure = self.first_failure or task
         self.phase = "stopping"
+        self._cancel_regroup()
         self._cancel_restarts()
         live = self._live()
         if not live:

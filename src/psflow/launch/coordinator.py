@@ -7,7 +7,10 @@ in the job summary.
 
 Requests:
     CO_REGISTER {task, address, pid[, attempt]} -> {cluster, version}: in the first round, answered
-        once every expected task has registered; after it (a restarted task, on a new port), at once.
+        once every expected task has registered; after it (a restarted task, on a new port), at once,
+        except for the ``rounds`` tasks (all-reduce ranks, which restart together): their attempt N
+        is answered once every one of them has registered attempt N, so that no rank of the new
+        attempt is given an address of the old one (rank 0's rendezvous store moves with it).
     CO_RESOLVE {task} -> {task, address, pid, attempt, version}: where the task listens now (a
         client whose connection to a peer dropped asks this); {} -> the whole book {version, tasks}.
     CO_REPORT {task, metrics}. A report whose metrics
@@ -47,8 +50,10 @@ class Coordinator:
         register_timeout_s: float = 120.0,
         require_ps: bool = True,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        rounds: Sequence[str] = (),
     ) -> None:
         self.book = AddressBook(expected)
+        self.rounds = tuple(rounds)
         self.reports: dict[str, dict[str, Any]] = {}
         self.register_timeout_s = register_timeout_s
         self.require_ps = require_ps
@@ -89,9 +94,12 @@ class Coordinator:
             self.on_event("reregistered", {"task": task, "address": address, "previous_address": reg.previous.address,
                                            "attempt": reg.entry.attempt, "version": reg.entry.version})
         with self._cond:
-            # After the first round this returns at once: a complete book stays complete.
-            complete = self._cond.wait_for(lambda: self.book.is_complete, self.register_timeout_s)
-            missing, version = self.book.missing(), self.book.version
+            # After the first round this returns at once (a complete book stays complete), except
+            # for a group's new attempt, which waits for the whole group's registrations of it.
+            n = reg.entry.attempt if task in self.rounds else 0
+            complete = self._cond.wait_for(lambda: self.book.is_complete and not self.book.behind(n, self.rounds),
+                                           self.register_timeout_s)
+            missing, version = self.book.missing() or self.book.behind(n, self.rounds), self.book.version
             jobs = self.book.cluster_dict() if complete else None
         self.on_event("registered", {"task": task, "address": address})
         if jobs is None:

@@ -137,6 +137,16 @@ class LocalBackend(Backend):
         os.kill(p.pid, signal.SIGUSR1)
         return where
 
+    def send_signal(self, task: str, signum: int) -> bool:
+        p = self._procs.get(task)
+        if p is None or p.poll() is not None:
+            return False
+        try:
+            os.killpg(p.pid, signum)  # the task's own process group (its session): children included
+        except ProcessLookupError:
+            return False
+        return True
+
     def close(self) -> None:
         grace_s = self._plan.grace_s if self._plan is not None else 0.0
         self._stop_processes(self._started, grace_s)

@@ -155,3 +155,45 @@ def _kind(value: str, spec: str | None) -> str:
         raise ConfigError(f"--restart {spec!r}: {value!r} is not a restart policy; the policies are "
                           f"{', '.join(POLICIES)}. {_SYNTAX}")
     return value
+
+
+@dataclass(frozen=True)
+class RestartGroup:
+    """Tasks that restart together, from the newest checkpoint: when one of ``triggers`` exits and the
+    restart policy restarts it, every other member still running is stopped, and once all have exited
+    every member starts again as the same new attempt (torchrun's rule for a group of ranks). The
+    members resume from the newest checkpoint (the chief restores it; with parameter servers they
+    restore it on every shard at once), each with the data position saved in it.
+
+    ``what`` names the group in messages (``"the all-reduce group"``).
+    """
+
+    members: tuple[str, ...]
+    triggers: tuple[str, ...]
+    what: str
+
+
+def restart_group(strategy: str, ps_replicas: int, tasks: tuple[str, ...] | list[str]) -> RestartGroup | None:
+    """The group a run's restarts keep together, if any.
+
+    - ``allreduce``: every training task (chief, workers): a rank cannot rejoin a running group, so
+      any rank's restart restarts them all.
+    - parameter servers with one copy of each shard (``ps_replicas`` 1): a ps restarted empty would
+      mix its initial values with the others' trained ones, so a ps's restart rolls every ps and
+      every training task back to the newest checkpoint together (never a mix of steps). A worker
+      still restarts alone (the ps keep its position).
+    - with a backup of each shard (``ps_replicas`` 2): none (a ps re-syncs from its pair).
+
+    Example:
+        >>> restart_group("allreduce", 1, ["worker:0", "worker:1"]).members
+        ('worker:0', 'worker:1')
+        >>> restart_group("ps", 2, ["ps:0", "ps:1", "worker:0"]) is None
+        True
+    """
+    training = tuple(t for t in tasks if t.split(":")[0] in TRAINING_JOBS)
+    if strategy == "allreduce":
+        return RestartGroup(training, training, "the all-reduce group")
+    ps = tuple(t for t in tasks if t.split(":")[0] == "ps")
+    if ps and ps_replicas == 1:
+        return RestartGroup(ps + training, ps, "the job (rolled back to its newest checkpoint on every shard)")
+    return None

@@ -63,7 +63,7 @@ from psflow.launch.controller import (
 )
 from psflow.launch.coordinator import Coordinator
 from psflow.launch.plan import LaunchPlan, TaskPlan
-from psflow.launch.restart import RestartPolicy
+from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import CompositeRunStore, FileRunStore, RunStore
 from psflow.launch.summary import build_summary
 from psflow.server import Server
@@ -92,6 +92,9 @@ class Runner:
         policy: when tasks are restarted; None (the default): the plan's (``plan.restart``).
         store: makes the run store for a plan (default: :func:`recorded_store`).
         tick_s: how often time advances in the controller when nothing happens.
+        on_tick: called by the loop with the controller, the run store and the time, after each turn
+            (``psflow chaos`` injects its faults there, through the backend); it may read the
+            controller, never step it.
 
     Example:
         >>> Runner(LocalBackend()).run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
@@ -99,13 +102,15 @@ class Runner:
     """
 
     def __init__(self, backend: Backend, *, register_timeout_s: float = 120.0, policy: RestartPolicy | None = None,
-                 store: Callable[[LaunchPlan], RunStore] | None = None, tick_s: float = 0.5) -> None:
+                 store: Callable[[LaunchPlan], RunStore] | None = None, tick_s: float = 0.5,
+                 on_tick: Callable[[RunController, RunStore, float], None] | None = None) -> None:
         self.backend = backend
         self.console = backend.console
         self.register_timeout_s = register_timeout_s
         self.policy = policy
         self.make_store = store
         self.tick_s = tick_s
+        self.on_tick = on_tick
 
     def run(self, plan: LaunchPlan) -> RunResult:
         """Run ``plan`` to its end; return its exit code (0, 1 failed, 130 stopped), summary and root cause."""
@@ -119,11 +124,14 @@ class Runner:
             server = Server("launcher", secret=secret_file.read_bytes())
             store = self.make_store(plan) if self.make_store else self._recorded_store(plan)
             signs: queue.Queue[Event] = queue.Queue()  # heartbeats and progress, for the controller's watchdog
+            group = restart_group(plan.config.strategy, plan.config.ps_replicas, plan.task_names())
+            # All-reduce ranks of a new attempt meet only once all have registered it (rank 0's store moved).
+            rounds = group.members if group is not None and plan.config.strategy == "allreduce" else ()
             coord = Coordinator(server, plan.task_names(), register_timeout_s=self.register_timeout_s,
-                                require_ps=plan.config.strategy == "ps", on_event=_to_store(store, signs))
+                                require_ps=plan.config.strategy == "ps", on_event=_to_store(store, signs), rounds=rounds)
             address = server.start()
             controller = RunController(plan.task_names(), grace_s=plan.grace_s, ps_exit_timeout_s=plan.ps_exit_timeout_s,
-                                       policy=self.policy or plan.restart, hangs=plan.hangs)
+                                       policy=self.policy or plan.restart, hangs=plan.hangs, group=group)
             launcher = TaskEnv(coordinator=address, secret_file=str(secret_file)).render()
             envs = {tp.task: {**dict(tp.env), **launcher} for tp in plan.tasks}
             with self.console.live_table(store.snapshot), _stop_signals() as stops:
@@ -171,6 +179,8 @@ class Runner:
                 except queue.Empty:
                     break
             pending.extend(controller.handle(TimeAdvanced(time.time())))
+            if self.on_tick is not None:
+                self.on_tick(controller, store, time.time())
             store.tick()  # publish the last changes of a quiet spell
 
     def _carry_out(self, d: Decision, tasks: Mapping[str, TaskPlan], controller: RunController, store: RunStore,
@@ -189,7 +199,8 @@ class Runner:
             return self._dump_stacks(d, controller, store)
         elif isinstance(d, RestartTask):
             x = controller.records[d.task].exits[-1]
-            self.console.warn(f"{_ended(d.task, x)}; restarting it as attempt {d.attempt} in {d.after_s:.1f} s "
+            why = f"; {d.group} restarts from its newest checkpoint after {d.reason}" if d.group else ""
+            self.console.warn(f"{_ended(d.task, x)}{why}; restarting it as attempt {d.attempt} in {d.after_s:.1f} s "
                               f"(restart {d.attempt} of {controller.policy.max_restarts} for this task).")
             store.task_restarting(d.task, d.attempt, d.after_s, x.cause)
         return []

@@ -62,6 +62,13 @@ class StoreStats:
     init_requests: int = 0  # PS_INIT received; only the first initializes (a restarted chief sends none)
     wait_s: float = 0.0  # time workers spent blocked in sync/ssp waits on this shard
     clock_log: list[tuple[int, int, int]] = field(default_factory=list)  # ssp: (worker, clock, slowest clock) at release
+    # The ledger's ps side: worker -> attempt -> pushes of that attempt this shard applied (sync: held
+    # gradients that went into a step). Compared by `psflow chaos` with what each attempt was acknowledged.
+    applied_by: dict[int, dict[int, int]] = field(default_factory=dict)
+
+    def count_applied(self, worker: int, attempt: int) -> None:
+        by_attempt = self.applied_by.setdefault(worker, {})
+        by_attempt[attempt] = by_attempt.get(attempt, 0) + 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +81,7 @@ class StoreStats:
             "superseded": self.superseded,
             "init_requests": self.init_requests,
             "wait_s": round(self.wait_s, 3),
+            "applied_by": {str(w): {str(a): n for a, n in sorted(by.items())} for w, by in sorted(self.applied_by.items())},
         }
 
     @classmethod
@@ -82,7 +90,8 @@ class StoreStats:
         return cls(pushes=int(d["pushes"]), applied_updates=int(d["applied_updates"]), stale_dropped=int(d["stale_dropped"]),
                    stale_by_worker={int(k): int(v) for k, v in d["stale_by_worker"].items()},
                    steps_without_all=int(d["steps_without_all"]), duplicates=int(d["duplicates"]),
-                   superseded=int(d["superseded"]), init_requests=int(d.get("init_requests", 0)), wait_s=float(d["wait_s"]))
+                   superseded=int(d["superseded"]), init_requests=int(d.get("init_requests", 0)), wait_s=float(d["wait_s"]),
+                   applied_by={int(w): {int(a): int(n) for a, n in by.items()} for w, by in d.get("applied_by", {}).items()})
 
 
 class ParameterStore:
@@ -309,6 +318,8 @@ class ParameterStore:
             for p in self.values.values():
                 p.grad = None
         self.stats.applied_updates += 1
+        for w in d.workers:  # a newer attempt's push supersedes the older's (rules): the newest is the sender
+            self.stats.count_applied(w, self.rules.attempts.get(w, 0))
         if self._forwarder is not None:  # async: the connection's buffers are reused; sync: a fresh sum
             self._ship_updates[d.version] = (dict(grads) if self.config.mode == "sync"
                                              else {k: g.clone() for k, g in grads.items()})

@@ -50,6 +50,7 @@ from psflow.ps.client import PsClient
 from psflow.ps.placement import ParamInfo, Placement, place, split_tensor
 from psflow.ps.progress import StepPlan
 from psflow.train.base import TrainerBase
+from psflow.train.ledger import PushLedger
 from psflow.train.towers import Batch, run_step_closure
 
 
@@ -116,6 +117,8 @@ class Trainer(TrainerBase):
         self.attempt = int(getattr(task, "attempt", 0) or 0)  # the launcher's restart count (PSFLOW_ATTEMPT)
         self.clock_base = 0  # ssp: the clock this attempt starts at (from readiness: a restarted worker resumes)
         self._push_seq = 0  # this attempt's steps sent: each push carries it, so a resent one is recognised
+        self._ledger = (PushLedger(task.logdir, str(task.task_id), self.worker, self.attempt)
+                        if self.config.push_ledger and getattr(task, "logdir", None) else None)
         self.stale_pushes = 0
         self._holds_averages = False  # pull(averages=True) put moving averages into the model
         self.step_plan = StepPlan()  # the chief sends it to the ps (Supervisor: max_steps, save_model_steps)
@@ -262,6 +265,8 @@ class Trainer(TrainerBase):
         self._sent = set()
         self._remaining = {s: set(names) for s, names in self._shard_params.items()}
         self._push_seq += 1
+        if self._ledger is not None:
+            self._ledger.step_sent()
         try:
             value = run_step_closure(closure, self.model, towers=self.towers, batch=batch, batches=batches)
             self.compute_s += time.perf_counter() - t1
@@ -285,6 +290,8 @@ class Trainer(TrainerBase):
             # The job reached its stop step before this batch: nothing of it was applied or counted.
             self.stopped = True
             return value
+        if self._ledger is not None and replies[0].get("applied"):
+            self._ledger.acknowledged_push()
         self._end_step(t0, value, batch_size, batch, batches)
         return value
 
@@ -387,3 +394,5 @@ class Trainer(TrainerBase):
                 self.client.done(self.worker, attempt=self.attempt)
         finally:
             self.client.close()
+            if self._ledger is not None:
+                self._ledger.close()

@@ -1,0 +1,69 @@
+"""``psflow chaos``: run a job while its tasks are killed and stopped, then say what it survived and lost.
+
+The I/O shell around the pure parts: with a baseline, the same plan first runs without faults (into
+its own log dir); then the chaos run goes through :class:`psflow.launch.runner.Runner` with a
+:class:`psflow.chaos.injector.ChaosInjector` on its loop, under the plan's restart policy; the
+report (:mod:`psflow.chaos.report`) is built from the injector's faults, the run's summary and the
+workers' push ledgers, printed, and written to ``LOGDIR/chaos.json``. Called by ``psflow chaos``
+(:mod:`psflow.cli`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from psflow.chaos.injector import ChaosInjector
+from psflow.chaos.report import build_report, render
+from psflow.chaos.schedule import ChaosSchedule, ChaosSettings
+from psflow.launch.backend import Backend
+from psflow.launch.plan import LaunchPlan
+from psflow.launch.runner import Runner
+from psflow.train.ledger import read_ledgers
+
+
+def run_chaos(plan: LaunchPlan, settings: ChaosSettings, *, make_backend: Callable[[], Backend],
+              baseline: LaunchPlan | None = None, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run ``baseline`` (if given) without faults, then ``plan`` under ``settings``' faults; return
+    the report (also in ``plan.logdir/chaos.json``) after printing it.
+
+    Example:
+        >>> report = run_chaos(plan, ChaosSettings(every_s=3, duration_s=30, seed=7), make_backend=LocalBackend)
+        >>> report["ledger"]["lost"]
+        0
+    """
+    base_summary = None
+    if baseline is not None:
+        echo(f"psflow chaos: the fault-free run first (logs in {baseline.logdir})")
+        backend = make_backend()
+        base_summary = Runner(backend, register_timeout_s=getattr(backend, "register_timeout_s", 120.0)).run(baseline).summary
+    schedule = ChaosSchedule(settings)
+    echo(f"psflow chaos: run {plan.run_id}: up to {len(schedule.slots())} faults, one every {settings.every_s:g} s for "
+         f"{settings.duration_s:g} s (seed {settings.seed}; {', '.join(f'{k}={w:g}' for k, w in settings.kinds)}; "
+         f"targets {', '.join(settings.targets)}); logs in {plan.logdir}")
+    backend = make_backend()
+    injector = ChaosInjector(schedule, backend, echo=echo)
+    try:
+        result = Runner(backend, register_timeout_s=getattr(backend, "register_timeout_s", 120.0), on_tick=injector).run(plan)
+    finally:
+        injector.close()
+    report = build_report(faults=[f.to_dict() for f in injector.faults], skipped=injector.skipped, summary=result.summary,
+                          ledgers=read_ledgers(plan.logdir), baseline=base_summary,
+                          settings={**asdict(settings), "kinds": dict(settings.kinds), "restart_policy":
+                                    result.summary.get("restart_policy"), "baseline_logdir": baseline.logdir if baseline else None})
+    echo(render(report))
+    path = Path(plan.logdir) / "chaos.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, path)
+    echo(f"psflow chaos: report in {path}")
+    return report
+
+
+def passed(report: dict[str, Any]) -> bool:
+    """The chaos run succeeded and lost no acknowledged update."""
+    return report.get("status") == "succeeded" and report["ledger"]["lost"] == 0

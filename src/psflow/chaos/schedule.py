@@ -1,0 +1,201 @@
+"""The chaos schedule: which fault, when, and on which task, as a pure function of a seed.
+
+``psflow chaos`` injects a fault every ``every_s`` seconds for ``duration_s`` seconds of a run. The
+times, the kinds (``kill``: SIGKILL, ``stop``: SIGSTOP for ``stall_s`` then SIGCONT) and a draw in
+[0, 1) per fault are fixed by the seed before the run starts (:meth:`ChaosSchedule.slots`); the task
+a fault hits is chosen when it falls due, among the tasks eligible then (:func:`eligible`), by its
+draw (:func:`pick`): the same seed on the same course of a run hits the same tasks.
+
+Eligible (the rules that keep a chaos run inside what psflow survives):
+
+- only jobs in ``targets`` (default chief, worker, and ps when each shard has a backup);
+- only a task whose current attempt has run at least ``min_up_s`` (a fault hits training, not a start);
+- no task while another is stopped (one stall at a time), and no fault once the run is no longer
+  running (draining, stopping: a dead task then fails the run or is not restarted);
+- a ps only when every ps is running and has been for ``settle_s``: with primary-backup replication
+  the killed ps's pair must have re-synced before the other one of it may die (two dead ps of a
+  pair lose the shard).
+
+A slot that falls due when no task is eligible waits for one, until the next slot falls due (then
+it is skipped, and counted as such). Used by :class:`psflow.chaos.injector.ChaosInjector`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from psflow.errors import ConfigError
+
+KINDS = ("kill", "stop")
+JOBS = ("chief", "worker", "ps")
+
+
+@dataclass(frozen=True)
+class ChaosSettings:
+    """What ``psflow chaos`` injects.
+
+    Args:
+        every_s: seconds between faults (the first at ``every_s`` after the run started).
+        duration_s: faults are injected during this many seconds from the run's start.
+        seed: fixes the times' kinds and draws.
+        kinds: each kind with its weight, e.g. ``(("kill", 3.0), ("stop", 1.0))``.
+        targets: the jobs whose tasks may be hit.
+        stall_s: how long a ``stop`` keeps a task stopped.
+        min_up_s: a task is hit only once its current attempt has run this long.
+        settle_s: a ps is hit only once every ps has run this long (the re-sync of the last one hit).
+        max_faults: at most this many faults (None: as many as the slots).
+    """
+
+    every_s: float
+    duration_s: float
+    seed: int = 0
+    kinds: tuple[tuple[str, float], ...] = (("kill", 3.0), ("stop", 1.0))
+    targets: tuple[str, ...] = ("chief", "worker")
+    stall_s: float = 1.0
+    min_up_s: float = 2.0
+    settle_s: float = 4.0
+    max_faults: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("every_s", "duration_s", "stall_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ConfigError(f"psflow chaos: {name} must be a positive number of seconds; received {v!r}.")
+        for name in ("min_up_s", "settle_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ConfigError(f"psflow chaos: {name} must be a number of seconds >= 0; received {v!r}.")
+        if not self.kinds or any(k not in KINDS or not (w > 0 and math.isfinite(w)) for k, w in self.kinds):
+            raise ConfigError(f"psflow chaos --kinds: each kind one of {', '.join(KINDS)} with a positive weight "
+                              f"(kill,stop or kill=3,stop=1); received {self.kinds!r}.")
+        if not self.targets or any(t not in JOBS for t in self.targets):
+            raise ConfigError(f"psflow chaos --targets: jobs among {', '.join(JOBS)}; received {self.targets!r}.")
+        if self.max_faults is not None and self.max_faults < 1:
+            raise ConfigError(f"psflow chaos --max-faults must be at least 1; received {self.max_faults!r}.")
+
+
+def parse_kinds(text: str) -> tuple[tuple[str, float], ...]:
+    """``"kill,stop"`` -> ``(("kill", 1.0), ("stop", 1.0))``; ``"kill=3,stop=1"`` keeps the weights.
+
+    Raises:
+        ConfigError: a part that is not KIND or KIND=WEIGHT (names it and the syntax).
+    """
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        kind, _, weight = part.partition("=")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            w = -1.0
+        if kind not in KINDS or not (w > 0 and math.isfinite(w)):
+            raise ConfigError(f"psflow chaos --kinds {part!r}: use KIND or KIND=WEIGHT with KIND one of "
+                              f"{', '.join(KINDS)} and a positive weight, e.g. kill=3,stop=1.")
+        out.append((kind, w))
+    if not out:
+        raise ConfigError(f"psflow chaos --kinds: name at least one of {', '.join(KINDS)}; received {text!r}.")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A fault planned at ``at_s`` seconds into the run: its ``kind`` and ``draw`` (picks the task)."""
+
+    index: int
+    at_s: float
+    kind: str
+    draw: float
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """What the schedule needs to know of a task now: its state (the controller's: running, exited,
+    backoff, starting), when its current attempt started (None: not started) and whether it is stopped."""
+
+    state: str
+    started_at: float | None
+    stopped: bool = False
+
+    def up_s(self, now: float) -> float:
+        return -math.inf if self.started_at is None else now - self.started_at
+
+
+class ChaosSchedule:
+    """The slots of one chaos run, and which of them are due.
+
+    Example:
+        >>> s = ChaosSchedule(ChaosSettings(every_s=5, duration_s=12, seed=1))
+        >>> [slot.at_s for slot in s.slots()]
+        [5.0, 10.0]
+    """
+
+    def __init__(self, settings: ChaosSettings) -> None:
+        self.settings = settings
+        rng = random.Random(settings.seed)
+        kinds = [k for k, _ in settings.kinds]
+        weights = [w for _, w in settings.kinds]
+        count = int(settings.duration_s // settings.every_s)
+        if settings.max_faults is not None:
+            count = min(count, settings.max_faults)
+        self._slots = [Slot(i, (i + 1) * float(settings.every_s), rng.choices(kinds, weights)[0], rng.random())
+                       for i in range(count)]
+        self._next = 0  # the first slot not taken yet
+
+    def slots(self) -> list[Slot]:
+        return list(self._slots)
+
+    def due(self, elapsed_s: float) -> tuple[Slot | None, list[Slot]]:
+        """The slot to carry out now (the latest that fell due) and the earlier due ones it replaces
+        (skipped: no task was eligible while they waited). Taking a slot is :meth:`taken`."""
+        ready = [s for s in self._slots[self._next:] if s.at_s <= elapsed_s]
+        if not ready:
+            return None, []
+        return ready[-1], ready[:-1]
+
+    def taken(self, slot: Slot) -> None:
+        """``slot`` was carried out or skipped, with every slot before it."""
+        self._next = max(self._next, slot.index + 1)
+
+    @property
+    def remaining(self) -> int:
+        return len(self._slots) - self._next
+
+
+def eligible(tasks: Mapping[str, TaskView], now: float, settings: ChaosSettings, *, running: bool = True) -> list[str]:
+    """The tasks a fault may hit now, sorted (see the module docstring for the rules).
+
+    Example:
+        >>> views = {"ps:0": TaskView("running", 0.0), "worker:0": TaskView("running", 0.0), "worker:1": TaskView("backoff", None)}
+        >>> eligible(views, 10.0, ChaosSettings(every_s=1, duration_s=5))
+        ['worker:0']
+    """
+    if not running or any(v.stopped for v in tasks.values()):
+        return []
+    ps = {t: v for t, v in tasks.items() if t.split(":")[0] == "ps"}
+    ps_settled = all(v.state == "running" and v.up_s(now) >= settings.settle_s for v in ps.values())
+    out = []
+    for task, view in tasks.items():
+        job = task.split(":")[0]
+        if job not in settings.targets or view.state != "running" or view.up_s(now) < settings.min_up_s:
+            continue
+        if job == "ps" and not ps_settled:
+            continue
+        out.append(task)
+    return sorted(out)
+
+
+def pick(slot: Slot, candidates: Sequence[str]) -> str | None:
+    """The task ``slot`` hits among ``candidates`` (by its draw), or None if there is none.
+
+    Example:
+        >>> pick(Slot(0, 5.0, "kill", 0.6), ["worker:0", "worker:1"])
+        'worker:1'
+    """
+    ordered = sorted(candidates)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(slot.draw * len(ordered)))]

@@ -1,0 +1,53 @@
+"""`psflow chaos` end to end: the MNIST softmax job, 2 ps replicated + 2 workers, SIGKILLs and a
+SIGSTOP of random tasks (ps included) every 2 s under the default chaos restart policy.
+
+What is proven: the run succeeds; every fault was injected on a running task and survived (each
+killed attempt ended by SIGKILL and was restarted); the restarts per task in chaos.json match the
+summary's attempts and cover every kill; the push ledger is kept and no acknowledged update is lost
+(every worker attempt's acknowledged pushes are among those shard 0's serving copy applied for it);
+every batch of the 6 epochs was applied exactly once on shard 0 (600 batches an epoch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import SOFTMAX, log_tails, read_summary, run_psflow
+
+pytestmark = pytest.mark.timeout(240)
+
+EPOCHS = 6
+STEPS_PER_EPOCH = 600  # 60,000 examples in batches of 100, over both workers' shards
+
+
+def test_chaos_kills_and_stops_tasks_and_the_job_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    logdir = tmp_path / "chaos"
+    r = run_psflow(["chaos", "--ps", "2", "--ps-replicas", "2", "--workers", "2", "--every", "2", "--for", "40",
+                    "--max-faults", "4", "--seed", "3", "--logdir", str(logdir), "--no-live", SOFTMAX, "--",
+                    "--epochs", str(EPOCHS), "--init", "zeros", "--print_every", "1"], timeout_s=200)
+    context = f"{r.stdout[-5000:]}\n{r.stderr[-2000:]}\n{log_tails(logdir, 30)}"
+    assert r.returncode == 0, context
+    report = json.loads((logdir / "chaos.json").read_text())
+    summary = read_summary(logdir)
+    assert report["status"] == summary["status"] == "succeeded", context
+
+    faults = report["faults"]
+    assert faults["injected"] >= 2 and faults["survived"] == faults["injected"], faults
+    kills = Counter(f["task"] for f in faults["list"] if f["kind"] == "kill")
+    assert kills, faults  # seed 3 draws kills first
+    attempts = {t["task"]: t["attempts"] for t in summary["tasks"]}
+    assert report["restarts"] == {t: n - 1 for t, n in attempts.items()}, (report["restarts"], attempts)
+    for task, n in kills.items():
+        assert report["restarts"][task] >= n, (task, report["restarts"])
+    for line in ("faults injected", "restarts per task", "acknowledged updates"):
+        assert line in r.stdout, r.stdout[-3000:]
+
+    ledger = report["ledger"]
+    assert ledger["kept"], ledger
+    assert ledger["lost"] == 0, ledger
+    assert ledger["acknowledged"] + ledger["unacknowledged"] == ledger["applied"] == EPOCHS * STEPS_PER_EPOCH, ledger
+    assert report["batches_applied"] == EPOCHS * STEPS_PER_EPOCH, report
+    assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH, summary["global_step"]

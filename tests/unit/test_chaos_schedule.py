@@ -1,0 +1,86 @@
+"""The chaos schedule: seeded slots, who is eligible for a fault, and which task a slot hits."""
+
+from __future__ import annotations
+
+import pytest
+
+from psflow.chaos.schedule import ChaosSchedule, ChaosSettings, Slot, TaskView, eligible, parse_kinds, pick
+from psflow.errors import ConfigError
+
+
+def settings(**kw) -> ChaosSettings:
+    return ChaosSettings(**{"every_s": 2.0, "duration_s": 10.0, **kw})
+
+
+def test_the_same_seed_gives_the_same_slots_and_another_seed_other_draws() -> None:
+    a, b = ChaosSchedule(settings(seed=5)).slots(), ChaosSchedule(settings(seed=5)).slots()
+    c = ChaosSchedule(settings(seed=6)).slots()
+    assert a == b
+    assert [s.draw for s in a] != [s.draw for s in c]
+    assert [s.at_s for s in a] == [2.0, 4.0, 6.0, 8.0, 10.0]
+
+
+def test_max_faults_caps_the_slots_and_kinds_follow_their_weights() -> None:
+    assert len(ChaosSchedule(settings(max_faults=2)).slots()) == 2
+    only_stops = ChaosSchedule(settings(duration_s=100.0, kinds=(("stop", 1.0),))).slots()
+    assert {s.kind for s in only_stops} == {"stop"}
+    mixed = ChaosSchedule(settings(every_s=1.0, duration_s=400.0, kinds=(("kill", 3.0), ("stop", 1.0)))).slots()
+    kills = sum(s.kind == "kill" for s in mixed)
+    assert 250 < kills < 350, kills  # 3:1 over 400 draws
+
+
+def test_parse_kinds_reads_names_and_weights_and_refuses_the_rest() -> None:
+    assert parse_kinds("kill,stop") == (("kill", 1.0), ("stop", 1.0))
+    assert parse_kinds("kill=3, stop=0.5") == (("kill", 3.0), ("stop", 0.5))
+    for bad in ("explode", "kill=0", "kill=x", " , "):
+        with pytest.raises(ConfigError, match="--kinds"):
+            parse_kinds(bad)
+
+
+def test_bad_settings_are_refused_with_the_value() -> None:
+    with pytest.raises(ConfigError, match="every_s.*-1"):
+        settings(every_s=-1)
+    with pytest.raises(ConfigError, match="targets.*evaluator"):
+        settings(targets=("evaluator",))
+
+
+def test_only_running_targets_up_long_enough_are_eligible() -> None:
+    views = {"chief:0": TaskView("running", 0.0), "worker:0": TaskView("running", 9.0),
+             "worker:1": TaskView("backoff", None), "worker:2": TaskView("running", 0.0),
+             "evaluator:0": TaskView("running", 0.0)}
+    assert eligible(views, 10.0, settings(min_up_s=2.0)) == ["chief:0", "worker:2"]
+    assert eligible(views, 10.0, settings(min_up_s=2.0, targets=("worker",))) == ["worker:2"]
+    assert eligible(views, 10.0, settings(), running=False) == []
+
+
+def test_no_fault_while_a_task_is_stopped() -> None:
+    views = {"worker:0": TaskView("running", 0.0, stopped=True), "worker:1": TaskView("running", 0.0)}
+    assert eligible(views, 10.0, settings()) == []
+
+
+def test_a_ps_is_hit_only_when_every_ps_has_run_for_settle_s() -> None:
+    s = settings(targets=("ps", "worker"), settle_s=4.0, min_up_s=1.0)
+    views = {"ps:0": TaskView("running", 0.0), "ps:1": TaskView("running", 8.0), "worker:0": TaskView("running", 0.0)}
+    assert eligible(views, 10.0, s) == ["worker:0"]  # ps:1 restarted 2 s ago: its pair may still re-sync
+    assert eligible(views, 12.0, s) == ["ps:0", "ps:1", "worker:0"]
+    views["ps:1"] = TaskView("backoff", None)
+    assert eligible(views, 30.0, s) == ["worker:0"]
+
+
+def test_pick_uses_the_draw_over_the_sorted_candidates() -> None:
+    cands = ["worker:1", "ps:0", "worker:0"]
+    assert pick(Slot(0, 1.0, "kill", 0.0), cands) == "ps:0"
+    assert pick(Slot(0, 1.0, "kill", 0.5), cands) == "worker:0"
+    assert pick(Slot(0, 1.0, "kill", 0.999), cands) == "worker:1"
+    assert pick(Slot(0, 1.0, "kill", 0.5), []) is None
+
+
+def test_a_due_slot_waits_until_the_next_falls_due_then_is_skipped() -> None:
+    s = ChaosSchedule(settings())
+    assert s.due(1.9) == (None, [])
+    first, skipped = s.due(2.5)
+    assert (first.at_s, skipped) == (2.0, [])
+    second, skipped = s.due(4.0)  # the first was not taken (no task eligible): the second replaces it
+    assert second.at_s == 4.0 and [x.at_s for x in skipped] == [2.0]
+    s.taken(second)
+    assert s.due(5.0) == (None, []) and s.remaining == 3
