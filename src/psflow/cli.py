@@ -100,6 +100,10 @@ def _k8s_options(f: Any) -> Any:
 @click.option("--nodes", type=click.IntRange(min=1), default=None, help="slurm: nodes to allocate (default 1).")
 @click.option("--dry-run", is_flag=True, help="slurm: print the sbatch script; k8s: print the manifests (YAML); and exit.")
 @_k8s_options
+@click.option("--hosts", default=None, metavar="HOST:SLOTS,...",
+              help="Run the tasks on these hosts over ssh, filled in order (horovodrun's convention), e.g. node1:1,node2:2.")
+@click.option("--ssh-config", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="--hosts: an ssh configuration file (ssh -F): keys, users, ports.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
@@ -108,7 +112,8 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         hang_timeout_s: float | None, heartbeat_timeout_s: float | None,
         restart: str | None, max_restarts: int | None, max_restarts_per_run: int | None,
         backoff_base_s: float | None, backoff_max_s: float | None, k8s_image: str | None, k8s_volume_claim: str | None,
-        k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int, **settings: object) -> None:
+        k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int, hosts: str | None, ssh_config: str | None,
+        **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
     from psflow.fault import hang_spec, join_specs, slow_spec
     from psflow.launch import make_plan
@@ -132,7 +137,10 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
                          threads=threads, restart=policy, hangs=hangs)
         k8s = {"image": k8s_image, "volume_claim": k8s_volume_claim, "namespace": k8s_namespace,
                "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s}
-        runner = _backend(backend, nodes, dry_run, preload=preload, live=live, k8s=k8s)
+        if hosts is not None or ssh_config is not None:
+            runner = _ssh_backend(backend, hosts, ssh_config, dry_run=dry_run, live=live)
+        else:
+            runner = _backend(backend, nodes, dry_run, preload=preload, live=live, k8s=k8s)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     if dry_run:
@@ -177,6 +185,21 @@ def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live
     from psflow.launch import LocalBackend
 
     return LocalBackend(preload=preload, live=live)
+
+
+def _ssh_backend(backend: str, hosts: str | None, ssh_config: str | None, *, dry_run: bool, live: bool | None) -> Any:
+    """The SshBackend of ``psflow run --hosts H:N,... [--ssh-config FILE]``.
+
+    Raises:
+        ConfigError: --hosts with another --backend or --dry-run; --ssh-config without --hosts; a bad --hosts.
+    """
+    from psflow.launch.ssh import SshBackend
+
+    if hosts is None:
+        raise ConfigError("--ssh-config is for --hosts (tasks started over ssh); give --hosts HOST:SLOTS,...")
+    if backend != "local" or dry_run:
+        raise ConfigError(f"--hosts starts the tasks over ssh; it does not go with {'--dry-run' if dry_run else '--backend ' + backend}.")
+    return SshBackend(hosts, ssh_config=ssh_config, live=live)
 
 
 def _k8s_settings(*, image: str | None, volume_claim: str | None, **rest: Any) -> Any:
