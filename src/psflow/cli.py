@@ -23,6 +23,22 @@ def main() -> None:
     """psflow: distributed PyTorch training with parameter servers."""
 
 
+def _k8s_options(f: Any) -> Any:
+    """The Kubernetes options of ``psflow run --backend k8s`` and ``psflow k8s tfjob``."""
+    for option in reversed([
+        click.option("--image", "k8s_image", default=None, help="k8s: the container image (Python, psflow and the script)."),
+        click.option("--volume-claim", "k8s_volume_claim", default=None,
+                     help="k8s: a ReadWriteMany PersistentVolumeClaim mounted at /psflow in every pod (the log dir)."),
+        click.option("--namespace", "k8s_namespace", default="default", show_default=True, help="k8s: the namespace."),
+        click.option("--gpus-per-worker", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="k8s: nvidia.com/gpu for each chief and worker pod."),
+        click.option("--ttl", "k8s_ttl_s", type=click.IntRange(min=0), default=3600, show_default=True,
+                     help="k8s: seconds a finished Job (pods, logs) is kept (ttlSecondsAfterFinished)."),
+    ]):
+        f = option(f)
+    return f
+
+
 # allow_interspersed_args=False: everything after SCRIPT reaches script_args as written ("--" included),
 # so that run can tell its own options written after the script (refused) from the script's arguments.
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -78,10 +94,16 @@ def main() -> None:
               help="Fork the tasks from one process that imported torch once (faster start), or start each afresh.")
 @click.option("--live/--no-live", default=None,
               help="Show a live table of the tasks under their output (default: when printing to a terminal).")
-@click.option("--backend", type=click.Choice(["local", "slurm"]), default="local", show_default=True,
-              help="Where the tasks run: processes on this machine, or steps of one Slurm job.")
+@click.option("--backend", type=click.Choice(["local", "slurm", "k8s"]), default="local", show_default=True,
+              help="Where the tasks run: processes on this machine, steps of one Slurm job, or Kubernetes pods "
+                   "(or --hosts: over ssh).")
 @click.option("--nodes", type=click.IntRange(min=1), default=None, help="slurm: nodes to allocate (default 1).")
-@click.option("--dry-run", is_flag=True, help="slurm: print the sbatch script and exit.")
+@click.option("--dry-run", is_flag=True, help="slurm: print the sbatch script; k8s: print the manifests (YAML); and exit.")
+@_k8s_options
+@click.option("--hosts", default=None, metavar="HOST:SLOTS,...",
+              help="Run the tasks on these hosts over ssh, filled in order (horovodrun's convention), e.g. node1:1,node2:2.")
+@click.option("--ssh-config", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="--hosts: an ssh configuration file (ssh -F): keys, users, ports.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
@@ -89,7 +111,9 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         backend: str, nodes: int | None, dry_run: bool, hang_at: str | None, slow: str | None,
         hang_timeout_s: float | None, heartbeat_timeout_s: float | None,
         restart: str | None, max_restarts: int | None, max_restarts_per_run: int | None,
-        backoff_base_s: float | None, backoff_max_s: float | None, **settings: object) -> None:
+        backoff_base_s: float | None, backoff_max_s: float | None, k8s_image: str | None, k8s_volume_claim: str | None,
+        k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int, hosts: str | None, ssh_config: str | None,
+        **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
     from psflow.launch.metrics import final_line
 
@@ -99,7 +123,12 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
                                             log_placement, threads, hang_at, slow, hang_timeout_s, heartbeat_timeout_s,
                                             restart, max_restarts, max_restarts_per_run, backoff_base_s, backoff_max_s,
                                             settings)
-        runner = _backend(backend, nodes, dry_run, preload=preload, live=live)
+        k8s = {"image": k8s_image, "volume_claim": k8s_volume_claim, "namespace": k8s_namespace,
+               "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s}
+        if hosts is not None or ssh_config is not None:
+            runner = _ssh_backend(backend, hosts, ssh_config, dry_run=dry_run, live=live)
+        else:
+            runner = _backend(backend, nodes, dry_run, preload=preload, live=live, k8s=k8s)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     if dry_run:
@@ -151,21 +180,61 @@ def _plan(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: s
     return plan, policy, hangs, config
 
 
-def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live: bool | None) -> Any:
-    """The backend ``psflow run --backend NAME`` runs on (a LocalBackend or a SlurmBackend).
+def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live: bool | None,
+             k8s: dict[str, Any] | None = None) -> Any:
+    """The backend ``psflow run --backend NAME`` runs on (a LocalBackend, SlurmBackend or K8sBackend).
 
     Raises:
-        ConfigError: a Slurm option (--nodes, --dry-run) for a local run.
+        ConfigError: a Slurm option (--nodes, --dry-run) for a local run; a Kubernetes option for another backend.
     """
+    k8s = k8s or {}
+    if name == "k8s":
+        from psflow.launch.k8swatch import K8sBackend
+
+        return K8sBackend(_k8s_settings(**k8s))
+    if k8s.get("image") or k8s.get("volume_claim") or k8s.get("gpus_per_worker"):
+        raise ConfigError("--image, --volume-claim and --gpus-per-worker are for --backend k8s; this run is " + name + ".")
     if name == "slurm":
         from psflow.launch.slurm import SlurmBackend
 
         return SlurmBackend(nodes=nodes or 1, live=live)
     if nodes is not None or dry_run:
-        raise ConfigError(f"{'--nodes' if nodes is not None else '--dry-run'} is for --backend slurm; this run is local.")
+        raise ConfigError(f"{'--nodes' if nodes is not None else '--dry-run'} is for --backend slurm; this run is local."
+                          + ("" if nodes is not None else " (--backend k8s --dry-run prints Kubernetes manifests.)"))
     from psflow.launch import LocalBackend
 
     return LocalBackend(preload=preload, live=live)
+
+
+def _ssh_backend(backend: str, hosts: str | None, ssh_config: str | None, *, dry_run: bool, live: bool | None) -> Any:
+    """The SshBackend of ``psflow run --hosts H:N,... [--ssh-config FILE]``.
+
+    Raises:
+        ConfigError: --hosts with another --backend or --dry-run; --ssh-config without --hosts; a bad --hosts.
+    """
+    from psflow.launch.ssh import SshBackend
+
+    if hosts is None:
+        raise ConfigError("--ssh-config is for --hosts (tasks started over ssh); give --hosts HOST:SLOTS,...")
+    if backend != "local" or dry_run:
+        raise ConfigError(f"--hosts starts the tasks over ssh; it does not go with {'--dry-run' if dry_run else '--backend ' + backend}.")
+    return SshBackend(hosts, ssh_config=ssh_config, live=live)
+
+
+def _k8s_settings(*, image: str | None, volume_claim: str | None, **rest: Any) -> Any:
+    """The Kubernetes settings of ``--image``, ``--volume-claim`` and the other k8s options.
+
+    Raises:
+        ConfigError: --image or --volume-claim missing, or a bad value (see K8sSettings).
+    """
+    from psflow.launch.k8s import K8sSettings
+
+    if not image:
+        raise ConfigError("--backend k8s needs --image IMAGE: a container image with Python, psflow and the script.")
+    if not volume_claim:
+        raise ConfigError("--backend k8s needs --volume-claim NAME: a ReadWriteMany PersistentVolumeClaim every pod "
+                          "mounts for the log dir (the ps write checkpoint shards there, the chief the manifest).")
+    return K8sSettings(image=image, volume_claim=volume_claim, **rest)
 
 
 def _restart_policy(spec: str | None, **budgets: int | float | None) -> RestartPolicy:
@@ -197,7 +266,7 @@ def _script_args(ctx: click.Context, script: str, script_args: tuple[str, ...]) 
     own = {o: p for p in ctx.command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")}
     if script.startswith("-"):
         name = script.split("=", 1)[0]
-        raise click.NoSuchOption(name, possibilities=difflib.get_close_matches(name, sorted(own), n=3), ctx=ctx)
+        raise click.NoSuchOption(name, possibilities=difflib.get_close_matches(name, sorted(own), n=3, cutoff=0.7), ctx=ctx)
     cut = script_args.index("--") if "--" in script_args else len(script_args)
     before, after = script_args[:cut], script_args[cut + 1:]
     for i, arg in enumerate(before):
@@ -456,7 +525,10 @@ def chaos(every_s: float, duration: str, seed: int, kinds_text: str, targets: st
 _PLAN_OPTIONS = ("num_ps", "num_workers", "chief", "evaluator", "logdir", "script", "script_args", "fail_at", "log_placement",
                  "threads", "hang_at", "slow", "hang_timeout_s", "heartbeat_timeout_s", "restart", "max_restarts",
                  "max_restarts_per_run", "backoff_base_s", "backoff_max_s")
-chaos.params.extend(p for p in run.params if p.name not in ("backend", "nodes", "dry_run"))
+# Chaos runs on this machine: the options of other backends are not its.
+_OTHER_BACKENDS = ("backend", "nodes", "dry_run", "k8s_image", "k8s_volume_claim", "k8s_namespace", "gpus_per_worker",
+                   "k8s_ttl_s", "hosts", "ssh_config")
+chaos.params.extend(p for p in run.params if p.name not in _OTHER_BACKENDS)
 
 
 def _seconds(text: str, option: str) -> float:
@@ -476,3 +548,40 @@ def _seconds(text: str, option: str) -> float:
     if not value > 0:
         raise ConfigError(f"{option} {text!r}: give a positive duration such as 90, 90s or 5m.")
     return value
+
+
+@main.group()
+def k8s() -> None:
+    """Kubernetes manifests of a run, for clusters that run them their own way."""
+
+
+@k8s.command(context_settings={"ignore_unknown_options": True})
+@click.option("--ps", "num_ps", default=1, show_default=True, help="Parameter-server tasks.")
+@click.option("--workers", "num_workers", default=2, show_default=True, help="Worker tasks.")
+@click.option("--chief/--no-chief", default=False, help="Add a separate chief task (default: worker:0 is chief).")
+@click.option("--logdir", default=None, help="The log dir, relative to the volume claim (default runs/<run id>).")
+@click.option("--mode", type=click.Choice(["async", "sync", "ssp"]), default=None, help="Update mode.")
+@click.option("--restart", "restart", default=None, metavar="POLICY|JOB=POLICY,...",
+              help="never (default), on-failure, always, exit-code: the TFJob's restartPolicy per replica type.")
+@_k8s_options
+@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def tfjob(num_ps: int, num_workers: int, chief: bool, logdir: str | None, mode: str | None, restart: str | None,
+          script: str, script_args: tuple[str, ...], k8s_image: str | None, k8s_volume_claim: str | None,
+          k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int) -> None:
+    """Print SCRIPT's run as a Kubeflow TFJob (kubeflow.org/v1) and its Secret, for `kubectl apply -f -` on a
+    cluster with the training operator, which injects TF_CONFIG (pf.init() reads it)."""
+    import secrets
+
+    from psflow.launch import make_plan
+    from psflow.launch.k8s import render_tfjob, to_yaml
+
+    try:
+        settings = _k8s_settings(image=k8s_image, volume_claim=k8s_volume_claim, namespace=k8s_namespace,
+                                 gpus_per_worker=gpus_per_worker, ttl_s=k8s_ttl_s)
+        config = TrainConfig(**({"mode": mode} if mode else {}))
+        plan = make_plan(script, [a for a in script_args if a != "--"], num_ps=num_ps, num_workers=num_workers,
+                         chief=chief, logdir=logdir, config=config, restart=RestartPolicy.parse(restart))
+        click.echo(to_yaml(render_tfjob(plan, settings, secrets.token_hex(32))), nl=False)
+    except PsflowError as e:
+        raise click.UsageError(str(e)) from e

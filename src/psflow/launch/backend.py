@@ -43,6 +43,12 @@ class Backend(ABC):
     def close(self) -> None:  # noqa: B027
         """Stop whatever is still running and release what :meth:`open` took."""
 
+    def coordinator_host(self) -> str:
+        """The address the launcher's coordinator listens on, asked after :meth:`open`: loopback (the
+        default: the tasks run on this host), or one the tasks' hosts reach the launcher at (ssh).
+        Off loopback the coordinator, like every task, admits only connections that prove the job secret."""
+        return "127.0.0.1"
+
     def ended_by(self) -> str | None:
         """Why the place the tasks run in ended the run from outside (a scheduler job cancelled,
         out of time), once, or None. The runner takes it as a stop request, before the exits it

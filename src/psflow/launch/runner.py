@@ -121,7 +121,7 @@ class Runner:
         try:
             self.backend.open(plan)
             secret_file = write_secret(logdir)
-            server = Server("launcher", secret=secret_file.read_bytes())
+            server = Server("launcher", host=self.backend.coordinator_host(), secret=secret_file.read_bytes())
             store = self.make_store(plan) if self.make_store else self._recorded_store(plan)
             signs: queue.Queue[Event] = queue.Queue()  # heartbeats and progress, for the controller's watchdog
             group = restart_group(plan.config.strategy, plan.config.ps_replicas, plan.task_names())

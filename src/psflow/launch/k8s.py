@@ -1,0 +1,316 @@
+"""A run as Kubernetes objects: pure rendering of a launch plan into manifests (no API server, no I/O).
+
+Called by ``psflow run --backend k8s`` (through :class:`psflow.launch.k8swatch.K8sBackend`, which
+submits what this module renders and watches it) and by ``psflow k8s tfjob``. How a run maps onto
+Kubernetes, and why:
+
+- **A Secret** (``<name>-secret``) holds the job secret; every pod mounts it read-only at
+  ``/var/run/psflow/secret`` and reads it through ``PSFLOW_SECRET_FILE``. The secret is never in a
+  container's plain environment nor on its command line (``kubectl describe pod`` shows neither).
+- **A headless Service** (``clusterIP: None``, ``publishNotReadyAddresses``) named after the run gives
+  every pod a stable DNS name, ``<job-name>-<index>.<service>.<namespace>.svc``, before it is ready
+  (a ps is not "ready" in Kubernetes' sense until the workers reach it).
+- **One indexed Job per job type** (``<name>-ps``, ``<name>-worker``, ...): the pod of index *i* is
+  task ``<type>:<i>``. Its ``TF_CONFIG`` names every task by its DNS name and port ``port``; the
+  pod's own index comes from the Job's completion-index annotation through the downward API
+  (``TASK_INDEX``, expanded into ``TF_CONFIG`` by the kubelet), so one template serves every index;
+  its attempt (``PSFLOW_ATTEMPT``) from the index's failure count, where the job restarts.
+  ``pf.init()`` reads ``TF_CONFIG`` as it does under Kubeflow's operator. A task binds every
+  interface of its pod (``PSFLOW_BIND_HOST=0.0.0.0``: a pod's network is its own), which the job
+  secret makes safe and requires.
+- **Restarts** are Kubernetes' (the run goes on if the launcher goes away), mapped from the run's
+  policy per job by :func:`restart_fields`: ``never`` -> ``backoffLimit: 0``; ``on-failure`` ->
+  ``backoffLimitPerIndex: max_restarts`` (each retry a new pod with the same DNS name) and
+  ``maxFailedIndexes: 0`` (a task out of retries fails the job); ``exit-code`` -> the same plus a
+  ``podFailurePolicy`` that fails the index at once on exit codes 1-127 (Kubeflow's convention);
+  ``always`` -> as ``on-failure`` (a Job never restarts a pod that exited 0). Pods use
+  ``restartPolicy: Never`` throughout, so each attempt is its own pod with its own exit code and
+  log. ``max_restarts_per_run`` becomes each Job's ``backoffLimit`` (per job type, not across the
+  run); the backoff between retries is Kubernetes' own (10 s doubling to 6 min).
+- **Error reports**: ``PSFLOW_ERROR_FILE=/dev/termination-log``, so a failing task's JSON report is
+  its container's termination message (Kubernetes keeps 4 KiB of it), read by the watcher.
+- **The log dir** (checkpoints: every ps writes its shard, the chief the manifest) must be one
+  directory for every pod: a ReadWriteMany PersistentVolumeClaim (``volume_claim``) mounted at
+  ``/psflow``; the run's log dir is ``/psflow/<logdir>``.
+- **Resources**: ``cpu`` requested per task as the plan's threads; ``nvidia.com/gpu`` limits for the
+  chief and workers (``gpus_per_worker``). ``ttlSecondsAfterFinished`` removes finished Jobs.
+
+:func:`render_tfjob` renders the same run as one Kubeflow ``TFJob`` (``kubeflow.org/v1``) instead:
+the training operator creates the pods and the service and injects ``TF_CONFIG`` itself, and its
+``restartPolicy`` kinds are psflow's (``Never``, ``OnFailure``, ``Always``, ``ExitCode``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+from psflow.errors import ConfigError
+from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.launch.restart import RestartPolicy
+
+SECRET_DIR = "/var/run/psflow/secret"
+SECRET_KEY = "secret"
+MOUNT_PATH = "/psflow"
+TERMINATION_LOG = "/dev/termination-log"
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+FAILURE_COUNT_ANNOTATION = "batch.kubernetes.io/job-index-failure-count"  # set on each pod under backoffLimitPerIndex
+RUN_LABEL = "psflow.io/run"
+JOB_LABEL = "psflow.io/job"
+JOB_ORDER = ("chief", "ps", "worker", "evaluator")
+TFJOB_TYPES = {"chief": "Chief", "ps": "PS", "worker": "Worker", "evaluator": "Evaluator"}
+_TFJOB_POLICY = {"never": "Never", "on-failure": "OnFailure", "always": "Always", "exit-code": "ExitCode"}
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_IMAGE = re.compile(r"^\S+$")
+# psflow's variables the manifests set themselves, per pod, instead of the plan's (which are the launcher's view).
+_REPLACED = ("PSFLOW_TASK", "PSFLOW_LOGDIR", "PSFLOW_ERROR_FILE", "PSFLOW_SECRET", "PSFLOW_SECRET_FILE",
+             "PSFLOW_COORDINATOR", "PSFLOW_BIND_HOST")
+
+
+@dataclass(frozen=True)
+class K8sSettings:
+    """What the manifests ask Kubernetes for.
+
+    Args:
+        image: the container image; it holds Python, psflow and the script at the path the plan
+            names (relative to the image's working directory).
+        volume_claim: a ReadWriteMany PersistentVolumeClaim every pod mounts at ``/psflow``: the
+            run's log dir (checkpoints, summaries) lives there.
+        namespace: where the objects go.
+        gpus_per_worker: ``nvidia.com/gpu`` for each chief and worker pod (0: none).
+        ttl_s: ``ttlSecondsAfterFinished`` of each Job (its pods and logs go then).
+        port: the port every task listens on in its pod.
+        python: the interpreter in the image.
+        image_pull_policy: ``Always``, ``IfNotPresent`` or ``Never`` (None: Kubernetes' default).
+
+    Raises:
+        ConfigError: an empty image, a claim or namespace that is not a DNS label, a negative count.
+    """
+
+    image: str
+    volume_claim: str
+    namespace: str = "default"
+    gpus_per_worker: int = 0
+    ttl_s: int = 3600
+    port: int = 2222
+    python: str = "python"
+    image_pull_policy: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.image or not _IMAGE.match(self.image):
+            raise ConfigError(f"--image must name a container image, e.g. registry.example.com/train:1.0; received {self.image!r}.")
+        for flag, value in (("--volume-claim", self.volume_claim), ("--namespace", self.namespace)):
+            if not value or not _DNS_LABEL.match(value) or len(value) > 63:
+                raise ConfigError(f"{flag} must be a Kubernetes name (lowercase letters, digits and '-', starting with a "
+                                  f"letter, at most 63 characters); received {value!r}.")
+        if not isinstance(self.gpus_per_worker, int) or self.gpus_per_worker < 0:
+            raise ConfigError(f"--gpus-per-worker must be 0 or more; received {self.gpus_per_worker!r}.")
+        if not isinstance(self.ttl_s, int) or self.ttl_s < 0:
+            raise ConfigError(f"--ttl must be a number of seconds >= 0; received {self.ttl_s!r}.")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 1..65535; received {self.port!r}.")
+        if self.image_pull_policy not in (None, "Always", "IfNotPresent", "Never"):
+            raise ConfigError(f"--image-pull-policy must be Always, IfNotPresent or Never; received {self.image_pull_policy!r}.")
+
+
+def run_name(plan: LaunchPlan) -> str:
+    """The run's name in Kubernetes (the Service's, the prefix of every object): ``psflow-<run id>``."""
+    name = "psflow-" + re.sub(r"[^a-z0-9-]+", "-", plan.run_id.lower()).strip("-")
+    return name[:40].rstrip("-")  # <job>-<index> pod hostnames stay within 63 characters
+
+
+def job_name(plan: LaunchPlan, job: str) -> str:
+    return f"{run_name(plan)}-{job}"
+
+
+def jobs_of(plan: LaunchPlan) -> dict[str, list[TaskPlan]]:
+    """The plan's tasks by job type, in the order chief, ps, worker, evaluator."""
+    by_job: dict[str, list[TaskPlan]] = {}
+    for job in JOB_ORDER:
+        tasks = [t for t in plan.tasks if t.job == job]
+        if tasks:
+            by_job[job] = sorted(tasks, key=lambda t: int(t.task.split(":")[1]))
+    return by_job
+
+
+def task_host(plan: LaunchPlan, settings: K8sSettings, job: str, index: int) -> str:
+    """The stable DNS name and port of task ``job:index``: its pod's hostname within the headless Service."""
+    return f"{job_name(plan, job)}-{index}.{run_name(plan)}.{settings.namespace}.svc:{settings.port}"
+
+
+def cluster_of(plan: LaunchPlan, settings: K8sSettings) -> dict[str, list[str]]:
+    """The cluster every pod's ``TF_CONFIG`` names: job type -> DNS names, by index."""
+    return {job: [task_host(plan, settings, job, i) for i in range(len(tasks))] for job, tasks in jobs_of(plan).items()}
+
+
+def logdir_in_pod(plan: LaunchPlan) -> str:
+    """The run's log dir inside a pod: the plan's (relative) log dir under the claim's mount."""
+    if PurePosixPath(plan.logdir).is_absolute():
+        raise ConfigError(f"--logdir for --backend k8s is a path inside the volume claim (mounted at {MOUNT_PATH}); "
+                          f"give a relative one, e.g. runs/mnist. Received: {plan.logdir!r}.")
+    return str(PurePosixPath(MOUNT_PATH) / plan.logdir)
+
+
+def restart_fields(policy: RestartPolicy, job: str) -> dict[str, Any]:
+    """The Job spec fields that carry out ``policy`` for ``job``'s tasks (see the module's docstring)."""
+    if not policy.restarts(job):
+        return {"backoffLimit": 0}
+    fields: dict[str, Any] = {"backoffLimitPerIndex": policy.max_restarts, "maxFailedIndexes": 0}
+    if policy.max_restarts_per_run is not None:
+        fields["backoffLimit"] = policy.max_restarts_per_run
+    if policy.kind_for(job) == "exit-code":
+        fields["podFailurePolicy"] = {"rules": [
+            {"action": "FailIndex", "onExitCodes": {"containerName": job, "operator": "In", "values": list(range(1, 128))}},
+        ]}
+    return fields
+
+
+def _task_env(plan: LaunchPlan, tasks: Sequence[TaskPlan]) -> list[dict[str, Any]]:
+    """The environment every pod of a job shares: the plan's psflow variables, less the launcher's
+    (see _REPLACED), plus the pod's log dir, error file, secret file and bind host."""
+    env = {k: v for k, v in tasks[0].env if k not in _REPLACED}
+    env.update(PSFLOW_LOGDIR=logdir_in_pod(plan), PSFLOW_ERROR_FILE=TERMINATION_LOG,
+               PSFLOW_SECRET_FILE=f"{SECRET_DIR}/{SECRET_KEY}", PSFLOW_BIND_HOST="0.0.0.0")
+    if env.get("PSFLOW_NUM_THREADS"):  # a fresh interpreter's torch reads it at import
+        env["OMP_NUM_THREADS"] = env["PSFLOW_NUM_THREADS"]
+    return [{"name": k, "value": v} for k, v in sorted(env.items())]
+
+
+def _container(plan: LaunchPlan, settings: K8sSettings, job: str, tasks: Sequence[TaskPlan],
+               extra_env: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    resources: dict[str, Any] = {"requests": {"cpu": str(plan.threads)}}
+    if settings.gpus_per_worker and job in ("chief", "worker"):
+        resources["limits"] = {"nvidia.com/gpu": str(settings.gpus_per_worker)}
+    c: dict[str, Any] = {
+        "name": name,
+        "image": settings.image,
+        "command": [settings.python, *tasks[0].argv[1:]],
+        "env": [*extra_env, *_task_env(plan, tasks)],
+        "ports": [{"name": "psflow", "containerPort": settings.port}],
+        "resources": resources,
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": "secret", "mountPath": SECRET_DIR, "readOnly": True},
+                         {"name": "logdir", "mountPath": MOUNT_PATH}],
+    }
+    if settings.image_pull_policy:
+        c["imagePullPolicy"] = settings.image_pull_policy
+    return c
+
+
+def _volumes(plan: LaunchPlan, settings: K8sSettings) -> list[dict[str, Any]]:
+    return [
+        {"name": "secret", "secret": {"secretName": f"{run_name(plan)}-secret", "defaultMode": 0o400,
+                                      "items": [{"key": SECRET_KEY, "path": SECRET_KEY}]}},
+        {"name": "logdir", "persistentVolumeClaim": {"claimName": settings.volume_claim}},
+    ]
+
+
+def _labels(plan: LaunchPlan, job: str | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": "psflow", RUN_LABEL: run_name(plan)}
+    return {**labels, JOB_LABEL: job} if job else labels
+
+
+def render_secret(plan: LaunchPlan, settings: K8sSettings, secret: str) -> dict[str, Any]:
+    """The Secret holding the job secret (base64 in ``data``, as Kubernetes stores it)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": f"{run_name(plan)}-secret", "namespace": settings.namespace, "labels": _labels(plan)},
+            "data": {SECRET_KEY: base64.b64encode(secret.encode()).decode()}}
+
+
+def render_service(plan: LaunchPlan, settings: K8sSettings) -> dict[str, Any]:
+    """The headless Service that gives every pod of the run its DNS name."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": run_name(plan), "namespace": settings.namespace, "labels": _labels(plan)},
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {RUN_LABEL: run_name(plan)},
+                     "ports": [{"name": "psflow", "port": settings.port, "targetPort": settings.port}]}}
+
+
+def render_job(plan: LaunchPlan, settings: K8sSettings, job: str, tasks: Sequence[TaskPlan]) -> dict[str, Any]:
+    """The indexed Job of one job type: pod *i* is task ``job:i``."""
+    tf_config = json.dumps({"cluster": cluster_of(plan, settings), "task": {"type": job, "index": 0}},
+                           separators=(",", ":")).replace('"index":0}}', '"index":$(TASK_INDEX)}}')
+    index_env = [
+        {"name": "TASK_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
+        {"name": "TF_CONFIG", "value": tf_config},  # after TASK_INDEX: the kubelet expands $(TASK_INDEX) in order
+    ]
+    if plan.restart.restarts(job):  # which retry of its index a pod is: a restarted ps re-syncs, a fault fires once
+        index_env.append({"name": "PSFLOW_ATTEMPT", "valueFrom": {"fieldRef": {
+            "fieldPath": f"metadata.annotations['{FAILURE_COUNT_ANNOTATION}']"}}})
+    pod_spec = {"subdomain": run_name(plan), "restartPolicy": "Never",
+                "containers": [_container(plan, settings, job, tasks, index_env, job)],
+                "volumes": _volumes(plan, settings)}
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": job_name(plan, job), "namespace": settings.namespace, "labels": _labels(plan, job)},
+            "spec": {"completionMode": "Indexed", "completions": len(tasks), "parallelism": len(tasks),
+                     **restart_fields(plan.restart, job), "ttlSecondsAfterFinished": settings.ttl_s,
+                     "template": {"metadata": {"labels": _labels(plan, job)}, "spec": pod_spec}}}
+
+
+def render_run(plan: LaunchPlan, settings: K8sSettings, secret: str) -> list[dict[str, Any]]:
+    """Every object of the run, in the order they are created: Secret, Service, then a Job per job type.
+
+    Example:
+        >>> docs = render_run(make_plan("train.py"), K8sSettings(image="train:1", volume_claim="logs"), "s3cret")
+        >>> [d["kind"] for d in docs]  # doctest: +SKIP
+        ['Secret', 'Service', 'Job', 'Job']
+    """
+    _check_secret(secret)
+    return [render_secret(plan, settings, secret), render_service(plan, settings),
+            *(render_job(plan, settings, job, tasks) for job, tasks in jobs_of(plan).items())]
+
+
+def render_tfjob(plan: LaunchPlan, settings: K8sSettings, secret: str) -> list[dict[str, Any]]:
+    """The run as a Secret and one Kubeflow TFJob (``kubeflow.org/v1``): the training operator makes
+    the pods and the service and injects ``TF_CONFIG``, which ``pf.init()`` reads.
+
+    Raises:
+        ConfigError: an evaluator (the operator does not give it a place in every task's ``TF_CONFIG``).
+    """
+    _check_secret(secret)
+    jobs = jobs_of(plan)
+    if "evaluator" in jobs:
+        raise ConfigError("psflow k8s tfjob cannot run an evaluator task: the TFJob operator leaves it out of the other "
+                          "tasks' TF_CONFIG. Drop --evaluator.")
+    replicas = {}
+    for job, tasks in jobs.items():
+        kind = plan.restart.kind_for(job) if plan.restart.restarts(job) else "never"
+        container = _container(plan, settings, job, tasks, [], "tensorflow")  # the operator's container name
+        container["ports"] = [{"name": "tfjob-port", "containerPort": settings.port}]  # the operator's port name
+        replicas[TFJOB_TYPES[job]] = {
+            "replicas": len(tasks), "restartPolicy": _TFJOB_POLICY[kind],
+            "template": {"metadata": {"labels": _labels(plan, job)},
+                         "spec": {"containers": [container], "volumes": _volumes(plan, settings)}},
+        }
+    run_policy: dict[str, Any] = {"cleanPodPolicy": "Running", "ttlSecondsAfterFinished": settings.ttl_s}
+    if plan.restart.max_restarts_per_run is not None:
+        run_policy["backoffLimit"] = plan.restart.max_restarts_per_run
+    tfjob = {"apiVersion": "kubeflow.org/v1", "kind": "TFJob",
+             "metadata": {"name": run_name(plan), "namespace": settings.namespace, "labels": _labels(plan)},
+             "spec": {"runPolicy": run_policy, "tfReplicaSpecs": replicas}}
+    return [render_secret(plan, settings, secret), tfjob]
+
+
+def to_yaml(docs: Sequence[dict[str, Any]]) -> str:
+    """The manifests as one YAML stream (``kubectl apply -f`` reads it)."""
+    import yaml
+
+    class _Dumper(yaml.SafeDumper):
+        pass
+
+    def _list(dumper: yaml.SafeDumper, data: list[Any]) -> Any:  # exit-code lists on one line
+        flow = bool(data) and all(isinstance(v, int) for v in data)
+        return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+    _Dumper.add_representer(list, _list)
+    return yaml.dump_all(list(docs), Dumper=_Dumper, sort_keys=False, width=1 << 16)
+
+
+def _check_secret(secret: str) -> None:
+    if len(secret) < 16:
+        raise ConfigError(f"The job secret must be at least 16 characters; received {len(secret)}.")

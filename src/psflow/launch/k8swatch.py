@@ -1,0 +1,412 @@
+"""K8sBackend: submit a run's manifests to Kubernetes, follow its pods, record it, stop it.
+
+``psflow run --backend k8s`` calls :meth:`K8sBackend.run` (``--dry-run``: :meth:`K8sBackend.script`).
+The manifests are :mod:`psflow.launch.k8s`'s; this module is the I/O around them, through the
+official ``kubernetes`` client (``pip install 'psflow[k8s]'``), and a pure core that turns what the
+API answers into the run's history:
+
+- :func:`pod_view` reads one pod (its task from the Job's labels and completion index, its attempt
+  from the Job controller's index failure count, how its container ended);
+- :class:`PodTracker` takes successive pod listings and says, once each, which attempt started,
+  which exited (exit code, OOM kill, its error report from the termination message) and which
+  attempt is a restart Kubernetes made, and after what;
+- :func:`outcome` reads the Jobs' conditions: every Job ``Complete`` -> succeeded; one ``Failed``
+  (a task out of retries, or a permanent exit code) -> failed.
+
+Restarts are Kubernetes' (restart policy mapped by :func:`psflow.launch.k8s.restart_fields`): the
+launcher does not restart pods, it records what Kubernetes did, in the same run store as every
+other backend (``LOGDIR/status.json``, ``events.jsonl``, the job store). A run is followed by listing
+its pods every ``poll_s`` (a list has no stream to lose). Each attempt's log is copied into
+``LOGDIR/logs/<task>.log`` when it ends. When the run fails, or on Ctrl-C / SIGTERM, the launcher
+deletes the run's Jobs (their pods go with them), Service and Secret; when it succeeds, the Service
+and Secret (the Jobs go after ``ttlSecondsAfterFinished``).
+
+The client calls used, the whole interface a test fake has to implement: ``CoreV1Api``:
+``create_namespaced_secret``, ``create_namespaced_service``, ``list_namespaced_pod``,
+``read_namespaced_pod_log``, ``delete_namespaced_secret``, ``delete_namespaced_service``;
+``BatchV1Api``: ``create_namespaced_job``, ``list_namespaced_job``, ``delete_namespaced_job``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from psflow.errors import ClusterError, ConfigError
+from psflow.launch.backend import RunResult
+from psflow.launch.console import Console
+from psflow.launch.controller import exit_cause
+from psflow.launch.k8s import (
+    FAILURE_COUNT_ANNOTATION,
+    INDEX_ANNOTATION,
+    JOB_LABEL,
+    RUN_LABEL,
+    K8sSettings,
+    render_run,
+    run_name,
+    to_yaml,
+)
+from psflow.launch.plan import LaunchPlan
+from psflow.launch.runstore import RunStore
+
+# ------------------------------------------------------------------------------------ pure core
+
+
+@dataclass(frozen=True)
+class PodView:
+    """One pod of the run, as the watcher needs it."""
+
+    name: str
+    task: str  # "worker:1"
+    attempt: int
+    phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    created: float = 0.0
+    exit_code: int | None = None  # once its container terminated; -N for a death by signal N
+    reason: str | None = None  # the container's: Completed, Error, OOMKilled
+    message: str | None = None  # its termination message: the task's error report
+
+
+@dataclass(frozen=True)
+class Started:
+    task: str
+    attempt: int
+    pod: str
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """Kubernetes started ``attempt`` of ``task`` after attempt - 1 ended with ``cause``."""
+
+    task: str
+    attempt: int
+    cause: str
+
+
+@dataclass(frozen=True)
+class Exited:
+    task: str
+    attempt: int
+    code: int
+    oom_killed: bool
+    report: dict[str, Any] | None
+    pod: str
+
+
+Change = Started | Restarted | Exited
+
+
+def exit_code_of(container_code: int) -> int:
+    """A task's exit code from its container's: 128+N (killed by signal N) becomes -N, as locally."""
+    if 128 < container_code < 128 + signal.NSIG:
+        return -(container_code - 128)
+    return container_code
+
+
+def parse_report(message: str | None) -> dict[str, Any] | None:
+    """The task's error report from its termination message (JSON, as the task wrote it), or the
+    message itself (the log's last lines, Kubernetes' fallback; or a report cut at 4 KiB)."""
+    if not message or not message.strip():
+        return None
+    try:
+        report = json.loads(message)
+    except ValueError:
+        return {"exception": "TerminationMessage", "message": message.strip()[-2000:]}
+    return report if isinstance(report, dict) else {"exception": "TerminationMessage", "message": message.strip()}
+
+
+def pod_view(pod: Any) -> PodView | None:
+    """A ``V1Pod`` of the run as a :class:`PodView`; None for a pod that is not a task's."""
+    meta = pod.metadata
+    labels, annotations = meta.labels or {}, meta.annotations or {}
+    job = labels.get(JOB_LABEL)
+    index = annotations.get(INDEX_ANNOTATION, labels.get(INDEX_ANNOTATION))
+    if job is None or index is None or not str(index).isdigit():
+        return None
+    attempt = annotations.get(FAILURE_COUNT_ANNOTATION, "0")
+    status = pod.status
+    code = reason = message = None
+    for cs in (status.container_statuses or []) if status is not None else []:
+        term = cs.state.terminated if cs.state is not None else None
+        if term is not None:
+            code, reason, message = exit_code_of(term.exit_code), term.reason, term.message
+    created = meta.creation_timestamp.timestamp() if meta.creation_timestamp is not None else 0.0
+    return PodView(meta.name, f"{job}:{index}", int(attempt) if str(attempt).isdigit() else 0,
+                   (status.phase if status is not None else None) or "Pending", created, code, reason, message)
+
+
+class PodTracker:
+    """Successive pod listings -> each attempt's start, restart and exit, each said once, in order.
+
+    A task's attempts are told apart by the Job controller's index failure count; an attempt seen
+    after its task's earlier one ended is a restart Kubernetes made (:class:`Restarted` first, with
+    the earlier attempt's cause). A pod that disappears without an exit seen says nothing.
+    """
+
+    def __init__(self) -> None:
+        self._started: set[tuple[str, int]] = set()
+        self._exited: dict[tuple[str, int], int] = {}
+        self._causes: dict[tuple[str, int], str] = {}
+
+    def update(self, pods: Iterable[PodView]) -> list[Change]:
+        out: list[Change] = []
+        for p in sorted(pods, key=lambda p: (p.created, p.task, p.attempt)):
+            key = (p.task, p.attempt)
+            if key not in self._started:
+                self._started.add(key)
+                before = (p.task, p.attempt - 1)
+                if p.attempt > 0:
+                    out.append(Restarted(p.task, p.attempt, self._causes.get(before, "an earlier attempt failed")))
+                out.append(Started(p.task, p.attempt, p.name))
+            if p.exit_code is not None and key not in self._exited:
+                self._exited[key] = p.exit_code
+                oom = p.reason == "OOMKilled"
+                self._causes[key] = exit_cause(p.exit_code, oom)
+                report = parse_report(p.message) if p.exit_code != 0 else None
+                out.append(Exited(p.task, p.attempt, p.exit_code, oom, report, p.name))
+        return out
+
+    def last_failure(self) -> tuple[str, int, int] | None:
+        """(task, attempt, code) of the first failed exit whose task was not started again: the root cause."""
+        for (task, attempt), code in self._exited.items():
+            if code != 0 and (task, attempt + 1) not in self._started:
+                return task, attempt, code
+        return None
+
+
+def outcome(jobs: Iterable[Any]) -> tuple[str | None, str]:
+    """``("succeeded" | "failed" | None, why)`` from the run's ``V1Job`` objects' conditions."""
+    jobs = list(jobs)
+    for job in jobs:
+        for c in (job.status.conditions or []) if job.status is not None else []:
+            if c.type == "Failed" and c.status == "True":
+                return "failed", f"Job {job.metadata.name} failed ({c.reason or 'no reason'}: {c.message or ''})".rstrip(": )") + ")"
+    done = [j for j in jobs if any(c.type == "Complete" and c.status == "True"
+                                   for c in ((j.status.conditions or []) if j.status is not None else []))]
+    if jobs and len(done) == len(jobs):
+        return "succeeded", "every Job completed"
+    return None, ""
+
+
+# ------------------------------------------------------------------------------------ the I/O shell
+
+
+def load_clients() -> tuple[Any, Any]:
+    """``(CoreV1Api, BatchV1Api)`` configured from the cluster the launcher runs in, or kubeconfig.
+
+    Raises:
+        ConfigError: the ``kubernetes`` package is missing.
+        ClusterError: no cluster configuration found.
+    """
+    try:
+        from kubernetes import client, config
+    except ImportError as e:
+        raise ConfigError("--backend k8s needs the Kubernetes client: pip install 'psflow[k8s]'.") from e
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        try:
+            config.load_kube_config()
+        except (config.ConfigException, OSError) as e:
+            raise ClusterError(f"No Kubernetes cluster configured ({e}). Set KUBECONFIG or ~/.kube/config (kubectl's), "
+                               "or run the launcher in a pod; `psflow run --backend k8s --dry-run ...` prints the "
+                               "manifests for `kubectl apply -f -` instead.") from e
+    return client.CoreV1Api(), client.BatchV1Api()
+
+
+class K8sBackend:
+    """Runs a plan as Kubernetes objects and follows it to its end (see the module's docstring).
+
+    Args:
+        settings: image, volume claim, namespace, GPUs, TTL (:class:`psflow.launch.k8s.K8sSettings`).
+        core, batch: a ``CoreV1Api`` and a ``BatchV1Api`` (default: :func:`load_clients`).
+        poll_s: how often the pods and Jobs are listed.
+        run_timeout_s: the longest the launcher follows the run (None: until it ends); past it the
+            run is stopped and its objects deleted.
+        store: the run store for a plan (default: the files in the log dir and the job store).
+        secret: the job secret (default: a fresh random one per run).
+
+    Example:
+        >>> K8sBackend(K8sSettings(image="registry/train:1", volume_claim="psflow-logs")).run(plan).exit_code
+        0
+    """
+
+    def __init__(self, settings: K8sSettings, *, core: Any = None, batch: Any = None, poll_s: float = 2.0,
+                 run_timeout_s: float | None = None, echo: Callable[[str], None] | None = None,
+                 store: Callable[[LaunchPlan], RunStore] | None = None, secret: str | None = None) -> None:
+        self.settings = settings
+        self.console = Console(echo, live=False)
+        self._core, self._batch = core, batch
+        self.poll_s = poll_s
+        self.run_timeout_s = run_timeout_s
+        self.make_store = store
+        self.secret = secret
+        self._stop = threading.Event()
+        self._stop_reason: str | None = None
+
+    def script(self, plan: LaunchPlan) -> str:
+        """The run's manifests as YAML (``psflow run --backend k8s --dry-run``), with a fresh secret."""
+        return to_yaml(render_run(plan, self.settings, self.secret or secrets.token_hex(32)))
+
+    def request_stop(self, reason: str) -> None:
+        """Stop the run from another thread (or a signal handler): its objects are deleted."""
+        self._stop_reason = reason
+        self._stop.set()
+
+    # -- a run -------------------------------------------------------------------------------------
+    def run(self, plan: LaunchPlan) -> RunResult:
+        """Submit ``plan``, follow it to its end, record it; exit code 0 succeeded, 1 failed, 130 stopped.
+
+        Raises:
+            ClusterError: the API server refused an object (the message is the server's).
+        """
+        if self._core is None or self._batch is None:
+            self._core, self._batch = load_clients()
+        logdir = Path(plan.logdir)
+        (logdir / "logs").mkdir(parents=True, exist_ok=True)
+        store = self.make_store(plan) if self.make_store else self._recorded_store(plan)
+        docs = render_run(plan, self.settings, self.secret or secrets.token_hex(32))
+        t0 = time.time()
+        created: list[tuple[str, str]] = []
+        try:
+            self._submit(docs, store, created)
+        except ClusterError as e:
+            self._delete_objects(created)  # what this run created before the refusal, nothing else
+            store.event("k8s_refused", error=str(e))
+            store.finished("failed")
+            raise
+        tracker = PodTracker()
+        status, why = None, ""
+        with _stop_on_signals(self):
+            try:
+                status, why = self._follow(plan, tracker, store, t0)
+            finally:
+                self._delete(plan, jobs=status != "succeeded")
+        root = tracker.last_failure() if status == "failed" else None
+        summary = {"run_id": plan.run_id, "backend": "k8s", "status": status, "reason": why,
+                   "elapsed_s": round(time.time() - t0, 3), "root_cause": root[0] if root else None,
+                   "namespace": self.settings.namespace, "k8s_name": run_name(plan)}
+        store.summary(summary)
+        store.finished(status or "stopped")
+        code = {"succeeded": 0, "failed": 1}.get(status or "", 130)
+        self.console.echo(f"psflow: run {plan.run_id} {status or 'stopped'}: {why}")
+        return RunResult(code, summary, root[0] if root else None)
+
+    def _recorded_store(self, plan: LaunchPlan) -> RunStore:
+        from psflow.launch.runner import recorded_store
+
+        return recorded_store(plan, backend=self, policy=plan.restart, warn=self.console.warn)  # type: ignore[arg-type]
+
+    def _submit(self, docs: Sequence[dict[str, Any]], store: RunStore, created: list[tuple[str, str]]) -> None:
+        ns = self.settings.namespace
+        create = {"Secret": self._core.create_namespaced_secret, "Service": self._core.create_namespaced_service,
+                  "Job": self._batch.create_namespaced_job}
+        for d in docs:
+            try:
+                create[d["kind"]](namespace=ns, body=d)
+            except Exception as e:  # noqa: BLE001 (the client's ApiException, or its transport's errors)
+                raise ClusterError(f"Kubernetes refused {d['kind']} {d['metadata']['name']} in namespace {ns}: "
+                                   f"{_api_message(e)}") from e
+            created.append((d["kind"], d["metadata"]["name"]))
+            store.event("k8s_created", object_kind=d["kind"], name=d["metadata"]["name"], namespace=ns)
+            if d["kind"] != "Secret":
+                self.console.echo(f"psflow: created {d['kind']} {d['metadata']['name']} (namespace {ns})")
+
+    def _follow(self, plan: LaunchPlan, tracker: PodTracker, store: RunStore, t0: float) -> tuple[str | None, str]:
+        ns, selector = self.settings.namespace, f"{RUN_LABEL}={run_name(plan)}"
+        while True:
+            pods = [v for v in map(pod_view, self._core.list_namespaced_pod(namespace=ns, label_selector=selector).items) if v]
+            for change in tracker.update(pods):
+                self._record(plan, change, store)
+            status, why = outcome(self._batch.list_namespaced_job(namespace=ns, label_selector=selector).items)
+            store.tick()
+            if status is not None:
+                return status, why
+            if self.run_timeout_s is not None and time.time() - t0 > self.run_timeout_s:
+                self.console.warn(f"the run did not end within {self.run_timeout_s:g} s (run_timeout_s); stopping it.")
+                store.event("stop", reason="run_timeout_s")
+                return None, f"not ended within {self.run_timeout_s:g} s"
+            if self._stop.wait(self.poll_s):
+                store.event("stop", reason=self._stop_reason)
+                return None, f"stopped by {self._stop_reason}"
+
+    def _record(self, plan: LaunchPlan, change: Change, store: RunStore) -> None:
+        if isinstance(change, Restarted):
+            self.console.warn(f"{change.task}: Kubernetes restarted it as attempt {change.attempt} (attempt "
+                              f"{change.attempt - 1}: {change.cause}).")
+            store.task_restarting(change.task, change.attempt, 0.0, change.cause)
+        elif isinstance(change, Started):
+            store.task_started(change.task, change.attempt, change.pod)
+        else:
+            store.task_exited(change.task, change.attempt, change.code, time.time(), oom_killed=change.oom_killed)
+            self._save_log(plan, change)
+            if change.code != 0:
+                what = f": {change.report.get('exception')}: {change.report.get('message')}" if change.report else ""
+                self.console.warn(f"{change.task} (attempt {change.attempt}, pod {change.pod}) "
+                                  f"{exit_cause(change.code, change.oom_killed)}{what}")
+                if change.report is not None:
+                    errors = Path(plan.logdir) / "errors"
+                    errors.mkdir(parents=True, exist_ok=True)
+                    (errors / f"{change.task.replace(':', '-')}.json").write_text(json.dumps(change.report, indent=1))
+
+    def _save_log(self, plan: LaunchPlan, change: Exited) -> None:
+        log = Path(plan.logdir) / "logs" / f"{change.task.replace(':', '-')}.log"
+        try:
+            text = self._core.read_namespaced_pod_log(name=change.pod, namespace=self.settings.namespace)
+        except Exception as e:  # noqa: BLE001 (a log that cannot be read must not end the watch)
+            text = f"(psflow: the log of pod {change.pod} could not be read: {_api_message(e)})\n"
+        with log.open("a") as f:
+            f.write(f"--- psflow: {change.task} attempt {change.attempt}, pod {change.pod}\n{text}")
+
+    def _delete(self, plan: LaunchPlan, *, jobs: bool) -> None:
+        """Delete the run's objects: the Jobs too (their pods with them) unless it succeeded."""
+        name = run_name(plan)
+        objects = [("Job", f"{name}-{job}") for job in dict.fromkeys(t.job for t in plan.tasks)] if jobs else []
+        self._delete_objects([*objects, ("Service", name), ("Secret", f"{name}-secret")])
+
+    def _delete_objects(self, objects: Sequence[tuple[str, str]]) -> None:
+        ns = self.settings.namespace
+        calls = {"Job": lambda n: self._batch.delete_namespaced_job(name=n, namespace=ns, propagation_policy="Background"),
+                 "Service": lambda n: self._core.delete_namespaced_service(name=n, namespace=ns),
+                 "Secret": lambda n: self._core.delete_namespaced_secret(name=n, namespace=ns)}
+        for kind, name in objects:
+            try:
+                calls[kind](name)
+            except Exception as e:  # noqa: BLE001
+                if getattr(e, "status", None) != 404:
+                    self.console.warn(f"could not delete {kind} {name} ({_api_message(e)}); "
+                                      f"`kubectl delete -n {ns} {kind.lower()} {name}` does.")
+
+
+def _api_message(e: BaseException) -> str:
+    """The API server's own message of an ``ApiException`` (its JSON body), else the exception's text."""
+    body = getattr(e, "body", None)
+    if body:
+        try:
+            return str(json.loads(body).get("message") or body)
+        except (ValueError, AttributeError):
+            return str(body)
+    return f"{type(e).__name__}: {e}"
+
+
+class _stop_on_signals:
+    """Ctrl-C and SIGTERM stop the run (in the main thread; elsewhere nothing is installed)."""
+
+    def __init__(self, backend: K8sBackend) -> None:
+        self.backend = backend
+        self.old: dict[int, Any] = {}
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            names = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+            self.old = {s: signal.signal(s, lambda n, f: self.backend.request_stop(names[n])) for s in names}
+
+    def __exit__(self, *exc: object) -> None:
+        for s, h in self.old.items():
+            signal.signal(s, h)

@@ -1,0 +1,229 @@
+"""A stand-in for a Kubernetes API server and its Job controller (no API server can run here).
+
+It implements the ``CoreV1Api`` and ``BatchV1Api`` methods :class:`psflow.launch.k8swatch.K8sBackend`
+calls, with their keyword arguments, and answers with the real client's model objects
+(``V1PodList``, ``V1JobList``, ``ApiException``). Like the API server it refuses an object that does not
+validate against the Kubernetes schema (``kubernetes-validate --strict``) and one that already exists.
+
+Its Job controller follows the rules of an indexed Job with ``restartPolicy: Never`` (the only kind
+psflow renders): a failed pod's index is retried as a new pod (annotation
+``batch.kubernetes.io/job-index-failure-count`` + 1) while ``backoffLimitPerIndex`` allows and no
+``podFailurePolicy`` ``FailIndex`` rule matches its exit code; more failed indexes than
+``maxFailedIndexes`` fail the Job; without ``backoffLimitPerIndex``, more failures than
+``backoffLimit`` fail it; a failed Job's running pods are terminated; every index succeeded ->
+``Complete``. Time moves one step per ``list_namespaced_pod``: a pod is Pending, then Running, then
+its container ends with the exit code the test scripted for its (task, attempt) (default 0); a ps
+pod ends only once no chief or worker pod is left running, as a psflow ps exits when the workers are done.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import kubernetes_validate
+from kubernetes.client import (
+    V1ContainerState,
+    V1ContainerStateTerminated,
+    V1ContainerStatus,
+    V1Job,
+    V1JobCondition,
+    V1JobList,
+    V1JobStatus,
+    V1ObjectMeta,
+    V1Pod,
+    V1PodList,
+    V1PodStatus,
+)
+from kubernetes.client.exceptions import ApiException
+
+INDEX = "batch.kubernetes.io/job-completion-index"
+FAILURES = "batch.kubernetes.io/job-index-failure-count"
+SCHEMA = kubernetes_validate.latest_version()
+
+
+def _api_error(status: int, reason: str, message: str) -> ApiException:
+    e = ApiException(status=status, reason=reason)
+    e.body = json.dumps({"kind": "Status", "status": "Failure", "message": message, "reason": reason, "code": status})
+    return e
+
+
+def _selects(selector: str | None, labels: dict[str, str]) -> bool:
+    if not selector:
+        return True
+    return all(labels.get(k) == v for k, v in (item.split("=", 1) for item in selector.split(",")))
+
+
+class FakeCluster:
+    """The shared state: objects by kind and name, pods, the clock (one step per pod listing)."""
+
+    def __init__(self, exits: dict[tuple[str, int], int] | None = None, messages: dict[tuple[str, int], str] | None = None,
+                 reason: dict[tuple[str, int], str] | None = None) -> None:
+        self.exits = exits or {}
+        self.messages = messages or {}
+        self.reasons = reason or {}
+        self.objects: dict[str, dict[str, dict[str, Any]]] = {"Secret": {}, "Service": {}, "Job": {}}
+        self.jobs: dict[str, dict[str, Any]] = {}  # name -> controller state
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.deleted: list[tuple[str, str]] = []
+        self.step = 0
+        self.core = FakeCoreV1Api(self)
+        self.batch = FakeBatchV1Api(self)
+
+    # -- the API server --------------------------------------------------------------------------
+    def create(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            kubernetes_validate.validate(body, SCHEMA, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            raise _api_error(422, "Invalid", f"{kind} is invalid: {e}") from e
+        name = body["metadata"]["name"]
+        if name in self.objects[kind]:
+            raise _api_error(409, "AlreadyExists", f'{kind.lower()}s "{name}" already exists')
+        assert body["metadata"].get("namespace", namespace) == namespace
+        self.objects[kind][name] = body
+        if kind == "Job":
+            self.jobs[name] = {"failures": {}, "succeeded": set(), "failed_indexes": set(), "total_failures": 0,
+                               "condition": None}
+            for i in range(body["spec"]["completions"]):
+                self._new_pod(name, i, 0)
+        return body
+
+    def delete(self, kind: str, name: str) -> None:
+        if name not in self.objects[kind]:
+            raise _api_error(404, "NotFound", f'{kind.lower()}s "{name}" not found')
+        del self.objects[kind][name]
+        self.deleted.append((kind, name))
+        if kind == "Job":
+            for pod in [p for p in self.pods.values() if p["job"] == name]:
+                del self.pods[pod["name"]]
+
+    # -- the Job controller and the kubelet ------------------------------------------------------
+    def _new_pod(self, job: str, index: int, failures: int) -> None:
+        spec = self.objects["Job"][job]
+        labels = dict(spec["spec"]["template"]["metadata"]["labels"])
+        labels[INDEX] = str(index)
+        annotations = {INDEX: str(index)}
+        if "backoffLimitPerIndex" in spec["spec"]:
+            annotations[FAILURES] = str(failures)
+        name = f"{job}-{index}-{len(self.pods) + len(self.deleted)}x{failures}"
+        self.pods[name] = {"name": name, "job": job, "index": index, "attempt": failures, "labels": labels,
+                           "annotations": annotations, "phase": "Pending", "code": None, "born": self.step,
+                           "created": dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc) + dt.timedelta(seconds=self.step)}
+
+    def task_of(self, pod: dict[str, Any]) -> str:
+        return f"{pod['labels']['psflow.io/job']}:{pod['index']}"
+
+    def advance(self) -> None:
+        self.step += 1
+        training_left = any(p["phase"] in ("Pending", "Running") and p["labels"]["psflow.io/job"] in ("chief", "worker")
+                            for p in self.pods.values())
+        for pod in list(self.pods.values()):
+            if pod["phase"] == "Pending":
+                pod["phase"] = "Running"
+            elif pod["phase"] == "Running" and self.step - pod["born"] >= 2:
+                if pod["labels"]["psflow.io/job"] == "ps" and training_left:
+                    continue
+                self._terminate(pod, self.exits.get((self.task_of(pod), pod["attempt"]), 0))
+
+    def _terminate(self, pod: dict[str, Any], code: int) -> None:
+        pod["code"] = code
+        pod["phase"] = "Succeeded" if code == 0 else "Failed"
+        job = pod["job"]
+        state, spec = self.jobs[job], self.objects["Job"][job]["spec"]
+        if state["condition"] is not None:
+            return
+        if code == 0:
+            state["succeeded"].add(pod["index"])
+            if len(state["succeeded"]) == spec["completions"]:
+                state["condition"] = ("Complete", "", "")
+            return
+        state["total_failures"] += 1
+        fails = state["failures"][pod["index"]] = state["failures"].get(pod["index"], 0) + 1
+        per_index = spec.get("backoffLimitPerIndex")
+        fail_index = any(r["action"] == "FailIndex" and code in r["onExitCodes"]["values"]
+                         for r in spec.get("podFailurePolicy", {}).get("rules", []))
+        if per_index is None:
+            if state["total_failures"] > spec.get("backoffLimit", 6):
+                self._fail(job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+            else:
+                self._new_pod(job, pod["index"], 0)
+            return
+        if fail_index or fails > per_index:
+            state["failed_indexes"].add(pod["index"])
+            if len(state["failed_indexes"]) > spec.get("maxFailedIndexes", 1 << 30):
+                self._fail(job, "MaxFailedIndexesExceeded", "Job has exceeded the specified maximal number of failed indexes")
+            return
+        if state["total_failures"] > spec.get("backoffLimit", 1 << 30):
+            self._fail(job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+            return
+        self._new_pod(job, pod["index"], fails)
+
+    def _fail(self, job: str, reason: str, message: str) -> None:
+        self.jobs[job]["condition"] = ("Failed", reason, message)
+        for pod in self.pods.values():
+            if pod["job"] == job and pod["phase"] in ("Pending", "Running"):
+                pod["phase"], pod["code"] = "Failed", 143  # terminated by the Job controller (SIGTERM)
+
+    # -- the model objects -----------------------------------------------------------------------
+    def pod_model(self, pod: dict[str, Any]) -> V1Pod:
+        statuses = None
+        if pod["code"] is not None:
+            key = (self.task_of(pod), pod["attempt"])
+            term = V1ContainerStateTerminated(exit_code=pod["code"], message=self.messages.get(key),
+                                              reason=self.reasons.get(key, "Completed" if pod["code"] == 0 else "Error"))
+            statuses = [V1ContainerStatus(name=pod["labels"]["psflow.io/job"], image="train:1", image_id="", ready=False,
+                                          restart_count=0, state=V1ContainerState(terminated=term))]
+        return V1Pod(metadata=V1ObjectMeta(name=pod["name"], labels=pod["labels"], annotations=pod["annotations"],
+                                           creation_timestamp=pod["created"]),
+                     status=V1PodStatus(phase=pod["phase"], container_statuses=statuses))
+
+    def job_model(self, name: str) -> V1Job:
+        cond = self.jobs[name]["condition"]
+        conditions = [V1JobCondition(type=cond[0], status="True", reason=cond[1] or None, message=cond[2] or None)] if cond else None
+        body = self.objects["Job"][name]
+        return V1Job(metadata=V1ObjectMeta(name=name, labels=body["metadata"]["labels"]),
+                     status=V1JobStatus(conditions=conditions))
+
+
+class FakeCoreV1Api:
+    def __init__(self, cluster: FakeCluster) -> None:
+        self.cluster = cluster
+
+    def create_namespaced_secret(self, namespace: str, body: dict[str, Any], **kw: Any) -> Any:
+        return self.cluster.create("Secret", namespace, body)
+
+    def create_namespaced_service(self, namespace: str, body: dict[str, Any], **kw: Any) -> Any:
+        return self.cluster.create("Service", namespace, body)
+
+    def list_namespaced_pod(self, namespace: str, label_selector: str | None = None, **kw: Any) -> V1PodList:
+        self.cluster.advance()
+        return V1PodList(items=[self.cluster.pod_model(p) for p in self.cluster.pods.values()
+                                if _selects(label_selector, p["labels"])])
+
+    def read_namespaced_pod_log(self, name: str, namespace: str, **kw: Any) -> str:
+        if name not in self.cluster.pods:
+            raise _api_error(404, "NotFound", f'pods "{name}" not found')
+        return f"log of {name}\n"
+
+    def delete_namespaced_service(self, name: str, namespace: str, **kw: Any) -> None:
+        self.cluster.delete("Service", name)
+
+    def delete_namespaced_secret(self, name: str, namespace: str, **kw: Any) -> None:
+        self.cluster.delete("Secret", name)
+
+
+class FakeBatchV1Api:
+    def __init__(self, cluster: FakeCluster) -> None:
+        self.cluster = cluster
+
+    def create_namespaced_job(self, namespace: str, body: dict[str, Any], **kw: Any) -> Any:
+        return self.cluster.create("Job", namespace, body)
+
+    def list_namespaced_job(self, namespace: str, label_selector: str | None = None, **kw: Any) -> V1JobList:
+        return V1JobList(items=[self.cluster.job_model(n) for n, b in self.cluster.objects["Job"].items()
+                                if _selects(label_selector, b["metadata"]["labels"])])
+
+    def delete_namespaced_job(self, name: str, namespace: str, propagation_policy: str | None = None, **kw: Any) -> None:
+        assert propagation_policy in ("Background", "Foreground"), "without it the pods would be orphaned"
+        self.cluster.delete("Job", name)

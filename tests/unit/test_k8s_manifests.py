@@ -1,0 +1,232 @@
+"""Kubernetes manifests of a run (psflow.launch.k8s): what they ask for, validated against the real
+Kubernetes schemas (kubernetes-validate --strict; no API server can run here) and compared with
+golden files (tests/unit/golden/; UPDATE_GOLDEN=1 rewrites them after a deliberate change)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from psflow.cli import main
+from psflow.cluster import ClusterSpec
+from psflow.errors import ConfigError
+from psflow.launch.k8s import K8sSettings, render_run, render_tfjob, restart_fields, to_yaml
+from psflow.launch.plan import make_plan
+from psflow.launch.restart import RestartPolicy
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+SCHEMA = kubernetes_validate.latest_version()
+SECRET = "0123456789abcdef" * 4
+SETTINGS = K8sSettings(image="registry.example.com/psflow-mnist:1", volume_claim="psflow-logs", namespace="ml",
+                       gpus_per_worker=1, ttl_s=600)
+
+
+@pytest.fixture
+def plan(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the script's path as the user wrote it, relative: the same in the image
+
+    def make(**kw):
+        kw.setdefault("restart", RestartPolicy.parse("on-failure,ps=never", max_restarts=2))
+        p = make_plan("examples/mnist_softmax.py", ["--epochs", "1"], logdir="runs/mnist", threads=2, **kw)
+        return replace(p, run_id="20260101-120000-abc123")
+    return make
+
+
+def validate(doc):
+    kubernetes_validate.validate(doc, SCHEMA, strict=True)
+
+
+def by_kind(docs):
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def env_of(container):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; if deliberate, rerun with UPDATE_GOLDEN=1 and review the diff"
+
+
+def test_run_manifests_validate_strictly_against_the_kubernetes_schema_and_match_the_golden_file(plan):
+    docs = render_run(plan(num_ps=2, num_workers=2, chief=True), SETTINGS, SECRET)
+    assert [d["kind"] for d in docs] == ["Secret", "Service", "Job", "Job", "Job"]
+    for d in docs:
+        validate(d)
+    check_golden("k8s_run.yaml", to_yaml(docs))
+    assert list(yaml.safe_load_all(to_yaml(docs))) == docs
+
+
+def test_strict_validation_catches_a_misspelled_field(plan):
+    job = render_run(plan(), SETTINGS, SECRET)[2]
+    job["spec"]["template"]["spec"]["containers"][0]["evn"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(job)
+
+
+def test_each_pod_gets_tf_config_with_stable_dns_names_that_psflow_init_reads(plan):
+    docs = by_kind(render_run(plan(num_ps=2, num_workers=3), SETTINGS, SECRET))
+    job = docs[("Job", "psflow-20260101-120000-abc123-worker")]
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 3
+    pod = job["spec"]["template"]["spec"]
+    assert pod["subdomain"] == "psflow-20260101-120000-abc123"  # the headless Service: <pod hostname>.<service>
+    env = env_of(pod["containers"][0])
+    names = [e["name"] for e in pod["containers"][0]["env"]]
+    assert names.index("TASK_INDEX") < names.index("TF_CONFIG")  # the kubelet expands $(VAR) only from earlier ones
+    assert env["TASK_INDEX"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    # what the kubelet gives worker 2's pod, read the way pf.init() reads it
+    spec, task = ClusterSpec.from_tf_config(env["TF_CONFIG"].replace("$(TASK_INDEX)", "2"))
+    assert str(task) == "worker:2"
+    assert spec.to_dict() == {
+        "ps": [f"psflow-20260101-120000-abc123-ps-{i}.psflow-20260101-120000-abc123.ml.svc:2222" for i in range(2)],
+        "worker": [f"psflow-20260101-120000-abc123-worker-{i}.psflow-20260101-120000-abc123.ml.svc:2222" for i in range(3)],
+    }
+    service = docs[("Service", "psflow-20260101-120000-abc123")]["spec"]
+    assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
+    assert service["selector"] == {"psflow.io/run": "psflow-20260101-120000-abc123"}
+    assert env["PSFLOW_BIND_HOST"] == "0.0.0.0" and env["PSFLOW_LOGDIR"] == "/psflow/runs/mnist"
+    assert "PSFLOW_TASK" not in env and "PSFLOW_COORDINATOR" not in env
+
+
+def test_the_job_secret_is_a_mounted_secret_never_in_plain_env_or_a_command(plan):
+    docs = render_run(plan(num_workers=2, chief=True), SETTINGS, SECRET)
+    secret = docs[0]
+    assert secret["kind"] == "Secret" and base64.b64decode(secret["data"]["secret"]).decode() == SECRET
+    for job in docs[2:]:
+        text = json.dumps(job)
+        assert SECRET not in text and base64.b64encode(SECRET.encode()).decode() not in text
+        pod = job["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert env_of(container)["PSFLOW_SECRET_FILE"] == "/var/run/psflow/secret/secret"
+        assert "PSFLOW_SECRET" not in env_of(container)
+        assert {"name": "secret", "mountPath": "/var/run/psflow/secret", "readOnly": True} in container["volumeMounts"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "secret")["secret"]
+        assert volume["secretName"] == secret["metadata"]["name"] and volume["defaultMode"] == 0o400
+
+
+def test_gpus_are_limits_of_chief_and_workers_only_and_cpu_follows_the_threads(plan):
+    docs = by_kind(render_run(plan(num_workers=2, chief=True), SETTINGS, SECRET))
+    res = {name.rsplit("-", 1)[1]: d["spec"]["template"]["spec"]["containers"][0]["resources"]
+           for (kind, name), d in docs.items() if kind == "Job"}
+    assert res["worker"] == res["chief"] == {"requests": {"cpu": "2"}, "limits": {"nvidia.com/gpu": "1"}}
+    assert res["ps"] == {"requests": {"cpu": "2"}}
+    none = by_kind(render_run(plan(), replace(SETTINGS, gpus_per_worker=0), SECRET))
+    assert all("limits" not in d["spec"]["template"]["spec"]["containers"][0]["resources"]
+               for (kind, _), d in none.items() if kind == "Job")
+
+
+@pytest.mark.parametrize("spec, job, expected", [
+    ("never", "worker", {"backoffLimit": 0}),
+    ("on-failure", "worker", {"backoffLimitPerIndex": 3, "maxFailedIndexes": 0}),
+    ("always", "ps", {"backoffLimitPerIndex": 3, "maxFailedIndexes": 0}),
+    ("on-failure,ps=never", "ps", {"backoffLimit": 0}),
+])
+def test_restart_policy_maps_onto_the_jobs_retry_fields(spec, job, expected):
+    assert restart_fields(RestartPolicy.parse(spec), job) == expected
+
+
+def test_exit_code_policy_fails_the_index_at_once_on_1_to_127_and_retries_the_rest():
+    fields = restart_fields(RestartPolicy.parse("exit-code", max_restarts=5, max_restarts_per_run=7), "worker")
+    assert fields["backoffLimitPerIndex"] == 5 and fields["backoffLimit"] == 7
+    (rule,) = fields["podFailurePolicy"]["rules"]
+    assert rule["action"] == "FailIndex" and rule["onExitCodes"]["containerName"] == "worker"
+    assert rule["onExitCodes"]["values"] == list(range(1, 128))
+
+
+def test_every_job_has_a_time_to_live_and_pods_are_never_restarted_in_place(plan):
+    for d in render_run(plan(num_workers=2, evaluator=True), SETTINGS, SECRET)[2:]:
+        assert d["spec"]["ttlSecondsAfterFinished"] == 600
+        assert d["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_tfjob_names_the_operators_replica_types_policies_and_container_and_its_pods_validate(plan):
+    docs = render_tfjob(plan(num_ps=1, num_workers=2, chief=True, restart=RestartPolicy.parse("exit-code,ps=on-failure")),
+                        SETTINGS, SECRET)
+    check_golden("k8s_tfjob.yaml", to_yaml(docs))
+    secret, tfjob = docs
+    validate(secret)
+    assert (tfjob["apiVersion"], tfjob["kind"]) == ("kubeflow.org/v1", "TFJob")
+    specs = tfjob["spec"]["tfReplicaSpecs"]
+    assert {k: (v["replicas"], v["restartPolicy"]) for k, v in specs.items()} == {
+        "Chief": (1, "ExitCode"), "PS": (1, "OnFailure"), "Worker": (2, "ExitCode")}
+    assert tfjob["spec"]["runPolicy"] == {"cleanPodPolicy": "Running", "ttlSecondsAfterFinished": 600}
+    for kind, spec in specs.items():
+        # the operator's pods: each template is a core PodTemplateSpec, checked against the real schema
+        validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": kind.lower()}, "template": spec["template"]})
+        container = spec["template"]["spec"]["containers"][0]
+        assert container["name"] == "tensorflow" and container["ports"] == [{"name": "tfjob-port", "containerPort": 2222}]
+        env = env_of(container)
+        assert "TF_CONFIG" not in env and "PSFLOW_SECRET" not in env  # the operator injects TF_CONFIG
+        assert SECRET not in json.dumps(spec)
+
+
+def test_tfjob_refuses_an_evaluator_with_the_reason(plan):
+    with pytest.raises(ConfigError, match="evaluator.*TF_CONFIG.*Drop --evaluator"):
+        render_tfjob(plan(evaluator=True), SETTINGS, SECRET)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"image": ""}, r"--image must name a container image.*received ''"),
+    ({"volume_claim": "Logs_1"}, r"--volume-claim must be a Kubernetes name.*received 'Logs_1'"),
+    ({"gpus_per_worker": -1}, r"--gpus-per-worker must be 0 or more; received -1"),
+])
+def test_bad_settings_are_refused_naming_the_flag_and_value(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        K8sSettings(**{"image": "train:1", "volume_claim": "logs", **kw})
+
+
+def test_absolute_logdir_is_refused_for_kubernetes(plan, tmp_path):
+    p = replace(plan(), logdir=str(tmp_path / "abs"))
+    with pytest.raises(ConfigError, match="relative one"):
+        render_run(p, SETTINGS, SECRET)
+
+
+def test_cli_dry_run_prints_manifests_that_validate_with_a_fresh_secret_each_time(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = ["run", "--backend", "k8s", "--image", "train:1", "--volume-claim", "psflow-logs", "--gpus-per-worker", "1",
+            "--restart", "exit-code", "--dry-run", "--ps", "1", "--workers", "2", "examples/mnist_softmax.py", "--", "--epochs", "1"]
+    outs = [CliRunner().invoke(main, args) for _ in range(2)]
+    assert all(r.exit_code == 0 for r in outs), outs[0].output
+    docs = list(yaml.safe_load_all(outs[0].output))
+    assert [d["kind"] for d in docs] == ["Secret", "Service", "Job", "Job"]
+    for d in docs:
+        validate(d)
+    assert docs[0]["data"] != next(yaml.safe_load_all(outs[1].output))["data"]  # never one secret for two runs
+    assert not (ROOT / "runs").exists() or not any((ROOT / "runs").iterdir())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "k8s", "--volume-claim", "logs"], "--backend k8s needs --image IMAGE"),
+    (["--backend", "k8s", "--image", "train:1"], "--backend k8s needs --volume-claim NAME"),
+    (["--image", "train:1"], "--image, --volume-claim and --gpus-per-worker are for --backend k8s"),
+])
+def test_cli_says_which_kubernetes_option_is_missing_or_misplaced(monkeypatch, args, message):
+    monkeypatch.chdir(ROOT)
+    r = CliRunner().invoke(main, ["run", *args, "--dry-run", "examples/mnist_softmax.py"])
+    assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_cli_tfjob_prints_a_secret_and_a_tfjob(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    r = CliRunner().invoke(main, ["k8s", "tfjob", "--image", "train:1", "--volume-claim", "logs", "--workers", "3",
+                                  "--restart", "on-failure", "examples/mnist_softmax.py", "--", "--epochs", "1"])
+    assert r.exit_code == 0, r.output
+    secret, tfjob = yaml.safe_load_all(r.output)
+    validate(secret)
+    assert tfjob["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 3
+    assert tfjob["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"][2:] == [
+        "examples/mnist_softmax.py", "--epochs", "1"]
+    assert re.fullmatch(r"psflow-\d{8}-\d{6}-[0-9a-f]{6}", tfjob["metadata"]["name"])

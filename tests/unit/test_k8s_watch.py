@@ -1,0 +1,168 @@
+"""K8sBackend against a fake API server and Job controller (tests/unit/k8s_fake.py: the CoreV1Api and
+BatchV1Api methods it calls, answering with the real client's models; no API server can run here).
+Submit, watch, restarts made by Kubernetes under the rendered policy, the run store's record, stop."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from k8s_fake import FakeCluster
+
+from psflow.errors import ClusterError
+from psflow.launch.k8s import K8sSettings
+from psflow.launch.k8swatch import K8sBackend, PodTracker, PodView, parse_report
+from psflow.launch.plan import make_plan
+from psflow.launch.restart import RestartPolicy
+from psflow.launch.runner import file_store
+from psflow.platform.sqlrunstore import SqliteRunStore, run_record
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = K8sSettings(image="train:1", volume_claim="psflow-logs")
+NAME = "psflow-20260101-120000-abc123"
+
+
+def make(tmp_path, monkeypatch, restart="never", **kw):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("import psflow\n")
+    plan = make_plan("train.py", num_ps=1, num_workers=2, logdir="runs/k", restart=RestartPolicy.parse(restart, max_restarts=2)
+                     if restart != "never" else None, **kw)
+    return replace(plan, run_id="20260101-120000-abc123")
+
+
+def backend(cluster, **kw):
+    return K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, poll_s=0.001, store=file_store, echo=lambda s: None, **kw)
+
+
+def status_of(tmp_path):
+    return json.loads((tmp_path / "runs/k/status.json").read_text())
+
+
+def events_of(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "runs/k/events.jsonl").read_text().splitlines()]
+
+
+def test_a_clean_run_succeeds_and_leaves_only_the_jobs_for_their_ttl(tmp_path, monkeypatch):
+    plan = make(tmp_path, monkeypatch)
+    cluster = FakeCluster()
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 0 and result.summary["status"] == "succeeded"
+    assert set(cluster.objects["Job"]) == {f"{NAME}-ps", f"{NAME}-worker"}  # kept: ttlSecondsAfterFinished removes them
+    assert cluster.deleted == [("Service", NAME), ("Secret", f"{NAME}-secret")]
+    tasks = status_of(tmp_path)["tasks"]
+    assert {t: (v["state"], v["attempt"] + 1) for t, v in tasks.items()} == {
+        "ps:0": ("exited", 1), "worker:0": ("exited", 1), "worker:1": ("exited", 1)}
+    assert (tmp_path / "runs/k/logs/worker-1.log").read_text().startswith("--- psflow: worker:1 attempt 0, pod ")
+
+
+def test_a_failed_pod_is_restarted_by_kubernetes_per_policy_and_the_run_store_records_it(tmp_path, monkeypatch):
+    plan = make(tmp_path, monkeypatch, restart="on-failure")
+    cluster = FakeCluster(exits={("worker:1", 0): 1}, messages={("worker:1", 0): json.dumps(
+        {"task": "worker:1", "exception": "RuntimeError", "message": "boom"})})
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 0, result.summary
+    pods = sorted((cluster.task_of(p), p["attempt"], p["phase"]) for p in cluster.pods.values())
+    assert ("worker:1", 0, "Failed") in pods and ("worker:1", 1, "Succeeded") in pods
+    tasks = status_of(tmp_path)["tasks"]
+    assert tasks["worker:1"]["attempt"] == 1 and tasks["worker:0"]["attempt"] == 0
+    restarts = [e for e in events_of(tmp_path) if e["event"] == "restart"]
+    assert [(e["task"], e["attempt"], e["reason"]) for e in restarts] == [("worker:1", 1, "exit code 1")]
+    exits = [(e["task"], e["attempt"], e["code"]) for e in events_of(tmp_path) if e["event"] == "task_exited"]
+    assert ("worker:1", 0, 1) in exits and ("worker:1", 1, 0) in exits
+    report = json.loads((tmp_path / "runs/k/errors/worker-1.json").read_text())
+    assert report["message"] == "boom"  # the termination message: the task's error report
+
+
+def test_without_restarts_a_failed_task_fails_the_run_names_it_and_deletes_every_object(tmp_path, monkeypatch):
+    plan = make(tmp_path, monkeypatch)
+    cluster = FakeCluster(exits={("worker:0", 0): 3})
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 1 and result.root_cause == "worker:0"
+    assert "BackoffLimitExceeded" in result.summary["reason"]
+    assert not cluster.objects["Job"] and not cluster.objects["Service"] and not cluster.objects["Secret"]
+    assert not cluster.pods  # the Jobs went with their pods (propagation policy)
+    assert status_of(tmp_path)["state"] == "failed"
+
+
+def test_exit_code_policy_retries_a_sigkill_but_not_exit_code_2(tmp_path, monkeypatch):
+    plan = make(tmp_path, monkeypatch, restart="exit-code")
+    cluster = FakeCluster(exits={("worker:0", 0): 137, ("worker:1", 0): 2})
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 1 and result.root_cause == "worker:1"
+    assert "MaxFailedIndexesExceeded" in result.summary["reason"]
+    exits = {(e["task"], e["attempt"]): e for e in events_of(tmp_path) if e["event"] == "task_exited"}
+    assert exits[("worker:0", 0)]["cause"] == "killed (SIGKILL)"  # 137 in the container: -9, as a local task
+    assert ("worker:1", 1) not in exits and not any(p["attempt"] == 1 and cluster.task_of(p) == "worker:1"
+                                                    for p in cluster.pods.values())
+
+
+def test_restart_budget_per_task_is_kubernetes_backoff_limit_per_index(tmp_path, monkeypatch):
+    plan = make(tmp_path, monkeypatch, restart="on-failure")  # max_restarts=2
+    cluster = FakeCluster(exits={("worker:1", a): 1 for a in range(5)})
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 1 and result.root_cause == "worker:1"
+    assert status_of(tmp_path)["tasks"]["worker:1"]["attempt"] == 2
+
+
+def test_stop_deletes_the_run_and_records_it_stopped(tmp_path, monkeypatch):
+    plan = make(tmp_path, monkeypatch)
+    cluster = FakeCluster()
+    cluster.advance = lambda: None  # the pods stay Pending: the run would never end by itself
+    b = backend(cluster)
+    threading.Timer(0.2, b.request_stop, args=("Ctrl-C",)).start()
+    result = b.run(plan)
+    assert result.exit_code == 130
+    assert sorted(k for k, _ in cluster.deleted) == ["Job", "Job", "Secret", "Service"]
+    assert status_of(tmp_path)["state"] == "stopped"
+    assert any(e["event"] == "stop" and e["reason"] == "Ctrl-C" for e in events_of(tmp_path))
+
+
+def test_an_object_the_api_server_refuses_is_an_error_with_its_message(tmp_path, monkeypatch):
+    plan = make(tmp_path, monkeypatch)
+    cluster = FakeCluster()
+    cluster.objects["Service"][NAME] = {}  # left from an earlier run of the same name
+    with pytest.raises(ClusterError, match=rf'refused Service {NAME} in namespace default: services "{NAME}" already exists'):
+        backend(cluster).run(plan)
+    assert cluster.deleted == [("Secret", f"{NAME}-secret")]  # what it created before the refusal, not the other's
+    assert status_of(tmp_path)["state"] == "failed"
+
+
+def test_the_job_store_records_the_kubernetes_run_its_pods_and_the_restart(tmp_path, monkeypatch):
+    plan = make(tmp_path, monkeypatch, restart="on-failure")
+    db = tmp_path / "jobs.db"
+    cluster = FakeCluster(exits={("worker:0", 0): 137})
+    store = SqliteRunStore(db, run_record(plan, backend="k8s", restart_policy=plan.restart), plan.task_names(), warn=print)
+    b = K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, poll_s=0.001, store=lambda p: store, echo=lambda s: None)
+    assert b.run(plan).exit_code == 0  # finished() writes what is queued and closes the store
+    with sqlite3.connect(db) as c:
+        assert c.execute("SELECT backend, state FROM runs").fetchall() == [("k8s", "succeeded")]
+        attempts = c.execute("SELECT attempt, scheduler_id, exit_code, exit_cause, restart_reason FROM attempts "
+                             "WHERE task = 'worker:0' ORDER BY attempt").fetchall()
+    assert [(a, code, cause, why) for a, _, code, cause, why in attempts] == [
+        (0, -9, "killed (SIGKILL)", "killed (SIGKILL)"), (1, 0, "exit code 0", None)]
+    assert all(pod.startswith(f"{NAME}-worker-0-") for _, pod, *_ in attempts)  # the pod, as the backend's handle
+
+
+def test_tracker_says_each_start_restart_and_exit_once_in_order():
+    t = PodTracker()
+    a0 = PodView("p0", "worker:0", 0, "Running", created=1.0)
+    assert [type(c).__name__ for c in t.update([a0])] == ["Started"]
+    assert t.update([a0]) == []
+    a0x = replace(a0, phase="Failed", exit_code=-9, reason="OOMKilled")
+    a1 = PodView("p1", "worker:0", 1, "Pending", created=2.0)
+    changes = t.update([a1, a0x])  # listed in any order: told in creation order
+    assert [type(c).__name__ for c in changes] == ["Exited", "Restarted", "Started"]
+    assert changes[0].oom_killed and changes[1].cause == "killed (SIGKILL; out of memory?)"
+    assert t.last_failure() is None  # it was started again
+    assert t.update([replace(a1, phase="Failed", exit_code=1)])[0].code == 1
+    assert t.last_failure() == ("worker:0", 1, 1)
+
+
+def test_a_termination_message_that_is_not_json_is_kept_as_the_message():
+    assert parse_report('{"exception": "ValueError", "message": "bad"}') == {"exception": "ValueError", "message": "bad"}
+    assert parse_report("Traceback ...\nValueError: bad\n")["message"].endswith("ValueError: bad")
+    assert parse_report("  ") is None
