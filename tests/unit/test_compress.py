@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
-from psflow.wire.compress import Compression, GradientEncoder, cast_values, decode
+from psflow.wire.compress import SAMPLED_ABOVE, Compression, GradientEncoder, cast_values, decode
 from psflow.wire.frame import FrameError
 
 # -- the setting -------------------------------------------------------------------------------
@@ -157,3 +157,25 @@ def test_a_half_precision_push_of_the_wrong_dtype_or_shape_is_refused() -> None:
 def test_an_unknown_compression_kind_is_refused_saying_which_are_known() -> None:
     with pytest.raises(FrameError, match=re.escape("A push names compress='zstd'; this ps decodes fp16, bf16, topk.")):
         decode("zstd", {}, LIKE, {})
+
+
+def test_topk_of_a_large_gradient_sends_about_k_of_the_largest_and_keeps_the_rest() -> None:
+    """Above SAMPLED_ABOVE entries the threshold comes from a sample: about k entries, at most 2k,
+    every one sent at least as large as every one kept, and nothing lost over steps."""
+    numel, ratio = SAMPLED_ABOVE * 3, 0.01
+    k = Compression("topk", ratio).k_of(numel)
+    enc = GradientEncoder(Compression("topk", ratio))
+    gen = torch.Generator().manual_seed(5)
+    true_sum, sent_sum = torch.zeros(numel, dtype=torch.float64), torch.zeros(numel, dtype=torch.float64)
+    for _ in range(3):
+        g = torch.randn(numel, generator=gen)
+        true_sum += g.double()
+        acc = g + enc.residuals.get("p", torch.zeros(numel))
+        frame = dict(enc.encode([("p", g)]))
+        sent = frame["p#i"].long()
+        assert k // 2 <= sent.numel() <= 2 * k
+        kept = torch.ones(numel, dtype=torch.bool)
+        kept[sent] = False
+        assert acc[sent].abs().min() >= acc[kept].abs().max()
+        sent_sum += decode("topk", frame, {"p": torch.zeros(numel)}, {})["p"].double()
+    torch.testing.assert_close(sent_sum + enc.residuals["p"].double(), true_sum, rtol=0, atol=1e-4)
