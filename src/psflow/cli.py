@@ -60,6 +60,10 @@ def _k8s_options(f: Any) -> Any:
 @click.option("--placement", type=click.Choice(["balanced", "round_robin", "greedy", "contiguous"]), default=None,
               help="How parameters go on ps shards (default balanced: equal bytes per shard, big tensors split; round_robin: TensorFlow's).")
 @click.option("--log-placement", is_flag=True, help="Print where each parameter lives (like log_device_placement).")
+@click.option("--compress", default=None, metavar="none|fp16|bf16|topk:RATIO",
+              help="Gradients on the wire: half precision, or the largest RATIO of each (with error feedback).")
+@click.option("--compress-pull", "compress_pull", is_flag=True, default=None,
+              help="With --compress fp16|bf16: the parameters come back in that precision too.")
 @click.option("--allow-unauthenticated-allreduce", is_flag=True, default=None,
               help="Let --strategy allreduce run off loopback, where its traffic (gloo) is not covered by the job secret.")
 @click.option("--fail-at", default=None,

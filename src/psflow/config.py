@@ -54,6 +54,10 @@ class TrainConfig:
     allow_unauthenticated_allreduce: bool = False
     # trainers: keep LOGDIR/ledger/<task>.<attempt> (pushes sent and acknowledged; psflow.train.ledger), for psflow chaos
     push_ledger: bool = False
+    # Gradients on the wire: "none", "fp16", "bf16" or "topk:RATIO" (with error feedback on the worker;
+    # psflow.wire.compress). compress_pull: pulled values come back in fp16/bf16 too.
+    compress: str = "none"
+    compress_pull: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,6 +77,17 @@ class TrainConfig:
             raise ConfigError(
                 f"allow_unauthenticated_allreduce must be true or false; received {self.allow_unauthenticated_allreduce!r}."
             )
+        from psflow.wire.compress import Compression
+
+        compression = Compression.parse(self.compress)  # raises ConfigError naming the forms allowed
+        if not isinstance(self.compress_pull, bool):
+            raise ConfigError(f"compress_pull must be true or false; received {self.compress_pull!r}.")
+        if self.compress_pull and compression.pull_dtype() is None:
+            raise ConfigError(f"compress_pull sends the parameters back in the gradients' precision, which compress="
+                              f"{self.compress!r} does not have. Use compress fp16 or bf16 with it, or drop compress_pull.")
+        if self.compress != "none" and self.strategy != "ps":
+            raise ConfigError(f"compress={self.compress!r} applies to --strategy ps (gradients pushed to parameter "
+                              "servers); all-reduce sends them uncompressed. Drop --compress, or use --strategy ps.")
         if not isinstance(self.staleness, int) or isinstance(self.staleness, bool) or self.staleness < 0:
             raise ConfigError(f"staleness must be an integer >= 0; received {self.staleness!r}.")
         if self.split_bytes is not None and (not isinstance(self.split_bytes, int) or self.split_bytes < 0):

@@ -41,6 +41,7 @@ import torch
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.errors import PsflowError, RemoteError, TransportError
 from psflow.ps.replication import pair_other
+from psflow.wire.compress import NONE, Compression, GradientEncoder
 from psflow.wire.conn import Connection, Frame, PeerLostError, Resolve, connect
 from psflow.wire.frame import Limits
 from psflow.wire.ops import Op
@@ -77,8 +78,15 @@ class PsClient:
         resolve: Resolve | None = None,
         replicas: int = 1,
         failover_s: float = 2.0,
+        compression: Compression = NONE,
+        compress_pull: bool = False,
     ) -> None:
         self.task = task
+        # Pushes' gradients are encoded here (top-k keeps its residuals per key); pulls ask for
+        # values in the gradients' precision with compress_pull (psflow.wire.compress).
+        self.encoder = GradientEncoder(compression)
+        self.pull_dtype = compression.pull_dtype() if compress_pull else None
+        self._retired_bytes = [0, 0]  # sent, received over connections closed since
         self.replicas = replicas  # 2: each shard has a backup on the next ps (failover)
         self.failover_s = failover_s  # replicas=2: how long a lost primary may not answer before its backup serves
         self.routes: dict[int, int] = {}  # shard -> the ps serving it in place of its dead primary
@@ -101,6 +109,17 @@ class PsClient:
             raise
 
     # -- connections -----------------------------------------------------------------------
+    def traffic(self) -> tuple[int, int]:
+        """Bytes sent and received to and from the ps over this client's life (frames, handshakes)."""
+        live = [c for c in self.conns if c is not None]
+        return (self._retired_bytes[0] + sum(c.bytes_sent for c in live),
+                self._retired_bytes[1] + sum(c.bytes_received for c in live))
+
+    def _retire(self, conn: Connection) -> None:
+        self._retired_bytes[0] += conn.bytes_sent
+        self._retired_bytes[1] += conn.bytes_received
+        conn.close()
+
     @property
     def reconnects(self) -> bool:
         """Whether a lost connection is forgotten and made again (a resolver was given): after a
@@ -160,7 +179,7 @@ class PsClient:
         self.routes[shard] = other
         conn = self.conns[shard] if shard < len(self.conns) else None
         if conn is not None:
-            conn.close()
+            self._retire(conn)
             self.conns[shard] = None
         return other
 
@@ -176,7 +195,7 @@ class PsClient:
         """Forget the shard's connection (it is out of step or dead): the next request reconnects."""
         conn = self.conns[shard]
         if conn is not None:
-            conn.close()
+            self._retire(conn)
             self.conns[shard] = None
             log.warning("%s: lost its connection for shard %d (%s); the next request reconnects.", self.task, shard, error)
 
@@ -304,7 +323,10 @@ class PsClient:
         ``min_versions[shard]`` makes the shard answer only once it reached that version (sync mode),
         waiting at most ``wait_s``."""
         mins = list(min_versions) if min_versions is not None else [0] * self.num_shards
-        metas = [{"min_version": v, "timeout_s": wait_s, "averages": averages} for v in mins]
+        metas: list[dict[str, Any]] = [{"min_version": v, "timeout_s": wait_s, "averages": averages} for v in mins]
+        if self.pull_dtype is not None and not averages:
+            for m in metas:
+                m["pull_dtype"] = self.pull_dtype
         frames = self._all(Op.PS_PULL, metas, dests=dests, wait_s=wait_s)
         _land(frames, dests)
         return [int(f.meta["version"]) for f in frames]
@@ -313,8 +335,16 @@ class PsClient:
         self, worker: int, versions: Sequence[int], per_shard: Sequence[Sequence[tuple[str, torch.Tensor]]]
     ) -> list[dict[str, Any]]:
         """Send one worker's gradients; ``versions[shard]`` is the version they were computed from."""
-        metas = [{"worker": worker, "version": v} for v in versions]
-        return [f.meta for f in self._all(Op.PS_PUSH, metas, per_shard)]
+        metas = [self._compressed({"worker": worker, "version": v}) for v in versions]
+        return [f.meta for f in self._all(Op.PS_PUSH, metas, [self.encoder.encode(g) for g in per_shard])]
+
+    def _compressed(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """A push's meta naming how its gradients (and the values it asks back) are encoded."""
+        if self.encoder.compression.enabled:
+            meta["compress"] = self.encoder.compression.kind
+        if self.pull_dtype is not None:
+            meta["pull_dtype"] = self.pull_dtype
+        return meta
 
     def push_pull(
         self,
@@ -343,9 +373,11 @@ class PsClient:
         (the push's number within the attempt) let the ps drop a push of an earlier attempt and
         recognise this one if it is resent: with ``seq`` and a resolver, a connection lost before
         the reply is made again and the push resent once (by :meth:`recv_push_replies`)."""
-        meta: dict[str, Any] = {"worker": worker, "version": version, "pull": True, "timeout_s": wait_s, "attempt": attempt}
+        meta: dict[str, Any] = self._compressed(
+            {"worker": worker, "version": version, "pull": True, "timeout_s": wait_s, "attempt": attempt})
         if position is not None:
             meta["position"] = position
+        grads = self.encoder.encode(grads)  # once: a resent push carries the same bytes (top-k's residuals moved on)
         self._unanswered.pop(shard, None)
         if seq is not None:
             meta["seq"] = seq
@@ -444,7 +476,7 @@ class PsClient:
     def close(self) -> None:
         for c in self.conns:
             if c is not None:
-                c.close()
+                self._retire(c)
         self.conns = []
         self._unanswered.clear()
 

@@ -54,10 +54,12 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
     ),
     # A training replica's readiness names it and its attempt (a restarted worker rejoins); others' do not.
     Op.PS_READY: (Field("timeout_s", SECONDS), Field("placement_digest", STR), Field("worker", REPLICA), Field("attempt", INT)),
-    Op.PS_PULL: (Field("min_version", INT), Field("timeout_s", SECONDS), Field("averages", BOOL)),
+    # compress / pull_dtype: see psflow.wire.compress (checked there, against the shard's parameters)
+    Op.PS_PULL: (Field("min_version", INT), Field("timeout_s", SECONDS), Field("averages", BOOL), Field("pull_dtype", STR)),
     Op.PS_PUSH: (
         Field("worker", REPLICA, required=True), Field("version", INT, required=True), Field("pull", BOOL),
         Field("timeout_s", SECONDS), Field("position", DICT, nullable=True), Field("attempt", INT), Field("seq", INT),
+        Field("compress", STR), Field("pull_dtype", STR),
     ),
     Op.PS_CLOCK: (
         Field("worker", REPLICA, required=True), Field("clock", INT, required=True), Field("timeout_s", SECONDS),

@@ -44,6 +44,7 @@ from psflow.ps.replication import (
 from psflow.ps.rules import Act
 from psflow.ps.store import ParameterStore
 from psflow.server import Reply, Request, Server
+from psflow.wire import compress
 from psflow.wire.conn import Connection, Resolve, connect
 from psflow.wire.ops import Op
 
@@ -108,6 +109,9 @@ class PsService:
                 if s != shard:
                     self.backups[s] = ParameterStore(s, num_workers)
         self._shutdown = threading.Event()
+        # Compressed pushes are decoded into dense buffers kept per (shard, worker, attempt): one
+        # worker's pushes to a shard come one at a time, and the store copies or applies them before the reply.
+        self._dense: dict[tuple[int, int, int], dict[str, Any]] = {}
         server.on_peer_gone = self._peer_gone
         self.on_save: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         # Called with this ps's own shard's version after each push it applied there, before the reply (--fail-at ps:K@step=N:kill).
@@ -439,7 +443,7 @@ class PsService:
             averages=bool(req.meta.get("averages", False)),
         )
         self._acked(store)  # the values shown are the backup's too: a failover never goes back past them
-        return Reply({"version": version}, list(values.items()))
+        return Reply({"version": version}, compress.cast_values(list(values.items()), req.meta.get("pull_dtype")))
 
     def _peer_gone(self, peer: str) -> None:
         """The server's callback: ``peer``'s last connection closed. A worker that never said
@@ -459,8 +463,13 @@ class PsService:
         store = self._store_for(req)
         version = int(req.meta.get("version", 0))
         seq = req.meta.get("seq")
-        result = store.push(int(req.meta["worker"]), version, req.tensors, position=req.meta.get("position"),
-                                 attempt=int(req.meta.get("attempt", 0)), push_seq=None if seq is None else int(seq))
+        worker, attempt = int(req.meta["worker"]), int(req.meta.get("attempt", 0))
+        grads = req.tensors
+        if "compress" in req.meta and store.initialized:  # an uninitialized store's push raises the clearer error
+            dense = self._dense.setdefault((store.shard, worker, attempt), {})
+            grads = compress.decode(str(req.meta["compress"]), req.tensors, store.values, dense)
+        result = store.push(worker, version, grads, position=req.meta.get("position"),
+                            attempt=attempt, push_seq=None if seq is None else int(seq))
         if self.after_push is not None and store is self.store:
             self.after_push(store.version)
         if not req.meta.get("pull"):
@@ -475,7 +484,7 @@ class PsService:
             timeout_s=float(req.meta.get("timeout_s", store.config.sync_timeout_s)),
         )
         self._acked(store)  # acknowledged once the backup holds it (sync: the step it completed)
-        return Reply({**result, "version": current}, list(values.items()))
+        return Reply({**result, "version": current}, compress.cast_values(list(values.items()), req.meta.get("pull_dtype")))
 
     def _clock(self, req: Request) -> Reply:
         store = self._store_for(req)

@@ -52,6 +52,7 @@ from psflow.ps.progress import StepPlan
 from psflow.train.base import TrainerBase
 from psflow.train.ledger import PushLedger
 from psflow.train.towers import Batch, run_step_closure
+from psflow.wire.compress import Compression
 
 
 class Trainer(TrainerBase):
@@ -112,7 +113,8 @@ class Trainer(TrainerBase):
         ]
         self.client = PsClient(task.cluster, task.task_id, task.secret, connect_timeout_s=task.connect_timeout_s,
                                resolve=task.resolve, replicas=self.config.ps_replicas,
-                               failover_s=self.config.primary_failover_s)
+                               failover_s=self.config.primary_failover_s,
+                               compression=Compression.parse(self.config.compress), compress_pull=self.config.compress_pull)
         self.versions = [0] * task.num_ps
         self.attempt = int(getattr(task, "attempt", 0) or 0)  # the launcher's restart count (PSFLOW_ATTEMPT)
         self.clock_base = 0  # ssp: the clock this attempt starts at (from readiness: a restarted worker resumes)
@@ -385,7 +387,9 @@ class Trainer(TrainerBase):
         return int(self.client.status()[0]["version"])
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "stale_pushes": self.stale_pushes, "early_pushes": self.early_pushes, "mode": self.config.mode}
+        sent, received = self.client.traffic()
+        return {**super().stats(), "stale_pushes": self.stale_pushes, "early_pushes": self.early_pushes, "mode": self.config.mode,
+                "compress": self.config.compress, "bytes_sent": sent, "bytes_received": received}
 
     def _release(self) -> None:
         """Tell the ps this worker is done (they exit when every worker is) and disconnect."""

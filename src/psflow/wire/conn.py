@@ -100,6 +100,7 @@ class Connection:
         self._rpos = self._rend = 0
         self._timeout: float | None | bool = False  # False: unknown; settimeout costs a syscall, so skip repeats
         self._deadline: float | None = None  # monotonic time the handshake must be done by (None: no deadline)
+        self.bytes_sent = self.bytes_received = 0  # frames' bytes, handshake included (what a link carries)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -121,6 +122,7 @@ class Connection:
         self._sendall([memoryview(head), *[b for b in bufs if b.nbytes]])
 
     def _sendall(self, bufs: list[memoryview]) -> None:
+        self.bytes_sent += sum(b.nbytes for b in bufs)
         try:
             while bufs:
                 sent = self.sock.sendmsg(bufs[:_IOV_MAX])
@@ -189,6 +191,7 @@ class Connection:
         shape) to receive into; otherwise a fresh tensor is allocated."""
         try:
             op, _flags, meta_len, payload_len = decode_header(self._take(HEADER_SIZE), self.limits)
+            self.bytes_received += HEADER_SIZE + meta_len + payload_len
             if meta_len <= _RECV_BUF // 2:
                 meta_raw = self._take(meta_len)
             else:
