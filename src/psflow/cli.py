@@ -313,6 +313,26 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None) -> None
     sys.exit(result.exit_code)
 
 
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (another than loopback needs --allow-remote).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8265, show_default=True, help="Port (0: any free one).")
+@click.option("--allow-remote", is_flag=True, help="Allow a --host other machines can reach (needs PSFLOW_UI_TOKEN).")
+@click.option("--scripts", "scripts", multiple=True, type=click.Path(file_okay=False, path_type=Path),
+              help="A directory whose .py files the start form may run (repeatable; default: the current directory).")
+@click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where runs started from the dashboard keep their logdirs (default $PSFLOW_HOME/runs).")
+def ui(host: str, port: int, allow_remote: bool, scripts: tuple[Path, ...], runs_dir: Path | None) -> None:
+    """Serve the dashboard and its HTTP API over the job store: runs, tasks, live charts and logs; start,
+    stop and restart runs. Runs go on when it stops: it only reads the store and writes requests."""
+    from psflow.platform.uiserver import serve, settings_for
+
+    try:
+        settings = settings_for(host, allow_remote=allow_remote, scripts=scripts, runs_dir=runs_dir)
+    except PsflowError as e:
+        raise click.UsageError(str(e)) from e
+    serve(settings, host, port, echo=click.echo)
+
+
 def _stored_run(ref: Any, verb: str) -> Any:
     """``ref`` (a :class:`psflow.platform.views.RunRef`) if it names a run in the job store.
 

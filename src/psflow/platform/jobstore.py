@@ -271,6 +271,35 @@ class JobStore:
                 break
         return out
 
+    def run_page(self, *, state: str | None = None, search: str | None = None, limit: int = 50,
+                 offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """One page of runs, newest first, and how many runs match in all: the HTTP API's runs list.
+
+        ``state`` keeps the runs recorded in that state; ``search`` the runs whose id, script,
+        arguments or backend hold it (case-insensitive). Only the page's runs are read in full (tasks,
+        latest metrics, the liveness check), so a page costs the same with 10 runs or 100,000.
+        """
+        where, args = [], []
+        if state is not None:
+            where.append("state = ?")
+            args.append(state)
+        if search:
+            pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            where.append("(id LIKE ? ESCAPE '\\' OR script LIKE ? ESCAPE '\\' OR args LIKE ? ESCAPE '\\'"
+                         " OR backend LIKE ? ESCAPE '\\')")
+            args += [pattern] * 4
+        clause = (" WHERE " + " AND ".join(where)) if where else ""
+        total = int(self._db.execute(f"SELECT COUNT(*) FROM runs{clause}", args).fetchone()[0])
+        rows = self._db.execute(f"SELECT * FROM runs{clause} ORDER BY created_unix DESC, id LIMIT ? OFFSET ?",
+                                [*args, limit, offset]).fetchall()
+        tasks = self._tasks([r["id"] for r in rows])
+        out = []
+        for r in rows:
+            run = self._assessed(_run_dict(r), tasks.get(r["id"], {}))
+            self._add_metrics(run)
+            out.append(run)
+        return out, total
+
     def run(self, run_id: str, *, metrics: bool = True) -> dict[str, Any] | None:
         """One run (as :meth:`runs` gives them, with metrics by default), or None."""
         r = self._db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
@@ -307,13 +336,21 @@ class JobStore:
         return [{**dict(r), "data": json.loads(r["data"])} for r in self._db.execute(
             "SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id))]
 
-    def metrics(self, run_id: str, *, task: str | None = None, name: str | None = None) -> list[dict[str, Any]]:
-        """Metric points of a run, oldest first, optionally of one task and one name."""
+    def metrics(self, run_id: str, *, task: str | None = None, name: str | None = None, names: Sequence[str] | None = None,
+                after_unix: float | None = None) -> list[dict[str, Any]]:
+        """Metric points of a run, oldest first, optionally of one task, one name (or any of ``names``),
+        and only those recorded after ``after_unix`` (a chart polling for new points)."""
         sql, args = "SELECT task, name, time_unix, step, value FROM metrics WHERE run_id = ?", [run_id]
         for col, val in (("task", task), ("name", name)):
             if val is not None:
                 sql += f" AND {col} = ?"
                 args.append(val)
+        if names:
+            sql += f" AND name IN ({', '.join('?' * len(names))})"
+            args += list(names)
+        if after_unix:
+            sql += " AND time_unix > ?"
+            args.append(after_unix)
         return [dict(r) for r in self._db.execute(sql + " ORDER BY time_unix, rowid", args)]
 
     def latest_metrics(self, run_id: str) -> dict[str, dict[str, float | None]]:
@@ -337,10 +374,14 @@ class JobStore:
         for r in rows:
             t = {k: (json.loads(r[k]) if k in _TASK_JSON and r[k] is not None else r[k]) for k in r.keys()}
             out.setdefault(t.pop("run_id"), {})[t.pop("name")] = {**t, "exits": []}
-        for run_id, tasks in out.items():
-            for a in self.attempts(run_id):
-                if a["exited_unix"] is not None and a["task"] in tasks:
-                    tasks[a["task"]]["exits"].append(_exit(a))
+        ids = list(out)
+        for i in range(0, len(ids), 500):  # one query per 500 runs, not one per run
+            chunk = ids[i:i + 500]
+            for a in self._db.execute(f"SELECT * FROM attempts WHERE run_id IN ({', '.join('?' * len(chunk))})"
+                                      " AND exited_unix IS NOT NULL ORDER BY run_id, task, attempt", chunk):
+                tasks = out[a["run_id"]]
+                if a["task"] in tasks:
+                    tasks[a["task"]]["exits"].append(_exit(dict(a)))
         return out
 
     def _add_metrics(self, run: dict[str, Any]) -> None:
