@@ -343,6 +343,100 @@ def logs(run: str, task: str | None, follow: bool) -> None:
         sys.exit(130)
 
 
+@main.command()
+@click.argument("run")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until the run has ended.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=120.0, show_default=True,
+              help="With --wait: the longest wait, in seconds.")
+def stop(run: str, wait: bool, timeout_s: float) -> None:
+    """Stop a running run: every task gets SIGTERM (then SIGKILL after the grace period) and the run
+    ends "stopped", as Ctrl-C on its launcher does. RUN is a run id from `psflow runs` (or a unique
+    part of one). The request goes through the job store, so it works whichever machine the launcher is on."""
+    from psflow.platform import views
+    from psflow.platform.jobstore import JobStore
+    from psflow.platform.runcontrol import ask_stop, wait_until_over
+
+    with _store_errors():
+        ref = _stored_run(views.find(run), "stop")
+        with JobStore(ref.db_path) as db:
+            asked = ask_stop(db, ref.run["id"], source="cli")
+        if asked.request_id is None:
+            click.echo(f"psflow: run {asked.run_id} has already ended ({asked.state}); nothing to stop.")
+            return
+        click.echo(f"psflow: asked run {asked.run_id} to stop (request {asked.request_id}).")
+        if wait:
+            ended = wait_until_over(ref.db_path, asked.run_id, timeout_s=timeout_s, request_id=asked.request_id)
+            click.echo(f"psflow: run {asked.run_id} is {ended['state']}.")
+
+
+@main.command()
+@click.argument("run")
+@click.option("--detach", is_flag=True, help="Start the new run in the background and return (its output goes to LOGDIR/launcher.log).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=120.0, show_default=True,
+              help="The longest wait for a running run to stop before it is launched again, in seconds.")
+@click.option("--live/--no-live", default=None, help="Show the live table of the tasks (default: on a terminal).")
+def restart(run: str, detach: bool, timeout_s: float, live: bool | None) -> None:
+    """Stop RUN if it still runs, then launch the same plan again as a new run in the same log
+    directory, so training resumes from the newest checkpoint (what Kubeflow users do by deleting and
+    re-creating a TFJob). Script, arguments, cluster shape, mode and policies are the recorded ones;
+    fault injection (--fail-at) is not repeated. The new run names the old one (restarted_from)."""
+    from psflow.launch.metrics import final_line
+    from psflow.platform import views
+    from psflow.platform.jobstore import JobStore
+    from psflow.platform.launching import run_here, spec_of_run, start_detached
+    from psflow.platform.runcontrol import ask_stop, wait_until_over
+
+    with _store_errors():
+        ref = _stored_run(views.find(run), "restart")
+        with JobStore(ref.db_path) as db:
+            asked = ask_stop(db, ref.run["id"], source="cli")
+        if asked.request_id is not None:
+            click.echo(f"psflow: stopping run {asked.run_id} (request {asked.request_id}) before it starts again.")
+            wait_until_over(ref.db_path, asked.run_id, timeout_s=timeout_s, request_id=asked.request_id)
+        spec = spec_of_run(ref.run)
+        if detach:
+            plan, proc = start_detached(spec)
+            click.echo(f"psflow: run {plan.run_id} restarts {asked.run_id} (launcher pid {proc.pid}); "
+                       f"logs in {plan.logdir}, launcher output in {plan.logdir}/launcher.log")
+            return
+        click.echo(f"psflow: run {spec.run_id} restarts {asked.run_id}; logs in {spec.logdir}")
+        plan, result = run_here(spec, live=live)
+    click.echo(final_line(result.summary))
+    sys.exit(result.exit_code)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (another than loopback needs --allow-remote).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8265, show_default=True, help="Port (0: any free one).")
+@click.option("--allow-remote", is_flag=True, help="Allow a --host other machines can reach (needs PSFLOW_UI_TOKEN).")
+@click.option("--scripts", "scripts", multiple=True, type=click.Path(file_okay=False, path_type=Path),
+              help="A directory whose .py files the start form may run (repeatable; default: the current directory).")
+@click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where runs started from the dashboard keep their logdirs (default $PSFLOW_HOME/runs).")
+def ui(host: str, port: int, allow_remote: bool, scripts: tuple[Path, ...], runs_dir: Path | None) -> None:
+    """Serve the dashboard and its HTTP API over the job store: runs, tasks, live charts and logs; start,
+    stop and restart runs. Runs go on when it stops: it only reads the store and writes requests."""
+    from psflow.platform.uiserver import serve, settings_for
+
+    try:
+        settings = settings_for(host, allow_remote=allow_remote, scripts=scripts, runs_dir=runs_dir)
+    except PsflowError as e:
+        raise click.UsageError(str(e)) from e
+    serve(settings, host, port, echo=click.echo)
+
+
+def _stored_run(ref: Any, verb: str) -> Any:
+    """``ref`` (a :class:`psflow.platform.views.RunRef`) if it names a run in the job store.
+
+    Raises:
+        ConfigError: a log directory without a job-store record (its launcher cannot be reached).
+    """
+    if ref.run is None or ref.db_path is None:
+        raise ConfigError(f"psflow {verb} needs a run id from the job store (`psflow runs` lists them); "
+                          f"{ref.logdir} was named by its log directory. Give its run id instead.")
+    return ref
+
+
 @contextlib.contextmanager
 def _store_errors() -> Iterator[None]:
     """A bad run name or an unreadable job store: one clear line, exit 1."""

@@ -9,7 +9,8 @@ The I/O shell of :class:`psflow.launch.controller.RunController`. It
 3. feeds the controller what happens: the backend's exits (each failed task's error report first),
    the tasks' heartbeats and progress reports (from the coordinator's threads, through a queue the
    loop drains: the controller's watchdog), the passing time (every ``tick_s``), and Ctrl-C /
-   SIGTERM, or the backend's place ending the run (``Backend.ended_by``: a cancelled Slurm job), as a
+   SIGTERM, or the backend's place ending the run (``Backend.ended_by``: a cancelled Slurm job), or a
+   ``stop`` control request from the job store (``psflow stop``, the API: :mod:`psflow.launch.control`), as a
    stop request; a :class:`~psflow.launch.controller.DumpStacks` decision becomes the backend's
    ``dump_stacks`` (SIGUSR1), whose location goes back to the controller and into the run store;
 4. records it all in the run store (:mod:`psflow.launch.runstore`: ``status.json``,
@@ -41,6 +42,7 @@ import click
 
 from psflow.launch.backend import Backend, RunResult
 from psflow.launch.contract import TaskEnv
+from psflow.launch.control import ControlRequest
 from psflow.launch.controller import (
     Decision,
     DumpStacks,
@@ -167,6 +169,8 @@ class Runner:
             if reason is not None:
                 pending.extend(controller.handle(StopRequested(reason, time.time())))
                 continue
+            for request in store.control_requests():
+                pending.extend(self._control(request, controller, store))
             exits = self.backend.poll(timeout_s=self.tick_s)
             ended = self.backend.ended_by()  # before the exits it caused: they are then a stop's, not failures
             if ended is not None:
@@ -182,6 +186,21 @@ class Runner:
             if self.on_tick is not None:
                 self.on_tick(controller, store, time.time())
             store.tick()  # publish the last changes of a quiet spell
+
+    def _control(self, request: ControlRequest, controller: RunController, store: RunStore) -> list[Decision]:
+        """A request from outside the launcher (:mod:`psflow.launch.control`): carried out, or refused with why."""
+        if request.kind == "stop":
+            state, answer = "done", "every task is being stopped"
+            self.console.warn(f"{request.describe()}: stopping every task.")
+            out = controller.handle(StopRequested(request.describe(), time.time()))
+        else:
+            state, answer = "refused", (f"this launcher cannot {request.kind} a running run yet (only stop); "
+                                        f"stop it and start it again with the new shape")
+            out = []
+        store.control_answered(request, state, answer)
+        store.event("control", request=request.id, action=request.kind, source=request.source,
+                    payload=dict(request.payload), state=state, answer=answer)
+        return out
 
     def _carry_out(self, d: Decision, tasks: Mapping[str, TaskPlan], controller: RunController, store: RunStore,
                    envs: Mapping[str, Mapping[str, str]]) -> list[Decision]:

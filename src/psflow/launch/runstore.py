@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from psflow.launch.control import ControlRequest
 from psflow.launch.controller import exit_cause, signal_name
 from psflow.launch.status import RunStatus
 
@@ -85,6 +86,14 @@ class RunStore(ABC):
 
     def tick(self) -> None:  # noqa: B027 (a hook: stores that write at once need nothing)
         """Called every so often: publish what a quiet spell left unpublished."""
+
+    def control_requests(self) -> list[ControlRequest]:
+        """Requests from outside the launcher (stop, scale) that arrived since the last call, oldest
+        first; never blocks. Default: none (a store nobody else can write to)."""
+        return []
+
+    def control_answered(self, request: ControlRequest, state: str, answer: str) -> None:  # noqa: B027 (a hook)
+        """The runner carried out ``request`` (``state`` ``done``) or could not (``refused``): ``answer`` says what."""
 
 
 class FileRunStore(RunStore):
@@ -207,3 +216,15 @@ class CompositeRunStore(RunStore):
 
     def tick(self) -> None:
         self._all("tick")
+
+    def control_requests(self) -> list[ControlRequest]:
+        out: list[ControlRequest] = []
+        for store in (self.primary, *self.copies):
+            try:
+                out += store.control_requests()
+            except Exception as e:  # noqa: BLE001 (a copy's failure must not end the run)
+                self.warn(f"cannot read control requests from {type(store).__name__} ({type(e).__name__}: {e}).")
+        return out
+
+    def control_answered(self, request: ControlRequest, state: str, answer: str) -> None:
+        self._all("control_answered", request, state, answer)

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from psflow.launch.control import KINDS as CONTROL_KINDS
 from psflow.launch.controller import signal_name
 from psflow.launch.liveness import assess
 from psflow.launch.status import headline
@@ -44,7 +45,7 @@ __all__ = ["FINAL_STATES", "RUN_STATES", "JobStore", "JobStoreError"]
 
 RUN_STATES = ("pending", "running", "succeeded", "failed", "stopped", "abandoned")
 FINAL_STATES = ("succeeded", "failed", "stopped", "abandoned")
-_RUN_JSON = ("args", "cluster", "restart_policy", "launcher", "summary")
+_RUN_JSON = ("args", "cluster", "restart_policy", "launcher", "summary", "launch")
 _TASK_JSON = ("identity", "progress")
 
 
@@ -80,7 +81,7 @@ class JobStore:
             self.conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None)
             self.conn.row_factory = sqlite3.Row
             self.conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-            self.conn.execute("PRAGMA journal_mode = WAL")
+            self._set_wal(busy_timeout_s)
             self.conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable at checkpoints, never corrupt
             self.conn.execute("PRAGMA foreign_keys = ON")
             self.version = migrate(self.conn, str(self.path), upto=migrate_to)
@@ -90,6 +91,22 @@ class JobStore:
         except JobStoreError:
             self.close()
             raise
+
+    def _set_wal(self, busy_timeout_s: float) -> None:
+        """WAL mode. Two connections switching a new database's journal mode at once: one gets "locked"
+        at once, with no busy wait (SQLite does not wait on that lock), so it tries again until the deadline."""
+        assert self.conn is not None
+        deadline = time.monotonic() + busy_timeout_s
+        delay_s = 0.01
+        while True:
+            try:
+                self.conn.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() + delay_s > deadline:
+                    raise
+                time.sleep(delay_s)  # a backoff between tries, not a synchronisation
+                delay_s = min(delay_s * 2, 0.2)
 
     def close(self) -> None:
         if self.conn is not None:
@@ -186,6 +203,56 @@ class JobStore:
         self._db.execute("UPDATE runs SET state = ?, ended_unix = ?, heartbeat_unix = ? WHERE id = ?",
                          (state, at, at, run_id))
 
+    # -- control requests (any process asks; the run's writer takes and answers) ---------------------
+    def request_control(self, run_id: str, kind: str, *, source: str, payload: dict[str, Any] | None = None,
+                        at: float | None = None) -> int:
+        """Ask run ``run_id``'s launcher to ``stop`` (or ``scale``); return the request's id. The
+        launcher takes it at its next tick (:mod:`psflow.launch.control`). Its own transaction.
+
+        Raises:
+            JobStoreError: an unknown kind, no such run, or a run that has already ended (its state named).
+        """
+        if kind not in CONTROL_KINDS:
+            raise JobStoreError(f"Control request {kind!r} is not one of {', '.join(CONTROL_KINDS)}.")
+        run = self.run(run_id, metrics=False)
+        if run is None:
+            raise JobStoreError(f"No run {run_id!r} in the job store {self.path}; `psflow runs` lists the runs.")
+        if run["state"] not in ("pending", "running"):
+            raise JobStoreError(f"Run {run_id} has already ended ({run['state']}); there is nothing to {kind}.")
+        with self.transaction():
+            cur = self._db.execute(
+                "INSERT INTO control (run_id, kind, payload, source, state, requested_unix) VALUES (?, ?, ?, ?, 'pending', ?)",
+                (run_id, kind, json.dumps(payload or {}), source, time.time() if at is None else at))
+        return int(cur.lastrowid or 0)
+
+    def take_control(self, run_id: str, at: float) -> list[dict[str, Any]]:
+        """The run's pending requests, oldest first, marked ``taken`` (inside :meth:`transaction`)."""
+        rows = [self._control_dict(r) for r in self._db.execute(
+            "SELECT * FROM control WHERE run_id = ? AND state = 'pending' ORDER BY id", (run_id,))]
+        if rows:
+            self._db.execute("UPDATE control SET state = 'taken', taken_unix = ? WHERE run_id = ? AND state = 'pending'"
+                             " AND id <= ?", (at, run_id, rows[-1]["id"]))
+        return rows
+
+    def answer_control(self, request_id: int, state: str, answer: str, at: float) -> None:
+        """The launcher's answer to a request it took: ``done`` or ``refused``, and what it did or why not."""
+        if state not in ("done", "refused"):
+            raise JobStoreError(f"A control request is answered 'done' or 'refused'; received {state!r}.")
+        self._db.execute("UPDATE control SET state = ?, answer = ?, answered_unix = ? WHERE id = ?",
+                         (state, answer, at, request_id))
+
+    def controls(self, run_id: str | None = None, *, request_id: int | None = None) -> list[dict[str, Any]]:
+        """Control requests, oldest first: a run's, or the one with ``request_id``."""
+        if request_id is not None:
+            rows = self._db.execute("SELECT * FROM control WHERE id = ?", (request_id,))
+        else:
+            rows = self._db.execute("SELECT * FROM control WHERE run_id = ? ORDER BY id", (run_id,))
+        return [self._control_dict(r) for r in rows]
+
+    @staticmethod
+    def _control_dict(r: sqlite3.Row) -> dict[str, Any]:
+        return {**dict(r), "payload": json.loads(r["payload"] or "{}")}
+
     # -- reads --------------------------------------------------------------------------------------
     def runs(self, *, state: str | None = None, limit: int | None = None, metrics: bool = False) -> list[dict[str, Any]]:
         """Runs, newest first, each with its tasks and headline figures (and each task's latest
@@ -203,6 +270,35 @@ class JobStore:
             if limit is not None and len(out) >= limit:
                 break
         return out
+
+    def run_page(self, *, state: str | None = None, search: str | None = None, limit: int = 50,
+                 offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """One page of runs, newest first, and how many runs match in all: the HTTP API's runs list.
+
+        ``state`` keeps the runs recorded in that state; ``search`` the runs whose id, script,
+        arguments or backend hold it (case-insensitive). Only the page's runs are read in full (tasks,
+        latest metrics, the liveness check), so a page costs the same with 10 runs or 100,000.
+        """
+        where, args = [], []
+        if state is not None:
+            where.append("state = ?")
+            args.append(state)
+        if search:
+            pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            where.append("(id LIKE ? ESCAPE '\\' OR script LIKE ? ESCAPE '\\' OR args LIKE ? ESCAPE '\\'"
+                         " OR backend LIKE ? ESCAPE '\\')")
+            args += [pattern] * 4
+        clause = (" WHERE " + " AND ".join(where)) if where else ""
+        total = int(self._db.execute(f"SELECT COUNT(*) FROM runs{clause}", args).fetchone()[0])
+        rows = self._db.execute(f"SELECT * FROM runs{clause} ORDER BY created_unix DESC, id LIMIT ? OFFSET ?",
+                                [*args, limit, offset]).fetchall()
+        tasks = self._tasks([r["id"] for r in rows])
+        out = []
+        for r in rows:
+            run = self._assessed(_run_dict(r), tasks.get(r["id"], {}))
+            self._add_metrics(run)
+            out.append(run)
+        return out, total
 
     def run(self, run_id: str, *, metrics: bool = True) -> dict[str, Any] | None:
         """One run (as :meth:`runs` gives them, with metrics by default), or None."""
@@ -240,13 +336,21 @@ class JobStore:
         return [{**dict(r), "data": json.loads(r["data"])} for r in self._db.execute(
             "SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id))]
 
-    def metrics(self, run_id: str, *, task: str | None = None, name: str | None = None) -> list[dict[str, Any]]:
-        """Metric points of a run, oldest first, optionally of one task and one name."""
+    def metrics(self, run_id: str, *, task: str | None = None, name: str | None = None, names: Sequence[str] | None = None,
+                after_unix: float | None = None) -> list[dict[str, Any]]:
+        """Metric points of a run, oldest first, optionally of one task, one name (or any of ``names``),
+        and only those recorded after ``after_unix`` (a chart polling for new points)."""
         sql, args = "SELECT task, name, time_unix, step, value FROM metrics WHERE run_id = ?", [run_id]
         for col, val in (("task", task), ("name", name)):
             if val is not None:
                 sql += f" AND {col} = ?"
                 args.append(val)
+        if names:
+            sql += f" AND name IN ({', '.join('?' * len(names))})"
+            args += list(names)
+        if after_unix:
+            sql += " AND time_unix > ?"
+            args.append(after_unix)
         return [dict(r) for r in self._db.execute(sql + " ORDER BY time_unix, rowid", args)]
 
     def latest_metrics(self, run_id: str) -> dict[str, dict[str, float | None]]:
@@ -270,10 +374,14 @@ class JobStore:
         for r in rows:
             t = {k: (json.loads(r[k]) if k in _TASK_JSON and r[k] is not None else r[k]) for k in r.keys()}
             out.setdefault(t.pop("run_id"), {})[t.pop("name")] = {**t, "exits": []}
-        for run_id, tasks in out.items():
-            for a in self.attempts(run_id):
-                if a["exited_unix"] is not None and a["task"] in tasks:
-                    tasks[a["task"]]["exits"].append(_exit(a))
+        ids = list(out)
+        for i in range(0, len(ids), 500):  # one query per 500 runs, not one per run
+            chunk = ids[i:i + 500]
+            for a in self._db.execute(f"SELECT * FROM attempts WHERE run_id IN ({', '.join('?' * len(chunk))})"
+                                      " AND exited_unix IS NOT NULL ORDER BY run_id, task, attempt", chunk):
+                tasks = out[a["run_id"]]
+                if a["task"] in tasks:
+                    tasks[a["task"]]["exits"].append(_exit(dict(a)))
         return out
 
     def _add_metrics(self, run: dict[str, Any]) -> None:

@@ -99,6 +99,24 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         )""",
         "CREATE INDEX metrics_by_series ON metrics (run_id, task, name, time_unix)",
     )),
+    (3, "control requests (stop, scale) from the CLI, the API or the dashboard; what relaunches a run", (
+        """CREATE TABLE control (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            run_id TEXT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+            kind TEXT NOT NULL,                       -- stop, scale, ...
+            payload TEXT NOT NULL DEFAULT '{}',       -- JSON: what the kind needs ({"workers": 4} for scale)
+            source TEXT NOT NULL,                     -- who asked: cli, api, dashboard
+            state TEXT NOT NULL,                      -- pending taken done refused
+            requested_unix REAL NOT NULL,
+            taken_unix REAL,
+            answered_unix REAL,
+            answer TEXT                               -- what the launcher did, or why it refused
+        )""",
+        "CREATE INDEX control_pending ON control (run_id, state, id)",
+        "CREATE INDEX runs_by_state ON runs (state, created_unix)",
+        "ALTER TABLE runs ADD COLUMN launch TEXT",  # JSON: what launches the same plan again (restart)
+        "ALTER TABLE runs ADD COLUMN restarted_from TEXT",  # the run this one restarted, if any
+    )),
 )
 
 LATEST = MIGRATIONS[-1][0]

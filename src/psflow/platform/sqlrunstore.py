@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
+from psflow.launch.control import ControlRequest
 from psflow.launch.controller import exit_cause, signal_name
 from psflow.launch.liveness import process_identity
 from psflow.launch.metrics import task_metrics
@@ -63,6 +64,9 @@ def run_record(plan: LaunchPlan, *, backend: str, restart_policy: Any = None) ->
         "id": plan.run_id, "script": rest[0] if rest else "", "args": rest[1:], "logdir": os.path.abspath(plan.logdir),
         "cluster": cluster, "mode": plan.config.mode, "strategy": plan.config.strategy, "backend": backend,
         "restart_policy": policy, "launcher": process_identity(os.getpid()), "created_unix": time.time(),
+        # what psflow.platform.launching needs to launch the same plan again (fault injection left out)
+        "launch": {"config": plan.config.to_dict(), "hangs": asdict(plan.hangs), "threads": plan.threads,
+                   "grace_s": plan.grace_s},
     }
 
 
@@ -82,12 +86,15 @@ class SqliteRunStore(RunStore):
 
     def __init__(self, path: str | os.PathLike[str] | None, run: dict[str, Any], tasks: list[str], *,
                  warn: Callable[[str], None], heartbeat_s: float = 5.0, retry_s: float = 30.0,
-                 close_timeout_s: float = 30.0, busy_timeout_s: float = 5.0) -> None:
+                 close_timeout_s: float = 30.0, busy_timeout_s: float = 5.0, control_poll_s: float = 0.5) -> None:
         self.path = path
         self.run_id = str(run["id"])
         self.warn = warn
         self.heartbeat_s, self.retry_s, self.close_timeout_s = heartbeat_s, retry_s, close_timeout_s
         self.busy_timeout_s = busy_timeout_s
+        self.control_poll_s = control_poll_s
+        self._inbox: queue.SimpleQueue[ControlRequest] = queue.SimpleQueue()  # taken control requests, for the runner
+        self._last_poll = -math.inf
         self.failures = 0  # batches that could not be written
         self.busy_retries = 0  # times a batch found the database locked and was tried again
         self._warned = False
@@ -166,6 +173,18 @@ class SqliteRunStore(RunStore):
             at = time.time()
             self._put(lambda db: db.heartbeat(self.run_id, at))
 
+    def control_requests(self) -> list[ControlRequest]:
+        out = []
+        while True:
+            try:
+                out.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def control_answered(self, request: ControlRequest, state: str, answer: str) -> None:
+        at = time.time()
+        self._put(lambda db: db.answer_control(request.id, state, answer, at))
+
     def close(self) -> None:
         """Write what is queued (at most ``close_timeout_s``), then stop the writer."""
         if self._closed:
@@ -190,19 +209,44 @@ class SqliteRunStore(RunStore):
         db: JobStore | None = None
         try:
             while True:
-                batch = [self._ops.get()]
+                try:  # wakes at least every control_poll_s: control requests are polled from here
+                    batch = [self._ops.get(timeout=self.control_poll_s)]
+                except queue.Empty:
+                    batch = []
                 while True:
                     try:
                         batch.append(self._ops.get_nowait())
                     except queue.Empty:
                         break
                 stop = any(op is _CLOSE for op in batch)
-                db = self._write(db, [op for op in batch if op is not _CLOSE])
+                if batch:
+                    db = self._write(db, [op for op in batch if op is not _CLOSE])
                 if stop:
                     return
+                db = self._poll_control(db)
         finally:
             if db is not None:
                 db.close()
+
+    def _poll_control(self, db: JobStore | None) -> JobStore | None:
+        """Take the run's pending control requests (every ``control_poll_s``) into the runner's inbox,
+        once their transaction committed (a request is never handed out twice)."""
+        now = time.monotonic()
+        if now - self._last_poll < self.control_poll_s:
+            return db
+        self._last_poll = now
+        taken: list[dict[str, Any]] = []
+        at = time.time()
+
+        def take(d: JobStore) -> None:
+            taken[:] = d.take_control(self.run_id, at)  # replaced, not extended: a retried transaction runs again
+        db = self._write(db, [take])
+        if db is None:
+            return None
+        for r in taken:
+            self._inbox.put(ControlRequest(int(r["id"]), str(r["kind"]), str(r["source"]), float(r["requested_unix"]),
+                                           dict(r["payload"])))
+        return db
 
     def _write(self, db: JobStore | None, batch: list[Op]) -> JobStore | None:
         """Write ``batch`` in one transaction, retrying while the database is locked; on any other

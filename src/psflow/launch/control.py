@@ -1,0 +1,52 @@
+"""Control requests: what someone outside the launcher (``psflow stop``, the HTTP API, the dashboard)
+asks a running run to do, and the launcher's answer.
+
+The channel is the job store, not a signal to the launcher's pid: whoever asks writes a request
+(:meth:`psflow.platform.jobstore.JobStore.request_control`); the run's store takes it
+(:meth:`psflow.launch.runstore.RunStore.control_requests`: the job store's writer thread polls for
+the run's pending requests); the runner's loop carries it out each tick and answers
+(:meth:`~psflow.launch.runstore.RunStore.control_answered`). So every asker uses one path, it works
+on every backend (the launcher needs no signal from a process on another machine, only the store),
+and a request outlives the asker (the dashboard may go down after asking).
+
+Kinds (:data:`KINDS`):
+
+- ``stop``: stop every task (SIGTERM, SIGKILL after the plan's grace), as Ctrl-C on the launcher
+  does; the run ends ``stopped``. Payload: none.
+- ``scale``: change the number of workers (payload ``{"workers": N}``). The launcher refuses it for
+  now, saying so (``refused``): membership changes of a running job are not built yet.
+
+``restart`` is not a request to the launcher: it is a ``stop``, then the same plan launched again
+(:mod:`psflow.platform.launching`), done by whoever asked.
+
+Request states::
+
+    pending --the run's store took it--> taken --the runner carried it out--> done
+                                         taken --the runner cannot--> refused
+
+Pure data; no I/O. Used by :mod:`psflow.launch.runner` and :mod:`psflow.platform.jobstore`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("stop", "scale")
+STATES = ("pending", "taken", "done", "refused")
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    """Request ``id`` of kind ``kind`` (one of :data:`KINDS`) from ``source`` (``cli``, ``api``)."""
+
+    id: int
+    kind: str
+    source: str
+    requested_unix: float
+    payload: Mapping[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """``stop requested through the api (request 3)``: the stop's reason in the run's record."""
+        return f"{self.kind} requested through the {self.source} (request {self.id})"

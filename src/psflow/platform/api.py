@@ -1,0 +1,371 @@
+"""The HTTP API of ``psflow ui``: JSON over the job store, and the requests that start, stop and
+restart runs. FastAPI serves its OpenAPI schema at ``/openapi.json`` (and docs at ``/docs``).
+
+Routes (``{run}`` is a run id):
+
+- ``GET /api/runs?state=&q=&limit=&offset=``: a page of runs, newest first, with the total;
+- ``GET /api/runs/{run}``: the run, its tasks (state, attempts, exits, latest metrics), its
+  attempts, events (``?after=`` an event id, for polling) and control requests;
+- ``GET /api/runs/{run}/metrics?name=&task=&after=&max_points=``: metric series per task;
+- ``GET /api/runs/{run}/tasks/{task}/log?offset=&max_bytes=``: a task's log, its tail or from an offset;
+- ``GET /api/runs/{run}/summary``, ``GET /api/runs/{run}/checkpoints``,
+  ``GET /api/runs/{run}/checkpoints/{name}/export``: the summary, the checkpoints, one exported as safetensors;
+- ``GET /api/summary``: runs by state; ``GET /api/health``; ``GET /metrics``: Prometheus;
+- ``POST /api/runs``: start a run (form fields checked here: 422 with what was wrong);
+- ``POST /api/runs/{run}/stop``, ``POST /api/runs/{run}/restart``.
+
+Security: every POST needs the token (``Authorization: Bearer TOKEN`` or ``X-Psflow-Token``),
+compared with :func:`hmac.compare_digest`; with ``auth_reads`` (a non-loopback bind) every
+``/api`` and ``/metrics`` request needs it too. A started run's script must be a ``.py`` file under
+one of ``script_roots``; its arguments are a list handed to the launcher as argv (no shell). Files
+are served through :mod:`psflow.platform.runfiles` only: nothing outside a run's log directory.
+
+The API only reads the store and writes control requests; the runs it starts are launcher processes
+of their own session (:func:`psflow.platform.launching.start_detached`), so they outlive it.
+
+Built by :func:`create_app`; served by :mod:`psflow.platform.uiserver`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
+
+from psflow.errors import ConfigError, PsflowError
+from psflow.platform.home import HOME_ENV, JOBS_DB, UI_TOKEN_ENV
+from psflow.platform.jobstore import RUN_STATES, JobStore, JobStoreError
+from psflow.platform.runfiles import RunFileError, checkpoint_path, checkpoints, log_path, read_log
+
+STATIC = Path(__file__).parent / "static"
+_HIDDEN = ("launcher", "launch")  # the launcher's process identity and relaunch data: not the page's business
+
+
+@dataclass(frozen=True)
+class UiSettings:
+    """What the API serves and allows.
+
+    Args:
+        home: the psflow home whose ``jobs.db`` is read (the launchers it starts record there too).
+        token: the secret every changing request must carry.
+        script_roots: a started run's script must lie under one of these directories.
+        runs_root: where the log directories of runs started here go (``runs_root/<run id>``).
+        auth_reads: every request needs the token, reads too (a dashboard reachable off this machine).
+        stop_wait_s: a restart's longest wait for the old run to stop.
+        start_wait_s: a start's longest wait for the new run's launcher to record it.
+    """
+
+    home: Path
+    token: str
+    script_roots: tuple[Path, ...] = field(default_factory=lambda: (Path.cwd(),))
+    runs_root: Path | None = None
+    auth_reads: bool = False
+    stop_wait_s: float = 120.0
+    start_wait_s: float = 60.0
+
+    @property
+    def db_path(self) -> Path:
+        return self.home / JOBS_DB
+
+    @property
+    def logdirs(self) -> Path:
+        return self.runs_root or self.home / "runs"
+
+
+class StartRun(BaseModel):
+    """The start-a-run form (``POST /api/runs``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    script: str = Field(min_length=1, max_length=4096, description="a .py file under one of the allowed directories")
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=256,
+                                                               description="the script's arguments, as a list")
+    ps: int = Field(1, ge=0, le=64, description="parameter-server tasks")
+    workers: int = Field(2, ge=0, le=256, description="worker tasks")
+    chief: bool = False
+    evaluator: bool = False
+    mode: Literal["async", "sync", "ssp"] = "async"
+    strategy: Literal["ps", "allreduce"] = "ps"
+    backend: Literal["local", "slurm"] = "local"
+    restart: str = Field("never", max_length=200, description="psflow run --restart syntax: on-failure, worker=always,...")
+    max_restarts: int = Field(3, ge=0, le=1000)
+
+
+def _store(request: Request) -> Iterator[JobStore]:
+    """The job store for one request (its own connection: requests run on a thread pool)."""
+    try:
+        db = JobStore(request.app.state.settings.db_path)
+    except JobStoreError as e:
+        raise HTTPException(503, detail=str(e)) from e
+    with db:
+        yield db
+
+
+Db = Annotated[JobStore, Depends(_store)]
+
+
+def _unprocessable(field_name: str, message: str) -> HTTPException:
+    """A 422 in FastAPI's own shape, naming the form field."""
+    return HTTPException(422, detail=[{"loc": ["body", field_name], "msg": message, "type": "value_error"}])
+
+
+def create_app(settings: UiSettings) -> FastAPI:
+    """The dashboard's application: the API, ``/metrics`` and the static page."""
+    app = FastAPI(title="psflow", summary="Runs, tasks, metrics and logs of psflow's job store; start, stop, restart.",
+                  version="1")
+    launchers: list[Any] = []
+
+    def authorized(request: Request) -> bool:
+        given = request.headers.get("x-psflow-token", "")
+        auth = request.headers.get("authorization", "")
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        return hmac.compare_digest(given.encode(), settings.token.encode())
+
+    def need_token(request: Request) -> None:
+        if not authorized(request):
+            raise HTTPException(401, detail=f"This request changes something: it needs the dashboard's token "
+                                            f"(Authorization: Bearer TOKEN), printed by psflow ui at start or set in "
+                                            f"{UI_TOKEN_ENV}.")
+
+    def need_token_to_read(request: Request) -> None:
+        if settings.auth_reads:
+            need_token(request)
+
+    app.state.settings = settings
+    reads = [Depends(need_token_to_read)]
+
+    def the_run(db: JobStore, run_id: str) -> dict[str, Any]:
+        run = db.run(run_id)
+        if run is None:
+            raise HTTPException(404, detail=f"No run {run_id!r} in the job store {settings.db_path}.")
+        return run
+
+    @app.exception_handler(RunFileError)
+    def _refused_file(request: Request, e: RunFileError) -> JSONResponse:
+        return JSONResponse({"detail": str(e)}, status_code=404)
+
+    @app.get("/api/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "job_store": str(settings.db_path)}
+
+    @app.get("/api/summary", dependencies=reads)
+    def summary_of_store(db: Db) -> dict[str, Any]:
+        counts = dict.fromkeys(RUN_STATES, 0)
+        for row in db.conn.execute("SELECT state, COUNT(*) FROM runs GROUP BY state"):  # type: ignore[union-attr]
+            counts[row[0]] = int(row[1])
+        return {"runs": sum(counts.values()), "by_state": counts}
+
+    @app.get("/api/runs", dependencies=reads)
+    def list_runs(db: Db, state: Literal[RUN_STATES] | None = None,  # type: ignore[valid-type]
+                  q: Annotated[str | None, Query(max_length=200)] = None,
+                  limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+        runs, total = db.run_page(state=state, search=q, limit=limit, offset=offset)
+        return {"runs": [_row(r) for r in runs], "total": total, "limit": limit, "offset": offset}
+
+    @app.get("/api/runs/{run_id}", dependencies=reads)
+    def get_run(run_id: str, db: Db, after: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+        run = the_run(db, run_id)
+        events = db.events(run_id, after_id=after)
+        return {"run": _shown(run), "attempts": db.attempts(run_id), "events": events[-2000:],
+                "controls": db.controls(run_id)}
+
+    @app.get("/api/runs/{run_id}/metrics", dependencies=reads)
+    def get_metrics(run_id: str, db: Db, name: Annotated[list[str] | None, Query()] = None, task: str | None = None,
+                    after: float = 0.0, max_points: Annotated[int, Query(ge=10, le=100_000)] = 2000) -> dict[str, Any]:
+        the_run(db, run_id)
+        series: dict[str, dict[str, list[list[float | None]]]] = {}
+        for point in db.metrics(run_id, task=task, after_unix=after, names=name):
+            series.setdefault(point["task"], {}).setdefault(point["name"], []).append(
+                [point["time_unix"], point["step"], point["value"]])
+        for per_task in series.values():
+            for key, points in per_task.items():
+                per_task[key] = _thin(points, max_points)
+        return {"run_id": run_id, "series": series}
+
+    @app.get("/api/runs/{run_id}/tasks/{task}/log", dependencies=reads)
+    def get_log(run_id: str, task: str, db: Db, offset: Annotated[int | None, Query(ge=0)] = None,
+                max_bytes: Annotated[int, Query(ge=1, le=4 << 20)] = 64 << 10) -> dict[str, Any]:
+        return {"task": task, **read_log(log_path(the_run(db, run_id), task), offset=offset, max_bytes=max_bytes).to_dict()}
+
+    @app.get("/api/runs/{run_id}/summary", dependencies=reads)
+    def get_summary(run_id: str, db: Db) -> dict[str, Any]:
+        run = the_run(db, run_id)
+        return {"run_id": run_id, "state": run["state"], "summary": run.get("summary")}
+
+    @app.get("/api/runs/{run_id}/checkpoints", dependencies=reads)
+    def get_checkpoints(run_id: str, db: Db) -> dict[str, Any]:
+        return {"run_id": run_id, "checkpoints": checkpoints(the_run(db, run_id))}
+
+    @app.get("/api/runs/{run_id}/checkpoints/{name}/export", dependencies=reads)
+    def export(run_id: str, name: str, db: Db) -> FileResponse:
+        from psflow.checkpoint import export_checkpoint
+
+        path = checkpoint_path(the_run(db, run_id), name)
+        fd, out = tempfile.mkstemp(suffix=".safetensors", prefix="psflow-export-")
+        os.close(fd)
+        try:
+            export_checkpoint(path, out)
+        except PsflowError as e:
+            os.unlink(out)
+            raise HTTPException(409, detail=f"Checkpoint {name} cannot be exported: {e}") from e
+        return FileResponse(out, media_type="application/octet-stream", filename=f"{run_id}-{name}.safetensors",
+                            background=BackgroundTask(os.unlink, out))
+
+    @app.post("/api/runs", status_code=201, dependencies=[Depends(need_token)])
+    def start_run(form: StartRun) -> dict[str, Any]:
+        from psflow.launch.restart import RestartPolicy
+        from psflow.platform.launching import LaunchSpec, new_run_id, start_detached
+
+        script = _allowed_script(form.script, settings.script_roots)
+        try:
+            policy = RestartPolicy.parse(form.restart, **({"max_restarts": form.max_restarts} if form.restart != "never" else {}))
+        except ConfigError as e:
+            raise _unprocessable("restart", str(e)) from e
+        run_id = new_run_id()
+        spec = LaunchSpec(script=str(script), args=tuple(form.args), num_ps=form.ps if form.strategy == "ps" else 0,
+                          num_workers=form.workers, chief=form.chief, evaluator=form.evaluator, mode=form.mode,
+                          strategy=form.strategy, backend=form.backend, restart_policy=dataclasses.asdict(policy),
+                          run_id=run_id, logdir=str(settings.logdirs / run_id))
+        try:
+            plan, proc = start_detached(spec, env=_launcher_env(settings))
+        except ConfigError as e:
+            raise _unprocessable("form", str(e)) from e
+        _recorded(settings, plan.run_id, plan.logdir, proc)
+        _reap(proc, launchers)
+        return {"run_id": plan.run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
+
+    @app.post("/api/runs/{run_id}/stop", status_code=202, dependencies=[Depends(need_token)])
+    def stop_run(run_id: str, db: Db) -> dict[str, Any]:
+        from psflow.platform.runcontrol import ask_stop
+
+        the_run(db, run_id)
+        asked = ask_stop(db, run_id, source="api")
+        if asked.request_id is None:
+            raise HTTPException(409, detail=f"Run {run_id} has already ended ({asked.state}); there is nothing to stop.")
+        return {"run_id": run_id, "request_id": asked.request_id}
+
+    @app.post("/api/runs/{run_id}/restart", status_code=202, dependencies=[Depends(need_token)])
+    def restart_run(run_id: str, db: Db) -> dict[str, Any]:
+        from psflow.platform.launching import plan_of, spec_of_run
+
+        run = the_run(db, run_id)
+        try:
+            spec = spec_of_run(run)
+            plan_of(spec)  # refused now, not in the background, if it cannot start again
+        except ConfigError as e:
+            raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
+        threading.Thread(target=_restart, args=(settings, run, spec, launchers), daemon=True,
+                         name=f"psflow-restart-{run_id}").start()
+        return {"run_id": spec.run_id, "restarts": run_id, "logdir": spec.logdir}
+
+    @app.get("/metrics", dependencies=reads)
+    def metrics() -> Response:
+        from psflow.platform.prometheus import CONTENT_TYPE, exposition
+
+        return Response(exposition(settings.db_path), media_type=CONTENT_TYPE)
+
+    app.mount("/", StaticFiles(directory=STATIC, html=True), name="static")
+    return app
+
+
+def _allowed_script(script: str, roots: tuple[Path, ...]) -> Path:
+    """``script`` resolved (relative to the first root), if it is an existing ``.py`` file under a root."""
+    path = Path(script)
+    path = (path if path.is_absolute() else roots[0] / path).resolve()
+    shown = ", ".join(str(r) for r in roots)
+    if not any(path == r.resolve() or r.resolve() in path.parents for r in roots):
+        raise _unprocessable("script", f"Script {script!r} is not under an allowed directory ({shown}); psflow ui "
+                                       f"--scripts DIR allows another.")
+    if path.suffix != ".py":
+        raise _unprocessable("script", f"Script {script!r} is not a Python file (.py).")
+    if not path.is_file():
+        raise _unprocessable("script", f"Script {script!r} does not exist (looked at {path}).")
+    return path
+
+
+def _launcher_env(settings: UiSettings) -> dict[str, str]:
+    """The environment of a launcher started here: records into this store; never sees the token."""
+    env = {k: v for k, v in os.environ.items() if k != UI_TOKEN_ENV}
+    env[HOME_ENV] = str(settings.home)
+    return env
+
+
+def _recorded(settings: UiSettings, run_id: str, logdir: str, proc: Any) -> None:
+    """Return once the new run is in the job store (so that its page exists when the caller goes
+    there), or raise a 500 with the launcher's last words if it ended first or took too long."""
+    from psflow.platform.launching import LAUNCHER_LOG
+
+    deadline = time.monotonic() + settings.start_wait_s
+    while time.monotonic() < deadline:
+        with JobStore(settings.db_path) as db:
+            if db.run(run_id, metrics=False) is not None:
+                return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)  # a poll interval: the loop ends on the store's answer or the launcher's exit
+    try:
+        said = (Path(logdir) / LAUNCHER_LOG).read_text(errors="replace")[-2000:]
+    except OSError:
+        said = ""
+    how = f"ended with exit code {proc.returncode}" if proc.poll() is not None else \
+        f"has not recorded it within {settings.start_wait_s:g} s"
+    raise HTTPException(500, detail=f"The launcher of run {run_id} {how}. Its output ({logdir}/{LAUNCHER_LOG}):\n{said}")
+
+
+def _reap(proc: Any, launchers: list[Any]) -> None:
+    """Wait for a launcher in a thread, so that it leaves no zombie behind when it ends."""
+    launchers.append(proc)
+    threading.Thread(target=proc.wait, daemon=True, name=f"psflow-reap-{proc.pid}").start()
+
+
+def _restart(settings: UiSettings, run: dict[str, Any], spec: Any, launchers: list[Any]) -> None:
+    """Stop ``run`` if it still runs, wait for its end, then start ``spec`` (the restart's background half)."""
+    from psflow.platform.launching import start_detached
+    from psflow.platform.runcontrol import ask_stop, wait_until_over
+
+    try:
+        with JobStore(settings.db_path) as db:
+            asked = ask_stop(db, run["id"], source="api")
+        if asked.request_id is not None:
+            wait_until_over(settings.db_path, run["id"], timeout_s=settings.stop_wait_s, request_id=asked.request_id)
+        _, proc = start_detached(spec, env=_launcher_env(settings))
+        _reap(proc, launchers)
+    except PsflowError as e:  # nobody waits on this thread: the store says what happened
+        print(f"psflow ui: the restart of run {run['id']} failed: {e}", flush=True)
+
+
+def _thin(points: list[list[Any]], max_points: int) -> list[list[Any]]:
+    """At most ``max_points`` points, evenly spaced, the last one kept (a chart's resolution)."""
+    if len(points) <= max_points:
+        return points
+    stride = len(points) / max_points
+    out = [points[int(i * stride)] for i in range(max_points - 1)]
+    return [*out, points[-1]]
+
+
+def _shown(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in run.items() if k not in _HIDDEN}
+
+
+def _row(run: dict[str, Any]) -> dict[str, Any]:
+    """A run as the runs list shows it: its record less the summary, and each task's state in brief."""
+    out = {k: v for k, v in _shown(run).items() if k not in ("summary", "tasks")}
+    out["tasks"] = {name: {"state": t.get("state"), "attempt": t.get("attempt"), "alive": t.get("alive"),
+                           "exit_code": t.get("exit_code")} for name, t in run["tasks"].items()}
+    loss = [t["metrics"]["loss"] for t in run["tasks"].values() if isinstance((t.get("metrics") or {}).get("loss"), float)]
+    out["loss"] = sum(loss) / len(loss) if loss else None
+    return out

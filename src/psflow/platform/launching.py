@@ -1,0 +1,216 @@
+"""Launching a run from a value: what the HTTP API's "start a run" and ``psflow restart`` carry out.
+
+A :class:`LaunchSpec` is a run's launch as plain data (script, arguments, cluster shape, mode,
+strategy, backend, restart policy, training settings). :func:`plan_of` checks it and turns it into
+the launch plan (:func:`psflow.launch.make_plan`, the same as ``psflow run``; pure, starts nothing),
+so a bad spec is refused before anything runs. Then either
+
+- :func:`run_here` runs it in this process, in the foreground (``psflow restart``), or
+- :func:`start_detached` starts a launcher process of its own session (``python -m
+  psflow.platform.launching SPEC``), whose output goes to ``LOGDIR/launcher.log``: the HTTP API's
+  way, so the run survives the dashboard going down. Nothing goes through a shell: the script and
+  its arguments are an argv list.
+
+Restart (``psflow restart RUN``, ``POST /api/runs/{id}/restart``) is what users of Kubeflow (delete
+and re-create the TFJob) and Ray (resubmit the job) do by hand: stop the run if it still runs, then
+launch the same plan again (:func:`spec_of_run`: from what the job store recorded) as a new run, in
+the same log directory, so the chief restores the newest checkpoint and training goes on from
+there. The new run names the old one (``restarted_from``). Fault injection (``--fail-at``) is not
+part of the plan that is restarted: it tested the run it was given to.
+
+Called by :mod:`psflow.cli` (restart) and :mod:`psflow.platform.api`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from psflow.errors import ConfigError
+from psflow.launch.backend import RunResult
+from psflow.launch.plan import LaunchPlan
+from psflow.launch.restart import RestartPolicy
+
+BACKENDS = ("local", "slurm")
+LAUNCHER_LOG = "launcher.log"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One run's launch as data (``psflow run``'s options, one field each).
+
+    Args:
+        script: the training script (a ``.py`` file).
+        args: the script's own arguments, as a list (never a shell line).
+        num_ps, num_workers, chief, evaluator: the cluster's shape.
+        mode, strategy: ``async|sync|ssp`` and ``ps|allreduce``.
+        backend: ``local`` or ``slurm``.
+        restart_policy: :class:`psflow.launch.restart.RestartPolicy`'s fields (``kind``, ``max_restarts``, ...).
+        config: other :class:`psflow.config.TrainConfig` fields (``staleness``, ``ps_replicas``, ...).
+        hangs: :class:`psflow.launch.watchdog.HangPolicy`'s fields.
+        threads: torch threads per task (None: the cores shared out).
+        logdir: the run's directory (None: ``runs/<run id>`` under ``runs_root``).
+        run_id: the new run's id (None: a fresh one).
+        restarted_from: the run this one restarts.
+    """
+
+    script: str
+    args: tuple[str, ...] = ()
+    num_ps: int = 1
+    num_workers: int = 2
+    chief: bool = False
+    evaluator: bool = False
+    mode: str = "async"
+    strategy: str = "ps"
+    backend: str = "local"
+    restart_policy: Mapping[str, Any] = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
+    hangs: Mapping[str, Any] = field(default_factory=dict)
+    threads: int | None = None
+    logdir: str | None = None
+    run_id: str | None = None
+    restarted_from: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> LaunchSpec:
+        d = json.loads(text)
+        d["args"] = tuple(d.get("args") or ())
+        return cls(**d)
+
+
+def new_run_id() -> str:
+    """A run id in :func:`psflow.launch.make_plan`'s form: ``20250101-120000-ab12cd``."""
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def spec_of_run(run: Mapping[str, Any]) -> LaunchSpec:
+    """The launch of a recorded run (a job store record, :meth:`JobStore.run`), to launch it again:
+    same script, arguments, shape, settings, logdir; a new id, naming the old one.
+
+    Raises:
+        ConfigError: the record lacks what a launch needs (a run recorded before psflow kept it).
+    """
+    cluster = run.get("cluster") or {}
+    launch = run.get("launch") or {}
+    if not run.get("script") or not cluster:
+        raise ConfigError(f"Run {run.get('id')} has no recorded script or cluster; start it again with psflow run.")
+    config = dict(launch.get("config") or {})
+    mode, strategy = config.pop("mode", run.get("mode") or "async"), config.pop("strategy", run.get("strategy") or "ps")
+    return LaunchSpec(
+        script=str(run["script"]), args=tuple(run.get("args") or ()), num_ps=len(cluster.get("ps", [])),
+        num_workers=len(cluster.get("worker", [])), chief=bool(cluster.get("chief")), evaluator=bool(cluster.get("evaluator")),
+        mode=mode, strategy=strategy, backend=str(run.get("backend") or "local"),
+        restart_policy=dict(run.get("restart_policy") or {}), config=config, hangs=dict(launch.get("hangs") or {}),
+        threads=launch.get("threads"), logdir=str(run["logdir"]), run_id=new_run_id(), restarted_from=str(run["id"]))
+
+
+def plan_of(spec: LaunchSpec, *, runs_root: Path | None = None) -> LaunchPlan:
+    """The launch plan of ``spec``, checked as ``psflow run`` checks its options (pure).
+
+    Raises:
+        ConfigError: what ``psflow run`` would refuse (a missing script, impossible counts, settings
+            that do not go together), an unknown backend or restart policy.
+    """
+    from psflow.config import TrainConfig, check_launch_settings
+    from psflow.launch import make_plan
+    from psflow.launch.watchdog import HangPolicy
+
+    if spec.backend not in BACKENDS:
+        raise ConfigError(f"Backend {spec.backend!r} is not one of {', '.join(BACKENDS)}.")
+    run_id = spec.run_id or new_run_id()
+    logdir = spec.logdir or str((runs_root or Path("runs")) / run_id)
+    config = TrainConfig.from_dict({**spec.config, "mode": spec.mode, "strategy": spec.strategy})
+    defaults = TrainConfig().to_dict()  # a recorded run holds every setting: only those off their default count as given
+    given = {k for k, v in spec.config.items() if defaults.get(k) != v} | {"num_ps"}
+    check_launch_settings(config, given, num_replicas=spec.num_workers + int(spec.chief), num_ps=spec.num_ps)
+    policy = RestartPolicy(**_policy_fields(spec.restart_policy))
+    plan = make_plan(spec.script, list(spec.args), num_ps=spec.num_ps, num_workers=spec.num_workers, chief=spec.chief,
+                     evaluator=spec.evaluator, logdir=logdir, config=config, threads=spec.threads, restart=policy,
+                     hangs=HangPolicy(**spec.hangs))
+    return dataclasses.replace(plan, run_id=run_id)
+
+
+def _policy_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    known = {f.name for f in dataclasses.fields(RestartPolicy)}
+    unknown = set(d) - known
+    if unknown:
+        raise ConfigError(f"Unknown restart policy field(s) {sorted(unknown)}. Known: {sorted(known)}.")
+    return dict(d)
+
+
+def run_here(spec: LaunchSpec, *, live: bool | None = None, runs_root: Path | None = None) -> tuple[LaunchPlan, RunResult]:
+    """Run ``spec`` in this process, to its end (the foreground ``psflow restart``)."""
+    plan = plan_of(spec, runs_root=runs_root)
+    return plan, _runner(spec, live=live).run(plan)
+
+
+def _runner(spec: LaunchSpec, *, live: bool | None) -> Any:
+    from psflow.launch.runner import Runner, file_store
+    from psflow.launch.runstore import CompositeRunStore
+    from psflow.platform.sqlrunstore import SqliteRunStore, run_record
+
+    if spec.backend == "slurm":
+        from psflow.launch.slurm import SlurmBackend
+
+        backend: Any = SlurmBackend(live=live)
+    else:
+        from psflow.launch import LocalBackend
+
+        backend = LocalBackend(live=live)
+
+    def store(plan: LaunchPlan) -> CompositeRunStore:
+        warn = backend.console.warn
+        record = {**run_record(plan, backend=spec.backend, restart_policy=plan.restart), "restarted_from": spec.restarted_from}
+        return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn), warn=warn)
+
+    return Runner(backend, register_timeout_s=backend.register_timeout_s, store=store)
+
+
+def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapping[str, str] | None = None,
+                   python: str = sys.executable) -> tuple[LaunchPlan, subprocess.Popen[bytes]]:
+    """Check ``spec`` and start its launcher as a process of its own session (it outlives the caller),
+    writing to ``LOGDIR/launcher.log``. Returns the plan (its ``run_id`` is the new run's) and the process.
+
+    Raises:
+        ConfigError: a spec :func:`plan_of` refuses (nothing is started).
+    """
+    plan = plan_of(spec, runs_root=runs_root)
+    fixed = dataclasses.replace(spec, run_id=plan.run_id, logdir=os.path.abspath(plan.logdir))
+    Path(fixed.logdir or ".").mkdir(parents=True, exist_ok=True)
+    with open(Path(fixed.logdir or ".") / LAUNCHER_LOG, "ab") as out:
+        proc = subprocess.Popen([python, "-m", "psflow.platform.launching", fixed.to_json()], stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ if env is None else env))
+    return plan, proc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The detached launcher: ``python -m psflow.platform.launching SPEC_JSON``; returns the run's exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m psflow.platform.launching SPEC_JSON (a LaunchSpec as JSON)", file=sys.stderr)
+        return 2
+    spec = LaunchSpec.from_json(args[0])
+    try:
+        plan, result = run_here(spec, live=False)
+    except ConfigError as e:
+        print(f"psflow: {e}", file=sys.stderr)
+        return 2
+    print(f"psflow: run {plan.run_id} ended with exit code {result.exit_code}", flush=True)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""``psflow ui``: serve the dashboard and its API (:mod:`psflow.platform.api`) with uvicorn.
+
+Binds 127.0.0.1 by default. Any other address is refused unless the user says so twice: an explicit
+``allow_remote`` (``--allow-remote``) and a token of their own (``PSFLOW_UI_TOKEN``); then every
+request, reads included, needs the token. On loopback a fresh token is made when none is set, and
+printed with the URL (in its ``#token=`` fragment, which browsers never send to the server).
+
+While it serves, ``$PSFLOW_HOME/ui.json`` says where (url, pid), so ``psflow run`` can print where
+the dashboard is (:func:`running_ui`); it is removed at exit, and one whose pid is gone is ignored.
+
+Called by :mod:`psflow.cli`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from psflow.errors import ConfigError
+from psflow.platform.api import UiSettings, create_app
+from psflow.platform.home import UI_TOKEN_ENV, psflow_home, ui_token
+
+UI_FILE = "ui.json"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is only reachable from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
+def settings_for(host: str, *, allow_remote: bool, scripts: tuple[Path, ...] = (), runs_dir: Path | None = None,
+                 env: dict[str, str] | None = None) -> UiSettings:
+    """The dashboard's settings for a bind to ``host``.
+
+    Raises:
+        ConfigError: a non-loopback ``host`` without ``allow_remote``, or without a token of the user's own.
+    """
+    token = ui_token(env)
+    remote = not is_loopback(host)
+    if remote and not allow_remote:
+        raise ConfigError(f"--host {host} is reachable from other machines. The dashboard binds 127.0.0.1 unless told "
+                          f"otherwise: add --allow-remote (and set {UI_TOKEN_ENV}), or use an SSH tunnel to 127.0.0.1.")
+    if remote and token is None:
+        raise ConfigError(f"--host {host} --allow-remote needs a token of your own: set {UI_TOKEN_ENV} to a long "
+                          "random string (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))').")
+    for d in scripts:
+        if not d.is_dir():
+            raise ConfigError(f"--scripts {d}: not a directory. Give the directory whose .py files the form may start.")
+    return UiSettings(home=psflow_home(env), token=token or secrets.token_urlsafe(24),
+                      script_roots=tuple(d.resolve() for d in scripts) or (Path.cwd(),),
+                      runs_root=runs_dir.resolve() if runs_dir else None, auth_reads=remote)
+
+
+def serve(settings: UiSettings, host: str = "127.0.0.1", port: int = 8265, *,
+          echo: Callable[[str], None] = print) -> None:
+    """Serve until interrupted (Ctrl-C, SIGTERM); ``port`` 0 takes a free one (the URL printed says which)."""
+    import uvicorn
+
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+    server = _Server(config, settings, echo)
+    try:
+        server.run()
+    finally:
+        with contextlib.suppress(OSError):
+            if _read_ui(settings.home).get("pid") == os.getpid():
+                (settings.home / UI_FILE).unlink()
+
+
+class _Server:
+    """uvicorn's server, which prints where it listens once bound (the port may have been 0)."""
+
+    def __init__(self, config: Any, settings: UiSettings, echo: Callable[[str], None]) -> None:
+        import uvicorn
+
+        settings_, echo_ = settings, echo
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+                await super().startup(sockets)
+                bound = [s.getsockname() for srv in getattr(self, "servers", []) for s in srv.sockets]
+                if bound:
+                    _announce(settings_, bound[0], echo_)
+
+        self.server = Server(config)
+
+    def run(self) -> None:
+        with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+            self.server.run()
+
+
+def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) -> None:
+    host, port = sockname[0], sockname[1]
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}/"
+    echo(f"psflow ui: the dashboard is at {url}#token={settings.token}")
+    echo(f"psflow ui: API at {url}api/runs, OpenAPI schema at {url}openapi.json, Prometheus at {url}metrics")
+    echo(f"psflow ui: job store {settings.db_path}; requests that change anything need the token "
+         f"(Authorization: Bearer TOKEN{'' if ui_token() else ', or set ' + UI_TOKEN_ENV + ' to choose it'})")
+    with contextlib.suppress(OSError):
+        settings.home.mkdir(parents=True, exist_ok=True)
+        tmp = settings.home / f".{UI_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+        tmp.replace(settings.home / UI_FILE)
+
+
+def _read_ui(home: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((home / UI_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def running_ui(home: Path | None = None) -> str | None:
+    """The URL of the dashboard serving this psflow home, if one runs (for ``psflow run`` to print)."""
+    data = _read_ui(home or psflow_home())
+    pid = data.get("pid")
+    if not isinstance(pid, int) or not isinstance(data.get("url"), str):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return data["url"]

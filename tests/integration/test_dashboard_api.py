@@ -1,0 +1,215 @@
+"""The dashboard's HTTP API against a real `psflow ui` (uvicorn on 127.0.0.1, port 0) and a real
+SQLite job store: a real run started through the API, watched, its metrics and logs read, the
+dashboard restarted mid-run, the run stopped; and what the API refuses (no token, a malformed form,
+a path out of the run's directory), each with a clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import time
+
+import pytest
+from conftest import PSFLOW, ROOT, pid_alive, task_env
+from dashboard import TOKEN, start_dashboard, wait_for
+
+from psflow.platform.jobstore import JobStore
+from psflow.platform.sqlrunstore import SqliteRunStore
+
+pytestmark = pytest.mark.timeout(300)
+TRAIN = {"script": "mnist_softmax.py", "args": ["--epochs", "300", "--init", "zeros", "--print_every", "50"],
+         "ps": 1, "workers": 2, "mode": "async", "restart": "on-failure", "max_restarts": 2}
+
+
+@pytest.fixture
+def dashboard(tmp_path):
+    ui = start_dashboard(tmp_path / "home", tmp_path / "runs")
+    yield ui
+    ui.stop()
+
+
+def _run(client, run_id: str) -> dict:
+    r = client.get(f"/api/runs/{run_id}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_run_started_through_the_api_is_watched_survives_a_dashboard_restart_and_is_stopped(tmp_path, dashboard):
+    with dashboard.client() as api:
+        started = api.post("/api/runs", json=TRAIN)
+        assert started.status_code == 201, started.text
+        run_id, logdir = started.json()["run_id"], started.json()["logdir"]
+        assert logdir == str(tmp_path / "runs" / run_id)
+
+        def context() -> str:
+            launcher = os.path.join(logdir, "launcher.log")
+            return open(launcher).read()[-3000:] if os.path.exists(launcher) else "(no launcher.log)"
+
+        page = wait_for(lambda: _run(api, run_id),
+                        lambda p: p["run"]["state"] == "running" and p["run"]["global_step"] > 0
+                        and all(t["state"] == "running" for t in p["run"]["tasks"].values()),
+                        what="the run training with every task running", context=context)
+        run = page["run"]
+        assert list(run["tasks"]) == ["ps:0", "worker:0", "worker:1"] and run["backend"] == "local"
+        assert run["script"] == str(ROOT / "examples" / "mnist_softmax.py") and run["args"] == TRAIN["args"]
+        assert run["restart_policy"]["kind"] == "on-failure" and run["restart_policy"]["max_restarts"] == 2
+        assert "launcher" not in run and "launch" not in run
+        assert {e["kind"] for e in page["events"]} >= {"run_started", "task_started", "task_registered"}
+
+        listed = api.get("/api/runs", params={"state": "running", "q": "softmax"}).json()
+        assert [r["id"] for r in listed["runs"]] == [run_id] and listed["total"] == 1
+        assert api.get("/api/runs", params={"q": "no-such-script"}).json()["total"] == 0
+
+        series = wait_for(lambda: api.get(f"/api/runs/{run_id}/metrics", params={"name": ["loss", "global_step"]}).json(),
+                          lambda m: len(m["series"].get("worker:0", {}).get("loss", [])) >= 2,
+                          what="loss points of worker:0", context=context)["series"]
+        steps = [p[2] for p in series["worker:0"]["global_step"]]
+        assert steps == sorted(steps) and set(series["worker:0"]) == {"loss", "global_step"}
+        last_time = series["worker:0"]["loss"][-1][0]
+        newer = wait_for(lambda: api.get(f"/api/runs/{run_id}/metrics", params={"name": "loss", "after": last_time}).json(),
+                         lambda m: m["series"], what="loss points newer than the last one read")["series"]
+        assert all(p[0] > last_time for per in newer.values() for p in per["loss"])
+
+        tail = api.get(f"/api/runs/{run_id}/tasks/worker:1/log").json()
+        assert tail["size"] > 0 and tail["next_offset"] == tail["offset"] + len(tail["text"].encode())
+        head = api.get(f"/api/runs/{run_id}/tasks/worker:1/log", params={"offset": 0, "max_bytes": 40}).json()
+        on_disk = open(os.path.join(logdir, "logs", "worker-1.log"), "rb").read()
+        assert head["text"].encode() == on_disk[:40] and head["next_offset"] == 40
+        follow = api.get(f"/api/runs/{run_id}/tasks/worker:1/log", params={"offset": 40, "max_bytes": 100}).json()
+        assert follow["offset"] == 40 and follow["text"].encode() == on_disk[40:140]
+
+        prom = api.get("/metrics")
+        assert prom.status_code == 200 and 'psflow_runs{state="running"} 1.0' in prom.text
+        assert f'psflow_task_global_step{{run="{run_id}",task="worker:0"}}' in prom.text
+        assert f'psflow_task_up{{run="{run_id}",task="ps:0"}} 1.0' in prom.text
+
+    # The dashboard goes down mid-run: the run goes on, and a new dashboard shows its whole history.
+    events_before = len(page["events"])
+    points_before = len(series["worker:0"]["loss"])
+    dashboard.stop()
+    with JobStore(dashboard.home / "jobs.db") as db:
+        step_then = db.run(run_id)["global_step"]
+    wait_for(lambda: JobStore(dashboard.home / "jobs.db").run(run_id)["global_step"], lambda s: s > step_then,
+             what="training going on with the dashboard down", context=context)
+    again = start_dashboard(dashboard.home, tmp_path / "runs")
+    try:
+        with again.client() as api:
+            page = _run(api, run_id)
+            assert page["run"]["state"] == "running" and page["run"]["global_step"] > step_then
+            assert len(page["events"]) >= events_before
+            loss = api.get(f"/api/runs/{run_id}/metrics", params={"name": "loss"}).json()["series"]["worker:0"]["loss"]
+            assert len(loss) > points_before
+
+            stopped = api.post(f"/api/runs/{run_id}/stop")
+            assert stopped.status_code == 202, stopped.text
+            page = wait_for(lambda: _run(api, run_id), lambda p: p["run"]["state"] == "stopped",
+                            what="the run stopped", context=context)
+            assert [(c["kind"], c["source"], c["state"]) for c in page["controls"]] == [("stop", "api", "done")]
+            assert all(not pid_alive(t["pid"]) for t in page["run"]["tasks"].values())
+            again_stop = api.post(f"/api/runs/{run_id}/stop")
+            assert again_stop.status_code == 409 and "has already ended (stopped)" in again_stop.json()["detail"]
+
+            summary = wait_for(lambda: api.get(f"/api/runs/{run_id}/summary").json(), lambda s: s["summary"],
+                               what="the summary")["summary"]
+            assert summary["status"] == "stopped" and summary["run_id"] == run_id
+            ckpts = api.get(f"/api/runs/{run_id}/checkpoints").json()["checkpoints"]
+            assert ckpts and ckpts[0]["ok"] and ckpts[0]["step"] > 0
+            export = api.get(f"/api/runs/{run_id}/checkpoints/{ckpts[0]['name']}/export")
+            assert export.status_code == 200 and "attachment" in export.headers["content-disposition"]
+            (n,) = struct.unpack("<Q", export.content[:8])  # safetensors: header length, then the JSON header
+            header = json.loads(export.content[8:8 + n])
+            assert {"w", "b"} <= set(header), header.keys()
+    finally:
+        again.stop()
+
+
+def _fake_logdir_run(home, logdir, run_id: str = "run-x") -> None:
+    """A run recorded in the store by the real run store, with a real logdir (no training needed)."""
+    (logdir / "logs").mkdir(parents=True)
+    (logdir / "logs" / "worker-0.log").write_text("hello from worker:0\n")
+    record = {"id": run_id, "script": "x.py", "args": [], "logdir": str(logdir), "cluster": {"worker": ["worker:0"]},
+              "mode": "async", "strategy": "ps", "backend": "local", "restart_policy": {}, "launcher": None,
+              "created_unix": time.time()}
+    store = SqliteRunStore(home / "jobs.db", record, ["worker:0"], warn=print)
+    store.finished("succeeded")
+
+
+def test_changes_need_the_token_and_bad_forms_and_paths_are_refused_clearly(tmp_path, dashboard):
+    _fake_logdir_run(dashboard.home, tmp_path / "logdir")
+    (tmp_path / "secret.txt").write_text("not yours")
+    with dashboard.client(token=None) as anon, dashboard.client(token="wrong-token") as wrong, dashboard.client() as api:
+        for client in (anon, wrong):
+            for path in ("/api/runs", "/api/runs/run-x/stop", "/api/runs/run-x/restart"):
+                r = client.post(path, json=TRAIN)
+                assert r.status_code == 401, (path, r.text)
+                assert "needs the dashboard's token" in r.json()["detail"]
+        assert anon.get("/api/runs").status_code == 200  # reads on loopback need none
+
+        bad = api.post("/api/runs", json={**TRAIN, "ps": -1, "mode": "fast", "shell": "rm -rf /"})
+        assert bad.status_code == 422
+        problems = {tuple(d["loc"]): d["msg"] for d in bad.json()["detail"]}
+        assert problems[("body", "ps")] == "Input should be greater than or equal to 0"
+        assert problems[("body", "mode")] == "Input should be 'async', 'sync' or 'ssp'"
+        assert problems[("body", "shell")] == "Extra inputs are not permitted"
+        for script, says in (("../src/psflow/cli.py", "is not under an allowed directory"),
+                             ("/etc/passwd", "is not under an allowed directory"),
+                             ("README.md", "is not a Python file"), ("missing.py", "does not exist")):
+            r = api.post("/api/runs", json={**TRAIN, "script": script})
+            assert r.status_code == 422 and says in r.json()["detail"][0]["msg"], (script, r.text)
+        r = api.post("/api/runs", json={**TRAIN, "args": "--epochs 1; rm -rf /"})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "args"]
+        r = api.post("/api/runs", json={**TRAIN, "restart": "sometimes"})
+        assert r.status_code == 422 and "'sometimes' is not a restart policy" in r.json()["detail"][0]["msg"]
+        r = api.post("/api/runs", json={**TRAIN, "ps": 1, "strategy": "ps", "mode": "async", "workers": 0})
+        assert r.status_code == 422 and "--workers must be at least 1" in r.json()["detail"][0]["msg"]
+        with JobStore(dashboard.home / "jobs.db") as db:
+            assert [r["id"] for r in db.runs()] == ["run-x"]  # nothing refused was started
+
+        assert api.get("/api/runs/run-x/tasks/worker:0/log").json()["text"] == "hello from worker:0\n"
+        for task in ("..%2F..%2Fsecret.txt", "worker:0%2F..%2F..%2F..%2Fsecret.txt", "%2E%2E"):
+            r = api.get(f"/api/runs/run-x/tasks/{task}/log")
+            assert r.status_code == 404 and "not yours" not in r.text, (task, r.text)
+        r = api.get("/api/runs/run-x/tasks/%2E%2E/log")  # reaches the endpoint as the task ".."
+        assert "'..' is not a task of run run-x. Its tasks: worker:0." in r.json()["detail"]
+        for name in ("..%2F..%2Fsecret.txt", "ckpt-1%2F..%2F..%2F..", "ckpt-0000000001"):
+            r = api.get(f"/api/runs/run-x/checkpoints/{name}/export")
+            assert r.status_code == 404 and "not yours" not in r.text, (name, r.text)
+        # a symlink planted in the run's logs that leads out of its directory
+        log = tmp_path / "logdir" / "logs" / "worker-0.log"
+        log.unlink()
+        log.symlink_to(tmp_path / "secret.txt")
+        r = api.get("/api/runs/run-x/tasks/worker:0/log")
+        assert r.status_code == 404 and "outside the run's directory" in r.json()["detail"] and "not yours" not in r.text
+        assert api.get("/api/runs/nope").status_code == 404
+
+
+def test_the_openapi_schema_is_served_and_describes_the_api(dashboard):
+    with dashboard.client(token=None) as anon:
+        schema = anon.get("/openapi.json").json()
+    assert schema["openapi"].startswith("3.") and schema["info"]["title"] == "psflow"
+    paths = schema["paths"]
+    for path, method in (("/api/runs", "get"), ("/api/runs", "post"), ("/api/runs/{run_id}", "get"),
+                         ("/api/runs/{run_id}/metrics", "get"), ("/api/runs/{run_id}/tasks/{task}/log", "get"),
+                         ("/api/runs/{run_id}/stop", "post"), ("/api/runs/{run_id}/restart", "post"),
+                         ("/api/runs/{run_id}/checkpoints/{name}/export", "get"), ("/api/summary", "get")):
+        assert method in paths.get(path, {}), (path, method)
+    form = schema["components"]["schemas"]["StartRun"]
+    assert form["required"] == ["script"] and form["additionalProperties"] is False
+    assert form["properties"]["mode"]["enum"] == ["async", "sync", "ssp"]
+    assert form["properties"]["args"]["type"] == "array"
+    body = paths["/api/runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/StartRun"}
+
+
+def test_a_dashboard_off_loopback_needs_an_explicit_flag_and_a_token(tmp_path):
+    env = task_env(PSFLOW_HOME=str(tmp_path))
+    env.pop("PSFLOW_UI_TOKEN", None)
+    r = subprocess.run([PSFLOW, "ui", "--host", "0.0.0.0", "--port", "0"], capture_output=True, text=True, env=env,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "--host 0.0.0.0 is reachable from other machines" in r.stderr and "--allow-remote" in r.stderr
+    r = subprocess.run([PSFLOW, "ui", "--host", "0.0.0.0", "--port", "0", "--allow-remote"], capture_output=True,
+                       text=True, env=env, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "needs a token of your own: set PSFLOW_UI_TOKEN" in r.stderr
+    assert TOKEN not in r.stderr

@@ -1,0 +1,71 @@
+"""The dashboard's pure parts: reading a log's tail and following it, the run-directory guard, the
+bind rules of psflow ui, and a page of runs from a real SQLite store."""
+
+from __future__ import annotations
+
+import pytest
+
+from psflow.errors import ConfigError
+from psflow.platform.jobstore import JobStore
+from psflow.platform.runfiles import RunFileError, checkpoint_path, inside, log_path, read_log
+from psflow.platform.uiserver import is_loopback, settings_for
+
+
+def test_a_tail_starts_at_a_line_and_following_reads_what_came_after(tmp_path):
+    log = tmp_path / "w.log"
+    log.write_bytes(b"".join(f"line {i}\n".encode() for i in range(100)))
+    tail = read_log(log, offset=None, max_bytes=30)
+    assert tail.text.startswith("line ") and tail.text.endswith("line 99\n") and tail.next_offset == tail.size
+    with log.open("ab") as f:
+        f.write(b"line 100\n")
+    more = read_log(log, offset=tail.next_offset, max_bytes=1 << 20)
+    assert (more.text, more.offset, more.next_offset) == ("line 100\n", tail.size, tail.size + 9)
+    assert read_log(log, offset=10**9, max_bytes=8).offset == 0  # rotated: from the start again
+    assert read_log(tmp_path / "none.log", offset=None, max_bytes=8).to_dict() == {"text": "", "offset": 0,
+                                                                                    "next_offset": 0, "size": 0}
+
+
+def test_only_the_runs_own_tasks_and_checkpoints_inside_its_directory_are_served(tmp_path):
+    run = {"id": "r", "logdir": str(tmp_path / "run"), "tasks": {"worker:0": {}}}
+    (tmp_path / "run" / "checkpoints" / "ckpt-0000000005").mkdir(parents=True)
+    assert log_path(run, "worker:0") == (tmp_path / "run" / "logs" / "worker-0.log").resolve()
+    for task in ("../../etc/passwd", "worker:1", ""):
+        with pytest.raises(RunFileError, match="is not a task of run r"):
+            log_path(run, task)
+    assert checkpoint_path(run, "ckpt-0000000005").name == "ckpt-0000000005"
+    for name in ("../x", "ckpt-1/../..", "ckpt-"):
+        with pytest.raises(RunFileError, match="is not a checkpoint name"):
+            checkpoint_path(run, name)
+    with pytest.raises(RunFileError, match="has no checkpoint ckpt-7"):
+        checkpoint_path(run, "ckpt-7")
+    with pytest.raises(RunFileError, match="outside the run's directory"):
+        inside(tmp_path / "run", tmp_path / "run" / ".." / "elsewhere")
+
+
+def test_psflow_ui_binds_off_loopback_only_when_told_twice(tmp_path):
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.org")
+    local = settings_for("127.0.0.1", allow_remote=False, env={"PSFLOW_HOME": str(tmp_path)})
+    assert len(local.token) >= 24 and not local.auth_reads and local.db_path == tmp_path / "jobs.db"
+    with pytest.raises(ConfigError, match="add --allow-remote"):
+        settings_for("0.0.0.0", allow_remote=False, env={"PSFLOW_UI_TOKEN": "t" * 32})
+    with pytest.raises(ConfigError, match="needs a token of your own"):
+        settings_for("0.0.0.0", allow_remote=True, env={})
+    remote = settings_for("0.0.0.0", allow_remote=True, env={"PSFLOW_UI_TOKEN": "chosen", "PSFLOW_HOME": str(tmp_path)})
+    assert remote.token == "chosen" and remote.auth_reads  # reads need the token too
+
+
+def test_a_page_of_runs_filters_by_state_and_search_and_counts_them_all(tmp_path):
+    with JobStore(tmp_path / "jobs.db") as db, db.transaction():
+        for i in range(30):
+            db.add_run({"id": f"run-{i:02d}", "script": "cnn.py" if i % 3 else "softmax_50%.py", "args": ["--x"],
+                        "logdir": "/tmp/x", "cluster": {}, "created_unix": 1000.0 + i}, ["worker:0"])
+            db.finish_run(f"run-{i:02d}", "failed" if i % 2 else "succeeded", 2000.0)
+    with JobStore(tmp_path / "jobs.db") as db:
+        page, total = db.run_page(limit=5)
+        assert total == 30 and [r["id"] for r in page] == ["run-29", "run-28", "run-27", "run-26", "run-25"]
+        page, total = db.run_page(state="failed", search="cnn", limit=100, offset=2)
+        assert total == len([i for i in range(30) if i % 2 and i % 3]) and all(r["state"] == "failed" for r in page)
+        assert len(page) == total - 2
+        assert db.run_page(search="50%")[1] == 10 and db.run_page(search="run-_1")[1] == 0  # % and _ are literal
+        assert list(page[0]["tasks"]) == ["worker:0"]
