@@ -23,6 +23,12 @@ class TransportError(ClusterError):
     """A connection failed, timed out, or carried a malformed or refused frame."""
 
 
+class PeerGoneError(TransportError):
+    """Nothing listens at the peer's address any more (the connection was refused, and asked again,
+    the launcher knows no newer address): on one host, its process is gone. Raised by
+    ``connect(refused_is_gone=True)`` at once, where waiting out a deadline would only delay a failover."""
+
+
 class AuthError(TransportError):
     """A peer did not prove that it holds the job's secret."""
 

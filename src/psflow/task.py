@@ -190,8 +190,10 @@ class Task:
                     break
                 store = service.store  # a restarted ps's own copy arrives with its re-sync
                 if store.initialized:
+                    # resyncing: some copy it holds still waits for its state (replication; psflow chaos reads it)
                     self.report_progress(global_step=store.version, pushes=store.stats.pushes,
-                                         stale_dropped=store.stats.stale_dropped)
+                                         stale_dropped=store.stats.stale_dropped,
+                                         resyncing=any(r.value == "resyncing" for r in service.roles.values()))
                 # Only lost workers left: say whom the ps waits for; past lost_worker_timeout_s, fail naming them.
                 service.watch_lost_workers(time.monotonic())
             # The PS_DONE that ended the job may still be being answered: let the workers hang up

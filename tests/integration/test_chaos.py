@@ -6,6 +6,9 @@ killed attempt ended by SIGKILL and was restarted); the restarts per task in cha
 summary's attempts and cover every kill; the push ledger is kept and no acknowledged update is lost
 (every worker attempt's acknowledged pushes are among those shard 0's serving copy applied for it);
 every batch of the 6 epochs was applied exactly once on shard 0 (600 batches an epoch).
+
+And with SIGSTOPs only (1.5 s stalls of workers and ps, below every failover deadline): every
+stalled task goes on where it stopped: nothing is restarted, nothing lost, every batch applied once.
 """
 
 from __future__ import annotations
@@ -23,12 +26,16 @@ EPOCHS = 6
 STEPS_PER_EPOCH = 600  # 60,000 examples in batches of 100, over both workers' shards
 
 
+def chaos(logdir: Path, *args: str) -> tuple[object, str]:
+    r = run_psflow(["chaos", "--ps", "2", "--ps-replicas", "2", "--workers", "2", "--every", "2", "--for", "40",
+                    "--logdir", str(logdir), "--no-live", *args, SOFTMAX, "--",
+                    "--epochs", str(EPOCHS), "--init", "zeros", "--print_every", "1"], timeout_s=200)
+    return r, f"{r.stdout[-5000:]}\n{r.stderr[-2000:]}\n{log_tails(logdir, 30)}"
+
+
 def test_chaos_kills_and_stops_tasks_and_the_job_loses_nothing_acknowledged(tmp_path: Path) -> None:
     logdir = tmp_path / "chaos"
-    r = run_psflow(["chaos", "--ps", "2", "--ps-replicas", "2", "--workers", "2", "--every", "2", "--for", "40",
-                    "--max-faults", "4", "--seed", "3", "--logdir", str(logdir), "--no-live", SOFTMAX, "--",
-                    "--epochs", str(EPOCHS), "--init", "zeros", "--print_every", "1"], timeout_s=200)
-    context = f"{r.stdout[-5000:]}\n{r.stderr[-2000:]}\n{log_tails(logdir, 30)}"
+    r, context = chaos(logdir, "--max-faults", "4", "--seed", "3")
     assert r.returncode == 0, context
     report = json.loads((logdir / "chaos.json").read_text())
     summary = read_summary(logdir)
@@ -51,3 +58,16 @@ def test_chaos_kills_and_stops_tasks_and_the_job_loses_nothing_acknowledged(tmp_
     assert ledger["acknowledged"] + ledger["unacknowledged"] == ledger["applied"] == EPOCHS * STEPS_PER_EPOCH, ledger
     assert report["batches_applied"] == EPOCHS * STEPS_PER_EPOCH, report
     assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH, summary["global_step"]
+
+
+def test_stopped_tasks_go_on_where_they_stopped_with_nothing_restarted_or_lost(tmp_path: Path) -> None:
+    logdir = tmp_path / "stops"
+    r, context = chaos(logdir, "--kinds", "stop", "--stall", "1.5", "--max-faults", "3", "--seed", "5")
+    assert r.returncode == 0, context
+    report = json.loads((logdir / "chaos.json").read_text())
+    faults = report["faults"]
+    assert faults["injected"] >= 2 and faults["by_kind"] == {"stop": faults["injected"]}, faults
+    assert all(f["outcome"] == "continued" for f in faults["list"]), faults
+    assert set(report["restarts"].values()) == {0}, report["restarts"]
+    assert report["ledger"]["lost"] == 0 and report["ledger"]["unacknowledged"] == 0, report["ledger"]
+    assert report["batches_applied"] == EPOCHS * STEPS_PER_EPOCH, report

@@ -108,3 +108,11 @@ def test_a_lost_update_is_shouted() -> None:
                      settings={})
     assert r["ledger"]["lost"] == 1
     assert "LOST UPDATES" in render(r)
+
+
+def test_after_a_rollback_the_ledger_is_not_compared() -> None:
+    summary = _summary()
+    summary["reports"] = {"ps:0": {"ps_stats": {"applied_updates": 40, "applied_by": {"0": {"1": 40}}}}}
+    r = build_report(faults=[], skipped=[], summary=summary, ledgers=[LedgerEntry("worker:0", 0, 0, 100, 100)], settings={})
+    assert r["ledger"]["rolled_back"] == 1 and r["ledger"]["lost"] is None
+    assert "not compared: the job rolled back to its newest checkpoint 1 time(s)" in render(r)

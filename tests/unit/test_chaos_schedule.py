@@ -84,3 +84,24 @@ def test_a_due_slot_waits_until_the_next_falls_due_then_is_skipped() -> None:
     assert second.at_s == 4.0 and [x.at_s for x in skipped] == [2.0]
     s.taken(second)
     assert s.due(5.0) == (None, []) and s.remaining == 3
+
+
+def test_nothing_is_hit_before_a_task_is_ready_and_no_ps_before_the_job_trains() -> None:
+    s = settings(targets=("ps", "worker"), settle_s=0.0, min_up_s=0.0)
+    views = {"ps:0": TaskView("running", 0.0), "worker:0": TaskView("running", 0.0, ready=False)}
+    assert eligible(views, 10.0, s) == []  # no worker has stepped: the chief may not have initialized the ps
+    views["worker:0"] = TaskView("running", 0.0)
+    assert eligible(views, 10.0, s) == ["ps:0", "worker:0"]
+    views["ps:1"] = TaskView("running", 0.0, ready=False)  # re-syncing: its pair must not die now
+    assert eligible(views, 10.0, s) == ["worker:0"]
+
+
+def test_is_ready_reads_the_current_attempts_progress() -> None:
+    from psflow.chaos.injector import is_ready
+
+    assert not is_ready("worker:0", {}, started_at=1.0)
+    assert not is_ready("worker:0", {"progress": {"local_step": 5, "time_unix": 0.5}}, started_at=1.0)  # the last attempt's
+    assert is_ready("worker:0", {"progress": {"local_step": 5, "time_unix": 1.5}}, started_at=1.0)
+    assert not is_ready("ps:1", {"progress": {"global_step": 5, "time_unix": 1.5, "resyncing": True}}, started_at=1.0)
+    assert is_ready("ps:1", {"progress": {"global_step": 5, "time_unix": 1.5, "resyncing": False}}, started_at=1.0)
+    assert not is_ready("ps:1", {"progress": {"global_step": 5, "time_unix": 1.5}}, started_at=None)

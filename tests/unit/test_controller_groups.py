@@ -120,7 +120,7 @@ def test_one_copy_ps_death_rolls_back_every_ps_and_training_task_but_not_the_eva
     c = running(PS_JOB, ON_FAILURE, "ps", ps_replicas=1)
     out = exited(c, "ps:1", -9, at=3.0)
     assert out[0].tasks == ("ps:0", "worker:0", "worker:1")
-    assert "rolled back to its newest checkpoint" in out[0].reason
+    assert "every shard back to the newest checkpoint" in out[0].reason and out[0].grace_s == 0.0
     for t in ("ps:0", "worker:0", "worker:1"):
         out = exited(c, t, -15, at=3.5)
     assert sorted(d.task for d in out) == ["ps:0", "ps:1", "worker:0", "worker:1"]

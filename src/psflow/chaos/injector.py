@@ -16,7 +16,8 @@ the run is still running), the run store and the time. It
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +25,23 @@ from psflow.chaos.schedule import ChaosSchedule, TaskView, eligible, pick
 from psflow.launch.backend import Backend
 from psflow.launch.controller import RunController
 from psflow.launch.runstore import RunStore
+
+
+def is_ready(task: str, status: Mapping[str, Any], started_at: float | None) -> bool:
+    """Whether ``task``'s current attempt (started at ``started_at``) reported that it works, from
+    its entry in the run's live status (``status.json``'s ``tasks[task]``): a trainer a step, a ps its
+    shard with no copy re-syncing.
+
+    Example:
+        >>> is_ready("ps:0", {"progress": {"global_step": 9, "time_unix": 5.0, "resyncing": False}}, started_at=4.0)
+        True
+    """
+    progress = status.get("progress")
+    if started_at is None or not isinstance(progress, Mapping) or float(progress.get("time_unix") or 0) < started_at:
+        return False
+    if task.split(":")[0] == "ps":
+        return not progress.get("resyncing")
+    return int(progress.get("local_step") or 0) >= 1
 
 
 @dataclass
@@ -36,6 +54,7 @@ class InjectedFault:
     attempt: int
     kind: str  # kill | stop
     stall_s: float | None = None  # stop: how long it was stopped
+    time_unix: float | None = None  # when the signal was sent (the tasks' clock: failover latencies are measured from it)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -69,7 +88,9 @@ class ChaosInjector:
             self.skipped.append(slot.index)
             self.schedule.taken(slot)
             return
-        views = {t: TaskView(r.state, r.started_at, t in self._stopped) for t, r in controller.records.items()}
+        live = store.snapshot().get("tasks", {})
+        views = {t: TaskView(r.state, r.started_at, t in self._stopped, is_ready(t, live.get(t) or {}, r.started_at))
+                 for t, r in controller.records.items()}
         task = pick(slot, eligible(views, now, self.settings, running=controller.phase == "running"))
         if task is None:
             return  # it waits for an eligible task, until the next slot is due
@@ -78,6 +99,7 @@ class ChaosInjector:
         fault = InjectedFault(slot.index, round(elapsed, 3), task, attempt, slot.kind,
                               self.settings.stall_s if slot.kind == "stop" else None)
         sig = signal.SIGKILL if slot.kind == "kill" else signal.SIGSTOP
+        fault.time_unix = round(time.time(), 6)
         if not self.backend.send_signal(task, sig):
             self.skipped.append(slot.index)  # it ended between the controller's view and the signal
             return

@@ -15,6 +15,10 @@ to whichever copy serves the shard at the end). Per attempt:
 - ``redone``    = sent - applied: steps computed whose update never landed (their batches are taken
   again from the last applied data position).
 
+With one copy of each shard (``--ps-replicas 1``) a ps's death rolls the job back to its newest
+checkpoint: the updates acknowledged after it are done again by design, so the two halves are not
+compared (``lost`` is None, ``rolled_back`` counts the rollbacks).
+
 Shard 0 is the ledger's shard: it records the data positions and receives each step's push last.
 ``batches applied`` (async): shard 0's updates; with a baseline, every batch was applied exactly once
 when they equal the fault-free run's (the same data, the same epochs).
@@ -95,11 +99,14 @@ def build_report(
     for f in faults:
         by_kind[f["kind"]] = by_kind.get(f["kind"], 0) + 1
     restarts = {t["task"]: int(t["attempts"]) - 1 for t in summary.get("tasks", [])}
+    replicated = any("shards" in r for t, r in (summary.get("reports") or {}).items() if t.startswith("ps:"))
+    rollbacks = 0 if replicated else max((n for t, n in restarts.items() if t.startswith("ps:")), default=0)
     ledger = {
         "kept": bool(ledgers) and shard0 is not None,
+        "rolled_back": rollbacks,
         "acknowledged": sum(r["acknowledged"] for r in rows),
         "applied": sum(r["applied"] for r in rows),
-        "lost": sum(r["lost"] for r in rows),
+        "lost": None if rollbacks else sum(r["lost"] for r in rows),
         "unacknowledged": sum(r["unacknowledged"] for r in rows),
         "duplicates_refused": int((shard0 or {}).get("duplicates", 0)),
         "attempts": rows,
@@ -157,7 +164,10 @@ def render(report: Mapping[str, Any]) -> str:
         lines.append(f"    {o['at_s']:7.1f} s  {what:<14} {o['task']} (attempt {o['attempt']}): {o['outcome']}")
     restarted = {t: n for t, n in report["restarts"].items() if n}
     lines.append("  restarts per task    " + (", ".join(f"{t} {n}" for t, n in restarted.items()) or "none"))
-    if led["kept"]:
+    if led["kept"] and led["rolled_back"]:
+        lines.append(f"  acknowledged updates not compared: the job rolled back to its newest checkpoint "
+                     f"{led['rolled_back']} time(s) (one copy per ps shard: the updates after it were done again)")
+    elif led["kept"]:
         lines.append(f"  acknowledged updates {led['acknowledged']} acknowledged, {led['applied']} applied on shard 0: "
                      f"lost {led['lost']}" + ("" if led["lost"] == 0 else "  <-- LOST UPDATES"))
         lines.append(f"  applied, not acked   {led['unacknowledged']} (the sender died before the reply; its batch "

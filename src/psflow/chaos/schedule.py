@@ -9,12 +9,15 @@ draw (:func:`pick`): the same seed on the same course of a run hits the same tas
 Eligible (the rules that keep a chaos run inside what psflow survives):
 
 - only jobs in ``targets`` (default chief, worker, and ps when each shard has a backup);
-- only a task whose current attempt has run at least ``min_up_s`` (a fault hits training, not a start);
+- only a task whose current attempt has run at least ``min_up_s`` and is ``ready``: a training task
+  that has reported a step of this attempt, a ps that has reported its shard since it started and
+  holds no copy still re-syncing (a fault hits training, not a start: a ps killed before the chief
+  initialized it, or while its pair re-syncs, loses the shard);
 - no task while another is stopped (one stall at a time), and no fault once the run is no longer
   running (draining, stopping: a dead task then fails the run or is not restarted);
-- a ps only when every ps is running and has been for ``settle_s``: with primary-backup replication
-  the killed ps's pair must have re-synced before the other one of it may die (two dead ps of a
-  pair lose the shard).
+- a ps only when every ps is running, ready, and has been for ``settle_s``, and some training task
+  is ready (the job is initialized): with primary-backup replication the killed ps's pair must have
+  re-synced before the other one of it may die (two dead ps of a pair lose the shard).
 
 A slot that falls due when no task is eligible waits for one, until the next slot falls due (then
 it is skipped, and counted as such). Used by :class:`psflow.chaos.injector.ChaosInjector`.
@@ -119,6 +122,7 @@ class TaskView:
     state: str
     started_at: float | None
     stopped: bool = False
+    ready: bool = True  # its current attempt reported that it works (see the module docstring)
 
     def up_s(self, now: float) -> float:
         return -math.inf if self.started_at is None else now - self.started_at
@@ -176,11 +180,13 @@ def eligible(tasks: Mapping[str, TaskView], now: float, settings: ChaosSettings,
     if not running or any(v.stopped for v in tasks.values()):
         return []
     ps = {t: v for t, v in tasks.items() if t.split(":")[0] == "ps"}
-    ps_settled = all(v.state == "running" and v.up_s(now) >= settings.settle_s for v in ps.values())
+    training = any(v.ready and v.state == "running" for t, v in tasks.items() if t.split(":")[0] in ("chief", "worker"))
+    ps_settled = training and all(v.state == "running" and v.ready and v.up_s(now) >= settings.settle_s for v in ps.values())
     out = []
     for task, view in tasks.items():
         job = task.split(":")[0]
-        if job not in settings.targets or view.state != "running" or view.up_s(now) < settings.min_up_s:
+        if (job not in settings.targets or view.state != "running" or not view.ready
+                or view.up_s(now) < settings.min_up_s):
             continue
         if job == "ps" and not ps_settled:
             continue

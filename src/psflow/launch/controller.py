@@ -400,7 +400,8 @@ class RunController:
         if self.phase == "stopping":  # it was being started when the run began to stop
             return [StopTasks((e.task,), self.grace_s, "the run is stopping")]
         if self._regroup is not None and self.group is not None and e.task in self.group.members:
-            return [StopTasks((e.task,), self.grace_s, f"{self.group.what} restarts ({self._regroup})")]
+            grace_s = self.grace_s if self.group.grace_s is None else self.group.grace_s
+            return [StopTasks((e.task,), grace_s, f"{self.group.what} restarts ({self._regroup})")]
         return []
 
     def _on_exited(self, e: TaskExited) -> list[Decision]:
@@ -526,7 +527,8 @@ class RunController:
         live = tuple(r.task for r in members if r.state == "running")
         out: list[Decision] = []
         if live:
-            out.append(StopTasks(live, self.grace_s, f"{self._regroup}: restarting {self.group.what} from its newest "
+            grace_s = self.grace_s if self.group.grace_s is None else self.group.grace_s
+            out.append(StopTasks(live, grace_s, f"{self._regroup}: restarting {self.group.what} from its newest "
                                                      f"checkpoint; stopping {', '.join(live)}", warning=True))
         return out + self._regroup_when_exited()
 

@@ -165,12 +165,15 @@ class RestartGroup:
     members resume from the newest checkpoint (the chief restores it; with parameter servers they
     restore it on every shard at once), each with the data position saved in it.
 
-    ``what`` names the group in messages (``"the all-reduce group"``).
+    ``what`` names the group in messages (``"the all-reduce group"``). ``grace_s``: how long the
+    members stopped for the restart get between SIGTERM and SIGKILL (None: the run's grace; 0: killed
+    at once, for members whose state the restart discards anyway).
     """
 
     members: tuple[str, ...]
     triggers: tuple[str, ...]
     what: str
+    grace_s: float | None = None
 
 
 def restart_group(strategy: str, ps_replicas: int, tasks: tuple[str, ...] | list[str]) -> RestartGroup | None:
@@ -192,8 +195,11 @@ def restart_group(strategy: str, ps_replicas: int, tasks: tuple[str, ...] | list
     """
     training = tuple(t for t in tasks if t.split(":")[0] in TRAINING_JOBS)
     if strategy == "allreduce":
+        # SIGTERM first: the chief then checkpoints the step where the group broke (less to redo).
         return RestartGroup(training, training, "the all-reduce group")
     ps = tuple(t for t in tasks if t.split(":")[0] == "ps")
     if ps and ps_replicas == 1:
-        return RestartGroup(ps + training, ps, "the job (rolled back to its newest checkpoint on every shard)")
+        # Killed at once: their state is rolled back anyway, and a worker blocked on the dead ps, or a
+        # chief's final checkpoint (which a dead ps cannot write), would only hold the restart up.
+        return RestartGroup(ps + training, ps, "the job (every shard back to the newest checkpoint)", grace_s=0.0)
     return None

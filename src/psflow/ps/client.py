@@ -164,8 +164,9 @@ class PsClient:
         (whose copy takes over; later requests go there)."""
         serving = self.routes.get(shard, shard)
         try:
+            # A refused connection (nothing listens: the ps died) fails over at once, not after failover_s.
             return connect(self._where(serving), secret=self._secret, task=str(self.task), peer=f"ps:{serving}",
-                           deadline_s=self.failover_s, limits=self._limits, resolve=self._resolve)
+                           deadline_s=self.failover_s, limits=self._limits, resolve=self._resolve, refused_is_gone=True)
         except TransportError as e:
             other = self._reroute(shard)
             log.warning("%s: ps:%d did not answer within %g s (%s); ps:%d serves shard %d now.",

@@ -94,7 +94,7 @@ from typing import Any
 
 import torch
 
-from psflow.errors import ConfigError, NotServingError, PsflowError, TrainingError, TransportError
+from psflow.errors import ConfigError, NotServingError, PeerGoneError, PsflowError, TrainingError, TransportError
 from psflow.ps.rules import Event, On
 
 log = logging.getLogger("psflow.ps")
@@ -365,10 +365,11 @@ class Forwarder:
             except (TransportError, PsflowError) as e:
                 if self._stop:
                     return False
-                if time.monotonic() >= deadline:
+                gone = isinstance(e, PeerGoneError)  # nothing listens there: its process died; no need to wait
+                if gone or time.monotonic() >= deadline:
                     with self._cond:
-                        self.degraded = (f"its backup ps:{self.backup} did not answer for {self._failover_s:g} s "
-                                         f"({e}); shard {self.shard} goes on without a copy")
+                        waited = "is gone" if gone else f"did not answer for {self._failover_s:g} s"
+                        self.degraded = f"its backup ps:{self.backup} {waited} ({e}); shard {self.shard} goes on without a copy"
                         self.outbox.queued = []
                         self._cond.notify_all()
                     log.warning("shard %d: %s.", self.shard, self.degraded)

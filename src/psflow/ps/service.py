@@ -550,7 +550,7 @@ class _Link:
         if self.conn is None:
             address = svc.cluster.address(TaskId("ps", self.target))
             self.conn = connect(address, secret=svc.server.secret, task=f"ps:{svc.shard}", peer=f"ps:{self.target}",
-                                deadline_s=self.deadline_s, resolve=svc.resolve)
+                                deadline_s=self.deadline_s, resolve=svc.resolve, refused_is_gone=True)
         try:
             return self.conn.request(Op.PS_REPLICATE, meta, tensors,
                                      timeout_s=svc.failover_s + 60.0 if timeout_s is None else timeout_s).meta

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from psflow.errors import AuthError, ClusterError, PsflowError, RemoteError, TransportError
+from psflow.errors import AuthError, ClusterError, PeerGoneError, PsflowError, RemoteError, TransportError
 from psflow.wire.frame import (
     HEADER_SIZE,
     FrameError,
@@ -367,6 +367,7 @@ def connect(
     handshake_timeout_s: float = 10.0,
     limits: Limits = Limits(),
     resolve: Resolve | None = None,
+    refused_is_gone: bool = False,
 ) -> Connection:
     """Connect to a psflow server, retrying with backoff until ``deadline_s``, and authenticate.
 
@@ -381,9 +382,14 @@ def connect(
         resolve: asked for ``peer``'s current address before each retry (needs ``peer``): the peer
             may have restarted elsewhere. Then a server that is another task than ``peer`` (a stale
             address, taken over) is retried too. An error of ``resolve`` keeps the last address.
+        refused_is_gone: a refused connection is not retried (once re-resolved, if ``resolve`` gives
+            another address, that one is tried at once): PeerGoneError. For a failover, where the
+            peer's copy elsewhere serves as soon as this one is known dead; a task's first connection
+            (its peer may not listen yet) keeps retrying.
 
     Raises:
         TransportError: the address stayed unreachable (or busy) until the deadline.
+        PeerGoneError: with ``refused_is_gone``, the address refused the connection.
         ClusterError: the server is another task than ``peer`` (not retried without ``resolve``).
         AuthError: either side failed to prove the job's secret (not retried).
     """
@@ -400,6 +406,13 @@ def connect(
             return conn
         except (OSError, ServerBusyError) as e:  # refused, unreachable, or flooded with handshakes: wait and retry
             last = e
+            if refused_is_gone and isinstance(e, ConnectionRefusedError):
+                moved = _resolved(resolve, peer, address) if resolve is not None and peer is not None else address
+                if moved != address and time.monotonic() < t_end:
+                    address = moved  # it restarted elsewhere: try there at once
+                    continue
+                raise PeerGoneError(f"Nothing listens at {name}'s address {address} (connection refused): "
+                                    "its process is gone.") from e
         except ClusterError as e:
             if resolve is None or isinstance(e, TransportError):
                 raise

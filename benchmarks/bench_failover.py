@@ -1,0 +1,147 @@
+"""Failover benchmark (issue 10): what a replica costs, and how soon the job steps again after a SIGKILL.
+
+1. **Replication's cost**: the seed's softmax (``examples/mnist_softmax.py``, 2 ps + 2 workers) with
+   ``--ps-replicas 2`` against without, async and sync (N = M = 2), in interleaved rounds (order
+   reversed every other round); examples/sec from each run's ``summary.json``; the ratio of the
+   medians (goal: >= 0.95).
+2. **ps failover**: ``psflow chaos --ps 2 --ps-replicas 2 --workers 2 --targets ps --kinds kill``
+   SIGKILLs a ps (primary of its own shard, backup of the other) every ``--every`` seconds (a ps only
+   once every ps has run ``settle_s``: the last one re-synced) under ``--restart on-failure
+   --restart-backoff 0``, on ``scripts/failover_steps.py`` (every step's start and end on disk).
+   Per kill: from the SIGKILL (the injector's clock) to the end of the first step any worker began
+   after it: that step's push was acknowledged by every shard, the dead primary's through its backup
+   (an upper bound: it includes that one step's own compute, about a millisecond). Goal: p99 <= 0.5 s.
+3. **worker restart**: the same with ``--targets worker``: from the SIGKILL to the end of the
+   restarted attempt's first step (process start, rendezvous, readiness, its data position, one
+   step). Goal: p99 <= 1 s.
+
+Every chaos run also reports its ledger: acknowledged updates lost (must be 0).
+
+Run: ``.venv/bin/python benchmarks/bench_failover.py [--quick] [--reps N]``. The markdown report goes
+to stdout, progress to stderr. Nothing here asserts on a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import harness
+from harness import REPO, log, md_table, median
+
+PSFLOW = str(REPO / ".venv" / "bin" / "psflow")
+SOFTMAX = "examples/mnist_softmax.py"
+STEPS_SCRIPT = "benchmarks/scripts/failover_steps.py"
+CHILD_TIMEOUT_S = 900
+
+
+def run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=CHILD_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{proc.stdout[-4000:]}")
+
+
+def throughput(tmp: Path, mode: str, replicas: int, epochs: int) -> float:
+    logdir = tmp / f"{mode}-{replicas}"
+    shutil.rmtree(logdir, ignore_errors=True)
+    run([PSFLOW, "run", "--ps", "2", "--workers", "2", "--ps-replicas", str(replicas), "--mode", mode, "--no-live",
+         "--logdir", str(logdir), SOFTMAX, "--", "--epochs", str(epochs), "--init", "zeros", "--print_every", "1000"])
+    return float(json.loads((logdir / "summary.json").read_text())["examples_per_sec"])
+
+
+def replication_cost(tmp: Path, reps: int, epochs: int) -> str:
+    cases = {f"{mode}, {r} cop{'ies' if r == 2 else 'y'}": (lambda mode=mode, r=r: throughput(tmp, mode, r, epochs))
+             for mode in ("async", "sync") for r in (1, 2)}
+    res = harness.interleaved(cases, reps, warmup=0)
+    rows = []
+    for mode in ("async", "sync"):
+        one, two = res[f"{mode}, 1 copy"], res[f"{mode}, 2 copies"]
+        rows.append([mode, f"{median(one):,.0f} ({harness.spread(one, ',.0f')})",
+                     f"{median(two):,.0f} ({harness.spread(two, ',.0f')})", f"{median(two) / median(one):.3f}"])
+    return md_table(["mode", "--ps-replicas 1, examples/s (spread)", "--ps-replicas 2, examples/s (spread)",
+                     "ratio 2 / 1 (goal >= 0.95)"], rows)
+
+
+def chaos(tmp: Path, name: str, targets: str, every_s: float, duration_s: float, epochs: int) -> tuple[dict[str, Any], Path]:
+    logdir = tmp / name
+    shutil.rmtree(logdir, ignore_errors=True)
+    run([PSFLOW, "chaos", "--ps", "2", "--ps-replicas", "2", "--workers", "2", "--targets", targets, "--kinds", "kill",
+         "--every", str(every_s), "--for", str(duration_s), "--seed", "1", "--restart-backoff", "0", "--max-restarts", "1000",
+         "--no-live", "--logdir", str(logdir), STEPS_SCRIPT, "--", "--epochs", str(epochs)])
+    return json.loads((logdir / "chaos.json").read_text()), logdir
+
+
+def steps_of(logdir: Path) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """(task, attempt) -> its completed steps' (start, end), from ``LOGDIR/steps``."""
+    out = {}
+    for path in (logdir / "steps").glob("*.*"):
+        stem, _, attempt = path.name.rpartition(".")
+        job, _, index = stem.rpartition("-")
+        out[(f"{job}:{index}", int(attempt))] = [tuple(map(float, line.split())) for line in path.read_text().splitlines()
+                                                 if len(line.split()) == 2]
+    return out
+
+
+def ps_recovery(report: dict[str, Any], steps: dict[tuple[str, int], list[tuple[float, float]]]) -> list[float]:
+    """Per ps kill: the SIGKILL to the end of the first step any worker began after it."""
+    out = []
+    for f in report["faults"]["list"]:
+        t = f["time_unix"]
+        ends = [end for s in steps.values() for start, end in s if start >= t]
+        if ends:
+            out.append(min(ends) - t)
+    return out
+
+
+def worker_recovery(report: dict[str, Any], steps: dict[tuple[str, int], list[tuple[float, float]]]) -> list[float]:
+    """Per worker kill: the SIGKILL to the end of the restarted attempt's first step."""
+    out = []
+    for f in report["faults"]["list"]:
+        nxt = steps.get((f["task"], f["attempt"] + 1))
+        if nxt:
+            out.append(nxt[0][1] - f["time_unix"])
+    return out
+
+
+def percentiles(values: list[float]) -> list[str]:
+    if not values:
+        return ["-"] * 4
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
+    return [f"{statistics.median(values):.3f}", f"{q[98]:.3f}", f"{max(values):.3f}", str(len(values))]
+
+
+def main() -> None:
+    p = harness.arg_parser(__doc__.splitlines()[0])
+    args = p.parse_args()
+    reps = harness.reps_of(args, full=3, quick=1)
+    epochs = 3 if args.quick else 5
+    chaos_s, chaos_epochs = (40.0, 40) if args.quick else (150.0, 150)
+    print(f"## failover\n\n{harness.machine()}\n\n`{harness.command_line()}`\n")
+    with tempfile.TemporaryDirectory(prefix="psflow-bench-failover-") as tmp_s:
+        tmp = Path(tmp_s)
+        log(f"== replication cost: {reps} interleaved round(s), {epochs} epochs each")
+        print(f"### Replication's cost (softmax, 2 ps + 2 workers, {epochs} epochs, {reps} interleaved rounds)\n")
+        print(replication_cost(tmp, reps, epochs) + "\n")
+        rows, ledgers = [], []
+        for name, targets, every, measure in (("ps failover (SIGKILL of a ps: primary of one shard, backup of the other)",
+                                               "ps", 2.0, ps_recovery),
+                                              ("worker restart (SIGKILL of a worker)", "worker", 2.0, worker_recovery)):
+            log(f"== chaos: {name}, one kill every {every:g} s for {chaos_s:g} s")
+            report, logdir = chaos(tmp, targets, targets, every, chaos_s, chaos_epochs)
+            rows.append([name, *percentiles(measure(report, steps_of(logdir)))])
+            led = report["ledger"]
+            ledgers.append([name, report["status"], report["faults"]["injected"], report["faults"]["survived"],
+                            led["acknowledged"], led["applied"], led["lost"], led["unacknowledged"]])
+        print(f"### Recovery after a SIGKILL (`psflow chaos`, softmax, 2 ps replicated + 2 workers, {chaos_s:g} s of faults)\n")
+        print(md_table(["fault", "p50 s", "p99 s", "max s", "faults measured"], rows) + "\n")
+        print(md_table(["run", "status", "faults", "survived", "acknowledged", "applied (shard 0)", "lost",
+                        "applied, not acknowledged"], ledgers) + "\n")
+
+
+if __name__ == "__main__":
+    main()
