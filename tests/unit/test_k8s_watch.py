@@ -166,3 +166,17 @@ def test_a_termination_message_that_is_not_json_is_kept_as_the_message():
     assert parse_report('{"exception": "ValueError", "message": "bad"}') == {"exception": "ValueError", "message": "bad"}
     assert parse_report("Traceback ...\nValueError: bad\n")["message"].endswith("ValueError: bad")
     assert parse_report("  ") is None
+
+
+def test_a_pod_whose_image_cannot_be_pulled_is_told_once_and_the_run_can_be_stopped(tmp_path, monkeypatch):
+    plan = make(tmp_path, monkeypatch)
+    cluster = FakeCluster(waiting={("worker:1", 0): ("ErrImagePull", 'pull access denied for "train:1"')})
+    said: list[str] = []
+    b = K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, poll_s=0.001, store=file_store, echo=said.append,
+                   run_timeout_s=1.0)
+    result = b.run(plan)
+    assert result.exit_code == 130 and "not ended within 1 s" in result.summary["reason"]
+    told = [line for line in said if "worker:1 (attempt 0) is not running yet" in line]
+    assert len(told) == 1 and 'ErrImagePull: pull access denied for "train:1"' in told[0], said
+    waiting = [e for e in events_of(tmp_path) if e["event"] == "task_waiting"]
+    assert [(e["task"], e["reason"].split(":")[0]) for e in waiting] == [("worker:1", "ErrImagePull")]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -124,3 +125,30 @@ def test_the_end_of_the_session_ends_the_task():
         time.sleep(0.05)
     else:
         raise AssertionError(f"the task {child} outlived its session")
+
+
+def test_agent_forwards_usr1_to_the_task_alone_whose_stacks_come_back_through_the_session():
+    code = ("import faulthandler, signal, time\n"
+            "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+            "def waiting_here():\n"
+            "    print('up', flush=True)\n"
+            "    time.sleep(60)\n"
+            "waiting_here()\n")
+    p = agent([sys.executable, "-c", code])
+    assert p.stdout.readline() == "up\n"
+    p.stdin.write("USR1\n")
+    p.stdin.flush()
+    seen = []
+    deadline = threading.Timer(30, p.kill)  # a dump that never comes ends the read, and the test fails below
+    deadline.start()
+    for line in p.stdout:  # the dump, read until the frame the task waits in shows
+        seen.append(line)
+        if "waiting_here" in line:
+            break
+    deadline.cancel()
+    p.stdin.write("TERM\n")
+    p.stdin.flush()
+    out = p.stdout.read()
+    p.wait(timeout=30)
+    assert any("most recent call first" in s for s in seen) and any("waiting_here" in s for s in seen), seen
+    assert out.rstrip("\n").split("\n")[-1] == MARK + "exit -15"  # USR1 did not end it; TERM did
