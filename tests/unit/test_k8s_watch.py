@@ -15,7 +15,7 @@ from k8s_fake import FakeCluster
 
 from psflow.errors import ClusterError
 from psflow.launch.k8s import K8sSettings
-from psflow.launch.k8swatch import K8sBackend, PodTracker, PodView, parse_report
+from psflow.launch.k8swatch import K8sBackend, PodTracker, PodView, load_clients, parse_report
 from psflow.launch.plan import make_plan
 from psflow.launch.restart import RestartPolicy
 from psflow.launch.runner import file_store
@@ -180,3 +180,11 @@ def test_a_pod_whose_image_cannot_be_pulled_is_told_once_and_the_run_can_be_stop
     assert len(told) == 1 and 'ErrImagePull: pull access denied for "train:1"' in told[0], said
     waiting = [e for e in events_of(tmp_path) if e["event"] == "task_waiting"]
     assert [(e["task"], e["reason"].split(":")[0]) for e in waiting] == [("worker:1", "ErrImagePull")]
+
+
+def test_without_a_cluster_configured_the_error_says_where_config_is_read_and_offers_dry_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ClusterError, match=r"No Kubernetes cluster configured.*KUBECONFIG.*--dry-run"):
+        load_clients()
