@@ -186,3 +186,21 @@ def test_sigterm_to_the_launcher_ends_every_remote_task(hosts, tmp_path):
         time.sleep(0.2)
     for i in (2, 3):
         assert hosts.pids(i) <= sshd_pids(hosts), f"a task outlived the stopped run in host {i}"
+
+
+def test_a_host_ssh_cannot_reach_fails_the_run_with_sshs_own_message(tmp_path, monkeypatch):
+    """No namespaces needed: an "ssh" that fails as ssh does (exit 255, its message on stderr)."""
+    from psflow.launch.plan import make_plan
+    from psflow.launch.runner import Runner, file_store
+    from psflow.launch.ssh import SshBackend
+
+    monkeypatch.chdir(tmp_path)
+    failing_ssh = ("sh", "-c", "echo 'ssh: connect to host node9 port 22: Connection refused' >&2; exit 255")
+    said: list[str] = []
+    backend = SshBackend("127.0.0.1:1,node9:2", ssh=failing_ssh, coordinator_host="127.0.0.1", echo=said.append,
+                         live=False)
+    plan = make_plan(SOFTMAX, ["--epochs", "1"], num_ps=1, num_workers=2, logdir=str(tmp_path / "unreachable"))
+    result = Runner(backend, store=file_store, register_timeout_s=30).run(plan)
+    assert result.exit_code == 1 and result.root_cause in plan.task_names()
+    assert "Connection refused" in (tmp_path / "unreachable" / "logs" / f"{result.root_cause.replace(':', '-')}.log").read_text()
+    assert any("ssh to" in line and "failed (exit 255)" in line for line in said), said

@@ -188,3 +188,29 @@ def test_without_a_cluster_configured_the_error_says_where_config_is_read_and_of
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(ClusterError, match=r"No Kubernetes cluster configured.*KUBECONFIG.*--dry-run"):
         load_clients()
+
+
+def test_psflow_run_backend_k8s_submits_follows_and_exits_with_the_runs_code(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from psflow.cli import main
+    from psflow.launch import k8swatch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PSFLOW_HOME", str(tmp_path / "home"))
+    (tmp_path / "train.py").write_text("import psflow\n")
+    cluster = FakeCluster(exits={("worker:0", 0): 1})
+    monkeypatch.setattr(k8swatch, "load_clients", lambda: (cluster.core, cluster.batch))
+    monkeypatch.setattr(K8sBackend, "__init__", _fast_init(K8sBackend.__init__))
+    r = CliRunner().invoke(main, ["run", "--backend", "k8s", "--image", "train:1", "--volume-claim", "logs", "--restart",
+                                  "on-failure", "--logdir", "runs/cli", "train.py"])
+    assert r.exit_code == 0, r.output
+    assert "Kubernetes restarted it as attempt 1 (attempt 0: exit code 1)" in r.output
+    assert f"created Job {next(iter(cluster.objects['Job']))}" in r.output
+    assert json.loads((tmp_path / "runs/cli/summary.json").read_text())["status"] == "succeeded"
+
+
+def _fast_init(init):
+    def fast(self, settings, **kw):
+        init(self, settings, **{**kw, "poll_s": 0.001})
+    return fast

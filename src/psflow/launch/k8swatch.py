@@ -194,6 +194,17 @@ class PodTracker:
                 out.append(Exited(p.task, p.attempt, p.exit_code, oom, report, p.name))
         return out
 
+    def tasks(self) -> list[dict[str, Any]]:
+        """Each task's attempts and exits so far, for the run's summary."""
+        out: dict[str, dict[str, Any]] = {}
+        for task, attempt in sorted(self._started):
+            t = out.setdefault(task, {"task": task, "attempts": 0, "exits": []})
+            t["attempts"] = max(t["attempts"], attempt + 1)
+            if (task, attempt) in self._exited:
+                t["exits"].append({"attempt": attempt, "code": self._exited[(task, attempt)],
+                                   "cause": self._causes[(task, attempt)]})
+        return list(out.values())
+
     def last_failure(self) -> tuple[str, int, int] | None:
         """(task, attempt, code) of the first failed exit whose task was not started again: the root cause."""
         for (task, attempt), code in self._exited.items():
@@ -311,9 +322,12 @@ class K8sBackend:
             finally:
                 self._delete(plan, jobs=status != "succeeded")
         root = tracker.last_failure() if status == "failed" else None
-        summary = {"run_id": plan.run_id, "backend": "k8s", "status": status, "reason": why,
-                   "elapsed_s": round(time.time() - t0, 3), "root_cause": root[0] if root else None,
-                   "namespace": self.settings.namespace, "k8s_name": run_name(plan)}
+        # The pods report to no coordinator (the launcher may be outside the cluster): no global step
+        # or throughput here; the chief's summaries and checkpoints in the claim's log dir have them.
+        summary = {"run_id": plan.run_id, "backend": "k8s", "status": status or "stopped", "reason": why,
+                   "root_cause": root[0] if root else None, "mode": plan.config.mode, "strategy": plan.config.strategy,
+                   "global_step": None, "metrics": {}, "examples_per_sec": None, "wall_s": round(time.time() - t0, 3),
+                   "tasks": tracker.tasks(), "namespace": self.settings.namespace, "k8s_name": run_name(plan)}
         store.summary(summary)
         store.finished(status or "stopped")
         code = {"succeeded": 0, "failed": 1}.get(status or "", 130)
