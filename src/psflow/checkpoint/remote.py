@@ -29,7 +29,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,17 +92,13 @@ def write_shard(root: str, step: int, shard: int, num_shards: int, tensors: dict
     return ShardRecord(shard, num_shards, name, hashlib.sha256(data).hexdigest(), len(data), tuple(tensors))
 
 
-def commit(root: str, step: int, records: Sequence[ShardRecord], *, meta: Mapping[str, Any], keep: int) -> UrlPath:
-    """Publish the checkpoint of ``step``: every shard object checked, then its manifest, written last.
+def publish(root: str, step: int, ordered: Sequence[ShardRecord], manifest: bytes, *, keep: int) -> UrlPath:
+    """Publish the checkpoint of ``step`` (called by :func:`psflow.checkpoint.commit`, which checked the
+    records and made the manifest): every shard object checked, then the manifest, written last.
 
     Raises:
         CheckpointError: a shard object is missing or of another size than its record; the upload failed.
     """
-    from psflow.checkpoint.format import check_unique_names
-    from psflow.checkpoint.writer import _order_records, manifest_bytes
-
-    ordered = _order_records(step, records)
-    check_unique_names(ordered, f"step {step}")
     final = UrlPath(_join(root, dir_name(step)))
     fs, path = _fs(final)
     fs.invalidate_cache()  # the shards were uploaded by the ps processes, not through this cache
@@ -115,9 +111,8 @@ def commit(root: str, step: int, records: Sequence[ShardRecord], *, meta: Mappin
         if size != r.size_bytes:
             raise CheckpointError(f"Cannot commit step {step}: shard {r.shard} object {final / r.file} has {size} "
                                   f"bytes, its record says {r.size_bytes}. The ps task must write it again.")
-    data = manifest_bytes(step, ordered, meta)
     try:
-        fs.pipe_file(f"{path}/{MANIFEST_NAME}", data)
+        fs.pipe_file(f"{path}/{MANIFEST_NAME}", manifest)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"Could not commit the checkpoint of step {step} at {final}: {type(e).__name__}: {e}.") from e
     _prune(root, keep)

@@ -340,7 +340,9 @@ def commit(
     if is_url(root):
         from psflow.checkpoint import remote
 
-        return remote.commit(str(root), step, records, meta=meta, keep=keep)  # type: ignore[return-value]
+        ordered = _order_records(step, records)
+        check_unique_names(ordered, f"step {step}")
+        return remote.publish(str(root), step, ordered, manifest_bytes(step, ordered, meta), keep=keep)  # type: ignore[return-value]
     root_path = checkpoint_root(root)
     partial = root_path / f"{dir_name(step)}.partial"
     ordered = _order_records(step, records)
