@@ -149,16 +149,13 @@ def _prune(root: str, keep: int) -> None:
             logging.getLogger("psflow.checkpoint").warning("Could not delete old checkpoint %s: %s.", old, e)
 
 
-def cache_dir(url: str) -> Path:
-    """Where checkpoints under ``url`` are downloaded to be read: one directory per root, per user."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path(tempfile.gettempdir()) / f"psflow-{os.getuid()}")
-    return base / "checkpoints" / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+_fetched: list[Path] = []  # this process's downloads: only the newest is kept
 
 
 def fetch(url: str) -> Path:
-    """Download the checkpoint at ``url`` (its manifest first, then the shards it names) into the
-    local cache; returns the local directory, to be verified like any local checkpoint. Only the
-    newest download per root is kept.
+    """Download the checkpoint at ``url`` (its manifest first, then the shards it names) into a fresh
+    private directory (``mkdtemp``: 0700, under ``$XDG_CACHE_HOME`` or the temp dir), to be verified
+    like any local checkpoint; returns it. The process's earlier download is deleted.
 
     Raises:
         CheckpointError: it cannot be downloaded.
@@ -166,10 +163,14 @@ def fetch(url: str) -> Path:
     import json
 
     ckpt = UrlPath(url)
-    local_root = cache_dir(ckpt.rsplit("/", 1)[0])
-    local = local_root / ckpt.name
-    shutil.rmtree(local_root, ignore_errors=True)
-    local.mkdir(parents=True, mode=0o700)
+    base = os.environ.get("XDG_CACHE_HOME")
+    if base:
+        Path(base).mkdir(parents=True, exist_ok=True)
+    local = Path(tempfile.mkdtemp(prefix="psflow-ckpt-", dir=base or None)) / ckpt.name
+    local.mkdir()
+    while _fetched:
+        shutil.rmtree(_fetched.pop().parent, ignore_errors=True)
+    _fetched.append(local)
     fs, path = _fs(ckpt)
     try:
         fs.get_file(f"{path}/{MANIFEST_NAME}", str(local / MANIFEST_NAME))
@@ -177,7 +178,7 @@ def fetch(url: str) -> Path:
         for name in names:
             if isinstance(name, str) and "/" not in name and name not in ("", ".", ".."):
                 fs.get_file(f"{path}/{name}", str(local / name))
-    except (FileNotFoundError, ValueError):
+    except (FileNotFoundError, ValueError, AttributeError):
         pass  # what is missing or malformed shows in the verification, named, as locally
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"Could not download the checkpoint {url}: {type(e).__name__}: {e}.") from e
