@@ -209,9 +209,9 @@ class SshBackend(Backend):
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              bufsize=1, start_new_session=True, preexec_fn=die_with_parent)
         assert p.stdin is not None and p.stdout is not None
-        p.stdin.write(agent_header(task, {**env, **TaskEnv(attempt=attempt).render()}, host=host, secret=secret,
-                                   cwd=str(Path.cwd())))
-        p.stdin.flush()
+        header = agent_header(task, {**env, **TaskEnv(attempt=attempt).render()}, host=host, secret=secret, cwd=str(Path.cwd()))
+        # False where ssh ended already (it could not connect): its exit and message come through _watch and the log
+        _tell(p, header.rstrip("\n"))
         self._procs[task.task] = p
         self._started.append(p)
         index = plan.task_names().index(task.task)
