@@ -56,7 +56,9 @@ def _fs(url: str) -> tuple[Any, str]:
     import fsspec
 
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        # A fresh instance: fsspec's cache keys on arguments, not on the environment (AWS_ENDPOINT_URL,
+        # credentials) that s3fs reads; checkpoints are rare enough that a new client costs nothing.
+        fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True)
     except (ImportError, ValueError) as e:
         raise ConfigError(f"Cannot use the checkpoint root {url!r}: {e}. For s3:// install s3fs (pip install s3fs); "
                           "other schemes need their fsspec package.") from e
