@@ -43,6 +43,12 @@ def test_tasks_fill_the_hosts_in_order_and_too_many_tasks_is_an_error():
         place(tasks, parse_hosts("a,b"))
 
 
+def test_loopback_beside_other_hosts_is_refused_because_they_could_not_reach_it():
+    assert place(["ps:0", "worker:0"], parse_hosts("localhost:2")) == {"ps:0": "localhost", "worker:0": "localhost"}
+    with pytest.raises(ConfigError, match="names localhost beside other hosts.*Name this host by an address"):
+        place(["ps:0", "worker:0"], parse_hosts("localhost:1,node2:1"))
+
+
 def test_the_ssh_command_starts_the_agent_and_carries_no_task_and_no_secret():
     argv = ssh_argv("node2", "/opt/venv/bin/python", config="/etc/psflow/ssh_config")
     assert argv == ["ssh", "-F", "/etc/psflow/ssh_config", "-T", "-o", "BatchMode=yes", "node2",
