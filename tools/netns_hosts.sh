@@ -68,6 +68,8 @@ sshd)
   command -v ssh >/dev/null || cannot "no ssh client"
   mkdir -p /run/sshd && chmod 755 /run/sshd  # sshd's privilege-separation directory
   umask 077
+  mkdir -p "$DIR"
+  rm -f "$DIR/id_ed25519" "$DIR/id_ed25519.pub" "$DIR/host_ed25519" "$DIR/host_ed25519.pub"
   ssh-keygen -q -t ed25519 -N '' -f "$DIR/id_ed25519" -C psflow-test
   ssh-keygen -q -t ed25519 -N '' -f "$DIR/host_ed25519"
   cp "$DIR/id_ed25519.pub" "$DIR/authorized_keys"

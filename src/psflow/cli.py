@@ -104,6 +104,9 @@ def _k8s_options(f: Any) -> Any:
 @click.option("--nodes", type=click.IntRange(min=1), default=None, help="slurm: nodes to allocate (default 1).")
 @click.option("--dry-run", is_flag=True, help="slurm: print the sbatch script; k8s: print the manifests (YAML); and exit.")
 @_k8s_options
+@click.option("--checkpoint-dir", default=None, metavar="DIR|URL",
+              help="Where the checkpoints go instead of LOGDIR/checkpoints: a directory or a URL (s3://bucket/run, "
+                   "through fsspec; pip install s3fs).")
 @click.option("--hosts", default=None, metavar="HOST:SLOTS,...",
               help="Run the tasks on these hosts over ssh, filled in order (horovodrun's convention), e.g. node1:1,node2:2.")
 @click.option("--ssh-config", default=None, type=click.Path(dir_okay=False, exists=True),
@@ -117,7 +120,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         restart: str | None, max_restarts: int | None, max_restarts_per_run: int | None,
         backoff_base_s: float | None, backoff_max_s: float | None, k8s_image: str | None, k8s_volume_claim: str | None,
         k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int, hosts: str | None, ssh_config: str | None,
-        **settings: object) -> None:
+        checkpoint_dir: str | None, **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
     from psflow.launch.metrics import final_line
 
@@ -126,7 +129,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         plan, policy, hangs, config = _plan(num_ps, num_workers, chief, evaluator, logdir, script, script_args, fail_at,
                                             log_placement, threads, hang_at, slow, hang_timeout_s, heartbeat_timeout_s,
                                             restart, max_restarts, max_restarts_per_run, backoff_base_s, backoff_max_s,
-                                            settings)
+                                            settings, checkpoint_dir=checkpoint_dir)
         k8s = {"image": k8s_image, "volume_claim": k8s_volume_claim, "namespace": k8s_namespace,
                "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s}
         if hosts is not None or ssh_config is not None:
@@ -157,7 +160,8 @@ def _plan(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: s
           script_args: tuple[str, ...], fail_at: str | None, log_placement: bool, threads: int | None, hang_at: str | None,
           slow: str | None, hang_timeout_s: float | None, heartbeat_timeout_s: float | None, restart: str | None,
           max_restarts: int | None, max_restarts_per_run: int | None, backoff_base_s: float | None,
-          backoff_max_s: float | None, settings: dict[str, Any], **config_fields: Any) -> tuple[Any, RestartPolicy, Any, TrainConfig]:
+          backoff_max_s: float | None, settings: dict[str, Any], checkpoint_dir: str | None = None,
+          **config_fields: Any) -> tuple[Any, RestartPolicy, Any, TrainConfig]:
     """The launch plan of ``psflow run``'s options (``psflow chaos`` shares them), with its restart
     policy, hang policy and config; ``config_fields`` are set on the config beyond the options.
 
@@ -180,7 +184,7 @@ def _plan(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: s
     faults = join_specs(fail_at, hang_spec(hang_at), slow_spec(slow))
     plan = make_plan(script, list(script_args), num_ps=num_ps, num_workers=num_workers,
                      chief=chief, evaluator=evaluator, logdir=logdir, config=config, fail_at=faults,
-                     threads=threads, restart=policy, hangs=hangs)
+                     threads=threads, restart=policy, hangs=hangs, extra_env=_checkpoint_env(checkpoint_dir))
     return plan, policy, hangs, config
 
 
@@ -208,6 +212,17 @@ def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live
     from psflow.launch import LocalBackend
 
     return LocalBackend(preload=preload, live=live)
+
+
+def _checkpoint_env(checkpoint_dir: str | None) -> dict[str, str] | None:
+    """The tasks' PSFLOW_CHECKPOINT_DIR for ``--checkpoint-dir`` (a local directory made absolute)."""
+    if checkpoint_dir is None:
+        return None
+    from psflow.launch.contract import TaskEnv
+
+    # a URL as given (psflow.checkpoint.is_url's rule, without importing torch into the launcher)
+    where = checkpoint_dir if "://" in checkpoint_dir else str(Path(checkpoint_dir).resolve())
+    return TaskEnv(checkpoint_dir=where).render()
 
 
 def _ssh_backend(backend: str, hosts: str | None, ssh_config: str | None, *, dry_run: bool, live: bool | None) -> Any:
@@ -622,7 +637,7 @@ def chaos(every_s: float, duration: str, seed: int, kinds_text: str, targets: st
 
 _PLAN_OPTIONS = ("num_ps", "num_workers", "chief", "evaluator", "logdir", "script", "script_args", "fail_at", "log_placement",
                  "threads", "hang_at", "slow", "hang_timeout_s", "heartbeat_timeout_s", "restart", "max_restarts",
-                 "max_restarts_per_run", "backoff_base_s", "backoff_max_s")
+                 "max_restarts_per_run", "backoff_base_s", "backoff_max_s", "checkpoint_dir")
 # Chaos runs on this machine: the options of other backends are not its.
 _OTHER_BACKENDS = ("backend", "nodes", "dry_run", "k8s_image", "k8s_volume_claim", "k8s_namespace", "gpus_per_worker",
                    "k8s_ttl_s", "hosts", "ssh_config")

@@ -202,6 +202,9 @@ class Supervisor:
             run's checkpoints. True: continue them. False: refuse to start where checkpoints exist.
         poll_s: chief, async mode: seconds between looks at the ps's bookkeeping while it waits for
             the other workers to finish before the final checkpoint.
+        checkpoint_dir: where the checkpoints go instead of ``logdir/checkpoints``: a directory, or a
+            URL (``s3://bucket/run``: every ps uploads its shard, the chief the manifest last; see
+            :mod:`psflow.checkpoint.remote`); default ``task.checkpoint_dir`` (``PSFLOW_CHECKPOINT_DIR``).
     """
 
     def __init__(
@@ -222,6 +225,7 @@ class Supervisor:
         data: Any = None,
         resume: bool | None = None,
         poll_s: float = 0.25,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if task is None:
             from psflow.task import current_task
@@ -256,7 +260,11 @@ class Supervisor:
         # Resuming is deliberate: asked for, or implied by naming the logdir (as the launcher's --logdir does).
         self.resume = resume if resume is not None else getattr(task, "resume", None)
         self._logdir_named = bool(named)
-        self.checkpoint_dir = (self.logdir / CHECKPOINTS_DIR).resolve()
+        where = checkpoint_dir or getattr(task, "checkpoint_dir", None)
+        if where is not None and checkpoint.is_url(str(where)):
+            self.checkpoint_dir: Path | str = checkpoint.UrlPath(str(where))
+        else:
+            self.checkpoint_dir = Path(where).resolve() if where is not None else (self.logdir / CHECKPOINTS_DIR).resolve()
         self.save_model_secs = save_model_secs
         self.save_model_steps = save_model_steps
         self.keep_checkpoints = keep_checkpoints

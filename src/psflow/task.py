@@ -82,6 +82,7 @@ class Task:
         rendezvous: Any = None,
         resume: bool | None = None,
         attempt: int = 0,
+        checkpoint_dir: str | None = None,
     ) -> None:
         self.task_id = task_id
         self.cluster = cluster
@@ -93,6 +94,7 @@ class Task:
         # Where a peer listens now (it may restart on a new port): the launcher's address book; by hand, addresses are fixed.
         self.resolve = CoordinatorResolver(coordinator, secret=secret, task=str(task_id)) if coordinator else None
         self.logdir = logdir
+        self.checkpoint_dir = checkpoint_dir  # PSFLOW_CHECKPOINT_DIR: a directory or URL; the Supervisor's default otherwise
         self.resume = resume  # PSFLOW_RESUME; the Supervisor decides what None means
         self.attempt = attempt  # PSFLOW_ATTEMPT: 0 on the first start, n after the n-th restart
         self.connect_timeout_s = connect_timeout_s
@@ -506,6 +508,7 @@ def init(
         task_id, spec, secret=key, server=server, config=cfg, argv=flags.rest, coordinator=coordinator,
         logdir=tenv.logdir, connect_timeout_s=connect_timeout_s, fail_at=tenv.fail_at,
         data_dir=tenv.data_dir, rendezvous=rendezvous, resume=tenv.resume, attempt=tenv.attempt,
+        checkpoint_dir=tenv.checkpoint_dir,
     )
     _install_error_report(task, tenv.error_file)
     atexit.register(task.finish)

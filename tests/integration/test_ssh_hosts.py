@@ -186,3 +186,45 @@ def test_sigterm_to_the_launcher_ends_every_remote_task(hosts, tmp_path):
         time.sleep(0.2)
     for i in (2, 3):
         assert hosts.pids(i) <= sshd_pids(hosts), f"a task outlived the stopped run in host {i}"
+
+
+def test_a_host_ssh_cannot_reach_fails_the_run_with_sshs_own_message(tmp_path, monkeypatch):
+    """No namespaces needed: an "ssh" that fails as ssh does (exit 255, its message on stderr)."""
+    from psflow.launch.plan import make_plan
+    from psflow.launch.runner import Runner, file_store
+    from psflow.launch.ssh import SshBackend
+
+    monkeypatch.chdir(tmp_path)
+    failing_ssh = ("sh", "-c", "echo 'ssh: connect to host node9 port 22: Connection refused' >&2; exit 255")
+    said: list[str] = []
+    backend = SshBackend("127.0.0.1:1,node9:2", ssh=failing_ssh, coordinator_host="127.0.0.1", echo=said.append,
+                         live=False)
+    plan = make_plan(SOFTMAX, ["--epochs", "1"], num_ps=1, num_workers=2, logdir=str(tmp_path / "unreachable"))
+    result = Runner(backend, store=file_store, register_timeout_s=30).run(plan)
+    assert result.exit_code == 1 and result.root_cause in plan.task_names()
+    assert "Connection refused" in (tmp_path / "unreachable" / "logs" / f"{result.root_cause.replace(':', '-')}.log").read_text()
+    assert any("ssh to" in line and "failed (exit 255)" in line for line in said), said
+
+
+def test_a_rate_limited_link_makes_its_worker_the_straggler_whose_late_gradients_sync_drops(hosts, tmp_path):
+    """tc tbf on worker:1's host (host 3) at 8 Mbit/s; sync mode with one backup worker (1 of 2
+    gradients per step): the ps drops the straggler's late gradients, not the other worker's."""
+    logdir = tmp_path / "straggler"
+    limit = subprocess.run(["bash", str(SCRIPT), "limit", hosts.prefix, "3", "8mbit"], capture_output=True, text=True,
+                           timeout=30)
+    assert limit.returncode == 0, limit.stderr
+    try:
+        qdisc = subprocess.run(["ip", "netns", "exec", hosts.ns(3), "tc", "qdisc", "show", "dev", "eth0"],
+                               capture_output=True, text=True, timeout=10).stdout
+        assert "tbf" in qdisc and "8Mbit" in qdisc, qdisc
+        p = launcher(hosts, logdir, "--mode", "sync", "--replicas-to-aggregate", "1", "--total-num-replicas", "2",
+                     SOFTMAX, "--", "--epochs", "1", "--init", "zeros", "--batch_size", "300")  # 100 steps a worker
+        out = finish(p)
+    finally:
+        subprocess.run(["ip", "netns", "exec", hosts.ns(3), "tc", "qdisc", "del", "dev", "eth0", "root"],
+                       capture_output=True, timeout=10)
+    assert p.returncode == 0, out[-3000:] + log_tails(logdir)
+    s = read_summary(logdir)
+    dropped = s["reports"]["ps:0"]["ps_stats"]["stale_by_worker"]
+    assert dropped.get("1", 0) > dropped.get("0", 0), dropped  # worker:1, behind the slow link, is the straggler
+    assert s["status"] == "succeeded" and s["test_accuracy"] >= 0.75, s

@@ -26,6 +26,7 @@ import kubernetes_validate
 from kubernetes.client import (
     V1ContainerState,
     V1ContainerStateTerminated,
+    V1ContainerStateWaiting,
     V1ContainerStatus,
     V1Job,
     V1JobCondition,
@@ -59,10 +60,12 @@ class FakeCluster:
     """The shared state: objects by kind and name, pods, the clock (one step per pod listing)."""
 
     def __init__(self, exits: dict[tuple[str, int], int] | None = None, messages: dict[tuple[str, int], str] | None = None,
-                 reason: dict[tuple[str, int], str] | None = None) -> None:
+                 reason: dict[tuple[str, int], str] | None = None,
+                 waiting: dict[tuple[str, int], tuple[str, str]] | None = None) -> None:
         self.exits = exits or {}
         self.messages = messages or {}
         self.reasons = reason or {}
+        self.waiting = waiting or {}  # (task, attempt) -> (reason, message): its container never starts
         self.objects: dict[str, dict[str, dict[str, Any]]] = {"Secret": {}, "Service": {}, "Job": {}}
         self.jobs: dict[str, dict[str, Any]] = {}  # name -> controller state
         self.pods: dict[str, dict[str, Any]] = {}
@@ -119,6 +122,8 @@ class FakeCluster:
         training_left = any(p["phase"] in ("Pending", "Running") and p["labels"]["psflow.io/job"] in ("chief", "worker")
                             for p in self.pods.values())
         for pod in list(self.pods.values()):
+            if pod["phase"] == "Pending" and (self.task_of(pod), pod["attempt"]) in self.waiting:
+                continue
             if pod["phase"] == "Pending":
                 pod["phase"] = "Running"
             elif pod["phase"] == "Running" and self.step - pod["born"] >= 2:
@@ -168,6 +173,12 @@ class FakeCluster:
     # -- the model objects -----------------------------------------------------------------------
     def pod_model(self, pod: dict[str, Any]) -> V1Pod:
         statuses = None
+        key = (self.task_of(pod), pod["attempt"])
+        if pod["phase"] == "Pending" and key in self.waiting:
+            reason, message = self.waiting[key]
+            statuses = [V1ContainerStatus(name=pod["labels"]["psflow.io/job"], image="train:1", image_id="", ready=False,
+                                          restart_count=0, state=V1ContainerState(
+                                              waiting=V1ContainerStateWaiting(reason=reason, message=message)))]
         if pod["code"] is not None:
             key = (self.task_of(pod), pod["attempt"])
             term = V1ContainerStateTerminated(exit_code=pod["code"], message=self.messages.get(key),

@@ -15,7 +15,7 @@ from k8s_fake import FakeCluster
 
 from psflow.errors import ClusterError
 from psflow.launch.k8s import K8sSettings
-from psflow.launch.k8swatch import K8sBackend, PodTracker, PodView, parse_report
+from psflow.launch.k8swatch import K8sBackend, PodTracker, PodView, load_clients, parse_report
 from psflow.launch.plan import make_plan
 from psflow.launch.restart import RestartPolicy
 from psflow.launch.runner import file_store
@@ -166,3 +166,51 @@ def test_a_termination_message_that_is_not_json_is_kept_as_the_message():
     assert parse_report('{"exception": "ValueError", "message": "bad"}') == {"exception": "ValueError", "message": "bad"}
     assert parse_report("Traceback ...\nValueError: bad\n")["message"].endswith("ValueError: bad")
     assert parse_report("  ") is None
+
+
+def test_a_pod_whose_image_cannot_be_pulled_is_told_once_and_the_run_can_be_stopped(tmp_path, monkeypatch):
+    plan = make(tmp_path, monkeypatch)
+    cluster = FakeCluster(waiting={("worker:1", 0): ("ErrImagePull", 'pull access denied for "train:1"')})
+    said: list[str] = []
+    b = K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, poll_s=0.001, store=file_store, echo=said.append,
+                   run_timeout_s=1.0)
+    result = b.run(plan)
+    assert result.exit_code == 130 and "not ended within 1 s" in result.summary["reason"]
+    told = [line for line in said if "worker:1 (attempt 0) is not running yet" in line]
+    assert len(told) == 1 and 'ErrImagePull: pull access denied for "train:1"' in told[0], said
+    waiting = [e for e in events_of(tmp_path) if e["event"] == "task_waiting"]
+    assert [(e["task"], e["reason"].split(":")[0]) for e in waiting] == [("worker:1", "ErrImagePull")]
+
+
+def test_without_a_cluster_configured_the_error_says_where_config_is_read_and_offers_dry_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-such-kubeconfig"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ClusterError, match=r"No Kubernetes cluster configured.*KUBECONFIG.*--dry-run"):
+        load_clients()
+
+
+def test_psflow_run_backend_k8s_submits_follows_and_exits_with_the_runs_code(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from psflow.cli import main
+    from psflow.launch import k8swatch
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PSFLOW_HOME", str(tmp_path / "home"))
+    (tmp_path / "train.py").write_text("import psflow\n")
+    cluster = FakeCluster(exits={("worker:0", 0): 1})
+    monkeypatch.setattr(k8swatch, "load_clients", lambda: (cluster.core, cluster.batch))
+    monkeypatch.setattr(K8sBackend, "__init__", _fast_init(K8sBackend.__init__))
+    r = CliRunner().invoke(main, ["run", "--backend", "k8s", "--image", "train:1", "--volume-claim", "logs", "--restart",
+                                  "on-failure", "--logdir", "runs/cli", "train.py"])
+    assert r.exit_code == 0, r.output
+    assert "Kubernetes restarted it as attempt 1 (attempt 0: exit code 1)" in r.output
+    assert f"created Job {next(iter(cluster.objects['Job']))}" in r.output
+    assert json.loads((tmp_path / "runs/cli/summary.json").read_text())["status"] == "succeeded"
+
+
+def _fast_init(init):
+    def fast(self, settings, **kw):
+        init(self, settings, **{**kw, "poll_s": 0.001})
+    return fast

@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
 
+_OTHER_TOOLS = {".venv/bin/moto_server"}  # the S3 stand-in of the checkpoints-on-a-URL example
+
+
 def _commands() -> list[str]:
     blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.DOTALL)
     lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
@@ -51,6 +54,8 @@ def test_the_readme_has_commands_and_no_placeholders():
 @pytest.mark.parametrize("command", _commands())
 def test_each_readme_command_parses(command):
     words = shlex.split(command)
+    if words[0] in _OTHER_TOOLS or words[:2] == [".venv/bin/python", "-c"]:
+        return  # another package's command, or inline Python: nothing of psflow's to parse
     if words[0] == ".venv/bin/python":
         script, rest = words[1], words[2:]
         flags = [w for w in rest if not w.startswith(("--ps_hosts", "--worker_hosts", "--job_name", "--task_index"))]

@@ -35,8 +35,9 @@ Callers: every ps task calls :func:`write_shard` for its own shard, in its own p
 parallel, and sends the returned :class:`ShardRecord` to the chief as JSON; the chief calls
 :func:`commit` once every shard has reported; a (re)starting task calls :func:`latest_checkpoint`
 and :meth:`Checkpoint.load_shard`; the Supervisor builds the manifest meta with :func:`run_meta` and
-restores with :func:`load_whole_tensors`; ``psflow export`` calls :func:`export_checkpoint`. This
-package does no networking.
+restores with :func:`load_whole_tensors`; ``psflow export`` calls :func:`export_checkpoint`. A
+root that is a URL (``s3://...``) goes to :mod:`~psflow.checkpoint.remote` (fsspec: one object per
+shard, the manifest written last, read back through a verified local copy); nothing else networks.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from psflow.checkpoint.format import (
     MANIFEST_NAME,
     VERSION,
     ShardRecord,
+    is_url,
     manifest_checksum,
 )
 from psflow.checkpoint.reader import (
@@ -69,11 +71,12 @@ from psflow.checkpoint.reader import (
     list_checkpoints,
     read_checkpoint,
 )
+from psflow.checkpoint.remote import UrlPath
 from psflow.checkpoint.writer import commit, write_shard
 
 __all__ = [
     "CHECKPOINTS_DIR", "CHECKSUM_KEY", "FORMAT", "MANIFEST_NAME", "VERSION",
-    "Checkpoint", "NoWholeCheckpointError", "ShardRecord", "assemble_pieces", "commit",
+    "Checkpoint", "NoWholeCheckpointError", "ShardRecord", "UrlPath", "assemble_pieces", "commit", "is_url",
     "export_checkpoint", "export_state_dict", "find_checkpoint", "latest_checkpoint", "list_checkpoints",
     "load_whole_tensors", "manifest_checksum", "read_checkpoint", "run_meta", "state_dict_from",
     "write_shard", "write_tensors_file",

@@ -65,6 +65,12 @@ def manifest_checksum(manifest: Mapping[str, Any]) -> str:
 
 
 
+def is_url(root: object) -> bool:
+    """Whether a checkpoint root is a URL (``s3://bucket/run/checkpoints``: :mod:`psflow.checkpoint.remote`)
+    rather than a local directory."""
+    return isinstance(root, str) and "://" in root
+
+
 def checkpoint_root(root: str | os.PathLike[str]) -> Path:
     path = Path(root)
     if path.exists() and not path.is_dir():

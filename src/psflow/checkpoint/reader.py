@@ -36,6 +36,7 @@ from psflow.checkpoint.format import (
     check_unique_names,
     checkpoint_root,
     is_int,
+    is_url,
     manifest_checksum,
 )
 from psflow.errors import CheckpointError, ConfigError
@@ -116,8 +117,12 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     """Returns the final checkpoint directories under ``root``, newest step first.
 
     ``.partial`` directories and other entries are ignored; nothing is verified here.
-    A missing ``root`` has no checkpoints.
+    A missing ``root`` has no checkpoints. Under a URL root, the published ones (with a manifest).
     """
+    if is_url(root):
+        from psflow.checkpoint import remote
+
+        return remote.list_checkpoints(str(root))  # type: ignore[return-value]
     root_path = checkpoint_root(root)
     if not root_path.exists():
         return []
@@ -275,6 +280,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         CheckpointError: The manifest or a shard is missing, partial or corrupt; the message
             names each bad file and what is wrong with it.
     """
+    if is_url(path):  # verified in a local copy, as any checkpoint
+        from psflow.checkpoint import remote
+
+        path = remote.fetch(str(path))
     directory = Path(path)
     ckpt, problems = _open_verified(directory)
     if ckpt is None:
@@ -332,6 +341,13 @@ def latest_checkpoint(
     """
     report = warn if warn is not None else _log.warning
     skipped: list[tuple[Path, list[str]]] = []
+    if is_url(root):
+        from psflow.checkpoint import remote
+
+        found, skipped_urls = remote.latest(str(root), _open_verified, report)
+        if found is None and strict and skipped_urls:
+            raise NoWholeCheckpointError(root, skipped_urls)  # type: ignore[arg-type]
+        return found
     for directory in list_checkpoints(root):
         ckpt, problems = _open_verified(directory)
         if ckpt is not None:

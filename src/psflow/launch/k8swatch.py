@@ -8,8 +8,9 @@ API answers into the run's history:
 - :func:`pod_view` reads one pod (its task from the Job's labels and completion index, its attempt
   from the Job controller's index failure count, how its container ended);
 - :class:`PodTracker` takes successive pod listings and says, once each, which attempt started,
-  which exited (exit code, OOM kill, its error report from the termination message) and which
-  attempt is a restart Kubernetes made, and after what;
+  which does not run yet and why (an image that cannot be pulled, no node that fits), which exited
+  (exit code, OOM kill, its error report from the termination message) and which attempt is a
+  restart Kubernetes made, and after what;
 - :func:`outcome` reads the Jobs' conditions: every Job ``Complete`` -> succeeded; one ``Failed``
   (a task out of retries, or a permanent exit code) -> failed.
 
@@ -71,6 +72,7 @@ class PodView:
     exit_code: int | None = None  # once its container terminated; -N for a death by signal N
     reason: str | None = None  # the container's: Completed, Error, OOMKilled
     message: str | None = None  # its termination message: the task's error report
+    waiting: str | None = None  # why its container does not run yet: "ErrImagePull: <message>", ...
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,16 @@ class Restarted:
 
 
 @dataclass(frozen=True)
+class Waiting:
+    """``task``'s pod does not run yet, for a reason worth telling (an image that cannot be pulled,
+    a missing Secret or claim, no node that fits): said once per reason."""
+
+    task: str
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Exited:
     task: str
     attempt: int
@@ -99,7 +111,7 @@ class Exited:
     pod: str
 
 
-Change = Started | Restarted | Exited
+Change = Started | Restarted | Waiting | Exited
 
 
 def exit_code_of(container_code: int) -> int:
@@ -131,14 +143,20 @@ def pod_view(pod: Any) -> PodView | None:
         return None
     attempt = annotations.get(FAILURE_COUNT_ANNOTATION, "0")
     status = pod.status
-    code = reason = message = None
+    code = reason = message = waiting = None
     for cs in (status.container_statuses or []) if status is not None else []:
         term = cs.state.terminated if cs.state is not None else None
+        wait = cs.state.waiting if cs.state is not None else None
         if term is not None:
             code, reason, message = exit_code_of(term.exit_code), term.reason, term.message
+        elif wait is not None and wait.reason not in (None, "ContainerCreating", "PodInitializing"):
+            waiting = f"{wait.reason}: {wait.message}" if wait.message else wait.reason
+    for c in (status.conditions or []) if status is not None else []:
+        if waiting is None and c.type == "PodScheduled" and c.status == "False" and c.reason:
+            waiting = f"{c.reason}: {c.message}" if c.message else c.reason  # Unschedulable: no node fits
     created = meta.creation_timestamp.timestamp() if meta.creation_timestamp is not None else 0.0
     return PodView(meta.name, f"{job}:{index}", int(attempt) if str(attempt).isdigit() else 0,
-                   (status.phase if status is not None else None) or "Pending", created, code, reason, message)
+                   (status.phase if status is not None else None) or "Pending", created, code, reason, message, waiting)
 
 
 class PodTracker:
@@ -153,6 +171,7 @@ class PodTracker:
         self._started: set[tuple[str, int]] = set()
         self._exited: dict[tuple[str, int], int] = {}
         self._causes: dict[tuple[str, int], str] = {}
+        self._waiting: dict[tuple[str, int], str] = {}
 
     def update(self, pods: Iterable[PodView]) -> list[Change]:
         out: list[Change] = []
@@ -164,6 +183,9 @@ class PodTracker:
                 if p.attempt > 0:
                     out.append(Restarted(p.task, p.attempt, self._causes.get(before, "an earlier attempt failed")))
                 out.append(Started(p.task, p.attempt, p.name))
+            if p.waiting and p.exit_code is None and self._waiting.get(key) != p.waiting:
+                self._waiting[key] = p.waiting
+                out.append(Waiting(p.task, p.attempt, p.waiting))
             if p.exit_code is not None and key not in self._exited:
                 self._exited[key] = p.exit_code
                 oom = p.reason == "OOMKilled"
@@ -171,6 +193,17 @@ class PodTracker:
                 report = parse_report(p.message) if p.exit_code != 0 else None
                 out.append(Exited(p.task, p.attempt, p.exit_code, oom, report, p.name))
         return out
+
+    def tasks(self) -> list[dict[str, Any]]:
+        """Each task's attempts and exits so far, for the run's summary."""
+        out: dict[str, dict[str, Any]] = {}
+        for task, attempt in sorted(self._started):
+            t = out.setdefault(task, {"task": task, "attempts": 0, "exits": []})
+            t["attempts"] = max(t["attempts"], attempt + 1)
+            if (task, attempt) in self._exited:
+                t["exits"].append({"attempt": attempt, "code": self._exited[(task, attempt)],
+                                   "cause": self._causes[(task, attempt)]})
+        return list(out.values())
 
     def last_failure(self) -> tuple[str, int, int] | None:
         """(task, attempt, code) of the first failed exit whose task was not started again: the root cause."""
@@ -289,9 +322,12 @@ class K8sBackend:
             finally:
                 self._delete(plan, jobs=status != "succeeded")
         root = tracker.last_failure() if status == "failed" else None
-        summary = {"run_id": plan.run_id, "backend": "k8s", "status": status, "reason": why,
-                   "elapsed_s": round(time.time() - t0, 3), "root_cause": root[0] if root else None,
-                   "namespace": self.settings.namespace, "k8s_name": run_name(plan)}
+        # The pods report to no coordinator (the launcher may be outside the cluster): no global step
+        # or throughput here; the chief's summaries and checkpoints in the claim's log dir have them.
+        summary = {"run_id": plan.run_id, "backend": "k8s", "status": status or "stopped", "reason": why,
+                   "root_cause": root[0] if root else None, "mode": plan.config.mode, "strategy": plan.config.strategy,
+                   "global_step": None, "metrics": {}, "examples_per_sec": None, "wall_s": round(time.time() - t0, 3),
+                   "tasks": tracker.tasks(), "namespace": self.settings.namespace, "k8s_name": run_name(plan)}
         store.summary(summary)
         store.finished(status or "stopped")
         code = {"succeeded": 0, "failed": 1}.get(status or "", 130)
@@ -343,6 +379,9 @@ class K8sBackend:
             store.task_restarting(change.task, change.attempt, 0.0, change.cause)
         elif isinstance(change, Started):
             store.task_started(change.task, change.attempt, change.pod)
+        elif isinstance(change, Waiting):
+            self.console.warn(f"{change.task} (attempt {change.attempt}) is not running yet: {change.reason}")
+            store.event("task_waiting", task=change.task, attempt=change.attempt, reason=change.reason)
         else:
             store.task_exited(change.task, change.attempt, change.code, time.time(), oom_killed=change.oom_killed)
             self._save_log(plan, change)

@@ -95,8 +95,14 @@ def place(tasks: Sequence[str], hosts: Sequence[Host]) -> dict[str, str]:
     """Each task's host: the hosts filled in order, each up to its slots.
 
     Raises:
-        ConfigError: more tasks than slots.
+        ConfigError: more tasks than slots; a loopback name (localhost) beside other hosts, whose
+            tasks could not reach a task there by that name.
     """
+    loopback = [h.name for h in hosts if is_loopback_host(h.name)]
+    if loopback and len(loopback) < len(hosts):
+        raise ConfigError(f"--hosts names {', '.join(loopback)} beside other hosts: a task there would listen on loopback, "
+                          "where the tasks on the other hosts cannot reach it. Name this host by an address or name "
+                          "the others reach (e.g. its hostname).")
     slots = [h.name for h in hosts for _ in range(h.slots)]
     if len(tasks) > len(slots):
         raise ConfigError(f"--hosts gives {len(slots)} slot(s) ({', '.join(f'{h.name}:{h.slots}' for h in hosts)}) for "
@@ -209,9 +215,9 @@ class SshBackend(Backend):
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              bufsize=1, start_new_session=True, preexec_fn=die_with_parent)
         assert p.stdin is not None and p.stdout is not None
-        p.stdin.write(agent_header(task, {**env, **TaskEnv(attempt=attempt).render()}, host=host, secret=secret,
-                                   cwd=str(Path.cwd())))
-        p.stdin.flush()
+        header = agent_header(task, {**env, **TaskEnv(attempt=attempt).render()}, host=host, secret=secret, cwd=str(Path.cwd()))
+        # False where ssh ended already (it could not connect): its exit and message come through _watch and the log
+        _tell(p, header.rstrip("\n"))
         self._procs[task.task] = p
         self._started.append(p)
         index = plan.task_names().index(task.task)

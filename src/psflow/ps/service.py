@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from psflow.checkpoint.keys import split_state
@@ -594,7 +593,7 @@ def default_save(service: PsService) -> Callable[[dict[str, Any]], dict[str, Any
         version, tensors, positions = service.store_of(shard).checkpoint_state(
             exact, timeout_s=float(meta.get("timeout_s", service.store.config.sync_timeout_s)))
         record = checkpoint.write_shard(
-            Path(meta["root"]),
+            str(meta["root"]),  # a directory, or a URL (Path would fold its //)
             int(meta["step"]),
             shard,
             int(meta["num_shards"]),

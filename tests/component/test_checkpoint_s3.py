@@ -1,0 +1,128 @@
+"""Checkpoints under an s3:// URL (psflow.checkpoint.remote through fsspec's s3fs), against moto's S3
+server started by the test on loopback: no real object store can run here, moto is the stand-in.
+The same rules as on disk: a checkpoint is there only once its manifest is (written last), every
+shard is verified on restore, a corrupt one is skipped for the previous one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("s3fs", reason="checkpoints on s3:// need s3fs (pip install 'psflow[s3]')")
+server_mod = pytest.importorskip("moto.server", reason="the S3 stand-in is moto's server (pip install 'moto[server]')")
+
+from psflow import checkpoint  # noqa: E402
+from psflow.errors import CheckpointError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ACCESS_KEY_ID", "psflow-test")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "psflow-test")
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def root(s3_endpoint, request, tmp_path, monkeypatch):
+    import boto3
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    bucket = request.node.name.lower().replace("_", "-")[:50].strip("-")
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/run/checkpoints"
+
+
+def s3():
+    import boto3
+
+    return boto3.client("s3")
+
+
+def bucket_and_key(url: str) -> tuple[str, str]:
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+def save(root: str, step: int, shards: int = 2, keep: int = 5) -> list[checkpoint.ShardRecord]:
+    records = [checkpoint.write_shard(root, step, k, shards, {f"w{k}": torch.full((3, 4), float(step + k))})
+               for k in range(shards)]
+    checkpoint.commit(root, step, records, meta={"global_step": step}, keep=keep)
+    return records
+
+
+def test_a_checkpoint_round_trips_through_s3_bit_for_bit(root):
+    save(root, 100)
+    ckpt = checkpoint.latest_checkpoint(root)
+    assert ckpt is not None and ckpt.step == 100 and ckpt.meta == {"global_step": 100}
+    tensors = ckpt.load_all()
+    assert torch.equal(tensors["w0"], torch.full((3, 4), 100.0)) and torch.equal(tensors["w1"], torch.full((3, 4), 101.0))
+    assert [u.name for u in checkpoint.list_checkpoints(root)] == ["ckpt-0000000100"]
+
+
+def test_shards_without_their_manifest_are_no_checkpoint(root):
+    save(root, 100)
+    for k in range(2):  # step 200: every ps wrote its shard, the chief died before committing
+        checkpoint.write_shard(root, 200, k, 2, {f"w{k}": torch.zeros(2)})
+    assert [u.name for u in checkpoint.list_checkpoints(root)] == ["ckpt-0000000100"]
+    assert checkpoint.latest_checkpoint(root).step == 100
+
+
+def test_a_writer_that_dies_mid_upload_leaves_no_object(root):
+    with pytest.raises(CheckpointError, match="injected crash"):
+        checkpoint.write_shard(root, 100, 0, 1, {"w": torch.ones(8)}, _crash_after_bytes=10)
+    bucket, key = bucket_and_key(root)
+    assert s3().list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount", 0) == 0
+
+
+def test_commit_refuses_a_missing_or_short_shard_object(root):
+    records = [checkpoint.write_shard(root, 100, k, 2, {f"w{k}": torch.ones(4)}) for k in range(2)]
+    bucket, key = bucket_and_key(f"{root}/ckpt-0000000100/{records[1].file}")
+    s3().put_object(Bucket=bucket, Key=key, Body=b"short")
+    with pytest.raises(CheckpointError, match=r"shard 1 object .* has 5 bytes, its record says"):
+        checkpoint.commit(root, 100, records, meta={}, keep=3)
+    s3().delete_object(Bucket=bucket, Key=key)
+    with pytest.raises(CheckpointError, match=r"shard 1 object .* does not exist"):
+        checkpoint.commit(root, 100, records, meta={}, keep=3)
+    assert checkpoint.list_checkpoints(root) == []  # no manifest was written
+
+
+def test_a_corrupt_shard_is_skipped_for_the_previous_checkpoint_with_a_warning_naming_it(root):
+    save(root, 100)
+    records = save(root, 200)
+    bucket, key = bucket_and_key(f"{root}/ckpt-0000000200/{records[0].file}")
+    body = bytearray(s3().get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[-1] ^= 0xFF  # same size, other bytes: only the sha256 tells
+    s3().put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    warnings: list[str] = []
+    ckpt = checkpoint.latest_checkpoint(root, warn=warnings.append)
+    assert ckpt.step == 100
+    assert len(warnings) == 1 and "ckpt-0000000200" in warnings[0] and "sha256" in warnings[0]
+    with pytest.raises(CheckpointError, match="not usable"):
+        checkpoint.read_checkpoint(f"{root}/ckpt-0000000200")
+
+
+def test_only_the_newest_keep_checkpoints_stay_and_every_object_of_the_others_goes(root):
+    for step in (100, 200, 300):
+        save(root, step, keep=2)
+    assert [u.name for u in checkpoint.list_checkpoints(root)] == ["ckpt-0000000300", "ckpt-0000000200"]
+    bucket, key = bucket_and_key(root)
+    keys = [o["Key"] for o in s3().list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]]
+    assert not [k for k in keys if "ckpt-0000000100" in k], keys
+
+
+def test_strict_restore_refuses_to_start_over_when_every_checkpoint_is_corrupt(root):
+    records = save(root, 100)
+    bucket, key = bucket_and_key(f"{root}/ckpt-0000000100/{records[1].file}")
+    s3().delete_object(Bucket=bucket, Key=key)
+    with pytest.raises(checkpoint.NoWholeCheckpointError, match="None of the 1 checkpoint"):
+        checkpoint.latest_checkpoint(root, strict=True, warn=lambda m: None)
+    assert os.environ["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")  # moto on loopback, never a real store
