@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from psflow import timeline
 from psflow.errors import AuthError, ClusterError, PsflowError, RemoteError, TransportError
 from psflow.wire.frame import (
     HEADER_SIZE,
@@ -101,6 +102,10 @@ class Connection:
         self._timeout: float | None | bool = False  # False: unknown; settimeout costs a syscall, so skip repeats
         self._deadline: float | None = None  # monotonic time the handshake must be done by (None: no deadline)
         self.bytes_sent = self.bytes_received = 0  # frames' bytes, handshake included (what a link carries)
+        # psflow run --timeline: when the last frame's header arrived (timeline clock), what the
+        # reader waited for until then is not the frame's transfer. Off: one branch per frame.
+        self._timeline = timeline.ACTIVE
+        self.header_us = 0.0
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -192,6 +197,8 @@ class Connection:
         try:
             op, _flags, meta_len, payload_len = decode_header(self._take(HEADER_SIZE), self.limits)
             self.bytes_received += HEADER_SIZE + meta_len + payload_len
+            if self._timeline is not None:
+                self.header_us = self._timeline.now()
             if meta_len <= _RECV_BUF // 2:
                 meta_raw = self._take(meta_len)
             else:
