@@ -106,20 +106,25 @@ def netns_up() -> str | None:
 
 
 def main() -> None:
-    args = harness.arg_parser(__doc__.splitlines()[0]).parse_args()
+    parser = harness.arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="loopback,link,accuracy",
+                        help="which parts to run, comma-separated: loopback, link, accuracy")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
     reps = harness.reps_of(args, full=3, quick=1)
     steps, link_steps = (10, 4) if args.quick else (40, 10)
     test_examples = 2000 if args.quick else 10000
     print("## Gradient compression on the CNN (1 ps + 2 workers, async)\n")
     print(f"Machine: {harness.machine()}.  \nCommand: `{harness.command_line()}`\n")
 
-    log(f"part 1: loopback, {reps} interleaved rounds of {steps} steps per worker")
-    loop = harness.interleaved({n: (lambda f=f: throughput_case(f, 5, steps, None)) for n, f in SETTINGS.items()},
-                               reps, warmup=0)
-    print(f"### Loopback, no rate limit ({reps} rounds, {steps} timed steps per worker)\n")
-    print(throughput_table(loop) + "\n")
+    if "loopback" in parts:
+        log(f"part 1: loopback, {reps} interleaved rounds of {steps} steps per worker")
+        loop = harness.interleaved({n: (lambda f=f: throughput_case(f, 5, steps, None)) for n, f in SETTINGS.items()},
+                                   reps, warmup=0)
+        print(f"### Loopback, no rate limit ({reps} rounds, {steps} timed steps per worker)\n")
+        print(throughput_table(loop) + "\n")
 
-    ns = netns_up()
+    ns = netns_up() if "link" in parts else None
     if ns is not None:
         try:
             log(f"part 2: 100 Mbit/s, {reps} interleaved rounds of {link_steps} steps per worker")
@@ -130,9 +135,10 @@ def main() -> None:
             print(throughput_table(link) + "\n")
         finally:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-    else:
+    elif "link" in parts:
         print("### One shared 100 Mbit/s link\n\nNot measured: making a network namespace needs root, ip and tc.\n")
-
+    if "accuracy" not in parts:
+        return
     log("part 3: one epoch of examples/mnist_cnn.py per setting")
     rows = []
     for name, flags in SETTINGS.items():

@@ -64,6 +64,8 @@ def _k8s_options(f: Any) -> Any:
               help="Gradients on the wire: half precision, or the largest RATIO of each (with error feedback).")
 @click.option("--compress-pull", "compress_pull", is_flag=True, default=None,
               help="With --compress fp16|bf16: the parameters come back in that precision too.")
+@click.option("--timeline", is_flag=True, default=None,
+              help="Record where every step's time goes into LOGDIR/timeline.json (Perfetto, chrome://tracing).")
 @click.option("--allow-unauthenticated-allreduce", is_flag=True, default=None,
               help="Let --strategy allreduce run off loopback, where its traffic (gloo) is not covered by the job secret.")
 @click.option("--fail-at", default=None,
@@ -502,6 +504,10 @@ def summary(summary: str) -> None:
         click.echo(f"{k:>18}: {data.get(k)}")
     for k, v in (data.get("metrics") or {}).items():  # the script's own, as it named them
         click.echo(f"{k:>18}: {v}")
+    step = (data.get("timeline") or {}).get("step") if isinstance(data.get("timeline"), dict) else None
+    if isinstance(step, dict) and step:  # psflow run --timeline: where the workers' step time went
+        click.echo(f"{'step time':>18}: " + ", ".join(f"{p} {v:.0%}" for p, v in step.items() if isinstance(v, (int, float))))
+        click.echo(f"{'timeline':>18}: {p.parent / 'timeline.json'} (open in ui.perfetto.dev or chrome://tracing)")
     for t in data.get("tasks") or []:  # what the watchdog caught, and where the stacks are
         for x in t.get("exits") or [] if isinstance(t, dict) else []:
             if isinstance(x, dict) and isinstance(x.get("hang"), dict):

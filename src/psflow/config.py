@@ -58,6 +58,8 @@ class TrainConfig:
     # psflow.wire.compress). compress_pull: pulled values come back in fp16/bf16 too.
     compress: str = "none"
     compress_pull: bool = False
+    # Every task records where its time goes; the launcher merges it into LOGDIR/timeline.json (psflow.timeline)
+    timeline: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,6 +82,8 @@ class TrainConfig:
         from psflow.wire.compress import Compression
 
         compression = Compression.parse(self.compress)  # raises ConfigError naming the forms allowed
+        if not isinstance(self.timeline, bool):
+            raise ConfigError(f"timeline must be true or false; received {self.timeline!r}.")
         if not isinstance(self.compress_pull, bool):
             raise ConfigError(f"compress_pull must be true or false; received {self.compress_pull!r}.")
         if self.compress_pull and compression.pull_dtype() is None:

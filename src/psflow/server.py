@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from psflow import timeline
 from psflow.errors import AuthError, ConfigError, PsflowError, TransportError
 from psflow.wire.conn import BUSY, Connection
 from psflow.wire.frame import FrameError, Limits, TensorSpec, encode_head
@@ -252,8 +253,11 @@ class Server:
 
     def _serve_one(self, conn: Connection, cache: dict[str, torch.Tensor]) -> bool:
         """Serve one request. Returns False when the connection should close."""
+        tl = timeline.ACTIVE  # psflow run --timeline: receive and send spans (off: this branch only)
         try:
             frame = conn.recv(alloc=lambda spec: _cached(cache, spec))
+            if tl is not None:
+                tl.add("receive", f"receive {_op_name(frame.op)}", conn.header_us, tl.now(), peer=conn.peer)
         except FrameError as e:
             self._refuse(conn, str(e))
             return False
@@ -275,7 +279,12 @@ class Server:
         except Exception as e:  # a handler bug must not take the server down
             log.exception("%s: handler for op %s failed", self.task, frame.op)
             return self._send(conn, Op.ERROR, {"error": f"internal error in {self.task}: {e!r}", "kind": "internal"})
-        return self._send(conn, Op.OK, reply.meta, reply.tensors)
+        if tl is None:
+            return self._send(conn, Op.OK, reply.meta, reply.tensors)
+        start = tl.now()
+        sent = self._send(conn, Op.OK, reply.meta, reply.tensors)
+        tl.add("send", f"send {_op_name(frame.op)}", start, tl.now(), peer=conn.peer)
+        return sent
 
     @staticmethod
     def _send(conn: Connection, op: int, meta: dict[str, Any], tensors: list[tuple[str, torch.Tensor]] = ()) -> bool:
@@ -285,6 +294,10 @@ class Server:
             return True
         except (TransportError, OSError):
             return False
+
+
+def _op_name(op: int) -> str:
+    return Op(op).name if op in Op._value2member_map_ else f"op {op}"
 
 
 def _cached(cache: dict[str, torch.Tensor], spec: TensorSpec) -> torch.Tensor:

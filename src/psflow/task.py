@@ -36,6 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from psflow import timeline
 from psflow.cluster import (
     ClusterSpec,
     TaskId,
@@ -358,6 +359,7 @@ class Task:
                 log.warning("%s: closing the trainer failed: %s", self.task_id, e)
         if self.trainers:
             self.report(trainer=self.trainers[0].stats())
+        self._write_timeline()
         if self._co_conn is not None:
             self._co_conn.close()
         if self._heartbeat is not None:
@@ -368,6 +370,19 @@ class Task:
             if self._writer is not None:
                 self._writer.close()
         self.server.stop()
+
+
+    def _write_timeline(self) -> None:
+        """psflow run --timeline: this task's spans to LOGDIR/timeline/, its phase shares to the summary."""
+        tl = timeline.ACTIVE
+        if tl is None:
+            return
+        self.report(timeline=tl.shares())
+        if self.logdir:
+            try:
+                tl.write(self.logdir)
+            except OSError as e:
+                log.warning("%s could not write its timeline under %s: %s", self.task_id, self.logdir, e)
 
 
 def current_task() -> Task:
@@ -469,6 +484,8 @@ def init(
     if task_id is None:
         raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index "
                           "(or TF_CONFIG's task, or PSFLOW_TASK with PSFLOW_CLUSTER).")
+    if cfg.timeline:
+        timeline.start(str(task_id), tenv.attempt)  # before any connection: each one stamps its frames' arrival
     if task_id.job == "ps":
         from psflow.ps.service import warm_up
 

@@ -23,6 +23,8 @@ def test_a_sync_run_with_topk_compression_trains_and_sends_a_fraction_of_the_byt
         assert stats["compress"] == "topk:0.05"
         # 5% of the entries, 8 bytes each (index and value), plus headers: well under a fifth of the dense push.
         assert stats["bytes_sent"] / stats["local_step"] < 0.2 * GRAD_BYTES, stats
+    # Without --timeline nothing of it is recorded.
+    assert "timeline" not in s and not (logdir / "timeline.json").exists() and not (logdir / "timeline").exists()
 
 
 def test_a_bad_compress_setting_is_refused_before_any_task_starts(tmp_path):

@@ -69,6 +69,7 @@ from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import CompositeRunStore, FileRunStore, RunStore
 from psflow.launch.summary import build_summary
 from psflow.server import Server
+from psflow.timeline import write_trace
 
 
 def file_store(plan: LaunchPlan) -> RunStore:
@@ -144,6 +145,8 @@ class Runner:
                 server.stop()
         summary = build_summary(plan, coord.reports, coord.addresses, controller.records, time.time() - t0,
                                 finished.status, finished.root_cause)
+        if plan.config.timeline:  # every task has exited: merge their spans into one trace
+            write_trace(plan.logdir)
         store.summary(summary)
         store.finished(finished.status)
         self.console.final_table(store.snapshot())

@@ -14,6 +14,7 @@ from typing import Any
 from psflow.launch.controller import TaskRecord, signal_name
 from psflow.launch.metrics import job_rate, run_metrics, task_metrics, trainer_figures
 from psflow.launch.plan import LaunchPlan
+from psflow.timeline import job_shares
 
 
 def build_summary(
@@ -63,6 +64,7 @@ def build_summary(
         "restart_policy": plan.restart.describe(tuple(dict.fromkeys(t.split(":")[0] for t in plan.task_names()))),
         "tasks": [task_entry(plan, r, addresses.get(t)) for t, r in records.items() if r.started],
         "reports": reports,
+        **({"timeline": shares} if (shares := job_shares(reports)) else {}),  # psflow run --timeline
     }
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from psflow import timeline
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.errors import PsflowError, RemoteError, TransportError
 from psflow.ps.replication import pair_other
@@ -87,6 +88,7 @@ class PsClient:
         self.encoder = GradientEncoder(compression)
         self.pull_dtype = compression.pull_dtype() if compress_pull else None
         self._retired_bytes = [0, 0]  # sent, received over connections closed since
+        self.waiting_for = "ps reply"  # what a push's reply waits for, as the timeline names it (sync: the quorum)
         self.replicas = replicas  # 2: each shard has a backup on the next ps (failover)
         self.failover_s = failover_s  # replicas=2: how long a lost primary may not answer before its backup serves
         self.routes: dict[int, int] = {}  # shard -> the ps serving it in place of its dead primary
@@ -402,17 +404,26 @@ class PsClient:
             raise
 
     def recv_push_replies(self, shards: Iterable[int], dests: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, Any]]:
-        """Receive the replies of requests sent with :meth:`send_push`, values straight into ``dests``."""
+        """Receive the replies of requests sent with :meth:`send_push`, values straight into ``dests``.
+        With the timeline on, each shard's wait until its reply's first byte (named ``waiting_for``) and
+        the reply's transfer are spans of their own."""
         metas, first_error = [], None
         lost: TransportError | None = None
+        tl = timeline.ACTIVE
         for shard in shards:
             dest = dests[shard]
             unanswered = self._unanswered.pop(shard, None)
+            start = tl.now() if tl is not None else 0.0
             try:
                 frame = self._recv_push_reply(shard, dest, unanswered)
             except TransportError as e:
                 lost = self._on_error(shard, e, lost)
                 continue
+            if tl is not None:
+                conn = self.conns[shard]
+                arrived = max(start, conn.header_us) if conn is not None else start
+                tl.add("wait", f"wait ps:{shard} ({self.waiting_for})", start, arrived)
+                tl.add("pull", f"pull ps:{shard}", arrived, tl.now())
             if frame.op == Op.ERROR and first_error is None:
                 first_error = RemoteError(f"ps:{shard}: {frame.meta.get('error', 'unknown error')}")
             _land([frame], [dest])

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from psflow import timeline
 from psflow.checkpoint.keys import split_state
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
@@ -464,11 +465,16 @@ class PsService:
         seq = req.meta.get("seq")
         worker, attempt = int(req.meta["worker"]), int(req.meta.get("attempt", 0))
         grads = req.tensors
+        tl = timeline.ACTIVE
+        start = tl.now() if tl is not None else 0.0
         if "compress" in req.meta and store.initialized:  # an uninitialized store's push raises the clearer error
             dense = self._dense.setdefault((store.shard, worker, attempt), {})
             grads = compress.decode(str(req.meta["compress"]), req.tensors, store.values, dense)
         result = store.push(worker, version, grads, position=req.meta.get("position"),
                             attempt=attempt, push_seq=None if seq is None else int(seq))
+        if tl is not None:
+            tl.add("apply", f"apply shard {store.shard}" if result.get("applied") else f"push shard {store.shard}",
+                   start, tl.now(), peer=req.peer, version=store.version)
         if self.after_push is not None and store is self.store:
             self.after_push(store.version)
         if not req.meta.get("pull"):
@@ -478,10 +484,13 @@ class PsService:
         # accepted gradient (or a duplicate of one) waits for its step to complete (a stale one gets
         # the newest values now).
         wait_for_step = store.config.mode == "sync" and result.get("applied")
+        start = tl.now() if tl is not None else 0.0
         current, values = store.pull(
             min_version=version + 1 if wait_for_step else 0,
             timeout_s=float(req.meta.get("timeout_s", store.config.sync_timeout_s)),
         )
+        if tl is not None and wait_for_step:
+            tl.add("wait", f"wait for step {version + 1}", start, tl.now(), peer=req.peer)
         self._acked(store)  # acknowledged once the backup holds it (sync: the step it completed)
         return Reply({**result, "version": current}, compress.cast_values(list(values.items()), req.meta.get("pull_dtype")))
 

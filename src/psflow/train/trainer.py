@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from psflow import timeline
 from psflow.checkpoint.keys import StateKey, parse_key
 from psflow.errors import ConfigError, PsflowError
 from psflow.optim import OptimizerSpec
@@ -115,6 +116,7 @@ class Trainer(TrainerBase):
                                resolve=task.resolve, replicas=self.config.ps_replicas,
                                failover_s=self.config.primary_failover_s,
                                compression=Compression.parse(self.config.compress), compress_pull=self.config.compress_pull)
+        self.client.waiting_for = "sync quorum" if self.config.mode == "sync" else "ps reply"
         self.versions = [0] * task.num_ps
         self.attempt = int(getattr(task, "attempt", 0) or 0)  # the launcher's restart count (PSFLOW_ATTEMPT)
         self.clock_base = 0  # ssp: the clock this attempt starts at (from readiness: a restarted worker resumes)
@@ -246,15 +248,22 @@ class Trainer(TrainerBase):
         Returns the loss as a float. Afterwards the model holds the newest values from the ps.
         """
         t0 = self._begin_step()
+        tl = timeline.ACTIVE  # None unless psflow run --timeline: then each phase below is a span
+        ts = tl.now() if tl is not None else 0.0
         cfg = self.config
         if cfg.mode == "ssp":
             with self.waiting("the ssp staleness bound"):
                 self.client.clock(self.worker, self.clock_base + self.local_step, cfg.sync_timeout_s, attempt=self.attempt)
+            if tl is not None:
+                tl.add("wait", "wait (ssp bound)", ts, tl.now())
         # ssp: the values from the last push-pull predate the clock wait, and ssp bounds the staleness
         # of the values a step computes from. After pull(averages=True) the model holds averages.
         if (cfg.mode == "ssp" and self.local_step > 0) or self._holds_averages:
+            tp = tl.now() if tl is not None else 0.0
             self.versions = self.client.pull(self._dests)
             self._holds_averages = False
+            if tl is not None:
+                tl.add("pull", "pull", tp, tl.now())
         t1 = time.perf_counter()
         for p in self.params.values():
             p.grad = None
@@ -270,7 +279,10 @@ class Trainer(TrainerBase):
         if self._ledger is not None:
             self._ledger.step_sent()
         try:
-            value = run_step_closure(closure, self.model, towers=self.towers, batch=batch, batches=batches)
+            if tl is None:
+                value = run_step_closure(closure, self.model, towers=self.towers, batch=batch, batches=batches)
+            else:
+                value = self._timed_compute(tl, closure, batch, batches)
             self.compute_s += time.perf_counter() - t1
             for shard in [*range(1, self.task.num_ps), 0]:  # shard 0 (the data position) last
                 if shard not in self._sent:
@@ -288,6 +300,8 @@ class Trainer(TrainerBase):
         if replies[0].get("stale"):
             self.stale_pushes += 1
         self.global_step = self.versions[0]
+        if tl is not None:
+            tl.add("step", f"step {self.local_step}", ts, tl.now(), global_step=self.global_step)
         if replies[0].get("stopped"):
             # The job reached its stop step before this batch: nothing of it was applied or counted.
             self.stopped = True
@@ -295,6 +309,28 @@ class Trainer(TrainerBase):
         if self._ledger is not None and replies[0].get("applied"):
             self._ledger.acknowledged_push()
         self._end_step(t0, value, batch_size, batch, batches)
+        return value
+
+    def _timed_compute(self, tl: timeline.Timeline, closure: Callable[..., torch.Tensor], batch: Any,
+                       batches: Any) -> float:
+        """run_step_closure with the timeline's forward and backward spans (one span with towers)."""
+        start = tl.now()
+        if self.towers is not None:
+            value = run_step_closure(closure, self.model, towers=self.towers, batch=batch, batches=batches)
+            tl.add("compute", "forward + backward (devices)", start, tl.now())
+            return value
+        forward_end: list[float] = []
+
+        def timed(*args: Any) -> torch.Tensor:
+            loss = closure(*args)
+            forward_end.append(tl.now())
+            return loss
+
+        value = run_step_closure(timed, self.model, batch=batch, batches=batches)
+        end = tl.now()
+        middle = forward_end[0] if forward_end else end
+        tl.add("forward", "forward", start, middle)
+        tl.add("backward", "backward", middle, end)
         return value
 
     def _grads(self, shard: int) -> list[tuple[str, torch.Tensor]]:
@@ -344,8 +380,12 @@ class Trainer(TrainerBase):
         assert self._sent is not None
         # Shard 0 keeps the workers' data positions; the iterator has already moved past this batch.
         position = self.data_source.state_dict() if shard == 0 and self.data_source is not None else None
+        tl = timeline.ACTIVE
+        start = tl.now() if tl is not None else 0.0
         self.client.send_push(shard, self.worker, self.versions[shard], self._grads(shard), wait_s=self.config.sync_timeout_s,
                               position=position, attempt=self.attempt, seq=self._push_seq)
+        if tl is not None:
+            tl.add("push", f"push ps:{shard}", start, tl.now(), during_backward=during_backward)
         self._sent.add(shard)
         if not during_backward:
             self._late.add(shard)

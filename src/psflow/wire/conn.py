@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from psflow import timeline
 from psflow.errors import AuthError, ClusterError, PeerGoneError, PsflowError, RemoteError, TransportError
 from psflow.wire.frame import (
     HEADER_SIZE,
@@ -101,6 +102,10 @@ class Connection:
         self._timeout: float | None | bool = False  # False: unknown; settimeout costs a syscall, so skip repeats
         self._deadline: float | None = None  # monotonic time the handshake must be done by (None: no deadline)
         self.bytes_sent = self.bytes_received = 0  # frames' bytes, handshake included (what a link carries)
+        # psflow run --timeline: when the last frame's header arrived (timeline clock), what the
+        # reader waited for until then is not the frame's transfer. Off: one branch per frame.
+        self._timeline = timeline.ACTIVE
+        self.header_us = 0.0
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -113,7 +118,7 @@ class Connection:
     # -- sending ---------------------------------------------------------------------------
     def send(self, op: int, meta: dict[str, Any] | None = None, tensors: NamedTensors = ()) -> None:
         if not tensors:  # the common small request or reply: one buffer, one syscall
-            self._sendall([memoryview(encode_head(int(op), meta or {}, 0))])
+            self._sendall([encode_head(int(op), meta or {}, 0)])
             return
         meta = {**(meta or {}), "t": tensor_specs(tensors)}
         bufs = [byte_view(t) for _, t in tensors]
@@ -121,9 +126,13 @@ class Connection:
         head = encode_head(int(op), meta, payload_len)
         self._sendall([memoryview(head), *[b for b in bufs if b.nbytes]])
 
-    def _sendall(self, bufs: list[memoryview]) -> None:
-        self.bytes_sent += sum(b.nbytes for b in bufs)
+    def _sendall(self, bufs: list[memoryview] | list[bytes]) -> None:
         try:
+            if len(bufs) == 1 and isinstance(bufs[0], bytes):  # a small frame: sendall's loop is C's
+                self.bytes_sent += len(bufs[0])
+                self.sock.sendall(bufs[0])
+                return
+            self.bytes_sent += sum(b.nbytes for b in bufs)  # type: ignore[union-attr]
             while bufs:
                 sent = self.sock.sendmsg(bufs[:_IOV_MAX])
                 while sent:
@@ -176,22 +185,39 @@ class Connection:
             self._timeout = left
         return self.sock.recv_into(view, n)
 
+    def _fill(self, n: int) -> None:
+        """Make the next ``n`` bytes (at most half the buffer) wait in the receive buffer: one
+        syscall usually brings them and whatever else has arrived."""
+        have = self._rend - self._rpos
+        if self._rpos + n > _RECV_BUF:  # no room behind: move what is left to the front
+            self._rbuf[:have] = self._rbuf[self._rpos:self._rend]
+            self._rpos, self._rend = 0, have
+        while self._rend - self._rpos < n:
+            k = self._recv_into(self._rbuf[self._rend:])
+            if k == 0:
+                raise PeerLostError(f"{self.peer} closed the connection.")
+            self._rend += k
+
     def _take(self, n: int) -> bytes:
         """The next ``n`` bytes (``n`` at most half the buffer), usually without a syscall."""
-        if self._rend - self._rpos >= n:
-            out = bytes(self._rbuf[self._rpos:self._rpos + n])
-            self._rpos += n
-            return out
-        out = bytearray(n)
-        self._recv_exact(memoryview(out))
-        return bytes(out)
+        if self._rend - self._rpos < n:
+            self._fill(n)
+        out = bytes(self._rbuf[self._rpos:self._rpos + n])
+        self._rpos += n
+        return out
 
     def recv(self, alloc: Allocator | None = None) -> Frame:
         """Receive one frame. ``alloc(spec)`` may return a destination tensor (same dtype and
         shape) to receive into; otherwise a fresh tensor is allocated."""
         try:
-            op, _flags, meta_len, payload_len = decode_header(self._take(HEADER_SIZE), self.limits)
+            if self._rend - self._rpos < HEADER_SIZE:
+                self._fill(HEADER_SIZE)
+            pos = self._rpos
+            op, _flags, meta_len, payload_len = decode_header(self._rbuf[pos:pos + HEADER_SIZE], self.limits)
+            self._rpos = pos + HEADER_SIZE
             self.bytes_received += HEADER_SIZE + meta_len + payload_len
+            if self._timeline is not None:
+                self.header_us = self._timeline.now()
             if meta_len <= _RECV_BUF // 2:
                 meta_raw = self._take(meta_len)
             else:

@@ -4,6 +4,7 @@ A frame is::
 
     header  = struct "<4sHHIQ": magic b"PSF1", op (uint16), flags (uint16), meta_len (uint32), payload_len (uint64)
     meta    = meta_len bytes of UTF-8 JSON: an object; key "t" lists the tensors as [name, dtype, shape]
+              (encoded and parsed by orjson: the meta of a small request is most of its cost in Python)
     payload = payload_len bytes: the raw bytes of each tensor in "t" order, C-contiguous, little-endian
 
 Invariants: nothing is unpickled; the sum of the tensors' sizes equals payload_len; every dtype is in
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from psflow.errors import TransportError
 
 if TYPE_CHECKING:
@@ -39,7 +42,8 @@ ITEMSIZE: dict[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
 MAX_NDIM = 8
-_JSON = json.JSONEncoder(separators=(",", ":"))  # reused: json.dumps builds a new encoder per call
+_JSON = json.JSONEncoder(separators=(",", ":"))  # orjson's fallback: integers past 64 bits
+_ORJSON_OPTS = orjson.OPT_NON_STR_KEYS  # {1: x} -> {"1": x}, as the standard library writes it
 
 
 @functools.cache
@@ -108,8 +112,21 @@ def tensor_specs(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[list[Any]]
 
 def encode_head(op: int, meta: dict[str, Any], payload_len: int, flags: int = 0) -> bytes:
     """Header plus meta bytes of a frame. The tensors' bytes follow separately (zero copy)."""
-    meta_bytes = _JSON.encode(meta).encode()
+    meta_bytes = encode_meta(meta)
     return HEADER.pack(MAGIC, op, flags, len(meta_bytes), payload_len) + meta_bytes
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    """A frame's meta as compact UTF-8 JSON, as the standard library writes it: orjson, unless the
+    result holds a null (orjson writes NaN and infinities so; the standard library writes them as
+    NaN and Infinity, which the receiver then refuses by name) or an integer past 64 bits."""
+    if not meta:
+        return b"{}"
+    try:
+        out = orjson.dumps(meta, option=_ORJSON_OPTS)
+    except orjson.JSONEncodeError:
+        return _JSON.encode(meta).encode()
+    return out if b"null" not in out else _JSON.encode(meta).encode()
 
 
 def decode_header(data: bytes, limits: Limits, *, handshake: bool = False) -> tuple[int, int, int, int]:
@@ -120,7 +137,7 @@ def decode_header(data: bytes, limits: Limits, *, handshake: bool = False) -> tu
     """
     if len(data) != HEADER_SIZE:
         raise FrameError(f"Frame header is {len(data)} bytes; expected {HEADER_SIZE}.")
-    magic, op, flags, meta_len, payload_len = HEADER.unpack(data)
+    magic, op, flags, meta_len, payload_len = HEADER.unpack(data)  # data: bytes or a view of the receive buffer
     if magic != MAGIC:
         raise FrameError(
             f"Not a psflow frame: magic {magic!r}, expected {MAGIC!r}. "
@@ -154,6 +171,8 @@ def _check_handshake_sizes(meta_len: int, payload_len: int, limits: Limits) -> N
 def decode_meta(data: bytes, payload_len: int, limits: Limits) -> tuple[dict[str, Any], list[TensorSpec]]:
     """Parse and validate a frame's meta against its payload length. Raises FrameError."""
     meta = _json_object(data)
+    if "t" not in meta and not payload_len:
+        return meta, []  # a small request or reply: nothing more to check
     specs = _parse_specs(meta.get("t", []), limits)
     total = sum(s.nbytes for s in specs)
     if total != payload_len:
@@ -170,14 +189,26 @@ def decode_handshake_meta(data: bytes) -> dict[str, Any]:
 
 
 def _json_object(data: bytes) -> dict[str, Any]:
-    # ValueError covers JSONDecodeError and ints past Python's digit limit; RecursionError, deep nesting.
+    # orjson: invalid UTF-8, NaN, deep nesting (past 1024 levels) and integers past 64 bits are all
+    # JSONDecodeError, a ValueError; the standard library parses what orjson cannot (big integers).
+    if data == b"{}" or not data:
+        return {}
     try:
-        meta = json.loads(data.decode("utf-8")) if data else {}
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FrameError(f"Frame meta is not valid UTF-8 JSON: {e}. Received {data[:64]!r}...") from e
+        meta = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        meta = _stdlib_json(data)
     if not isinstance(meta, dict):
         raise FrameError(f"Frame meta must be a JSON object; received {type(meta).__name__}.")
     return meta
+
+
+def _stdlib_json(data: bytes) -> Any:
+    """What orjson refused, parsed by the standard library (integers past 64 bits), or a FrameError."""
+    # ValueError covers JSONDecodeError and ints past Python's digit limit; RecursionError, deep nesting.
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FrameError(f"Frame meta is not valid UTF-8 JSON: {e}. Received {data[:64]!r}...") from e
 
 
 def _parse_specs(raw: Any, limits: Limits) -> list[TensorSpec]:
