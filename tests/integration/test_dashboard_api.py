@@ -185,6 +185,19 @@ def test_changes_need_the_token_and_bad_forms_and_paths_are_refused_clearly(tmp_
         assert api.get("/api/runs/nope").status_code == 404
 
 
+def test_concurrent_reads_are_all_answered(tmp_path, dashboard):
+    """A page polls several endpoints at once: each request's connection is opened on one worker
+    thread and used on another (a regression: SQLite refused that, and every request failed with 500)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _fake_logdir_run(dashboard.home, tmp_path / "logdir")
+    paths = ["/api/runs", "/api/runs/run-x", "/api/runs/run-x/metrics", "/api/runs/run-x/tasks/worker:0/log",
+             "/api/runs/run-x/checkpoints", "/api/summary", "/metrics"] * 6
+    with dashboard.client() as api, ThreadPoolExecutor(12) as pool:
+        codes = list(pool.map(lambda p: (p, api.get(p).status_code), paths))
+    assert all(code == 200 for _, code in codes), [c for c in codes if c[1] != 200]
+
+
 def test_the_openapi_schema_is_served_and_describes_the_api(dashboard):
     with dashboard.client(token=None) as anon:
         schema = anon.get("/openapi.json").json()

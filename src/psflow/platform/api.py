@@ -107,7 +107,7 @@ class StartRun(BaseModel):
 def _store(request: Request) -> Iterator[JobStore]:
     """The job store for one request (its own connection: requests run on a thread pool)."""
     try:
-        db = JobStore(request.app.state.settings.db_path)
+        db = JobStore(request.app.state.settings.db_path, check_same_thread=False)  # opened and used on two threads
     except JobStoreError as e:
         raise HTTPException(503, detail=str(e)) from e
     with db:

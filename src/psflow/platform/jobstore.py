@@ -57,6 +57,8 @@ class JobStore:
         path: the database file.
         busy_timeout_s: how long a statement waits for another process's write to finish.
         migrate_to: the schema version to bring the database to (tests build old databases with it).
+        check_same_thread: False lets one thread hand the connection to another (the HTTP API opens it
+            in one worker thread and answers the request in another; never two at once).
 
     Raises:
         JobStoreError: the file is not a database, is newer than this psflow, or cannot be opened;
@@ -68,7 +70,8 @@ class JobStore:
         ['20250101-120000-ab12cd']
     """
 
-    def __init__(self, path: str | Path | None = None, *, busy_timeout_s: float = 10.0, migrate_to: int = LATEST) -> None:
+    def __init__(self, path: str | Path | None = None, *, busy_timeout_s: float = 10.0, migrate_to: int = LATEST,
+                 check_same_thread: bool = True) -> None:
         self.path = Path(path) if path is not None else jobs_db_path()
         self.busy_timeout_s = busy_timeout_s
         try:
@@ -78,7 +81,8 @@ class JobStore:
                                 f"Set PSFLOW_HOME to a directory you can write.") from e
         self.conn: sqlite3.Connection | None = None
         try:
-            self.conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None)
+            self.conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None,
+                                        check_same_thread=check_same_thread)
             self.conn.row_factory = sqlite3.Row
             self.conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
             self._set_wal(busy_timeout_s)
