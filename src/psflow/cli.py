@@ -123,6 +123,11 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; "
                f"threads={plan.threads} per task ({plan.cores} cores{'' if threads else ', --threads N to change'}); "
                f"{restarts}{watchdog}logs in {plan.logdir}")
+    from psflow.platform.uifile import running_ui
+
+    ui_url = running_ui()
+    if ui_url:  # a psflow ui serving this PSFLOW_HOME shows the run
+        click.echo(f"psflow: dashboard: {ui_url}#/run/{plan.run_id}")
     try:
         result = runner.run(plan)
     except PsflowError as e:

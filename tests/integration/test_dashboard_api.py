@@ -226,3 +226,42 @@ def test_a_dashboard_off_loopback_needs_an_explicit_flag_and_a_token(tmp_path):
                        text=True, env=env, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and "needs a token of your own: set PSFLOW_UI_TOKEN" in r.stderr
     assert TOKEN not in r.stderr
+
+
+def test_psflow_run_prints_where_the_dashboard_shows_it(tmp_path, dashboard):
+    from conftest import SOFTMAX
+
+    r = subprocess.run([PSFLOW, "run", "--ps", "1", "--workers", "1", "--no-live", "--logdir", str(tmp_path / "run"),
+                        SOFTMAX, "--", "--epochs", "1", "--init", "zeros"], capture_output=True, text=True, timeout=240,
+                       env=task_env(PSFLOW_HOME=str(dashboard.home)), cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    with dashboard.client() as api:
+        (run,) = api.get("/api/runs").json()["runs"]
+    assert f"psflow: dashboard: {dashboard.url}#/run/{run['id']}" in r.stdout
+    dashboard.stop()  # gone: a later run says nothing of it
+    r = subprocess.run([PSFLOW, "run", "--ps", "1", "--workers", "1", "--no-live", "--logdir", str(tmp_path / "run2"),
+                        SOFTMAX, "--", "--epochs", "1", "--init", "zeros"], capture_output=True, text=True, timeout=240,
+                       env=task_env(PSFLOW_HOME=str(dashboard.home)), cwd=ROOT)
+    assert r.returncode == 0 and "psflow: dashboard:" not in r.stdout
+
+
+def test_restart_through_the_api_stops_the_run_and_launches_its_plan_again(tmp_path, dashboard):
+    with dashboard.client() as api:
+        run_id = api.post("/api/runs", json=TRAIN).json()["run_id"]
+        wait_for(lambda: _run(api, run_id)["run"], lambda r: r["state"] == "running" and r["global_step"] > 0,
+                 what="the run training")
+        answer = api.post(f"/api/runs/{run_id}/restart")
+        assert answer.status_code == 202, answer.text
+        new_id = answer.json()["run_id"]
+        assert new_id != run_id and answer.json()["restarts"] == run_id
+        new = wait_for(lambda: api.get(f"/api/runs/{new_id}"), lambda r: r.status_code == 200
+                       and r.json()["run"]["state"] == "running" and r.json()["run"]["global_step"] > 0,
+                       what="the restarted run training").json()["run"]
+        old = _run(api, run_id)
+        assert old["run"]["state"] == "stopped" and old["controls"][0]["source"] == "api"
+        assert new["restarted_from"] == run_id and new["logdir"] == old["run"]["logdir"]
+        assert (new["args"], new["cluster"], new["restart_policy"]) == (old["run"]["args"], old["run"]["cluster"],
+                                                                        old["run"]["restart_policy"])
+        assert new["global_step"] >= old["run"]["global_step"]  # resumed from the final checkpoint
+        assert api.post(f"/api/runs/{new_id}/stop").status_code == 202
+        wait_for(lambda: _run(api, new_id)["run"]["state"], lambda s: s == "stopped", what="the restarted run stopped")

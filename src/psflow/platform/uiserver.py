@@ -6,7 +6,7 @@ request, reads included, needs the token. On loopback a fresh token is made when
 printed with the URL (in its ``#token=`` fragment, which browsers never send to the server).
 
 While it serves, ``$PSFLOW_HOME/ui.json`` says where (url, pid), so ``psflow run`` can print where
-the dashboard is (:func:`running_ui`); it is removed at exit, and one whose pid is gone is ignored.
+the dashboard is (:mod:`psflow.platform.uifile`); it is removed at exit, and one whose pid is gone is ignored.
 
 Called by :mod:`psflow.cli`.
 """
@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
-import os
 import secrets
 import socket
 from collections.abc import Callable
@@ -27,8 +25,7 @@ from typing import Any
 from psflow.errors import ConfigError
 from psflow.platform.api import UiSettings, create_app
 from psflow.platform.home import UI_TOKEN_ENV, psflow_home, ui_token
-
-UI_FILE = "ui.json"
+from psflow.platform.uifile import remove_ui, write_ui
 
 
 def is_loopback(host: str) -> bool:
@@ -75,9 +72,7 @@ def serve(settings: UiSettings, host: str = "127.0.0.1", port: int = 8265, *,
     try:
         server.run()
     finally:
-        with contextlib.suppress(OSError):
-            if _read_ui(settings.home).get("pid") == os.getpid():
-                (settings.home / UI_FILE).unlink()
+        remove_ui(settings.home)
 
 
 class _Server:
@@ -110,31 +105,4 @@ def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) 
     echo(f"psflow ui: API at {url}api/runs, OpenAPI schema at {url}openapi.json, Prometheus at {url}metrics")
     echo(f"psflow ui: job store {settings.db_path}; requests that change anything need the token "
          f"(Authorization: Bearer TOKEN{'' if ui_token() else ', or set ' + UI_TOKEN_ENV + ' to choose it'})")
-    with contextlib.suppress(OSError):
-        settings.home.mkdir(parents=True, exist_ok=True)
-        tmp = settings.home / f".{UI_FILE}.{os.getpid()}"
-        tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
-        tmp.replace(settings.home / UI_FILE)
-
-
-def _read_ui(home: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((home / UI_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def running_ui(home: Path | None = None) -> str | None:
-    """The URL of the dashboard serving this psflow home, if one runs (for ``psflow run`` to print)."""
-    data = _read_ui(home or psflow_home())
-    pid = data.get("pid")
-    if not isinstance(pid, int) or not isinstance(data.get("url"), str):
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return data["url"]
+    write_ui(settings.home, url)
