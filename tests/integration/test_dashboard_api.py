@@ -239,6 +239,7 @@ def test_psflow_run_prints_where_the_dashboard_shows_it(tmp_path, dashboard):
         (run,) = api.get("/api/runs").json()["runs"]
     assert f"psflow: dashboard: {dashboard.url}#/run/{run['id']}" in r.stdout
     dashboard.stop()  # gone: a later run says nothing of it
+    assert not (dashboard.home / "ui.json").exists()
     r = subprocess.run([PSFLOW, "run", "--ps", "1", "--workers", "1", "--no-live", "--logdir", str(tmp_path / "run2"),
                         SOFTMAX, "--", "--epochs", "1", "--init", "zeros"], capture_output=True, text=True, timeout=240,
                        env=task_env(PSFLOW_HOME=str(dashboard.home)), cwd=ROOT)

@@ -90,6 +90,11 @@ class _Server:
                 if bound:
                     _announce(settings_, bound[0], echo_)
 
+            async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+                # here, not after run(): uvicorn raises the captured SIGTERM again once it has shut down
+                remove_ui(settings_.home)
+                await super().shutdown(sockets)
+
         self.server = Server(config)
 
     def run(self) -> None:
