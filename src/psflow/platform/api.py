@@ -366,6 +366,7 @@ def _row(run: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in _shown(run).items() if k not in ("summary", "tasks")}
     out["tasks"] = {name: {"state": t.get("state"), "attempt": t.get("attempt"), "alive": t.get("alive"),
                            "exit_code": t.get("exit_code")} for name, t in run["tasks"].items()}
-    loss = [t["metrics"]["loss"] for t in run["tasks"].values() if isinstance((t.get("metrics") or {}).get("loss"), float)]
+    loss = [t["progress"]["loss"] for t in run["tasks"].values()
+            if isinstance((t.get("progress") or {}).get("loss"), (int, float))]
     out["loss"] = sum(loss) / len(loss) if loss else None
     return out

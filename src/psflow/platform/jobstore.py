@@ -276,12 +276,14 @@ class JobStore:
         return out
 
     def run_page(self, *, state: str | None = None, search: str | None = None, limit: int = 50,
-                 offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+                 offset: int = 0, metrics: bool = False) -> tuple[list[dict[str, Any]], int]:
         """One page of runs, newest first, and how many runs match in all: the HTTP API's runs list.
 
         ``state`` keeps the runs recorded in that state; ``search`` the runs whose id, script,
         arguments or backend hold it (case-insensitive). Only the page's runs are read in full (tasks,
-        latest metrics, the liveness check), so a page costs the same with 10 runs or 100,000.
+        the liveness check), so a page costs about the same with 10 runs or 100,000. Each task's last
+        progress figures (loss, global step, examples/sec) are in its ``progress``; ``metrics`` adds
+        each task's latest value of every metric (a query over each run's metrics: the page's costliest part).
         """
         where, args = [], []
         if state is not None:
@@ -300,7 +302,8 @@ class JobStore:
         out = []
         for r in rows:
             run = self._assessed(_run_dict(r), tasks.get(r["id"], {}))
-            self._add_metrics(run)
+            if metrics:
+                self._add_metrics(run)
             out.append(run)
         return out, total
 
