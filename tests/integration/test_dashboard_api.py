@@ -266,3 +266,25 @@ def test_restart_through_the_api_stops_the_run_and_launches_its_plan_again(tmp_p
         assert new["global_step"] >= old["run"]["global_step"]  # resumed from the final checkpoint
         assert api.post(f"/api/runs/{new_id}/stop").status_code == 202
         wait_for(lambda: _run(api, new_id)["run"]["state"], lambda s: s == "stopped", what="the restarted run stopped")
+
+
+def test_a_slowed_worker_is_named_a_persistent_straggler(tmp_path, dashboard, procs):
+    from conftest import SOFTMAX, log_tails
+
+    logdir = tmp_path / "run"
+    launcher = subprocess.Popen([PSFLOW, "run", "--ps", "1", "--workers", "3", "--no-live", "--slow", "worker:2=0.02s",
+                                 "--logdir", str(logdir), SOFTMAX, "--", "--epochs", "300", "--init", "zeros"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=task_env(PSFLOW_HOME=str(dashboard.home)),
+                                cwd=ROOT, start_new_session=True)
+    procs.append(launcher)
+    with dashboard.client() as api:
+        run_id = wait_for(lambda: api.get("/api/runs", params={"state": "running"}).json()["runs"], lambda r: r,
+                          what="the run listed", context=lambda: log_tails(logdir))[0]["id"]
+        found = wait_for(lambda: api.get(f"/api/runs/{run_id}/stragglers", params={"windows": 4}).json(),
+                         lambda s: s["windows"] >= 4 and s["kind"] == "persistent", what="a persistent straggler",
+                         context=lambda: log_tails(logdir))
+        assert found["slowest"] == "worker:2", found
+        assert found["workers"]["worker:2"]["vs_median"] < 0.5 and found["verdict"].startswith("worker:2 runs at")
+        assert {"worker:0", "worker:1"} <= set(found["workers"]) and found["workers"]["worker:0"]["slow_windows"] == 0
+        assert api.post(f"/api/runs/{run_id}/stop").status_code == 202
+    assert launcher.wait(timeout=120) == 130

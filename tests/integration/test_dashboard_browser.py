@@ -70,6 +70,7 @@ def test_start_watch_read_a_log_survive_a_dashboard_restart_and_stop_from_the_br
                 first = int(page.get_attribute("#chart-loss", "data-points"))
                 page.wait_for_function(f"Number(document.querySelector('#chart-loss').dataset.points) > {first}")
                 assert page.locator("#chart-loss canvas").count() >= 1  # uPlot drew it
+                page.wait_for_selector("#straggler-verdict")
                 page.screenshot(path=str(artifacts / "03-run-training.png"), full_page=True)
 
                 page.click('#cluster .task[data-task="worker:1"]')

@@ -69,3 +69,28 @@ def test_a_page_of_runs_filters_by_state_and_search_and_counts_them_all(tmp_path
         assert len(page) == total - 2
         assert db.run_page(search="50%")[1] == 10 and db.run_page(search="run-_1")[1] == 0  # % and _ are literal
         assert list(page[0]["tasks"]) == ["worker:0"]
+
+
+def _steady(rate: float, seconds: int = 60, start_s: float = 1000.0) -> list[tuple[float, float]]:
+    return [(start_s + t, rate * t) for t in range(seconds + 1)]
+
+
+def test_a_worker_slow_all_along_is_a_persistent_straggler_and_one_slow_spell_is_transient():
+    from psflow.platform.stragglers import StragglerRules, find_stragglers
+
+    rules = StragglerRules(windows=6, span_s=None)
+    steady = find_stragglers({"worker:0": _steady(100), "worker:1": _steady(98), "worker:2": _steady(30)}, rules)
+    assert (steady["slowest"], steady["kind"]) == ("worker:2", "persistent")
+    assert steady["workers"]["worker:2"]["slow_windows"] == 6 and steady["workers"]["worker:2"]["vs_median"] == 0.306
+    assert steady["verdict"].startswith("worker:2 runs at 0.31x the median worker")
+    # worker:1 stalls for the first 10 s only (one window of six), then runs as the others
+    spell = [(1000.0 + t, 0.0 if t <= 10 else 100.0 * (t - 10)) for t in range(61)]
+    transient = find_stragglers({"worker:0": _steady(100), "worker:1": spell, "worker:2": _steady(100)}, rules)
+    assert (transient["slowest"], transient["kind"]) == ("worker:1", "transient")
+    assert transient["workers"]["worker:1"]["slow_windows"] == 1
+    even = find_stragglers({"worker:0": _steady(100), "worker:1": _steady(95)}, rules)
+    assert even["kind"] is None and even["slowest"] is None and even["verdict"].startswith("No straggler")
+    # a restart's step going back does not count as a rate; one worker alone has nothing to compare with
+    restarted = _steady(100)[:30] + [(1030.0 + t, 10.0 * t) for t in range(31)]
+    assert find_stragglers({"worker:0": restarted, "worker:1": _steady(100)}, rules)["windows"] >= 5
+    assert find_stragglers({"worker:0": _steady(100)}, rules)["slowest"] is None

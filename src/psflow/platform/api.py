@@ -7,6 +7,7 @@ Routes (``{run}`` is a run id):
 - ``GET /api/runs/{run}``: the run, its tasks (state, attempts, exits, latest metrics), its
   attempts, events (``?after=`` an event id, for polling) and control requests;
 - ``GET /api/runs/{run}/metrics?name=&task=&after=&max_points=``: metric series per task;
+- ``GET /api/runs/{run}/stragglers``: each worker's speed, the slowest, persistent or transient;
 - ``GET /api/runs/{run}/tasks/{task}/log?offset=&max_bytes=``: a task's log, its tail or from an offset;
 - ``GET /api/runs/{run}/summary``, ``GET /api/runs/{run}/checkpoints``,
   ``GET /api/runs/{run}/checkpoints/{name}/export``: the summary, the checkpoints, one exported as safetensors;
@@ -195,6 +196,18 @@ def create_app(settings: UiSettings) -> FastAPI:
             for key, points in per_task.items():
                 per_task[key] = _thin(points, max_points)
         return {"run_id": run_id, "series": series}
+
+    @app.get("/api/runs/{run_id}/stragglers", dependencies=reads)
+    def get_stragglers(run_id: str, db: Db, windows: Annotated[int, Query(ge=1, le=100)] = 10,
+                       span_s: Annotated[float, Query(gt=0)] = 300.0) -> dict[str, Any]:
+        from psflow.platform.stragglers import StragglerRules, find_stragglers
+
+        run = the_run(db, run_id)
+        steps: dict[str, list[tuple[float, float]]] = {t: [] for t in run["tasks"] if t.startswith(("worker", "chief"))}
+        for p in db.metrics(run_id, name="local_step"):
+            if p["task"] in steps and p["value"] is not None:
+                steps[p["task"]].append((p["time_unix"], p["value"]))
+        return {"run_id": run_id, **find_stragglers(steps, StragglerRules(windows=windows, span_s=span_s))}
 
     @app.get("/api/runs/{run_id}/tasks/{task}/log", dependencies=reads)
     def get_log(run_id: str, task: str, db: Db, offset: Annotated[int | None, Query(ge=0)] = None,

@@ -152,6 +152,7 @@ function runPage(runId) {
       <section class="card"><h2>Attempts and restarts</h2><div id="timeline" class="timeline"></div></section>
       ${CHARTS.map(([key, label]) => `<section class="card"><h2>${esc(label)}</h2><div id="chart-${key}" class="chart" data-points="0"></div></section>`).join("")}
       <section class="card"><h2>Summary</h2><div id="summary"></div></section>
+      <section class="card"><h2>Stragglers</h2><div id="stragglers"></div></section>
       <section class="card wide"><h2>Log <span id="log-task" class="muted"></span></h2>
         <div class="toolbar"><label><input type="checkbox" id="log-follow" checked> follow</label>
           <span class="muted">click a task above to read its log</span></div>
@@ -193,7 +194,7 @@ async function refreshRun(runId) {
   drawEvents(page.events);
   drawSummary(run);
   if (!view.logTask) { view.logTask = Object.keys(run.tasks).find(t => t.startsWith("worker")) || Object.keys(run.tasks)[0]; }
-  await Promise.all([refreshMetrics(runId), refreshLog(runId), refreshCheckpoints(runId, run)]);
+  await Promise.all([refreshMetrics(runId), refreshLog(runId), refreshCheckpoints(runId, run), refreshStragglers(runId, run)]);
 }
 
 function drawCluster(run) {
@@ -309,6 +310,21 @@ async function refreshLog(runId) {
   pre.textContent = view.logText;
   pre.dataset.task = task;
   if (atBottom || follow) pre.scrollTop = pre.scrollHeight;
+}
+
+async function refreshStragglers(runId, run) {
+  if (view._stragAt && Date.now() - view._stragAt < 5000 && view._stragState === run.state) return;
+  view._stragAt = Date.now(); view._stragState = run.state;
+  const el = document.getElementById("stragglers");
+  let s;
+  try { s = await api(`/api/runs/${encodeURIComponent(runId)}/stragglers`); } catch (e) { el.textContent = e.message; return; }
+  const rows = Object.entries(s.workers);
+  el.dataset.slowest = s.slowest || "";
+  el.innerHTML = `<p class="${s.kind ? "errors" : "muted"}" id="straggler-verdict">${esc(s.verdict)}</p>` + (rows.length ? `
+    <table><thead><tr><th>worker</th><th class="num">steps/s</th><th class="num">step time</th><th class="num">vs median</th><th class="num">slow windows</th></tr></thead>
+    <tbody>${rows.map(([w, r]) => `<tr${w === s.slowest ? ' class="errors"' : ""}><td>${esc(w)}</td><td class="num">${num(r.steps_per_sec, 1)}</td>
+      <td class="num">${r.step_time_s === null ? "" : num(r.step_time_s * 1000, 1) + " ms"}</td><td class="num">${num(r.vs_median, 2)}x</td>
+      <td class="num">${r.slow_windows} / ${r.windows}</td></tr>`).join("")}</tbody></table>` : "");
 }
 
 async function refreshCheckpoints(runId, run) {
