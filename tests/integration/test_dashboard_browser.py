@@ -111,3 +111,50 @@ def test_start_watch_read_a_log_survive_a_dashboard_restart_and_stop_from_the_br
         ui.stop()
         if second is not None:
             second.stop()
+
+
+def _recorded_run(home: Path, run_id: str, losses: list[float]) -> None:
+    """A finished run written by the launcher's own job-store writer, with a loss per reported step."""
+    import time
+
+    from psflow.platform.sqlrunstore import SqliteRunStore
+
+    record = {"id": run_id, "script": "examples/mnist_softmax.py", "args": ["--learning_rate", run_id[-3:]],
+              "logdir": str(home / run_id), "cluster": {"ps": ["ps:0"], "worker": ["worker:0"]}, "mode": "async",
+              "strategy": "ps", "backend": "local", "restart_policy": {}, "launcher": None, "created_unix": time.time()}
+    store = SqliteRunStore(home / "jobs.db", record, ["ps:0", "worker:0"], warn=print)
+    store.task_started("worker:0", 0, None)
+    for step, loss in enumerate(losses):
+        store.report("worker:0", {"progress": {"global_step": (step + 1) * 100, "loss": loss}})
+        time.sleep(0.002)  # distinct report times (the store keys points by time): not a synchronisation
+    store.task_exited("worker:0", 0, 0, time.time())
+    store.finished("succeeded")
+
+
+def test_two_runs_compared_overlay_their_loss_by_global_step(tmp_path, chromium, artifacts):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    home = tmp_path / "home"
+    _recorded_run(home, "run-lr-0.1", [2.0, 1.0, 0.6, 0.4, 0.3])
+    _recorded_run(home, "run-lr-0.5", [2.0, 0.5, 0.9, 1.4, 2.1])
+    ui = start_dashboard(home, tmp_path / "runs")
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                page.set_default_timeout(DEADLINE_MS)
+                page.goto(f"{ui.url}#token={TOKEN}")
+                page.wait_for_selector('#runs-table tr[data-run="run-lr-0.5"]')
+                assert page.is_disabled("#compare-btn")
+                page.check('input[data-pick="run-lr-0.1"]')
+                page.check('input[data-pick="run-lr-0.5"]')
+                page.click("#compare-btn")
+                page.wait_for_selector('#cmp-loss[data-series="2"][data-points="10"]')
+                page.wait_for_selector('#compare-table a[href="#/run/run-lr-0.1"]')
+                legend = page.inner_text("#cmp-loss")
+                assert "run-lr-0.1" in legend and "run-lr-0.5" in legend
+                page.screenshot(path=str(artifacts / "08-compare.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        ui.stop()

@@ -69,6 +69,7 @@ function route() {
   let m;
   if ((m = h.match(/^#\/run\/([^/?]+)/))) return runPage(decodeURIComponent(m[1]));
   if (h.startsWith("#/new")) return startPage();
+  if ((m = h.match(/^#\/compare\/(.+)$/))) return comparePage(m[1].split(",").map(decodeURIComponent));
   return runsPage();
 }
 window.addEventListener("hashchange", route);
@@ -97,9 +98,10 @@ function runsPage() {
       </select>
       <input id="search" type="search" placeholder="search id, script, args" aria-label="search">
       <span id="runs-count" class="muted"></span>
+      <button id="compare-btn" disabled>Compare selected</button>
     </div>
     <div class="card table-wrap"><table id="runs-table">
-      <thead><tr><th>run</th><th>state</th><th>progress</th><th class="num">examples/s</th><th class="num">loss</th>
+      <thead><tr><th></th><th>run</th><th>state</th><th>progress</th><th class="num">examples/s</th><th class="num">loss</th>
         <th>started</th><th>script</th></tr></thead><tbody></tbody></table></div>`;
   const state = document.getElementById("state-filter");
   const search = document.getElementById("search");
@@ -111,10 +113,19 @@ function runsPage() {
       const page = await api("/api/runs?" + q);
       document.getElementById("runs-count").textContent = `${page.total} run${page.total === 1 ? "" : "s"}`;
       document.querySelector("#runs-table tbody").innerHTML = page.runs.map(runRow).join("") ||
-        `<tr><td colspan="7" class="muted">No runs${state.value || search.value ? " match" : " yet: start one"}.</td></tr>`;
+        `<tr><td colspan="8" class="muted">No runs${state.value || search.value ? " match" : " yet: start one"}.</td></tr>`;
     } catch (e) { toast(e.message); }
     storeSummary();
   };
+  const picked = new Set();
+  const compare = document.getElementById("compare-btn");
+  document.querySelector("#runs-table tbody").addEventListener("change", ev => {
+    if (!ev.target.matches("input[data-pick]")) return;
+    if (ev.target.checked) picked.add(ev.target.dataset.pick); else picked.delete(ev.target.dataset.pick);
+    compare.disabled = picked.size < 2;
+  });
+  compare.onclick = () => { location.hash = "#/compare/" + [...picked].map(encodeURIComponent).join(","); };
+  view = {picked};
   state.addEventListener("change", load);
   search.addEventListener("input", load);
   every(load);
@@ -125,7 +136,9 @@ function runRow(r) {
   const up = tasks.filter(t => t.state === "running").length;
   const progress = `step ${num(r.global_step)}` + (r.state === "running" ? `, ${up}/${tasks.length} up` : "");
   const restarts = tasks.reduce((n, t) => n + (t.attempt || 0), 0);
+  const checked = view && view.picked && view.picked.has(r.id) ? " checked" : "";
   return `<tr data-run="${esc(r.id)}">
+    <td><input type="checkbox" data-pick="${esc(r.id)}" aria-label="compare ${esc(r.id)}"${checked}></td>
     <td><a href="#/run/${encodeURIComponent(r.id)}">${esc(r.id)}</a>${r.restarted_from ? `<div class="muted">restarts ${esc(r.restarted_from)}</div>` : ""}</td>
     <td>${badge(r.state)}</td>
     <td>${esc(progress)}${restarts ? `<div class="muted">${restarts} restart${restarts > 1 ? "s" : ""}</div>` : ""}</td>
@@ -349,6 +362,57 @@ async function download(runId, name) {
   a.download = `${runId}-${name}.safetensors`;
   a.click();
   setTimeout(() => URL.revokeObjectURL(a.href), 10000);
+}
+
+// -- compare runs: their curves overlaid, by global step ----------------------------------------------
+function comparePage(ids) {
+  view = {compare: ids};
+  app.innerHTML = `<h1>Compare ${ids.length} runs</h1>
+    <div class="card table-wrap"><table id="compare-table"><thead><tr><th>run</th><th>state</th><th>script</th>
+      <th class="num">global step</th><th class="num">examples/s</th><th>final metrics</th></tr></thead><tbody></tbody></table></div>
+    <div class="grid">${CHARTS.map(([key, label]) =>
+      `<section class="card"><h2>${esc(label)} by global step</h2><div id="cmp-${key}" class="chart" data-points="0"></div></section>`).join("")}</div>`;
+  const load = async () => {
+    const runs = await Promise.all(ids.map(id => api(`/api/runs/${encodeURIComponent(id)}`).catch(e => ({error: e.message, id}))));
+    document.querySelector("#compare-table tbody").innerHTML = runs.map(p => p.error ? `<tr><td>${esc(p.id)}</td><td colspan="5">${esc(p.error)}</td></tr>` : `
+      <tr><td><a href="#/run/${encodeURIComponent(p.run.id)}">${esc(p.run.id)}</a></td><td>${badge(p.run.state)}</td>
+      <td>${esc([p.run.script.split("/").pop()].concat(p.run.args || []).join(" "))}</td><td class="num">${num(p.run.global_step)}</td>
+      <td class="num">${num(p.run.examples_per_sec)}</td>
+      <td>${esc(Object.entries(p.run.metrics || {}).map(([k, v]) => `${k}=${typeof v === "number" ? num(v, 4) : v}`).join(" "))}</td></tr>`).join("");
+    const series = await Promise.all(ids.map(id => api(`/api/runs/${encodeURIComponent(id)}/metrics?` +
+      CHARTS.map(([k]) => "name=" + k).join("&")).catch(() => ({series: {}}))));
+    for (const [key, label] of CHARTS) {
+      // one curve per run: its workers' points merged, by global step (the mean where several share one)
+      const curves = series.map(m => {
+        const byStep = new Map();
+        for (const per of Object.values(m.series)) for (const p of (per[key] || [])) {
+          if (p[1] === null) continue;
+          const e = byStep.get(p[1]) || [0, 0]; e[0] += p[2]; e[1] += 1; byStep.set(p[1], e);
+        }
+        return byStep;
+      });
+      drawCompare(`cmp-${key}`, label, ids, curves);
+    }
+  };
+  every(load);
+}
+
+function drawCompare(elId, label, ids, curves) {
+  const el = document.getElementById(elId);
+  if (!el) return;
+  const steps = [...new Set(curves.flatMap(c => [...c.keys()]))].sort((a, b) => a - b);
+  el.dataset.points = String(curves.reduce((n, c) => n + c.size, 0));
+  el.dataset.series = String(curves.filter(c => c.size).length);
+  if (!steps.length) { el.innerHTML = `<p class="muted">No ${esc(label)} reported.</p>`; return; }
+  const data = [steps].concat(curves.map(c => steps.map(st => c.has(st) ? c.get(st)[0] / c.get(st)[1] : null)));
+  const colors = ["#1f7ae0", "#d0312d", "#1a9a4b", "#e07b1f", "#7a3fb0", "#008b8b"];
+  const width = Math.max(240, el.clientWidth || 400);
+  if (el._chart && el._chart.series.length === ids.length + 1 && Math.abs(el._chart.width - width) < 2) { el._chart.setData(data); return; }
+  if (el._chart) el._chart.destroy();
+  el.innerHTML = "";
+  el._chart = new uPlot({width, height: 220, scales: {x: {time: false}}, axes: [{label: "global step"}, {size: 60}],
+    series: [{label: "step"}].concat(ids.map((id, i) => ({label: id, stroke: colors[i % colors.length], width: 1.5, spanGaps: true})))},
+    data, el);
 }
 
 // -- the start form ----------------------------------------------------------------------------------
