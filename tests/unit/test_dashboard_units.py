@@ -94,3 +94,29 @@ def test_a_worker_slow_all_along_is_a_persistent_straggler_and_one_slow_spell_is
     restarted = _steady(100)[:30] + [(1030.0 + t, 10.0 * t) for t in range(31)]
     assert find_stragglers({"worker:0": restarted, "worker:1": _steady(100)}, rules)["windows"] >= 5
     assert find_stragglers({"worker:0": _steady(100)}, rules)["slowest"] is None
+
+
+def test_alerts_say_a_restart_a_failure_and_a_stall_once_each():
+    from psflow.platform.alerts import AlertBook, check_webhook
+
+    book = AlertBook(stall_s=10)
+    events = [{"run_id": "r1", "kind": "restart", "data": {"task": "worker:1", "attempt": 1, "reason": "killed (SIGKILL)"}},
+              {"run_id": "r1", "kind": "run_finished", "data": {"status": "succeeded"}},
+              {"run_id": "r2", "kind": "run_finished", "data": {"status": "failed"}},
+              {"run_id": "r3", "kind": "task_started", "data": {"task": "ps:0"}}]
+    said = book.on_events(events, {"r2": "worker:0"})
+    assert [(a.kind, a.run_id, a.task) for a in said] == [("restarted", "r1", "worker:1"), ("failed", "r2", "worker:0")]
+    assert said[0].text == "psflow: run r1: worker:1 restarted as attempt 1 (killed (SIGKILL))"
+    assert said[1].text == "psflow: run r2 failed; root cause: worker:0"
+    assert book.on_look({"r5": 0}, now=0.0) == [] and book.on_look({"r5": 0}, now=100.0) == []  # not training yet
+    assert book.on_look({"r4": 100}, now=0.0) == []
+    assert book.on_look({"r4": 100}, now=9.9) == []
+    stalled = book.on_look({"r4": 100}, now=10.0)
+    assert [(a.kind, a.detail["global_step"]) for a in stalled] == [("stalled", 100)]
+    assert book.on_look({"r4": 100}, now=60.0) == []  # told once per stall
+    assert book.on_look({"r4": 101}, now=61.0) == []  # it moved: armed again
+    assert [a.kind for a in book.on_look({"r4": 101}, now=71.0)] == ["stalled"]
+    assert book.on_look({}, now=72.0) == [] and book.on_look({"r4": 101}, now=200.0) == []  # gone, then new: not stalled yet
+    for bad in ("ftp://x/hook", "hook", "http://"):
+        with pytest.raises(ConfigError, match="is not an http:// or https:// URL"):
+            check_webhook(bad)

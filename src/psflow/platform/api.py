@@ -67,6 +67,8 @@ class UiSettings:
         auth_reads: every request needs the token, reads too (a dashboard reachable off this machine).
         stop_wait_s: a restart's longest wait for the old run to stop.
         start_wait_s: a start's longest wait for the new run's launcher to record it.
+        alert_webhook: where alerts go (failed, stalled, restarted; :mod:`psflow.platform.alerts`), if anywhere.
+        alert_stall_s: how long a running run's global step may stand still before it is a stall.
     """
 
     home: Path
@@ -76,6 +78,8 @@ class UiSettings:
     auth_reads: bool = False
     stop_wait_s: float = 120.0
     start_wait_s: float = 60.0
+    alert_webhook: str | None = None
+    alert_stall_s: float = 300.0
 
     @property
     def db_path(self) -> Path:

@@ -343,6 +343,15 @@ class JobStore:
         return [{**dict(r), "data": json.loads(r["data"])} for r in self._db.execute(
             "SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id))]
 
+    def events_since(self, after_id: int, kinds: Sequence[str], *, limit: int = 1000) -> list[dict[str, Any]]:
+        """Events of every run after event ``after_id``, of the given kinds, oldest first (alerts)."""
+        marks = ", ".join("?" * len(kinds))
+        return [{**dict(r), "data": json.loads(r["data"])} for r in self._db.execute(
+            f"SELECT * FROM events WHERE id > ? AND kind IN ({marks}) ORDER BY id LIMIT ?", (after_id, *kinds, limit))]
+
+    def last_event_id(self) -> int:
+        return int(self._db.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
+
     def metrics(self, run_id: str, *, task: str | None = None, name: str | None = None, names: Sequence[str] | None = None,
                 after_unix: float | None = None) -> list[dict[str, Any]]:
         """Metric points of a run, oldest first, optionally of one task, one name (or any of ``names``),

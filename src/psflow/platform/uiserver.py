@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow.errors import ConfigError
+from psflow.platform.alerts import AlertBook, AlertWatcher, check_webhook
 from psflow.platform.api import UiSettings, create_app
 from psflow.platform.home import UI_TOKEN_ENV, psflow_home, ui_token
 from psflow.platform.uifile import remove_ui, write_ui
@@ -39,7 +40,8 @@ def is_loopback(host: str) -> bool:
 
 
 def settings_for(host: str, *, allow_remote: bool, scripts: tuple[Path, ...] = (), runs_dir: Path | None = None,
-                 env: dict[str, str] | None = None) -> UiSettings:
+                 env: dict[str, str] | None = None, alert_webhook: str | None = None,
+                 alert_stall_s: float = 300.0) -> UiSettings:
     """The dashboard's settings for a bind to ``host``.
 
     Raises:
@@ -56,9 +58,14 @@ def settings_for(host: str, *, allow_remote: bool, scripts: tuple[Path, ...] = (
     for d in scripts:
         if not d.is_dir():
             raise ConfigError(f"--scripts {d}: not a directory. Give the directory whose .py files the form may start.")
+    if alert_webhook is not None:
+        check_webhook(alert_webhook)
+    if not alert_stall_s > 0:
+        raise ConfigError(f"--alert-stall must be a positive number of seconds; received {alert_stall_s}.")
     return UiSettings(home=psflow_home(env), token=token or secrets.token_urlsafe(24),
                       script_roots=tuple(d.resolve() for d in scripts) or (Path.cwd(),),
-                      runs_root=runs_dir.resolve() if runs_dir else None, auth_reads=remote)
+                      runs_root=runs_dir.resolve() if runs_dir else None, auth_reads=remote,
+                      alert_webhook=alert_webhook, alert_stall_s=alert_stall_s)
 
 
 def serve(settings: UiSettings, host: str = "127.0.0.1", port: int = 8265, *,
@@ -88,11 +95,20 @@ class _Server:
                 await super().startup(sockets)
                 bound = [s.getsockname() for srv in getattr(self, "servers", []) for s in srv.sockets]
                 if bound:
-                    _announce(settings_, bound[0], echo_)
+                    url = _announce(settings_, bound[0], echo_)
+                    if settings_.alert_webhook:
+                        self.alerts = AlertWatcher(settings_.db_path, settings_.alert_webhook,
+                                                   AlertBook(stall_s=settings_.alert_stall_s),
+                                                   link=lambda run_id: f"{url}#/run/{run_id}")
+                        self.alerts.start()
+                        echo_(f"psflow ui: alerts (failed, stalled for {settings_.alert_stall_s:g} s, restarted) go to "
+                              f"{settings_.alert_webhook}")
 
             async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
                 # here, not after run(): uvicorn raises the captured SIGTERM again once it has shut down
                 remove_ui(settings_.home)
+                if getattr(self, "alerts", None) is not None:
+                    self.alerts.stop()
                 await super().shutdown(sockets)
 
         self.server = Server(config)
@@ -102,7 +118,7 @@ class _Server:
             self.server.run()
 
 
-def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) -> None:
+def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) -> str:
     host, port = sockname[0], sockname[1]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/"
@@ -111,3 +127,4 @@ def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) 
     echo(f"psflow ui: job store {settings.db_path}; requests that change anything need the token "
          f"(Authorization: Bearer TOKEN{'' if ui_token() else ', or set ' + UI_TOKEN_ENV + ' to choose it'})")
     write_ui(settings.home, url)
+    return url
