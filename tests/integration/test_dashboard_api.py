@@ -288,3 +288,35 @@ def test_a_slowed_worker_is_named_a_persistent_straggler(tmp_path, dashboard, pr
         assert {"worker:0", "worker:1"} <= set(found["workers"]) and found["workers"]["worker:0"]["slow_windows"] == 0
         assert api.post(f"/api/runs/{run_id}/stop").status_code == 202
     assert launcher.wait(timeout=120) == 130
+
+
+def test_dump_all_tasks_reads_every_tasks_stacks_back_grouped(tmp_path, dashboard, procs):
+    from conftest import SOFTMAX, log_tails
+
+    logdir = tmp_path / "run"
+    launcher = subprocess.Popen([PSFLOW, "run", "--ps", "1", "--workers", "2", "--no-live", "--fail-at",
+                                 "worker:1@step=50:stall=120", "--logdir", str(logdir), SOFTMAX, "--", "--epochs", "300",
+                                 "--init", "zeros"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=task_env(PSFLOW_HOME=str(dashboard.home)), cwd=ROOT, start_new_session=True)
+    procs.append(launcher)
+    with dashboard.client() as api, dashboard.client(token=None) as anon:
+        run = wait_for(lambda: api.get("/api/runs", params={"state": "running"}).json()["runs"],
+                       lambda r: r and r[0]["global_step"] > 60, what="the run past step 60",
+                       context=lambda: log_tails(logdir))[0]
+        assert anon.post(f"/api/runs/{run['id']}/dump").status_code == 401
+        assert api.get(f"/api/runs/{run['id']}/stacks").status_code == 404  # none asked for yet
+        asked = api.post(f"/api/runs/{run['id']}/dump")
+        assert asked.status_code == 202, asked.text
+        request_id = asked.json()["request_id"]
+        stacks = wait_for(lambda: api.get(f"/api/runs/{run['id']}/stacks", params={"request": request_id}).json(),
+                          lambda s: s["state"] == "done" and len(s["tasks"]) == 3 and not s["waiting_for"],
+                          what="every task's stacks read back", context=lambda: log_tails(logdir))
+        assert stacks["answer"] == "stacks of 3 task(s) dumped into their logs"
+        mains = {t: v["threads"][-1]["frames"] for t, v in stacks["tasks"].items()}
+        assert set(mains) == {"ps:0", "worker:0", "worker:1"} and all(mains.values())
+        # worker:1 sleeps in its injected stall: its main thread stands in psflow/fault.py, under the script
+        assert any(f["file"].endswith("psflow/fault.py") for f in mains["worker:1"]), mains["worker:1"]
+        assert any(f["file"].endswith("mnist_softmax.py") for f in mains["worker:1"])
+        assert sorted(t for g in stacks["groups"] for t in g["tasks"]) == ["ps:0", "worker:0", "worker:1"]
+        assert api.post(f"/api/runs/{run['id']}/stop").status_code == 202
+    assert launcher.wait(timeout=120) == 130

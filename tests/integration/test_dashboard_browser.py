@@ -78,6 +78,10 @@ def test_start_watch_read_a_log_survive_a_dashboard_restart_and_stop_from_the_br
                 page.wait_for_function("document.querySelector('#log-view').textContent.includes('worker:1')")
                 page.screenshot(path=str(artifacts / "04-worker-log.png"), full_page=True)
 
+                page.click("#dump-btn")  # every task's stacks, grouped by where its main thread stands
+                page.wait_for_selector('#stacks[data-tasks="3"] .stack-group')
+                page.locator("#stacks").screenshot(path=str(artifacts / "04b-stacks.png"))
+
                 # the dashboard goes down mid-run and comes back: the run and its history are there
                 ui.stop()
                 second = start_dashboard(ui.home, tmp_path / "runs")

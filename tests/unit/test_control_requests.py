@@ -94,7 +94,7 @@ def test_a_request_to_an_ended_run_an_unknown_run_or_kind_is_refused_by_name(tmp
             db.request_control("run-1", "stop", source="cli")
         with pytest.raises(JobStoreError, match="No run 'nope'"):
             db.request_control("nope", "stop", source="cli")
-        with pytest.raises(JobStoreError, match="'reboot' is not one of stop, scale"):
+        with pytest.raises(JobStoreError, match="'reboot' is not one of stop, dump, scale"):
             db.request_control("run-1", "reboot", source="cli")
         with pytest.raises(JobStoreError, match="answered 'done' or 'refused'"):
             db.answer_control(1, "maybe", "", time.time())

@@ -120,3 +120,49 @@ def test_alerts_say_a_restart_a_failure_and_a_stall_once_each():
     for bad in ("ftp://x/hook", "hook", "http://"):
         with pytest.raises(ConfigError, match="is not an http:// or https:// URL"):
             check_webhook(bad)
+
+
+_DUMPER = """
+import faulthandler, sys, threading, time
+ready = threading.Event()
+def {name}():
+    ready.set()
+    time.sleep(60)
+threading.Thread(target={name}, daemon=True).start()
+ready.wait(10)
+print("before the dump", flush=True)
+faulthandler.dump_traceback(all_threads=True)
+sys.stderr.flush()
+print("after the dump", flush=True)
+"""
+
+
+def _real_dump(tmp_path, name: str) -> list[str]:
+    """A real faulthandler dump of a process with a second thread (in ``name``), as a task's log has it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / f"{name}.py"
+    script.write_text(_DUMPER.format(name=name))
+    out = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=60)
+    return out.stdout.splitlines(keepends=True)
+
+
+def test_a_real_faulthandler_dump_is_parsed_and_tasks_group_by_their_main_stack(tmp_path):
+    from psflow.platform.stacks import group_stacks, main_stack, parse_dump
+
+    lines = _real_dump(tmp_path, "sleeper")
+    threads = parse_dump(lines)
+    assert len(threads) == 2 and threads[-1]["current"]
+    assert threads[0]["frames"][0]["function"] == "sleeper" and not threads[0]["current"]
+    assert main_stack(threads)[0]["function"] == "<module>" and main_stack(threads)[0]["file"].endswith("sleeper.py")
+    assert not any("after the dump" in str(t) for t in threads)  # the dump ends where the output goes on
+    assert parse_dump(["no dump here\n"]) == []
+
+    same = main_stack(threads)
+    other = main_stack(parse_dump(_real_dump(tmp_path, "other")))
+    grouped = group_stacks({"worker:0": same, "worker:1": same, "worker:2": other, "ps:0": other})
+    assert [g["tasks"] for g in grouped["groups"]] == [["ps:0", "worker:2"], ["worker:0", "worker:1"]]
+    assert [(o["task"], o["job"]) for o in grouped["odd_ones_out"]] == [("worker:2", "worker")]
+    assert group_stacks({"worker:0": same, "worker:1": other})["odd_ones_out"] == []  # two apart: no odd one

@@ -13,7 +13,8 @@ Routes (``{run}`` is a run id):
   ``GET /api/runs/{run}/checkpoints/{name}/export``: the summary, the checkpoints, one exported as safetensors;
 - ``GET /api/summary``: runs by state; ``GET /api/health``; ``GET /metrics``: Prometheus;
 - ``POST /api/runs``: start a run (form fields checked here: 422 with what was wrong);
-- ``POST /api/runs/{run}/stop``, ``POST /api/runs/{run}/restart``.
+- ``POST /api/runs/{run}/stop``, ``POST /api/runs/{run}/restart``;
+- ``POST /api/runs/{run}/dump``: every task's stacks into its log; ``GET /api/runs/{run}/stacks``: them, grouped.
 
 Security: every POST needs the token (``Authorization: Bearer TOKEN`` or ``X-Psflow-Token``),
 compared with :func:`hmac.compare_digest`; with ``auth_reads`` (a non-loopback bind) every
@@ -274,6 +275,36 @@ def create_app(settings: UiSettings) -> FastAPI:
         if asked.request_id is None:
             raise HTTPException(409, detail=f"Run {run_id} has already ended ({asked.state}); there is nothing to stop.")
         return {"run_id": run_id, "request_id": asked.request_id}
+
+    @app.post("/api/runs/{run_id}/dump", status_code=202, dependencies=[Depends(need_token)])
+    def dump_run(run_id: str, db: Db) -> dict[str, Any]:
+        the_run(db, run_id)
+        try:
+            request_id = db.request_control(run_id, "dump", source="api")
+        except JobStoreError as e:
+            raise HTTPException(409, detail=str(e)) from e
+        return {"run_id": run_id, "request_id": request_id}
+
+    @app.get("/api/runs/{run_id}/stacks", dependencies=reads)
+    def get_stacks(run_id: str, db: Db, request: Annotated[int | None, Query(ge=1)] = None) -> dict[str, Any]:
+        from psflow.platform.runfiles import dump_lines
+        from psflow.platform.stacks import group_stacks, main_stack, parse_dump
+
+        run = the_run(db, run_id)
+        asked = [c for c in db.controls(run_id) if c["kind"] == "dump" and (request is None or c["id"] == request)]
+        if not asked:
+            raise HTTPException(404, detail=f"Run {run_id} has no stack dump{'' if request is None else f' {request}'}; "
+                                            f"POST /api/runs/{run_id}/dump asks for one.")
+        control = asked[-1]
+        tasks: dict[str, Any] = {}
+        for e in db.events(run_id):
+            data = e["data"]
+            if e["kind"] == "stacks_dumped" and data.get("request") == control["id"]:
+                threads = parse_dump(dump_lines(run, str(data["log"]), int(data["line"])))
+                tasks[str(data["task"])] = {"attempt": data.get("attempt"), "line": data["line"], "threads": threads}
+        grouped = group_stacks({t: main_stack(v["threads"]) for t, v in tasks.items() if v["threads"]})
+        return {"run_id": run_id, "request_id": control["id"], "state": control["state"], "answer": control["answer"],
+                "tasks": tasks, "waiting_for": sorted(t for t, v in tasks.items() if not v["threads"]), **grouped}
 
     @app.post("/api/runs/{run_id}/restart", status_code=202, dependencies=[Depends(need_token)])
     def restart_run(run_id: str, db: Db) -> dict[str, Any]:

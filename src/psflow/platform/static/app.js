@@ -166,6 +166,9 @@ function runPage(runId) {
       ${CHARTS.map(([key, label]) => `<section class="card"><h2>${esc(label)}</h2><div id="chart-${key}" class="chart" data-points="0"></div></section>`).join("")}
       <section class="card"><h2>Summary</h2><div id="summary"></div></section>
       <section class="card"><h2>Stragglers</h2><div id="stragglers"></div></section>
+      <section class="card wide"><h2>Stacks</h2><div class="toolbar"><button id="dump-btn">Dump all tasks</button>
+        <span class="muted">every running task writes its threads' stacks into its log; grouped here</span></div>
+        <div id="stacks"></div></section>
       <section class="card wide"><h2>Log <span id="log-task" class="muted"></span></h2>
         <div class="toolbar"><label><input type="checkbox" id="log-follow" checked> follow</label>
           <span class="muted">click a task above to read its log</span></div>
@@ -175,6 +178,7 @@ function runPage(runId) {
     </div>`;
   document.getElementById("stop-btn").onclick = () => control(runId, "stop");
   document.getElementById("restart-btn").onclick = () => control(runId, "restart");
+  document.getElementById("dump-btn").onclick = () => dumpAll(runId);
   every(() => refreshRun(runId));
 }
 
@@ -323,6 +327,34 @@ async function refreshLog(runId) {
   pre.textContent = view.logText;
   pre.dataset.task = task;
   if (atBottom || follow) pre.scrollTop = pre.scrollHeight;
+}
+
+async function dumpAll(runId) {
+  const el = document.getElementById("stacks");
+  let asked;
+  try { asked = await api(`/api/runs/${encodeURIComponent(runId)}/dump`, {method: "POST"}); }
+  catch (e) { el.textContent = e.message; return; }
+  el.innerHTML = `<p class="muted">asked (request ${asked.request_id}); waiting for the launcher…</p>`;
+  for (let i = 0; i < 60; i++) {  // about 30 s, then whatever has come
+    await new Promise(r => setTimeout(r, 500));
+    let s;
+    try { s = await api(`/api/runs/${encodeURIComponent(runId)}/stacks?request=${asked.request_id}`); } catch (e) { continue; }
+    drawStacks(s);
+    if ((s.state === "done" || s.state === "refused") && s.waiting_for.length === 0 && Object.keys(s.tasks).length) return;
+    if (s.state === "refused") return;
+  }
+}
+
+function drawStacks(s) {
+  const el = document.getElementById("stacks");
+  el.dataset.request = String(s.request_id);
+  el.dataset.tasks = String(Object.values(s.tasks).filter(t => t.threads.length).length);
+  const odd = s.odd_ones_out.map(o => `<p class="errors odd-one">${esc(o.task)}: ${esc(o.why)}</p>`).join("");
+  el.innerHTML = `<p class="muted">request ${esc(s.request_id)}: ${esc(s.answer || s.state)}${s.waiting_for.length ?
+      "; not in the logs yet: " + esc(s.waiting_for.join(", ")) : ""}</p>${odd}` +
+    s.groups.map(g => `<div class="stack-group" data-tasks="${esc(g.tasks.join(","))}"><h2>${esc(g.tasks.join(", "))}
+      <span class="muted">(${g.tasks.length} task${g.tasks.length > 1 ? "s" : ""}, main thread)</span></h2>
+      <pre class="log">${esc(g.frames.map(f => `${f.function}  ${f.file}:${f.line}`).join("\n"))}</pre></div>`).join("");
 }
 
 async function refreshStragglers(runId, run) {
