@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "checkpoint": ["--quick"],
     "cnn": ["--quick"],
     "placement": ["--quick"],
+    "ui": ["--quick"],
 }
 TIMEOUT_S = 900
 

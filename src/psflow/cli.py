@@ -149,6 +149,11 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; "
                f"threads={plan.threads} per task ({plan.cores} cores{'' if threads else ', --threads N to change'}); "
                f"{restarts}{watchdog}logs in {plan.logdir}")
+    from psflow.platform.uifile import running_ui
+
+    ui_url = running_ui()
+    if ui_url:  # a psflow ui serving this PSFLOW_HOME shows the run
+        click.echo(f"psflow: dashboard: {ui_url}#/run/{plan.run_id}")
     try:
         result = runner.run(plan)
     except PsflowError as e:
@@ -430,13 +435,19 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None) -> None
               help="A directory whose .py files the start form may run (repeatable; default: the current directory).")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where runs started from the dashboard keep their logdirs (default $PSFLOW_HOME/runs).")
-def ui(host: str, port: int, allow_remote: bool, scripts: tuple[Path, ...], runs_dir: Path | None) -> None:
+@click.option("--alert-webhook", default=None, metavar="URL",
+              help="POST a JSON alert (with a 'text' line) here when a run fails, stalls or has a task restarted.")
+@click.option("--alert-stall", "alert_stall_s", type=float, default=300.0, show_default=True,
+              help="With --alert-webhook: seconds without a new global step before a running run counts as stalled.")
+def ui(host: str, port: int, allow_remote: bool, scripts: tuple[Path, ...], runs_dir: Path | None,
+       alert_webhook: str | None, alert_stall_s: float) -> None:
     """Serve the dashboard and its HTTP API over the job store: runs, tasks, live charts and logs; start,
     stop and restart runs. Runs go on when it stops: it only reads the store and writes requests."""
     from psflow.platform.uiserver import serve, settings_for
 
     try:
-        settings = settings_for(host, allow_remote=allow_remote, scripts=scripts, runs_dir=runs_dir)
+        settings = settings_for(host, allow_remote=allow_remote, scripts=scripts, runs_dir=runs_dir,
+                                alert_webhook=alert_webhook, alert_stall_s=alert_stall_s)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     serve(settings, host, port, echo=click.echo)

@@ -185,6 +185,19 @@ def test_changes_need_the_token_and_bad_forms_and_paths_are_refused_clearly(tmp_
         assert api.get("/api/runs/nope").status_code == 404
 
 
+def test_concurrent_reads_are_all_answered(tmp_path, dashboard):
+    """A page polls several endpoints at once: each request's connection is opened on one worker
+    thread and used on another (a regression: SQLite refused that, and every request failed with 500)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _fake_logdir_run(dashboard.home, tmp_path / "logdir")
+    paths = ["/api/runs", "/api/runs/run-x", "/api/runs/run-x/metrics", "/api/runs/run-x/tasks/worker:0/log",
+             "/api/runs/run-x/checkpoints", "/api/summary", "/metrics"] * 6
+    with dashboard.client() as api, ThreadPoolExecutor(12) as pool:
+        codes = list(pool.map(lambda p: (p, api.get(p).status_code), paths))
+    assert all(code == 200 for _, code in codes), [c for c in codes if c[1] != 200]
+
+
 def test_the_openapi_schema_is_served_and_describes_the_api(dashboard):
     with dashboard.client(token=None) as anon:
         schema = anon.get("/openapi.json").json()
@@ -213,3 +226,97 @@ def test_a_dashboard_off_loopback_needs_an_explicit_flag_and_a_token(tmp_path):
                        text=True, env=env, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and "needs a token of your own: set PSFLOW_UI_TOKEN" in r.stderr
     assert TOKEN not in r.stderr
+
+
+def test_psflow_run_prints_where_the_dashboard_shows_it(tmp_path, dashboard):
+    from conftest import SOFTMAX
+
+    r = subprocess.run([PSFLOW, "run", "--ps", "1", "--workers", "1", "--no-live", "--logdir", str(tmp_path / "run"),
+                        SOFTMAX, "--", "--epochs", "1", "--init", "zeros"], capture_output=True, text=True, timeout=240,
+                       env=task_env(PSFLOW_HOME=str(dashboard.home)), cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    with dashboard.client() as api:
+        (run,) = api.get("/api/runs").json()["runs"]
+    assert f"psflow: dashboard: {dashboard.url}#/run/{run['id']}" in r.stdout
+    dashboard.stop()  # gone: a later run says nothing of it
+    assert not (dashboard.home / "ui.json").exists()
+    r = subprocess.run([PSFLOW, "run", "--ps", "1", "--workers", "1", "--no-live", "--logdir", str(tmp_path / "run2"),
+                        SOFTMAX, "--", "--epochs", "1", "--init", "zeros"], capture_output=True, text=True, timeout=240,
+                       env=task_env(PSFLOW_HOME=str(dashboard.home)), cwd=ROOT)
+    assert r.returncode == 0 and "psflow: dashboard:" not in r.stdout
+
+
+def test_restart_through_the_api_stops_the_run_and_launches_its_plan_again(tmp_path, dashboard):
+    with dashboard.client() as api:
+        run_id = api.post("/api/runs", json=TRAIN).json()["run_id"]
+        wait_for(lambda: _run(api, run_id)["run"], lambda r: r["state"] == "running" and r["global_step"] > 0,
+                 what="the run training")
+        answer = api.post(f"/api/runs/{run_id}/restart")
+        assert answer.status_code == 202, answer.text
+        new_id = answer.json()["run_id"]
+        assert new_id != run_id and answer.json()["restarts"] == run_id
+        new = wait_for(lambda: api.get(f"/api/runs/{new_id}"), lambda r: r.status_code == 200
+                       and r.json()["run"]["state"] == "running" and r.json()["run"]["global_step"] > 0,
+                       what="the restarted run training").json()["run"]
+        old = _run(api, run_id)
+        assert old["run"]["state"] == "stopped" and old["controls"][0]["source"] == "api"
+        assert new["restarted_from"] == run_id and new["logdir"] == old["run"]["logdir"]
+        assert (new["args"], new["cluster"], new["restart_policy"]) == (old["run"]["args"], old["run"]["cluster"],
+                                                                        old["run"]["restart_policy"])
+        assert new["global_step"] >= old["run"]["global_step"]  # resumed from the final checkpoint
+        assert api.post(f"/api/runs/{new_id}/stop").status_code == 202
+        wait_for(lambda: _run(api, new_id)["run"]["state"], lambda s: s == "stopped", what="the restarted run stopped")
+
+
+def test_a_slowed_worker_is_named_a_persistent_straggler(tmp_path, dashboard, procs):
+    from conftest import SOFTMAX, log_tails
+
+    logdir = tmp_path / "run"
+    launcher = subprocess.Popen([PSFLOW, "run", "--ps", "1", "--workers", "3", "--no-live", "--slow", "worker:2=0.02s",
+                                 "--logdir", str(logdir), SOFTMAX, "--", "--epochs", "300", "--init", "zeros"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=task_env(PSFLOW_HOME=str(dashboard.home)),
+                                cwd=ROOT, start_new_session=True)
+    procs.append(launcher)
+    with dashboard.client() as api:
+        run_id = wait_for(lambda: api.get("/api/runs", params={"state": "running"}).json()["runs"], lambda r: r,
+                          what="the run listed", context=lambda: log_tails(logdir))[0]["id"]
+        found = wait_for(lambda: api.get(f"/api/runs/{run_id}/stragglers", params={"windows": 4}).json(),
+                         lambda s: s["windows"] >= 4 and s["kind"] == "persistent", what="a persistent straggler",
+                         context=lambda: log_tails(logdir))
+        assert found["slowest"] == "worker:2", found
+        assert found["workers"]["worker:2"]["vs_median"] < 0.5 and found["verdict"].startswith("worker:2 runs at")
+        assert {"worker:0", "worker:1"} <= set(found["workers"]) and found["workers"]["worker:0"]["slow_windows"] == 0
+        assert api.post(f"/api/runs/{run_id}/stop").status_code == 202
+    assert launcher.wait(timeout=120) == 130
+
+
+def test_dump_all_tasks_reads_every_tasks_stacks_back_grouped(tmp_path, dashboard, procs):
+    from conftest import SOFTMAX, log_tails
+
+    logdir = tmp_path / "run"
+    launcher = subprocess.Popen([PSFLOW, "run", "--ps", "1", "--workers", "2", "--no-live", "--fail-at",
+                                 "worker:1@step=50:stall=120", "--logdir", str(logdir), SOFTMAX, "--", "--epochs", "300",
+                                 "--init", "zeros"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=task_env(PSFLOW_HOME=str(dashboard.home)), cwd=ROOT, start_new_session=True)
+    procs.append(launcher)
+    with dashboard.client() as api, dashboard.client(token=None) as anon:
+        run = wait_for(lambda: api.get("/api/runs", params={"state": "running"}).json()["runs"],
+                       lambda r: r and r[0]["global_step"] > 60, what="the run past step 60",
+                       context=lambda: log_tails(logdir))[0]
+        assert anon.post(f"/api/runs/{run['id']}/dump").status_code == 401
+        assert api.get(f"/api/runs/{run['id']}/stacks").status_code == 404  # none asked for yet
+        asked = api.post(f"/api/runs/{run['id']}/dump")
+        assert asked.status_code == 202, asked.text
+        request_id = asked.json()["request_id"]
+        stacks = wait_for(lambda: api.get(f"/api/runs/{run['id']}/stacks", params={"request": request_id}).json(),
+                          lambda s: s["state"] == "done" and len(s["tasks"]) == 3 and not s["waiting_for"],
+                          what="every task's stacks read back", context=lambda: log_tails(logdir))
+        assert stacks["answer"] == "stacks of 3 task(s) dumped into their logs"
+        mains = {t: v["threads"][-1]["frames"] for t, v in stacks["tasks"].items()}
+        assert set(mains) == {"ps:0", "worker:0", "worker:1"} and all(mains.values())
+        # worker:1 sleeps in its injected stall: its main thread stands in psflow/fault.py, under the script
+        assert any(f["file"].endswith("psflow/fault.py") for f in mains["worker:1"]), mains["worker:1"]
+        assert any(f["file"].endswith("mnist_softmax.py") for f in mains["worker:1"])
+        assert sorted(t for g in stacks["groups"] for t in g["tasks"]) == ["ps:0", "worker:0", "worker:1"]
+        assert api.post(f"/api/runs/{run['id']}/stop").status_code == 202
+    assert launcher.wait(timeout=120) == 130

@@ -94,7 +94,7 @@ def test_a_request_to_an_ended_run_an_unknown_run_or_kind_is_refused_by_name(tmp
             db.request_control("run-1", "stop", source="cli")
         with pytest.raises(JobStoreError, match="No run 'nope'"):
             db.request_control("nope", "stop", source="cli")
-        with pytest.raises(JobStoreError, match="'reboot' is not one of stop, scale"):
+        with pytest.raises(JobStoreError, match="'reboot' is not one of stop, dump, scale"):
             db.request_control("run-1", "reboot", source="cli")
         with pytest.raises(JobStoreError, match="answered 'done' or 'refused'"):
             db.answer_control(1, "maybe", "", time.time())
@@ -114,6 +114,8 @@ def test_a_recorded_run_gives_the_same_plan_again_as_a_new_run_in_its_logdir(tmp
     assert plan.restart.kind_for("worker") == "on-failure" and plan.restart.kind_for("ps") == "never"
     assert plan.tasks[1].argv[-3:] == (str(script), "--epochs", "1")
     assert LaunchSpec.from_json(spec.to_json()) == spec
+    relative = spec_of_run({**run, "script": "train.py", "launch": {**run["launch"], "cwd": str(tmp_path)}})
+    assert relative.script == str(script)  # relative to where it was launched, whatever the cwd now
 
 
 def test_a_spec_that_psflow_run_would_refuse_is_refused_before_anything_starts(tmp_path):

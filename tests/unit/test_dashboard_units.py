@@ -69,3 +69,100 @@ def test_a_page_of_runs_filters_by_state_and_search_and_counts_them_all(tmp_path
         assert len(page) == total - 2
         assert db.run_page(search="50%")[1] == 10 and db.run_page(search="run-_1")[1] == 0  # % and _ are literal
         assert list(page[0]["tasks"]) == ["worker:0"]
+
+
+def _steady(rate: float, seconds: int = 60, start_s: float = 1000.0) -> list[tuple[float, float]]:
+    return [(start_s + t, rate * t) for t in range(seconds + 1)]
+
+
+def test_a_worker_slow_all_along_is_a_persistent_straggler_and_one_slow_spell_is_transient():
+    from psflow.platform.stragglers import StragglerRules, find_stragglers
+
+    rules = StragglerRules(windows=6, span_s=None)
+    steady = find_stragglers({"worker:0": _steady(100), "worker:1": _steady(98), "worker:2": _steady(30)}, rules)
+    assert (steady["slowest"], steady["kind"]) == ("worker:2", "persistent")
+    assert steady["workers"]["worker:2"]["slow_windows"] == 6 and steady["workers"]["worker:2"]["vs_median"] == 0.306
+    assert steady["verdict"].startswith("worker:2 runs at 0.31x the median worker")
+    # worker:1 stalls for the first 10 s only (one window of six), then runs as the others
+    spell = [(1000.0 + t, 0.0 if t <= 10 else 100.0 * (t - 10)) for t in range(61)]
+    transient = find_stragglers({"worker:0": _steady(100), "worker:1": spell, "worker:2": _steady(100)}, rules)
+    assert (transient["slowest"], transient["kind"]) == ("worker:1", "transient")
+    assert transient["workers"]["worker:1"]["slow_windows"] == 1
+    even = find_stragglers({"worker:0": _steady(100), "worker:1": _steady(95)}, rules)
+    assert even["kind"] is None and even["slowest"] is None and even["verdict"].startswith("No straggler")
+    # a restart's step going back does not count as a rate; one worker alone has nothing to compare with
+    restarted = _steady(100)[:30] + [(1030.0 + t, 10.0 * t) for t in range(31)]
+    assert find_stragglers({"worker:0": restarted, "worker:1": _steady(100)}, rules)["windows"] >= 5
+    assert find_stragglers({"worker:0": _steady(100)}, rules)["slowest"] is None
+
+
+def test_alerts_say_a_restart_a_failure_and_a_stall_once_each():
+    from psflow.platform.alerts import AlertBook, check_webhook
+
+    book = AlertBook(stall_s=10)
+    events = [{"run_id": "r1", "kind": "restart", "data": {"task": "worker:1", "attempt": 1, "reason": "killed (SIGKILL)"}},
+              {"run_id": "r1", "kind": "run_finished", "data": {"status": "succeeded"}},
+              {"run_id": "r2", "kind": "run_finished", "data": {"status": "failed"}},
+              {"run_id": "r3", "kind": "task_started", "data": {"task": "ps:0"}}]
+    said = book.on_events(events, {"r2": "worker:0"})
+    assert [(a.kind, a.run_id, a.task) for a in said] == [("restarted", "r1", "worker:1"), ("failed", "r2", "worker:0")]
+    assert said[0].text == "psflow: run r1: worker:1 restarted as attempt 1 (killed (SIGKILL))"
+    assert said[1].text == "psflow: run r2 failed; root cause: worker:0"
+    assert book.on_look({"r5": 0}, now=0.0) == [] and book.on_look({"r5": 0}, now=100.0) == []  # not training yet
+    assert book.on_look({"r4": 100}, now=0.0) == []
+    assert book.on_look({"r4": 100}, now=9.9) == []
+    stalled = book.on_look({"r4": 100}, now=10.0)
+    assert [(a.kind, a.detail["global_step"]) for a in stalled] == [("stalled", 100)]
+    assert book.on_look({"r4": 100}, now=60.0) == []  # told once per stall
+    assert book.on_look({"r4": 101}, now=61.0) == []  # it moved: armed again
+    assert [a.kind for a in book.on_look({"r4": 101}, now=71.0)] == ["stalled"]
+    assert book.on_look({}, now=72.0) == [] and book.on_look({"r4": 101}, now=200.0) == []  # gone, then new: not stalled yet
+    for bad in ("ftp://x/hook", "hook", "http://"):
+        with pytest.raises(ConfigError, match="is not an http:// or https:// URL"):
+            check_webhook(bad)
+
+
+_DUMPER = """
+import faulthandler, sys, threading, time
+ready = threading.Event()
+def {name}():
+    ready.set()
+    time.sleep(60)
+threading.Thread(target={name}, daemon=True).start()
+ready.wait(10)
+print("before the dump", flush=True)
+faulthandler.dump_traceback(all_threads=True)
+sys.stderr.flush()
+print("after the dump", flush=True)
+"""
+
+
+def _real_dump(tmp_path, name: str) -> list[str]:
+    """A real faulthandler dump of a process with a second thread (in ``name``), as a task's log has it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / f"{name}.py"
+    script.write_text(_DUMPER.format(name=name))
+    out = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=60)
+    return out.stdout.splitlines(keepends=True)
+
+
+def test_a_real_faulthandler_dump_is_parsed_and_tasks_group_by_their_main_stack(tmp_path):
+    from psflow.platform.stacks import group_stacks, main_stack, parse_dump
+
+    lines = _real_dump(tmp_path, "sleeper")
+    threads = parse_dump(lines)
+    assert len(threads) == 2 and threads[-1]["current"]
+    assert threads[0]["frames"][0]["function"] == "sleeper" and not threads[0]["current"]
+    assert main_stack(threads)[0]["function"] == "<module>" and main_stack(threads)[0]["file"].endswith("sleeper.py")
+    assert not any("after the dump" in str(t) for t in threads)  # the dump ends where the output goes on
+    assert parse_dump(["no dump here\n"]) == []
+
+    same = main_stack(threads)
+    other = main_stack(parse_dump(_real_dump(tmp_path, "other")))
+    grouped = group_stacks({"worker:0": same, "worker:1": same, "worker:2": other, "ps:0": other})
+    assert [g["tasks"] for g in grouped["groups"]] == [["ps:0", "worker:2"], ["worker:0", "worker:1"]]
+    assert [(o["task"], o["job"]) for o in grouped["odd_ones_out"]] == [("worker:2", "worker")]
+    assert group_stacks({"worker:0": same, "worker:1": other})["odd_ones_out"] == []  # two apart: no odd one

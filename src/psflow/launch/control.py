@@ -13,6 +13,9 @@ Kinds (:data:`KINDS`):
 
 - ``stop``: stop every task (SIGTERM, SIGKILL after the plan's grace), as Ctrl-C on the launcher
   does; the run ends ``stopped``. Payload: none.
+- ``dump``: every running task writes all its threads' stacks into its log (SIGUSR1, as the hang
+  watchdog does for one task); the launcher records where each went (``stacks_dumped`` events: task,
+  log, line), for :mod:`psflow.platform.stacks` to read back. Payload: none.
 - ``scale``: change the number of workers (payload ``{"workers": N}``). The launcher refuses it for
   now, saying so (``refused``): membership changes of a running job are not built yet.
 
@@ -33,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("stop", "scale")
+KINDS = ("stop", "dump", "scale")
 STATES = ("pending", "taken", "done", "refused")
 
 

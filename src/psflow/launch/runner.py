@@ -192,18 +192,39 @@ class Runner:
 
     def _control(self, request: ControlRequest, controller: RunController, store: RunStore) -> list[Decision]:
         """A request from outside the launcher (:mod:`psflow.launch.control`): carried out, or refused with why."""
+        out: list[Decision] = []
         if request.kind == "stop":
             state, answer = "done", "every task is being stopped"
             self.console.warn(f"{request.describe()}: stopping every task.")
             out = controller.handle(StopRequested(request.describe(), time.time()))
+        elif request.kind == "dump":
+            state, answer = self._dump_all(request, controller, store)
         else:
-            state, answer = "refused", (f"this launcher cannot {request.kind} a running run yet (only stop); "
+            state, answer = "refused", (f"this launcher cannot {request.kind} a running run yet (only stop and dump); "
                                         f"stop it and start it again with the new shape")
-            out = []
         store.control_answered(request, state, answer)
         store.event("control", request=request.id, action=request.kind, source=request.source,
                     payload=dict(request.payload), state=state, answer=answer)
         return out
+
+    def _dump_all(self, request: ControlRequest, controller: RunController, store: RunStore) -> tuple[str, str]:
+        """Every running task's stacks into its log; where each went into the run's history."""
+        dumped, missing = [], []
+        for task, rec in controller.records.items():
+            if rec.state != "running":
+                continue
+            try:
+                where = self.backend.dump_stacks(task)
+            except (NotImplementedError, OSError) as e:
+                missing.append(f"{task} ({e})")
+                continue
+            if where is None:
+                missing.append(f"{task} (its process is gone)")
+                continue
+            dumped.append(task)
+            store.event("stacks_dumped", task=task, attempt=rec.attempt, request=request.id, log=where.log, line=where.line)
+        answer = f"stacks of {len(dumped)} task(s) dumped into their logs" + (f"; not: {', '.join(missing)}" if missing else "")
+        return ("done" if dumped else "refused"), answer
 
     def _carry_out(self, d: Decision, tasks: Mapping[str, TaskPlan], controller: RunController, store: RunStore,
                    envs: Mapping[str, Mapping[str, str]]) -> list[Decision]:

@@ -7,12 +7,14 @@ Routes (``{run}`` is a run id):
 - ``GET /api/runs/{run}``: the run, its tasks (state, attempts, exits, latest metrics), its
   attempts, events (``?after=`` an event id, for polling) and control requests;
 - ``GET /api/runs/{run}/metrics?name=&task=&after=&max_points=``: metric series per task;
+- ``GET /api/runs/{run}/stragglers``: each worker's speed, the slowest, persistent or transient;
 - ``GET /api/runs/{run}/tasks/{task}/log?offset=&max_bytes=``: a task's log, its tail or from an offset;
 - ``GET /api/runs/{run}/summary``, ``GET /api/runs/{run}/checkpoints``,
   ``GET /api/runs/{run}/checkpoints/{name}/export``: the summary, the checkpoints, one exported as safetensors;
 - ``GET /api/summary``: runs by state; ``GET /api/health``; ``GET /metrics``: Prometheus;
 - ``POST /api/runs``: start a run (form fields checked here: 422 with what was wrong);
-- ``POST /api/runs/{run}/stop``, ``POST /api/runs/{run}/restart``.
+- ``POST /api/runs/{run}/stop``, ``POST /api/runs/{run}/restart``;
+- ``POST /api/runs/{run}/dump``: every task's stacks into its log; ``GET /api/runs/{run}/stacks``: them, grouped.
 
 Security: every POST needs the token (``Authorization: Bearer TOKEN`` or ``X-Psflow-Token``),
 compared with :func:`hmac.compare_digest`; with ``auth_reads`` (a non-loopback bind) every
@@ -66,6 +68,8 @@ class UiSettings:
         auth_reads: every request needs the token, reads too (a dashboard reachable off this machine).
         stop_wait_s: a restart's longest wait for the old run to stop.
         start_wait_s: a start's longest wait for the new run's launcher to record it.
+        alert_webhook: where alerts go (failed, stalled, restarted; :mod:`psflow.platform.alerts`), if anywhere.
+        alert_stall_s: how long a running run's global step may stand still before it is a stall.
     """
 
     home: Path
@@ -75,6 +79,8 @@ class UiSettings:
     auth_reads: bool = False
     stop_wait_s: float = 120.0
     start_wait_s: float = 60.0
+    alert_webhook: str | None = None
+    alert_stall_s: float = 300.0
 
     @property
     def db_path(self) -> Path:
@@ -107,7 +113,7 @@ class StartRun(BaseModel):
 def _store(request: Request) -> Iterator[JobStore]:
     """The job store for one request (its own connection: requests run on a thread pool)."""
     try:
-        db = JobStore(request.app.state.settings.db_path)
+        db = JobStore(request.app.state.settings.db_path, check_same_thread=False)  # opened and used on two threads
     except JobStoreError as e:
         raise HTTPException(503, detail=str(e)) from e
     with db:
@@ -196,6 +202,18 @@ def create_app(settings: UiSettings) -> FastAPI:
                 per_task[key] = _thin(points, max_points)
         return {"run_id": run_id, "series": series}
 
+    @app.get("/api/runs/{run_id}/stragglers", dependencies=reads)
+    def get_stragglers(run_id: str, db: Db, windows: Annotated[int, Query(ge=1, le=100)] = 10,
+                       span_s: Annotated[float, Query(gt=0)] = 300.0) -> dict[str, Any]:
+        from psflow.platform.stragglers import StragglerRules, find_stragglers
+
+        run = the_run(db, run_id)
+        steps: dict[str, list[tuple[float, float]]] = {t: [] for t in run["tasks"] if t.startswith(("worker", "chief"))}
+        for p in db.metrics(run_id, name="local_step"):
+            if p["task"] in steps and p["value"] is not None:
+                steps[p["task"]].append((p["time_unix"], p["value"]))
+        return {"run_id": run_id, **find_stragglers(steps, StragglerRules(windows=windows, span_s=span_s))}
+
     @app.get("/api/runs/{run_id}/tasks/{task}/log", dependencies=reads)
     def get_log(run_id: str, task: str, db: Db, offset: Annotated[int | None, Query(ge=0)] = None,
                 max_bytes: Annotated[int, Query(ge=1, le=4 << 20)] = 64 << 10) -> dict[str, Any]:
@@ -257,6 +275,36 @@ def create_app(settings: UiSettings) -> FastAPI:
         if asked.request_id is None:
             raise HTTPException(409, detail=f"Run {run_id} has already ended ({asked.state}); there is nothing to stop.")
         return {"run_id": run_id, "request_id": asked.request_id}
+
+    @app.post("/api/runs/{run_id}/dump", status_code=202, dependencies=[Depends(need_token)])
+    def dump_run(run_id: str, db: Db) -> dict[str, Any]:
+        the_run(db, run_id)
+        try:
+            request_id = db.request_control(run_id, "dump", source="api")
+        except JobStoreError as e:
+            raise HTTPException(409, detail=str(e)) from e
+        return {"run_id": run_id, "request_id": request_id}
+
+    @app.get("/api/runs/{run_id}/stacks", dependencies=reads)
+    def get_stacks(run_id: str, db: Db, request: Annotated[int | None, Query(ge=1)] = None) -> dict[str, Any]:
+        from psflow.platform.runfiles import dump_lines
+        from psflow.platform.stacks import group_stacks, main_stack, parse_dump
+
+        run = the_run(db, run_id)
+        asked = [c for c in db.controls(run_id) if c["kind"] == "dump" and (request is None or c["id"] == request)]
+        if not asked:
+            raise HTTPException(404, detail=f"Run {run_id} has no stack dump{'' if request is None else f' {request}'}; "
+                                            f"POST /api/runs/{run_id}/dump asks for one.")
+        control = asked[-1]
+        tasks: dict[str, Any] = {}
+        for e in db.events(run_id):
+            data = e["data"]
+            if e["kind"] == "stacks_dumped" and data.get("request") == control["id"]:
+                threads = parse_dump(dump_lines(run, str(data["log"]), int(data["line"])))
+                tasks[str(data["task"])] = {"attempt": data.get("attempt"), "line": data["line"], "threads": threads}
+        grouped = group_stacks({t: main_stack(v["threads"]) for t, v in tasks.items() if v["threads"]})
+        return {"run_id": run_id, "request_id": control["id"], "state": control["state"], "answer": control["answer"],
+                "tasks": tasks, "waiting_for": sorted(t for t, v in tasks.items() if not v["threads"]), **grouped}
 
     @app.post("/api/runs/{run_id}/restart", status_code=202, dependencies=[Depends(need_token)])
     def restart_run(run_id: str, db: Db) -> dict[str, Any]:
@@ -366,6 +414,7 @@ def _row(run: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in _shown(run).items() if k not in ("summary", "tasks")}
     out["tasks"] = {name: {"state": t.get("state"), "attempt": t.get("attempt"), "alive": t.get("alive"),
                            "exit_code": t.get("exit_code")} for name, t in run["tasks"].items()}
-    loss = [t["metrics"]["loss"] for t in run["tasks"].values() if isinstance((t.get("metrics") or {}).get("loss"), float)]
+    loss = [t["progress"]["loss"] for t in run["tasks"].values()
+            if isinstance((t.get("progress") or {}).get("loss"), (int, float))]
     out["loss"] = sum(loss) / len(loss) if loss else None
     return out

@@ -57,6 +57,8 @@ class JobStore:
         path: the database file.
         busy_timeout_s: how long a statement waits for another process's write to finish.
         migrate_to: the schema version to bring the database to (tests build old databases with it).
+        check_same_thread: False lets one thread hand the connection to another (the HTTP API opens it
+            in one worker thread and answers the request in another; never two at once).
 
     Raises:
         JobStoreError: the file is not a database, is newer than this psflow, or cannot be opened;
@@ -68,7 +70,8 @@ class JobStore:
         ['20250101-120000-ab12cd']
     """
 
-    def __init__(self, path: str | Path | None = None, *, busy_timeout_s: float = 10.0, migrate_to: int = LATEST) -> None:
+    def __init__(self, path: str | Path | None = None, *, busy_timeout_s: float = 10.0, migrate_to: int = LATEST,
+                 check_same_thread: bool = True) -> None:
         self.path = Path(path) if path is not None else jobs_db_path()
         self.busy_timeout_s = busy_timeout_s
         try:
@@ -78,7 +81,8 @@ class JobStore:
                                 f"Set PSFLOW_HOME to a directory you can write.") from e
         self.conn: sqlite3.Connection | None = None
         try:
-            self.conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None)
+            self.conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None,
+                                        check_same_thread=check_same_thread)
             self.conn.row_factory = sqlite3.Row
             self.conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
             self._set_wal(busy_timeout_s)
@@ -272,12 +276,14 @@ class JobStore:
         return out
 
     def run_page(self, *, state: str | None = None, search: str | None = None, limit: int = 50,
-                 offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+                 offset: int = 0, metrics: bool = False) -> tuple[list[dict[str, Any]], int]:
         """One page of runs, newest first, and how many runs match in all: the HTTP API's runs list.
 
         ``state`` keeps the runs recorded in that state; ``search`` the runs whose id, script,
         arguments or backend hold it (case-insensitive). Only the page's runs are read in full (tasks,
-        latest metrics, the liveness check), so a page costs the same with 10 runs or 100,000.
+        the liveness check), so a page costs about the same with 10 runs or 100,000. Each task's last
+        progress figures (loss, global step, examples/sec) are in its ``progress``; ``metrics`` adds
+        each task's latest value of every metric (a query over each run's metrics: the page's costliest part).
         """
         where, args = [], []
         if state is not None:
@@ -296,7 +302,8 @@ class JobStore:
         out = []
         for r in rows:
             run = self._assessed(_run_dict(r), tasks.get(r["id"], {}))
-            self._add_metrics(run)
+            if metrics:
+                self._add_metrics(run)
             out.append(run)
         return out, total
 
@@ -335,6 +342,15 @@ class JobStore:
         """The run's events after event ``after_id``, oldest first."""
         return [{**dict(r), "data": json.loads(r["data"])} for r in self._db.execute(
             "SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id))]
+
+    def events_since(self, after_id: int, kinds: Sequence[str], *, limit: int = 1000) -> list[dict[str, Any]]:
+        """Events of every run after event ``after_id``, of the given kinds, oldest first (alerts)."""
+        marks = ", ".join("?" * len(kinds))
+        return [{**dict(r), "data": json.loads(r["data"])} for r in self._db.execute(
+            f"SELECT * FROM events WHERE id > ? AND kind IN ({marks}) ORDER BY id LIMIT ?", (after_id, *kinds, limit))]
+
+    def last_event_id(self) -> int:
+        return int(self._db.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()[0])
 
     def metrics(self, run_id: str, *, task: str | None = None, name: str | None = None, names: Sequence[str] | None = None,
                 after_unix: float | None = None) -> list[dict[str, Any]]:

@@ -108,8 +108,11 @@ def spec_of_run(run: Mapping[str, Any]) -> LaunchSpec:
         raise ConfigError(f"Run {run.get('id')} has no recorded script or cluster; start it again with psflow run.")
     config = dict(launch.get("config") or {})
     mode, strategy = config.pop("mode", run.get("mode") or "async"), config.pop("strategy", run.get("strategy") or "ps")
+    script = Path(str(run["script"]))
+    if not script.is_absolute() and launch.get("cwd"):  # relative to where the run was launched, not to here
+        script = Path(str(launch["cwd"])) / script
     return LaunchSpec(
-        script=str(run["script"]), args=tuple(run.get("args") or ()), num_ps=len(cluster.get("ps", [])),
+        script=str(script), args=tuple(run.get("args") or ()), num_ps=len(cluster.get("ps", [])),
         num_workers=len(cluster.get("worker", [])), chief=bool(cluster.get("chief")), evaluator=bool(cluster.get("evaluator")),
         mode=mode, strategy=strategy, backend=str(run.get("backend") or "local"),
         restart_policy=dict(run.get("restart_policy") or {}), config=config, hangs=dict(launch.get("hangs") or {}),

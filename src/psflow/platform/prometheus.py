@@ -39,8 +39,8 @@ class StoreCollector(Collector):
             counts = dict.fromkeys(RUN_STATES, 0)
             for row in db.conn.execute("SELECT state, COUNT(*) FROM runs GROUP BY state"):  # type: ignore[union-attr]
                 counts[row[0]] = counts.get(row[0], 0) + int(row[1])
-            live, _ = db.run_page(state="running", limit=1000)
-            pending, _ = db.run_page(state="pending", limit=1000)
+            live, _ = db.run_page(state="running", limit=1000, metrics=True)
+            pending, _ = db.run_page(state="pending", limit=1000, metrics=True)
         runs = GaugeMetricFamily("psflow_runs", "Runs recorded in the job store, by state.", labels=["state"])
         for state, n in counts.items():
             runs.add_metric([state], n)

@@ -110,3 +110,20 @@ def checkpoints(run: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"name": path.name, "step": ckpt.step, "shards": ckpt.num_shards, "ok": True,
                     "size_bytes": sum(r.size_bytes for r in ckpt.shards)})
     return out
+
+
+def dump_lines(run: dict[str, Any], log: str, line: int, *, max_lines: int = 5000) -> list[str]:
+    """Lines ``line``.. of a task's log (1-based) where the launcher said a stack dump went; the log
+    must be inside the run's directory.
+
+    Raises:
+        RunFileError: the log is outside the run's directory.
+    """
+    import itertools
+
+    path = inside(Path(run["logdir"]), Path(log))
+    try:
+        with path.open(errors="replace") as f:
+            return list(itertools.islice(f, max(0, line - 1), max(0, line - 1) + max_lines))
+    except FileNotFoundError:
+        return []

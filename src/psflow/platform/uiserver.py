@@ -6,7 +6,7 @@ request, reads included, needs the token. On loopback a fresh token is made when
 printed with the URL (in its ``#token=`` fragment, which browsers never send to the server).
 
 While it serves, ``$PSFLOW_HOME/ui.json`` says where (url, pid), so ``psflow run`` can print where
-the dashboard is (:func:`running_ui`); it is removed at exit, and one whose pid is gone is ignored.
+the dashboard is (:mod:`psflow.platform.uifile`); it is removed at exit, and one whose pid is gone is ignored.
 
 Called by :mod:`psflow.cli`.
 """
@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
-import os
 import secrets
 import socket
 from collections.abc import Callable
@@ -25,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from psflow.errors import ConfigError
+from psflow.platform.alerts import AlertBook, AlertWatcher, check_webhook
 from psflow.platform.api import UiSettings, create_app
 from psflow.platform.home import UI_TOKEN_ENV, psflow_home, ui_token
-
-UI_FILE = "ui.json"
+from psflow.platform.uifile import remove_ui, write_ui
 
 
 def is_loopback(host: str) -> bool:
@@ -42,7 +40,8 @@ def is_loopback(host: str) -> bool:
 
 
 def settings_for(host: str, *, allow_remote: bool, scripts: tuple[Path, ...] = (), runs_dir: Path | None = None,
-                 env: dict[str, str] | None = None) -> UiSettings:
+                 env: dict[str, str] | None = None, alert_webhook: str | None = None,
+                 alert_stall_s: float = 300.0) -> UiSettings:
     """The dashboard's settings for a bind to ``host``.
 
     Raises:
@@ -59,9 +58,14 @@ def settings_for(host: str, *, allow_remote: bool, scripts: tuple[Path, ...] = (
     for d in scripts:
         if not d.is_dir():
             raise ConfigError(f"--scripts {d}: not a directory. Give the directory whose .py files the form may start.")
+    if alert_webhook is not None:
+        check_webhook(alert_webhook)
+    if not alert_stall_s > 0:
+        raise ConfigError(f"--alert-stall must be a positive number of seconds; received {alert_stall_s}.")
     return UiSettings(home=psflow_home(env), token=token or secrets.token_urlsafe(24),
                       script_roots=tuple(d.resolve() for d in scripts) or (Path.cwd(),),
-                      runs_root=runs_dir.resolve() if runs_dir else None, auth_reads=remote)
+                      runs_root=runs_dir.resolve() if runs_dir else None, auth_reads=remote,
+                      alert_webhook=alert_webhook, alert_stall_s=alert_stall_s)
 
 
 def serve(settings: UiSettings, host: str = "127.0.0.1", port: int = 8265, *,
@@ -75,9 +79,7 @@ def serve(settings: UiSettings, host: str = "127.0.0.1", port: int = 8265, *,
     try:
         server.run()
     finally:
-        with contextlib.suppress(OSError):
-            if _read_ui(settings.home).get("pid") == os.getpid():
-                (settings.home / UI_FILE).unlink()
+        remove_ui(settings.home)
 
 
 class _Server:
@@ -93,7 +95,21 @@ class _Server:
                 await super().startup(sockets)
                 bound = [s.getsockname() for srv in getattr(self, "servers", []) for s in srv.sockets]
                 if bound:
-                    _announce(settings_, bound[0], echo_)
+                    url = _announce(settings_, bound[0], echo_)
+                    if settings_.alert_webhook:
+                        self.alerts = AlertWatcher(settings_.db_path, settings_.alert_webhook,
+                                                   AlertBook(stall_s=settings_.alert_stall_s),
+                                                   link=lambda run_id: f"{url}#/run/{run_id}")
+                        self.alerts.start()
+                        echo_(f"psflow ui: alerts (failed, stalled for {settings_.alert_stall_s:g} s, restarted) go to "
+                              f"{settings_.alert_webhook}")
+
+            async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+                # here, not after run(): uvicorn raises the captured SIGTERM again once it has shut down
+                remove_ui(settings_.home)
+                if getattr(self, "alerts", None) is not None:
+                    self.alerts.stop()
+                await super().shutdown(sockets)
 
         self.server = Server(config)
 
@@ -102,7 +118,7 @@ class _Server:
             self.server.run()
 
 
-def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) -> None:
+def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) -> str:
     host, port = sockname[0], sockname[1]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/"
@@ -110,31 +126,5 @@ def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) 
     echo(f"psflow ui: API at {url}api/runs, OpenAPI schema at {url}openapi.json, Prometheus at {url}metrics")
     echo(f"psflow ui: job store {settings.db_path}; requests that change anything need the token "
          f"(Authorization: Bearer TOKEN{'' if ui_token() else ', or set ' + UI_TOKEN_ENV + ' to choose it'})")
-    with contextlib.suppress(OSError):
-        settings.home.mkdir(parents=True, exist_ok=True)
-        tmp = settings.home / f".{UI_FILE}.{os.getpid()}"
-        tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
-        tmp.replace(settings.home / UI_FILE)
-
-
-def _read_ui(home: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((home / UI_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def running_ui(home: Path | None = None) -> str | None:
-    """The URL of the dashboard serving this psflow home, if one runs (for ``psflow run`` to print)."""
-    data = _read_ui(home or psflow_home())
-    pid = data.get("pid")
-    if not isinstance(pid, int) or not isinstance(data.get("url"), str):
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return data["url"]
+    write_ui(settings.home, url)
+    return url

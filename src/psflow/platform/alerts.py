@@ -1,0 +1,181 @@
+"""Alerts: a webhook told when a run fails, stalls or has a task restarted (``psflow ui --alert-webhook URL``).
+
+A pure core under a thin I/O shell:
+
+- :class:`AlertBook` (pure) takes what the store shows, step by step: the run events that arrived
+  (``restart``: a task restarted; ``run_finished`` with status ``failed``) and a look at each live
+  run's global step at a time. It returns :class:`Alert` values. A run stalls when its global step has
+  not moved for ``stall_s`` (while it runs, once past step 0); it is told once per stall, and again only after its step
+  moved and stood still again. Book states per live run: ``moving --no new step for stall_s--> stalled
+  (alert) --the step moves--> moving``; a run that is no longer live is forgotten.
+- :class:`AlertWatcher` (the shell): a thread of the dashboard that reads the job store every
+  ``poll_s``, feeds the book and POSTs each alert as JSON to the webhook (``text`` for chat tools
+  that read that field, Slack's and Mattermost's incoming webhooks among them, and the alert's fields).
+  It starts from the newest event in the store: history is not alerted again when the dashboard starts.
+  Alerts are sent while the dashboard runs (a run keeps going without it; what happened meanwhile is
+  not alerted later).
+
+Called by :mod:`psflow.platform.uiserver`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from psflow.errors import ConfigError
+
+EVENT_KINDS = ("restart", "run_finished")
+
+
+@dataclass(frozen=True)
+class Alert:
+    """What to tell: ``kind`` is ``failed``, ``restarted`` or ``stalled``; ``text`` says it in one line."""
+
+    kind: str
+    run_id: str
+    text: str
+    task: str | None = None
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AlertBook:
+    """Decides the alerts (see the module docstring). ``stall_s``: how long a live run's global step may
+    stand still before it counts as stalled."""
+
+    stall_s: float = 300.0
+    _steps: dict[str, tuple[int, float, bool]] = field(default_factory=dict)  # run -> (step, since, told)
+
+    def on_events(self, events: Iterable[Mapping[str, Any]], root_causes: Mapping[str, str | None]) -> list[Alert]:
+        """Alerts for run events (``restart``, ``run_finished``), oldest first; ``root_causes``: run -> its root cause."""
+        out = []
+        for e in events:
+            data = e.get("data") or {}
+            run_id = str(e.get("run_id"))
+            if e.get("kind") == "restart":
+                task = str(data.get("task"))
+                out.append(Alert("restarted", run_id, f"psflow: run {run_id}: {task} restarted as attempt "
+                                 f"{data.get('attempt')} ({data.get('reason')})", task, dict(data)))
+            elif e.get("kind") == "run_finished" and data.get("status") == "failed":
+                cause = root_causes.get(run_id)
+                out.append(Alert("failed", run_id, f"psflow: run {run_id} failed" + (f"; root cause: {cause}" if cause else ""),
+                                 cause, {"root_cause": cause}))
+        return out
+
+    def on_look(self, steps: Mapping[str, int], now: float) -> list[Alert]:
+        """Alerts for the live runs' global steps seen at ``now`` (run -> step); other runs are forgotten."""
+        out = []
+        for run_id in set(self._steps) - set(steps):
+            del self._steps[run_id]
+        for run_id, step in steps.items():
+            if step == 0:  # not training yet (starting, restoring): the launcher's start deadlines judge that
+                continue
+            last = self._steps.get(run_id)
+            if last is None or step != last[0]:
+                self._steps[run_id] = (step, now, False)
+                continue
+            _, since, told = last
+            if not told and now - since >= self.stall_s:
+                self._steps[run_id] = (step, since, True)
+                out.append(Alert("stalled", run_id, f"psflow: run {run_id} stalled: global step {step} has not moved "
+                                 f"for {now - since:.0f} s", None, {"global_step": step, "stalled_s": round(now - since, 1)}))
+        return out
+
+
+def check_webhook(url: str) -> str:
+    """``url`` if it is an http(s) URL with a host.
+
+    Raises:
+        ConfigError: another scheme or no host.
+    """
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(f"--alert-webhook {url!r} is not an http:// or https:// URL. Give the webhook's full URL.")
+    return url
+
+
+class AlertWatcher:
+    """The dashboard's thread that turns the store's news into webhook POSTs.
+
+    Args:
+        db_path: the job store.
+        url: the webhook.
+        book: the rules (its ``stall_s``).
+        poll_s: how often the store is read.
+        link: makes a link to a run's page (the dashboard's URL), added to each alert.
+        send: posts one JSON body (default: urllib, 5 s timeout); tests and other transports swap it.
+    """
+
+    def __init__(self, db_path: Path, url: str, book: AlertBook, *, poll_s: float = 2.0,
+                 link: Callable[[str], str] | None = None, send: Callable[[str, bytes], None] | None = None) -> None:
+        self.db_path, self.url, self.book, self.poll_s = db_path, check_webhook(url), book, poll_s
+        self.link = link
+        self.send = send or _post
+        self.sent = 0
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="psflow-alerts", daemon=True)
+        self._cursor: int | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _loop(self) -> None:
+        from psflow.platform.jobstore import JobStore, JobStoreError
+
+        while not self._stop.is_set():
+            try:
+                with JobStore(self.db_path) as db:
+                    alerts = self._look(db)
+            except JobStoreError as e:
+                print(f"psflow ui: alerts: cannot read the job store ({e}); trying again", file=sys.stderr, flush=True)
+                alerts = []
+            for alert in alerts:
+                self._tell(alert)
+            self._stop.wait(self.poll_s)
+
+    def _look(self, db: Any) -> list[Alert]:
+        if self._cursor is None:  # history is not news
+            self._cursor = db.last_event_id()
+        events = db.events_since(self._cursor, EVENT_KINDS)
+        if events:
+            self._cursor = events[-1]["id"]
+        failed = {e["run_id"] for e in events if e["kind"] == "run_finished"}
+        causes = {r: (db.run(r, metrics=False) or {}).get("root_cause") for r in failed}
+        live, _ = db.run_page(state="running", limit=1000)
+        steps = {r["id"]: int(r.get("global_step") or 0) for r in live if r["state"] == "running"}
+        return self.book.on_events(events, causes) + self.book.on_look(steps, time.time())
+
+    def _tell(self, alert: Alert) -> None:
+        body = {**asdict(alert), "detail": dict(alert.detail)}
+        if self.link is not None:
+            body["url"] = self.link(alert.run_id)
+            body["text"] = f"{alert.text} ({body['url']})"
+        try:
+            self.send(self.url, json.dumps(body, default=str).encode())
+            self.sent += 1
+        except (OSError, urllib.error.URLError, ValueError) as e:
+            self.failed += 1
+            print(f"psflow ui: alerts: the webhook {self.url} refused or could not be reached ({e}); "
+                  f"lost: {alert.text}", file=sys.stderr, flush=True)
+
+
+def _post(url: str, body: bytes) -> None:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310 (http(s) checked by check_webhook)
+        response.read()
+

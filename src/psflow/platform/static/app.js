@@ -1,0 +1,500 @@
+// psflow's dashboard: a page over the HTTP API (/api/...), refreshed by polling. No build step,
+// no CDN: uPlot is served from vendor/. Routes: #/ (runs), #/run/ID (one run), #/new (start form).
+"use strict";
+
+const POLL_MS = 1500;
+const CHARTS = [["loss", "loss"], ["accuracy", "accuracy"], ["examples_per_sec", "examples/sec"]];
+let timer = null;
+let view = null;  // the current page's state (its polling reads it)
+
+// -- the token: from the URL's #token=... once (never sent as part of a URL), kept in localStorage --
+(function takeToken() {
+  const m = location.hash.match(/[#&]token=([^&]+)/);
+  if (m) {
+    localStorage.setItem("psflow-token", decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname + "#/");
+  }
+})();
+const tokenInput = document.getElementById("token-input");
+tokenInput.value = localStorage.getItem("psflow-token") || "";
+tokenInput.addEventListener("change", () => localStorage.setItem("psflow-token", tokenInput.value.trim()));
+
+function headers(extra) {
+  const h = Object.assign({}, extra || {});
+  const t = localStorage.getItem("psflow-token");
+  if (t) h["Authorization"] = "Bearer " + t;
+  return h;
+}
+
+async function api(path, opts) {
+  const r = await fetch(path, Object.assign({}, opts || {}, {headers: headers((opts || {}).headers)}));
+  let body = null;
+  try { body = await r.json(); } catch (e) { body = null; }
+  if (!r.ok) {
+    const err = new Error(message(body) || r.statusText);
+    err.status = r.status; err.body = body;
+    throw err;
+  }
+  return body;
+}
+
+function message(body) {
+  if (!body || body.detail === undefined) return "";
+  if (typeof body.detail === "string") return body.detail;
+  return body.detail.map(d => (d.loc ? d.loc.filter(x => x !== "body").join(".") + ": " : "") + d.msg).join("\n");
+}
+
+function esc(s) {
+  return String(s === null || s === undefined ? "" : s).replace(/[&<>"']/g,
+    c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
+}
+function num(v, digits) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "";
+  return Number(v).toLocaleString(undefined, {maximumFractionDigits: digits === undefined ? 0 : digits});
+}
+function when(unix) { return unix ? new Date(unix * 1000).toLocaleString() : ""; }
+function badge(state) { return `<span class="state ${esc(state)}">${esc(state)}</span>`; }
+function toast(text) {
+  const t = document.getElementById("toast");
+  t.textContent = text; t.classList.add("show");
+  clearTimeout(t._hide); t._hide = setTimeout(() => t.classList.remove("show"), 4000);
+}
+const app = document.getElementById("app");
+
+// -- routing -----------------------------------------------------------------------------------
+function route() {
+  clearInterval(timer); timer = null;
+  view = null;
+  const h = location.hash || "#/";
+  let m;
+  if ((m = h.match(/^#\/run\/([^/?]+)/))) return runPage(decodeURIComponent(m[1]));
+  if (h.startsWith("#/new")) return startPage();
+  if ((m = h.match(/^#\/compare\/(.+)$/))) return comparePage(m[1].split(",").map(decodeURIComponent));
+  return runsPage();
+}
+window.addEventListener("hashchange", route);
+
+function every(fn) {
+  fn();
+  timer = setInterval(fn, POLL_MS);
+}
+
+async function storeSummary() {
+  try {
+    const s = await api("/api/summary");
+    const by = Object.entries(s.by_state).filter(([, n]) => n).map(([k, n]) => `${n} ${k}`).join(", ");
+    document.getElementById("store-summary").textContent = `${s.runs} run${s.runs === 1 ? "" : "s"}${by ? ": " + by : ""}`;
+  } catch (e) { /* the header figure only */ }
+}
+
+// -- the runs list ---------------------------------------------------------------------------------
+function runsPage() {
+  app.innerHTML = `
+    <h1>Runs</h1>
+    <div class="toolbar">
+      <select id="state-filter" aria-label="state">
+        <option value="">every state</option>
+        ${["pending", "running", "succeeded", "failed", "stopped", "abandoned"].map(s => `<option>${s}</option>`).join("")}
+      </select>
+      <input id="search" type="search" placeholder="search id, script, args" aria-label="search">
+      <span id="runs-count" class="muted"></span>
+      <button id="compare-btn" disabled>Compare selected</button>
+    </div>
+    <div class="card table-wrap"><table id="runs-table">
+      <thead><tr><th></th><th>run</th><th>state</th><th>progress</th><th class="num">examples/s</th><th class="num">loss</th>
+        <th>started</th><th>script</th></tr></thead><tbody></tbody></table></div>`;
+  const state = document.getElementById("state-filter");
+  const search = document.getElementById("search");
+  const load = async () => {
+    const q = new URLSearchParams({limit: "100"});
+    if (state.value) q.set("state", state.value);
+    if (search.value.trim()) q.set("q", search.value.trim());
+    try {
+      const page = await api("/api/runs?" + q);
+      document.getElementById("runs-count").textContent = `${page.total} run${page.total === 1 ? "" : "s"}`;
+      document.querySelector("#runs-table tbody").innerHTML = page.runs.map(runRow).join("") ||
+        `<tr><td colspan="8" class="muted">No runs${state.value || search.value ? " match" : " yet: start one"}.</td></tr>`;
+    } catch (e) { toast(e.message); }
+    storeSummary();
+  };
+  const picked = new Set();
+  const compare = document.getElementById("compare-btn");
+  document.querySelector("#runs-table tbody").addEventListener("change", ev => {
+    if (!ev.target.matches("input[data-pick]")) return;
+    if (ev.target.checked) picked.add(ev.target.dataset.pick); else picked.delete(ev.target.dataset.pick);
+    compare.disabled = picked.size < 2;
+  });
+  compare.onclick = () => { location.hash = "#/compare/" + [...picked].map(encodeURIComponent).join(","); };
+  view = {picked};
+  state.addEventListener("change", load);
+  search.addEventListener("input", load);
+  every(load);
+}
+
+function runRow(r) {
+  const tasks = Object.values(r.tasks);
+  const up = tasks.filter(t => t.state === "running").length;
+  const progress = `step ${num(r.global_step)}` + (r.state === "running" ? `, ${up}/${tasks.length} up` : "");
+  const restarts = tasks.reduce((n, t) => n + (t.attempt || 0), 0);
+  const checked = view && view.picked && view.picked.has(r.id) ? " checked" : "";
+  return `<tr data-run="${esc(r.id)}">
+    <td><input type="checkbox" data-pick="${esc(r.id)}" aria-label="compare ${esc(r.id)}"${checked}></td>
+    <td><a href="#/run/${encodeURIComponent(r.id)}">${esc(r.id)}</a>${r.restarted_from ? `<div class="muted">restarts ${esc(r.restarted_from)}</div>` : ""}</td>
+    <td>${badge(r.state)}</td>
+    <td>${esc(progress)}${restarts ? `<div class="muted">${restarts} restart${restarts > 1 ? "s" : ""}</div>` : ""}</td>
+    <td class="num">${num(r.examples_per_sec)}</td>
+    <td class="num">${num(r.loss, 4)}</td>
+    <td>${esc(when(r.started_unix || r.created_unix))}</td>
+    <td>${esc([r.script.split("/").pop()].concat(r.args || []).join(" "))}<div class="muted">${esc(r.mode || "")} · ${esc(r.backend || "")}</div></td>
+  </tr>`;
+}
+
+// -- one run -----------------------------------------------------------------------------------------
+function runPage(runId) {
+  view = {runId, series: {}, after: 0, charts: {}, logTask: null, logOffset: null, logText: "", lastEvent: 0};
+  app.innerHTML = `
+    <div class="toolbar">
+      <h1 id="run-title" style="margin:0">${esc(runId)}</h1> <span id="run-state"></span>
+      <span style="flex:1"></span>
+      <button id="restart-btn">Restart</button>
+      <button id="stop-btn" class="danger">Stop</button>
+    </div>
+    <div id="run-headline" class="muted" style="margin-bottom:.8rem"></div>
+    <div class="grid">
+      <section class="card"><h2>Cluster</h2><div id="cluster"></div></section>
+      <section class="card"><h2>Attempts and restarts</h2><div id="timeline" class="timeline"></div></section>
+      ${CHARTS.map(([key, label]) => `<section class="card"><h2>${esc(label)}</h2><div id="chart-${key}" class="chart" data-points="0"></div></section>`).join("")}
+      <section class="card"><h2>Summary</h2><div id="summary"></div></section>
+      <section class="card"><h2>Stragglers</h2><div id="stragglers"></div></section>
+      <section class="card wide"><h2>Stacks</h2><div class="toolbar"><button id="dump-btn">Dump all tasks</button>
+        <span class="muted">every running task writes its threads' stacks into its log; grouped here</span></div>
+        <div id="stacks"></div></section>
+      <section class="card wide"><h2>Log <span id="log-task" class="muted"></span></h2>
+        <div class="toolbar"><label><input type="checkbox" id="log-follow" checked> follow</label>
+          <span class="muted">click a task above to read its log</span></div>
+        <pre id="log-view" class="log"></pre></section>
+      <section class="card"><h2>Checkpoints</h2><div id="checkpoints" class="table-wrap"></div></section>
+      <section class="card"><h2>Events</h2><div id="events" class="table-wrap" style="max-height:320px;overflow:auto"></div></section>
+    </div>`;
+  document.getElementById("stop-btn").onclick = () => control(runId, "stop");
+  document.getElementById("restart-btn").onclick = () => control(runId, "restart");
+  document.getElementById("dump-btn").onclick = () => dumpAll(runId);
+  every(() => refreshRun(runId));
+}
+
+async function control(runId, what) {
+  if (!confirm(`${what === "stop" ? "Stop" : "Restart"} run ${runId}?`)) return;
+  try {
+    const r = await api(`/api/runs/${encodeURIComponent(runId)}/${what}`, {method: "POST"});
+    if (what === "restart") { toast(`restarting as ${r.run_id}`); location.hash = `#/run/${encodeURIComponent(r.run_id)}`; }
+    else toast(`stop requested (request ${r.request_id})`);
+  } catch (e) { toast(e.message); }
+}
+
+async function refreshRun(runId) {
+  if (!view || view.runId !== runId) return;
+  let page;
+  try { page = await api(`/api/runs/${encodeURIComponent(runId)}`); }
+  catch (e) { document.getElementById("run-headline").textContent = e.message; return; }
+  const run = page.run;
+  document.getElementById("run-state").innerHTML = badge(run.state);
+  const live = run.state === "running" || run.state === "pending";
+  document.getElementById("stop-btn").disabled = !live;
+  document.getElementById("run-headline").innerHTML =
+    `${esc(run.script)} ${esc((run.args || []).join(" "))} · ${esc(run.mode)} · ${esc(run.strategy)} · ${esc(run.backend)}` +
+    ` · step ${num(run.global_step)} · ${num(run.examples_per_sec)} examples/s` +
+    (run.restarted_from ? ` · restarts <a href="#/run/${encodeURIComponent(run.restarted_from)}">${esc(run.restarted_from)}</a>` : "") +
+    (run.note ? `<div>${esc(run.note)}</div>` : "") + (run.root_cause ? `<div>root cause: ${esc(run.root_cause)}</div>` : "");
+  storeSummary();
+  drawCluster(run);
+  drawTimeline(run, page.attempts);
+  drawEvents(page.events);
+  drawSummary(run);
+  if (!view.logTask) { view.logTask = Object.keys(run.tasks).find(t => t.startsWith("worker")) || Object.keys(run.tasks)[0]; }
+  await Promise.all([refreshMetrics(runId), refreshLog(runId), refreshCheckpoints(runId, run), refreshStragglers(runId, run)]);
+}
+
+function drawCluster(run) {
+  const jobs = {};
+  for (const [name, t] of Object.entries(run.tasks)) (jobs[name.split(":")[0]] = jobs[name.split(":")[0]] || []).push([name, t]);
+  document.getElementById("cluster").innerHTML = Object.entries(jobs).map(([job, tasks]) => `
+    <div class="job"><div class="job-name">${esc(job)}</div><div class="tasks">${tasks.map(([name, t]) => `
+      <button class="task ${t.exit_code ? "failed-exit" : ""} ${name === view.logTask ? "selected" : ""}" data-task="${esc(name)}" data-state="${esc(t.state)}">
+        <div class="name">${esc(name)}</div>
+        <div class="detail">${esc(t.state)} · attempt ${esc(t.attempt)}</div>
+        <div class="detail">${esc(t.address || "")}${t.pid ? " · pid " + esc(t.pid) : ""}</div>
+        <div class="detail">${t.metrics && t.metrics.global_step !== undefined ? "step " + num(t.metrics.global_step) : ""}
+          ${t.exit_cause ? esc(t.exit_cause) : ""}</div>
+      </button>`).join("")}</div></div>`).join("");
+  for (const b of document.querySelectorAll("#cluster .task")) {
+    b.onclick = () => { view.logTask = b.dataset.task; view.logOffset = null; view.logText = ""; refreshLog(view.runId); drawCluster(run); };
+  }
+}
+
+function drawTimeline(run, attempts) {
+  const now = Date.now() / 1000;
+  const t0 = run.started_unix || run.created_unix;
+  const t1 = Math.max(run.ended_unix || now, t0 + 1);
+  const lanes = {};
+  for (const a of attempts) (lanes[a.task] = lanes[a.task] || []).push(a);
+  document.getElementById("timeline").innerHTML = Object.keys(run.tasks).map(task => `
+    <div class="lane" data-lane="${esc(task)}"><span class="lane-name">${esc(task)}</span><div class="track">${(lanes[task] || []).map(a => {
+      const left = 100 * (a.started_unix - t0) / (t1 - t0);
+      const width = Math.max(0.8, 100 * ((a.exited_unix || now) - a.started_unix) / (t1 - t0));
+      const cls = a.exited_unix === null ? "" : a.exit_code === 0 ? "ok" : (run.state === "stopped" && !a.restart_reason ? "stop" : "bad");
+      const tip = `attempt ${a.attempt}: ${a.exit_cause || "running"}${a.restart_reason ? "; restarted: " + a.restart_reason : ""}`;
+      return `<div class="bar ${cls}" style="left:${left}%;width:${Math.min(width, 100 - left)}%" title="${esc(tip)}"></div>`;
+    }).join("")}</div><span class="muted">${(lanes[task] || []).length}</span></div>`).join("");
+}
+
+function drawEvents(events) {
+  const shown = events.slice(-200).reverse();
+  document.getElementById("events").innerHTML = `<table><tbody>${shown.map(e => `<tr>
+    <td class="muted">${esc(new Date(e.time_unix * 1000).toLocaleTimeString())}</td><td>${esc(e.kind)}</td><td>${esc(e.task || "")}</td>
+    <td class="muted">${esc(e.data.reason || e.data.cause || e.data.answer || e.data.status || "")}</td></tr>`).join("")}</tbody></table>`;
+}
+
+function drawSummary(run) {
+  const s = run.summary;
+  const el = document.getElementById("summary");
+  if (!s) { el.innerHTML = `<p class="muted">The summary is written when the run ends.</p>`; return; }
+  const rows = [["status", s.status], ["global step", num(s.global_step)], ["examples/sec", num(s.examples_per_sec)],
+    ["wall", s.wall_s !== undefined ? num(s.wall_s, 1) + " s" : ""], ["root cause", s.root_cause || ""]]
+    .concat(Object.entries(s.metrics || {}).map(([k, v]) => [k, typeof v === "number" ? num(v, 4) : v]));
+  el.innerHTML = `<dl class="kv">${rows.filter(([, v]) => v !== "").map(([k, v]) => `<dt>${esc(k)}</dt><dd>${esc(v)}</dd>`).join("")}</dl>`;
+}
+
+async function refreshMetrics(runId) {
+  const q = new URLSearchParams({after: String(view.after)});
+  for (const [key] of CHARTS) q.append("name", key);
+  let m;
+  try { m = await api(`/api/runs/${encodeURIComponent(runId)}/metrics?${q}`); } catch (e) { return; }
+  for (const [task, per] of Object.entries(m.series)) {
+    for (const [name, points] of Object.entries(per)) {
+      const s = ((view.series[name] = view.series[name] || {})[task] = view.series[name][task] || []);
+      for (const p of points) { s.push(p); if (p[0] > view.after) view.after = p[0]; }
+    }
+  }
+  for (const [key, label] of CHARTS) drawChart(key, label);
+}
+
+function drawChart(key, label) {
+  const el = document.getElementById("chart-" + key);
+  const per = view.series[key] || {};
+  const tasks = Object.keys(per).sort();
+  const total = tasks.reduce((n, t) => n + per[t].length, 0);
+  el.dataset.points = String(total);
+  if (!total) { el.innerHTML = `<p class="muted">No ${esc(label)} reported yet.</p>`; return; }
+  const times = [...new Set(tasks.flatMap(t => per[t].map(p => p[0])))].sort((a, b) => a - b);
+  const index = new Map(times.map((t, i) => [t, i]));
+  const data = [times].concat(tasks.map(t => {
+    const ys = new Array(times.length).fill(null);
+    for (const p of per[t]) ys[index.get(p[0])] = p[2];
+    return ys;
+  }));
+  const width = Math.max(240, el.clientWidth || 400);
+  const key2 = tasks.join(",");
+  let chart = view.charts[key];
+  if (chart && chart._tasks === key2 && Math.abs(chart.width - width) < 2) { chart.setData(data); return; }
+  if (chart) chart.destroy();
+  el.innerHTML = "";
+  const colors = ["#1f7ae0", "#d0312d", "#1a9a4b", "#e07b1f", "#7a3fb0", "#008b8b", "#8a6d00", "#c2185b"];
+  chart = new uPlot({width, height: 220, legend: {show: true},
+    scales: {x: {time: true}}, axes: [{}, {size: 60}],
+    series: [{}].concat(tasks.map((t, i) => ({label: t, stroke: colors[i % colors.length], width: 1.5, spanGaps: true})))},
+    data, el);
+  chart._tasks = key2;
+  view.charts[key] = chart;
+}
+
+async function refreshLog(runId) {
+  const task = view.logTask;
+  if (!task) return;
+  document.getElementById("log-task").textContent = task;
+  const follow = document.getElementById("log-follow").checked;
+  if (view.logOffset !== null && !follow) return;
+  const q = new URLSearchParams({max_bytes: String(256 * 1024)});
+  if (view.logOffset !== null) q.set("offset", String(view.logOffset));
+  let chunk;
+  try { chunk = await api(`/api/runs/${encodeURIComponent(runId)}/tasks/${encodeURIComponent(task)}/log?${q}`); }
+  catch (e) { document.getElementById("log-view").textContent = e.message; return; }
+  if (task !== view.logTask) return;
+  if (view.logOffset !== null && chunk.offset !== view.logOffset) view.logText = "";  // rotated
+  view.logText = (view.logText + chunk.text).slice(-400000);
+  view.logOffset = chunk.next_offset;
+  const pre = document.getElementById("log-view");
+  const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 20;
+  pre.textContent = view.logText;
+  pre.dataset.task = task;
+  if (atBottom || follow) pre.scrollTop = pre.scrollHeight;
+}
+
+async function dumpAll(runId) {
+  const el = document.getElementById("stacks");
+  let asked;
+  try { asked = await api(`/api/runs/${encodeURIComponent(runId)}/dump`, {method: "POST"}); }
+  catch (e) { el.textContent = e.message; return; }
+  el.innerHTML = `<p class="muted">asked (request ${asked.request_id}); waiting for the launcher…</p>`;
+  for (let i = 0; i < 60; i++) {  // about 30 s, then whatever has come
+    await new Promise(r => setTimeout(r, 500));
+    let s;
+    try { s = await api(`/api/runs/${encodeURIComponent(runId)}/stacks?request=${asked.request_id}`); } catch (e) { continue; }
+    drawStacks(s);
+    if ((s.state === "done" || s.state === "refused") && s.waiting_for.length === 0 && Object.keys(s.tasks).length) return;
+    if (s.state === "refused") return;
+  }
+}
+
+function drawStacks(s) {
+  const el = document.getElementById("stacks");
+  el.dataset.request = String(s.request_id);
+  el.dataset.tasks = String(Object.values(s.tasks).filter(t => t.threads.length).length);
+  const odd = s.odd_ones_out.map(o => `<p class="errors odd-one">${esc(o.task)}: ${esc(o.why)}</p>`).join("");
+  el.innerHTML = `<p class="muted">request ${esc(s.request_id)}: ${esc(s.answer || s.state)}${s.waiting_for.length ?
+      "; not in the logs yet: " + esc(s.waiting_for.join(", ")) : ""}</p>${odd}` +
+    s.groups.map(g => `<div class="stack-group" data-tasks="${esc(g.tasks.join(","))}"><h2>${esc(g.tasks.join(", "))}
+      <span class="muted">(${g.tasks.length} task${g.tasks.length > 1 ? "s" : ""}, main thread)</span></h2>
+      <pre class="log">${esc(g.frames.map(f => `${f.function}  ${f.file}:${f.line}`).join("\n"))}</pre></div>`).join("");
+}
+
+async function refreshStragglers(runId, run) {
+  if (view._stragAt && Date.now() - view._stragAt < 5000 && view._stragState === run.state) return;
+  view._stragAt = Date.now(); view._stragState = run.state;
+  const el = document.getElementById("stragglers");
+  let s;
+  try { s = await api(`/api/runs/${encodeURIComponent(runId)}/stragglers`); } catch (e) { el.textContent = e.message; return; }
+  const rows = Object.entries(s.workers);
+  el.dataset.slowest = s.slowest || "";
+  el.innerHTML = `<p class="${s.kind ? "errors" : "muted"}" id="straggler-verdict">${esc(s.verdict)}</p>` + (rows.length ? `
+    <table><thead><tr><th>worker</th><th class="num">steps/s</th><th class="num">step time</th><th class="num">vs median</th><th class="num">slow windows</th></tr></thead>
+    <tbody>${rows.map(([w, r]) => `<tr${w === s.slowest ? ' class="errors"' : ""}><td>${esc(w)}</td><td class="num">${num(r.steps_per_sec, 1)}</td>
+      <td class="num">${r.step_time_s === null ? "" : num(r.step_time_s * 1000, 1) + " ms"}</td><td class="num">${num(r.vs_median, 2)}x</td>
+      <td class="num">${r.slow_windows} / ${r.windows}</td></tr>`).join("")}</tbody></table>` : "");
+}
+
+async function refreshCheckpoints(runId, run) {
+  const el = document.getElementById("checkpoints");
+  if (view._ckptState === run.state && view._ckptAt && Date.now() - view._ckptAt < 10000) return;
+  view._ckptState = run.state; view._ckptAt = Date.now();
+  let c;
+  try { c = await api(`/api/runs/${encodeURIComponent(runId)}/checkpoints`); } catch (e) { el.textContent = e.message; return; }
+  el.innerHTML = c.checkpoints.length ? `<table><thead><tr><th>checkpoint</th><th class="num">step</th><th class="num">bytes</th><th></th></tr></thead><tbody>${
+    c.checkpoints.map(k => `<tr><td>${esc(k.name)}</td><td class="num">${k.ok ? num(k.step) : "corrupt"}</td>
+      <td class="num">${k.ok ? num(k.size_bytes) : ""}</td>
+      <td>${k.ok ? `<button data-ckpt="${esc(k.name)}">export</button>` : esc(k.error)}</td></tr>`).join("")}</tbody></table>`
+    : `<p class="muted">No checkpoints yet.</p>`;
+  for (const b of el.querySelectorAll("button[data-ckpt]")) b.onclick = () => download(runId, b.dataset.ckpt);
+}
+
+async function download(runId, name) {
+  const r = await fetch(`/api/runs/${encodeURIComponent(runId)}/checkpoints/${encodeURIComponent(name)}/export`, {headers: headers()});
+  if (!r.ok) { toast(message(await r.json().catch(() => null)) || r.statusText); return; }
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(await r.blob());
+  a.download = `${runId}-${name}.safetensors`;
+  a.click();
+  setTimeout(() => URL.revokeObjectURL(a.href), 10000);
+}
+
+// -- compare runs: their curves overlaid, by global step ----------------------------------------------
+function comparePage(ids) {
+  view = {compare: ids};
+  app.innerHTML = `<h1>Compare ${ids.length} runs</h1>
+    <div class="card table-wrap"><table id="compare-table"><thead><tr><th>run</th><th>state</th><th>script</th>
+      <th class="num">global step</th><th class="num">examples/s</th><th>final metrics</th></tr></thead><tbody></tbody></table></div>
+    <div class="grid">${CHARTS.map(([key, label]) =>
+      `<section class="card"><h2>${esc(label)} by global step</h2><div id="cmp-${key}" class="chart" data-points="0"></div></section>`).join("")}</div>`;
+  const load = async () => {
+    const runs = await Promise.all(ids.map(id => api(`/api/runs/${encodeURIComponent(id)}`).catch(e => ({error: e.message, id}))));
+    document.querySelector("#compare-table tbody").innerHTML = runs.map(p => p.error ? `<tr><td>${esc(p.id)}</td><td colspan="5">${esc(p.error)}</td></tr>` : `
+      <tr><td><a href="#/run/${encodeURIComponent(p.run.id)}">${esc(p.run.id)}</a></td><td>${badge(p.run.state)}</td>
+      <td>${esc([p.run.script.split("/").pop()].concat(p.run.args || []).join(" "))}</td><td class="num">${num(p.run.global_step)}</td>
+      <td class="num">${num(p.run.examples_per_sec)}</td>
+      <td>${esc(Object.entries(p.run.metrics || {}).map(([k, v]) => `${k}=${typeof v === "number" ? num(v, 4) : v}`).join(" "))}</td></tr>`).join("");
+    const series = await Promise.all(ids.map(id => api(`/api/runs/${encodeURIComponent(id)}/metrics?` +
+      CHARTS.map(([k]) => "name=" + k).join("&")).catch(() => ({series: {}}))));
+    for (const [key, label] of CHARTS) {
+      // one curve per run: its workers' points merged, by global step (the mean where several share one)
+      const curves = series.map(m => {
+        const byStep = new Map();
+        for (const per of Object.values(m.series)) for (const p of (per[key] || [])) {
+          if (p[1] === null) continue;
+          const e = byStep.get(p[1]) || [0, 0]; e[0] += p[2]; e[1] += 1; byStep.set(p[1], e);
+        }
+        return byStep;
+      });
+      drawCompare(`cmp-${key}`, label, ids, curves);
+    }
+  };
+  every(load);
+}
+
+function drawCompare(elId, label, ids, curves) {
+  const el = document.getElementById(elId);
+  if (!el) return;
+  const steps = [...new Set(curves.flatMap(c => [...c.keys()]))].sort((a, b) => a - b);
+  el.dataset.points = String(curves.reduce((n, c) => n + c.size, 0));
+  el.dataset.series = String(curves.filter(c => c.size).length);
+  if (!steps.length) { el.innerHTML = `<p class="muted">No ${esc(label)} reported.</p>`; return; }
+  const data = [steps].concat(curves.map(c => steps.map(st => c.has(st) ? c.get(st)[0] / c.get(st)[1] : null)));
+  const colors = ["#1f7ae0", "#d0312d", "#1a9a4b", "#e07b1f", "#7a3fb0", "#008b8b"];
+  const width = Math.max(240, el.clientWidth || 400);
+  if (el._chart && el._chart.series.length === ids.length + 1 && Math.abs(el._chart.width - width) < 2) { el._chart.setData(data); return; }
+  if (el._chart) el._chart.destroy();
+  el.innerHTML = "";
+  el._chart = new uPlot({width, height: 220, scales: {x: {time: false}}, axes: [{label: "global step"}, {size: 60}],
+    series: [{label: "step"}].concat(ids.map((id, i) => ({label: id, stroke: colors[i % colors.length], width: 1.5, spanGaps: true})))},
+    data, el);
+}
+
+// -- the start form ----------------------------------------------------------------------------------
+function startPage() {
+  app.innerHTML = `
+    <h1>Start a run</h1>
+    <div class="card"><form class="start" id="start-form" novalidate>
+      <label for="f-script">script</label><div><input id="f-script" name="script" type="text" required placeholder="mnist_softmax.py" style="width:100%">
+        <div class="muted">a .py file under the directories psflow ui allows (--scripts)</div><div class="field-error" data-for="script"></div></div>
+      <label for="f-args">arguments</label><div><input id="f-args" name="args" type="text" placeholder="--epochs 5 --init zeros" style="width:100%">
+        <div class="muted">split on spaces into a list; never run by a shell</div><div class="field-error" data-for="args"></div></div>
+      <label for="f-ps">parameter servers</label><div><input id="f-ps" name="ps" type="number" min="0" value="1"><div class="field-error" data-for="ps"></div></div>
+      <label for="f-workers">workers</label><div><input id="f-workers" name="workers" type="number" min="0" value="2"><div class="field-error" data-for="workers"></div></div>
+      <label>tasks</label><div><label><input type="checkbox" name="chief"> separate chief</label>
+        <label><input type="checkbox" name="evaluator"> evaluator</label></div>
+      <label for="f-mode">mode</label><div><select id="f-mode" name="mode"><option>async</option><option>sync</option><option>ssp</option></select><div class="field-error" data-for="mode"></div></div>
+      <label for="f-strategy">strategy</label><div><select id="f-strategy" name="strategy"><option>ps</option><option>allreduce</option></select></div>
+      <label for="f-backend">backend</label><div><select id="f-backend" name="backend"><option>local</option><option>slurm</option></select></div>
+      <label for="f-restart">restart policy</label><div><input id="f-restart" name="restart" type="text" value="never" placeholder="never | on-failure | worker=on-failure,ps=never">
+        <div class="field-error" data-for="restart"></div></div>
+      <label for="f-max-restarts">max restarts</label><div><input id="f-max-restarts" name="max_restarts" type="number" min="0" value="3"><div class="field-error" data-for="max_restarts"></div></div>
+      <div class="full errors" id="form-errors"></div>
+      <div class="full"><button class="primary" type="submit" id="start-btn">Start</button></div>
+    </form></div>`;
+  const form = document.getElementById("start-form");
+  form.addEventListener("submit", async ev => {
+    ev.preventDefault();
+    const f = new FormData(form);
+    const body = {
+      script: f.get("script").trim(), args: f.get("args").trim() ? f.get("args").trim().split(/\s+/) : [],
+      ps: Number(f.get("ps")), workers: Number(f.get("workers")), chief: f.get("chief") === "on",
+      evaluator: f.get("evaluator") === "on", mode: f.get("mode"), strategy: f.get("strategy"),
+      backend: f.get("backend"), restart: f.get("restart").trim() || "never", max_restarts: Number(f.get("max_restarts")),
+    };
+    for (const e of form.querySelectorAll(".field-error")) e.textContent = "";
+    document.getElementById("form-errors").textContent = "";
+    const button = document.getElementById("start-btn");
+    button.disabled = true; button.textContent = "Starting…";
+    try {
+      const r = await api("/api/runs", {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)});
+      location.hash = `#/run/${encodeURIComponent(r.run_id)}`;
+    } catch (e) {
+      const rest = [];
+      for (const d of (e.body && Array.isArray(e.body.detail)) ? e.body.detail : []) {
+        const slot = form.querySelector(`.field-error[data-for="${d.loc[d.loc.length - 1]}"]`);
+        if (slot) slot.textContent = d.msg; else rest.push(d.msg);
+      }
+      if (!(e.body && Array.isArray(e.body.detail)) || rest.length) document.getElementById("form-errors").textContent = rest.join("\n") || e.message;
+    } finally { button.disabled = false; button.textContent = "Start"; }
+  });
+}
+
+route();

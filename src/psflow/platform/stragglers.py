@@ -1,0 +1,94 @@
+"""Stragglers: which worker is slow, by how much, and whether it stays slow. Pure.
+
+Input: each worker's ``local_step`` over time, as the job store records it from the progress reports
+(one point a second or so). The run's recent span is cut into ``windows`` equal windows; in each, a
+worker's rate is its steps over the time between its first and last point in the window (a window
+where it reported fewer than two points, or its step went back, a restart, does not count for it).
+In each window the workers' rates are compared with their median: a worker below ``slow_ratio`` of
+it is slow in that window. Over the windows:
+
+- ``slowest``: the worker slow in the most windows (ties: the lowest median rate);
+- a straggler is **persistent** when it is slow in at least ``persistent_share`` of the windows it
+  was measured in, **transient** when slow in some but fewer, and there is none when no worker was
+  slow in any window.
+
+Called by :mod:`psflow.platform.api` (``GET /api/runs/{run}/stragglers``), which reads the points.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StragglerRules:
+    """How slow counts as slow. ``windows``: how many windows the recent span is cut into;
+    ``span_s``: how far back the span reaches (None: the whole run); ``slow_ratio``: a rate below this
+    share of the median is slow; ``persistent_share``: the share of windows that makes it persistent."""
+
+    windows: int = 10
+    span_s: float | None = 300.0
+    slow_ratio: float = 0.8
+    persistent_share: float = 0.6
+
+
+def find_stragglers(steps: Mapping[str, Sequence[tuple[float, float]]], rules: StragglerRules = StragglerRules()
+                    ) -> dict[str, Any]:
+    """Per worker: steps/sec (median over windows), step time, its rate against the median worker's,
+    and the windows it was slow in; then the slowest worker and the verdict.
+
+    Args:
+        steps: worker -> its ``(time_unix, local_step)`` points, in time order.
+
+    Example:
+        >>> find_stragglers({"worker:0": [(0, 0), (10, 100)], "worker:1": [(0, 0), (10, 20)]},
+        ...                 StragglerRules(windows=1))["verdict"]
+        'worker:1 runs at 0.33x the median worker (2.00 steps/s against 6.00), slow in 1 of 1 windows: a persistent straggler'
+    """
+    times = [t for pts in steps.values() for t, _ in pts]
+    if len(steps) < 2 or not times:
+        return {"workers": {}, "slowest": None, "kind": None, "windows": 0,
+                "verdict": "Stragglers need two workers or more that have reported progress."}
+    end = max(times)
+    start = min(times) if rules.span_s is None else max(min(times), end - rules.span_s)
+    width = (end - start) / rules.windows if end > start else 0.0
+    rates: dict[str, list[float | None]] = {w: [] for w in steps}
+    for i in range(rules.windows if width else 0):
+        lo, hi = start + i * width, start + (i + 1) * width
+        for worker, pts in steps.items():
+            inside = [(t, s) for t, s in pts if lo <= t <= hi]
+            ok = len(inside) >= 2 and inside[-1][0] > inside[0][0] and inside[-1][1] >= inside[0][1]
+            rates[worker].append((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0]) if ok else None)
+    slow: dict[str, int] = dict.fromkeys(steps, 0)
+    measured: dict[str, int] = dict.fromkeys(steps, 0)
+    for i in range(len(next(iter(rates.values())))):
+        here = {w: r[i] for w, r in rates.items() if r[i] is not None}
+        if len(here) < 2:
+            continue
+        mid = statistics.median(here.values())
+        for w, r in here.items():
+            measured[w] += 1
+            slow[w] += int(mid > 0 and r < rules.slow_ratio * mid)
+    med = {w: statistics.median([r for r in rs if r is not None]) for w, rs in rates.items() if any(r is not None for r in rs)}
+    if len(med) < 2:
+        return {"workers": {}, "slowest": None, "kind": None, "windows": 0,
+                "verdict": "Not enough progress reports yet to compare the workers' speeds."}
+    overall = statistics.median(med.values())
+    workers = {w: {"steps_per_sec": round(r, 3), "step_time_s": round(1 / r, 4) if r > 0 else None,
+                   "vs_median": round(r / overall, 3) if overall > 0 else None, "slow_windows": slow[w],
+                   "windows": measured[w]} for w, r in sorted(med.items())}
+    # the worker slow in the most windows (a spell shows there, not in a median), then the lowest rate
+    slowest = min(med, key=lambda w: (-slow[w], med[w]))
+    share = slow[slowest] / measured[slowest] if measured[slowest] else 0.0
+    kind = None if slow[slowest] == 0 else "persistent" if share >= rules.persistent_share else "transient"
+    info = workers[slowest]
+    if kind is None:
+        verdict = f"No straggler: every worker ran within {rules.slow_ratio:.0%} of the median in every window."
+    else:
+        verdict = (f"{slowest} runs at {info['vs_median']:.2f}x the median worker ({med[slowest]:.2f} steps/s against "
+                   f"{overall:.2f}), slow in {slow[slowest]} of {measured[slowest]} windows: a {kind} straggler")
+    return {"workers": workers, "slowest": slowest if kind else None, "kind": kind,
+            "windows": max(measured.values(), default=0), "verdict": verdict}
