@@ -197,7 +197,7 @@ def test_a_host_ssh_cannot_reach_fails_the_run_with_sshs_own_message(tmp_path, m
     monkeypatch.chdir(tmp_path)
     failing_ssh = ("sh", "-c", "echo 'ssh: connect to host node9 port 22: Connection refused' >&2; exit 255")
     said: list[str] = []
-    backend = SshBackend("127.0.0.1:1,node9:2", ssh=failing_ssh, coordinator_host="127.0.0.1", echo=said.append,
+    backend = SshBackend("node8:1,node9:2", ssh=failing_ssh, coordinator_host="127.0.0.1", echo=said.append,
                          live=False)
     plan = make_plan(SOFTMAX, ["--epochs", "1"], num_ps=1, num_workers=2, logdir=str(tmp_path / "unreachable"))
     result = Runner(backend, store=file_store, register_timeout_s=30).run(plan)
