@@ -407,8 +407,20 @@ def _no_summary(path: Path, why: str) -> None:
     sys.exit(1)
 
 
+class _LogdirOrUrl(click.Path):
+    """An existing directory, or a URL (``s3://bucket/run``: checkpoints written with --checkpoint-dir)."""
+
+    def __init__(self) -> None:
+        super().__init__(exists=True, file_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and "://" in value:
+            return value
+        return super().convert(value, param, ctx)
+
+
 @main.command()
-@click.argument("logdir", type=click.Path(exists=True, file_okay=False))
+@click.argument("logdir", type=_LogdirOrUrl())
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--averages/--values", default=None,
               help="Export the moving averages (or the values); default: what the run chose (ema_for_export).")
@@ -431,14 +443,18 @@ def export(logdir: str, out: str, averages: bool | None) -> None:
 
 
 @main.command()
-@click.argument("logdir", type=click.Path(exists=True, file_okay=False))
+@click.argument("logdir", type=_LogdirOrUrl())
 def checkpoints(logdir: str) -> None:
-    """List the checkpoints of LOGDIR (or of a checkpoints/ directory), newest first, verified."""
+    """List the checkpoints of LOGDIR (or of a checkpoints/ directory, or a --checkpoint-dir URL), newest
+    first, verified."""
     from pathlib import Path
 
     from psflow import checkpoint
 
-    root = Path(logdir) / "checkpoints" if (Path(logdir) / "checkpoints").is_dir() else Path(logdir)
+    if "://" in logdir:
+        root: Any = logdir
+    else:
+        root = Path(logdir) / "checkpoints" if (Path(logdir) / "checkpoints").is_dir() else Path(logdir)
     found = checkpoint.list_checkpoints(root)
     if not found:
         click.echo(f"psflow: no checkpoints under {root}")

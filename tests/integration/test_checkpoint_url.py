@@ -54,3 +54,11 @@ def test_two_ps_write_their_shards_to_s3_the_chief_the_manifest_and_a_second_run
     s = read_summary(logdir)
     assert s["global_step"] == 400 and s["test_accuracy"] >= 0.8, s
     assert [u.name for u in checkpoint.list_checkpoints("s3://psflow-runs/mnist")][0] == "ckpt-0000000400"
+    out = tmp_path / "model.safetensors"  # psflow export reads the URL, as it reads a logdir
+    r = subprocess.run([PSFLOW, "export", "s3://psflow-runs/mnist", str(out)], capture_output=True, text=True,
+                       timeout=120, env=task_env(**s3_env), cwd=ROOT)
+    assert r.returncode == 0 and "of step 400" in r.stdout, r.stdout + r.stderr
+    from safetensors.torch import load_file
+
+    tensors = load_file(out)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {"w": (784, 10), "b": (10,)}  # the model's own, whole
