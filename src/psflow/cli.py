@@ -32,6 +32,9 @@ def _k8s_options(f: Any) -> Any:
         click.option("--namespace", "k8s_namespace", default="default", show_default=True, help="k8s: the namespace."),
         click.option("--gpus-per-worker", type=click.IntRange(min=0), default=0, show_default=True,
                      help="k8s: nvidia.com/gpu for each chief and worker pod."),
+        click.option("--env-secret", "k8s_env_secret", default=None,
+                     help="k8s: a Secret of yours whose keys become every pod's environment (e.g. AWS_* for "
+                          "--checkpoint-dir s3://...)."),
         click.option("--ttl", "k8s_ttl_s", type=click.IntRange(min=0), default=3600, show_default=True,
                      help="k8s: seconds a finished Job (pods, logs) is kept (ttlSecondsAfterFinished)."),
     ]):
@@ -121,8 +124,8 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         hang_timeout_s: float | None, heartbeat_timeout_s: float | None,
         restart: str | None, max_restarts: int | None, max_restarts_per_run: int | None,
         backoff_base_s: float | None, backoff_max_s: float | None, k8s_image: str | None, k8s_volume_claim: str | None,
-        k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int, hosts: str | None, ssh_config: str | None,
-        checkpoint_dir: str | None, **settings: object) -> None:
+        k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int, k8s_env_secret: str | None, hosts: str | None,
+        ssh_config: str | None, checkpoint_dir: str | None, **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
     from psflow.launch.metrics import final_line
 
@@ -133,7 +136,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
                                             restart, max_restarts, max_restarts_per_run, backoff_base_s, backoff_max_s,
                                             settings, checkpoint_dir=checkpoint_dir)
         k8s = {"image": k8s_image, "volume_claim": k8s_volume_claim, "namespace": k8s_namespace,
-               "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s}
+               "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s, "env_secret": k8s_env_secret}
         if hosts is not None or ssh_config is not None:
             runner = _ssh_backend(backend, hosts, ssh_config, dry_run=dry_run, live=live)
         else:
@@ -141,7 +144,10 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     if dry_run:
-        click.echo(runner.script(plan), nl=False)
+        try:
+            click.echo(runner.script(plan), nl=False)
+        except PsflowError as e:  # what the rendering checks (k8s: a claim, or checkpoints on a URL)
+            raise click.UsageError(str(e)) from e
         return
     jobs = tuple(dict.fromkeys(t.split(":")[0] for t in plan.task_names()))
     restarts = f"restart={policy.describe(jobs)}; " if policy.describe(jobs) != "never" else ""
@@ -207,8 +213,8 @@ def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live
         from psflow.launch.k8swatch import K8sBackend
 
         return K8sBackend(_k8s_settings(**k8s))
-    if k8s.get("image") or k8s.get("volume_claim") or k8s.get("gpus_per_worker"):
-        raise ConfigError("--image, --volume-claim and --gpus-per-worker are for --backend k8s; this run is " + name + ".")
+    if k8s.get("image") or k8s.get("volume_claim") or k8s.get("gpus_per_worker") or k8s.get("env_secret"):
+        raise ConfigError("--image, --volume-claim, --gpus-per-worker and --env-secret are for --backend k8s; this run is " + name + ".")
     if name == "slurm":
         from psflow.launch.slurm import SlurmBackend
 
@@ -257,10 +263,7 @@ def _k8s_settings(*, image: str | None, volume_claim: str | None, **rest: Any) -
 
     if not image:
         raise ConfigError("--backend k8s needs --image IMAGE: a container image with Python, psflow and the script.")
-    if not volume_claim:
-        raise ConfigError("--backend k8s needs --volume-claim NAME: a ReadWriteMany PersistentVolumeClaim every pod "
-                          "mounts for the log dir (the ps write checkpoint shards there, the chief the manifest).")
-    return K8sSettings(image=image, volume_claim=volume_claim, **rest)
+    return K8sSettings(image=image, volume_claim=volume_claim, **rest)  # no claim: checked with the plan
 
 
 def _restart_policy(spec: str | None, **budgets: int | float | None) -> RestartPolicy:
@@ -542,8 +545,20 @@ def _no_summary(path: Path, why: str) -> None:
     sys.exit(1)
 
 
+class _LogdirOrUrl(click.Path):
+    """An existing directory, or a URL (``s3://bucket/run``: checkpoints written with --checkpoint-dir)."""
+
+    def __init__(self) -> None:
+        super().__init__(exists=True, file_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and "://" in value:
+            return value
+        return super().convert(value, param, ctx)
+
+
 @main.command()
-@click.argument("logdir", type=click.Path(exists=True, file_okay=False))
+@click.argument("logdir", type=_LogdirOrUrl())
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--averages/--values", default=None,
               help="Export the moving averages (or the values); default: what the run chose (ema_for_export).")
@@ -566,14 +581,18 @@ def export(logdir: str, out: str, averages: bool | None) -> None:
 
 
 @main.command()
-@click.argument("logdir", type=click.Path(exists=True, file_okay=False))
+@click.argument("logdir", type=_LogdirOrUrl())
 def checkpoints(logdir: str) -> None:
-    """List the checkpoints of LOGDIR (or of a checkpoints/ directory), newest first, verified."""
+    """List the checkpoints of LOGDIR (or of a checkpoints/ directory, or a --checkpoint-dir URL), newest
+    first, verified."""
     from pathlib import Path
 
     from psflow import checkpoint
 
-    root = Path(logdir) / "checkpoints" if (Path(logdir) / "checkpoints").is_dir() else Path(logdir)
+    if "://" in logdir:
+        root: Any = logdir
+    else:
+        root = Path(logdir) / "checkpoints" if (Path(logdir) / "checkpoints").is_dir() else Path(logdir)
     found = checkpoint.list_checkpoints(root)
     if not found:
         click.echo(f"psflow: no checkpoints under {root}")
@@ -694,11 +713,14 @@ def k8s() -> None:
 @click.option("--restart", "restart", default=None, metavar="POLICY|JOB=POLICY,...",
               help="never (default), on-failure, always, exit-code: the TFJob's restartPolicy per replica type.")
 @_k8s_options
+@click.option("--checkpoint-dir", default=None, metavar="URL",
+              help="Checkpoints in an object store (s3://bucket/run) instead of the volume claim.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def tfjob(num_ps: int, num_workers: int, chief: bool, logdir: str | None, mode: str | None, restart: str | None,
           script: str, script_args: tuple[str, ...], k8s_image: str | None, k8s_volume_claim: str | None,
-          k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int) -> None:
+          k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int, k8s_env_secret: str | None,
+          checkpoint_dir: str | None) -> None:
     """Print SCRIPT's run as a Kubeflow TFJob (kubeflow.org/v1) and its Secret, for `kubectl apply -f -` on a
     cluster with the training operator, which injects TF_CONFIG (pf.init() reads it)."""
     import secrets
@@ -708,10 +730,11 @@ def tfjob(num_ps: int, num_workers: int, chief: bool, logdir: str | None, mode: 
 
     try:
         settings = _k8s_settings(image=k8s_image, volume_claim=k8s_volume_claim, namespace=k8s_namespace,
-                                 gpus_per_worker=gpus_per_worker, ttl_s=k8s_ttl_s)
+                                 gpus_per_worker=gpus_per_worker, ttl_s=k8s_ttl_s, env_secret=k8s_env_secret)
         config = TrainConfig(**({"mode": mode} if mode else {}))
         plan = make_plan(script, [a for a in script_args if a != "--"], num_ps=num_ps, num_workers=num_workers,
-                         chief=chief, logdir=logdir, config=config, restart=RestartPolicy.parse(restart))
+                         chief=chief, logdir=logdir, config=config, restart=RestartPolicy.parse(restart),
+                         extra_env=_checkpoint_env(checkpoint_dir))
         click.echo(to_yaml(render_tfjob(plan, settings, secrets.token_hex(32))), nl=False)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e

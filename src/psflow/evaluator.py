@@ -93,7 +93,9 @@ def run_evaluator(
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ConfigError(f"timeout_s must be a positive number of seconds or None; received {timeout_s!r}.")
     base = Path(logdir or task.logdir or "runs/default")
-    root, done_file = base / CHECKPOINTS_DIR, base / DONE_FILE
+    where = getattr(task, "checkpoint_dir", None)  # the run's --checkpoint-dir: a directory or a URL
+    root: Path | str = (where if checkpoint.is_url(where) else Path(where)) if where else base / CHECKPOINTS_DIR
+    done_file = base / DONE_FILE
     started_unix, started = time.time(), time.monotonic()
     stop = threading.Event()
     previous = _on_sigterm(stop.set)
@@ -105,7 +107,9 @@ def run_evaluator(
             # Look for DONE before the checkpoints: the chief commits its final checkpoint before writing
             # DONE, so the scan that follows sees it.
             done = once or _is_fresh(done_file, started_unix)
-            ckpt = checkpoint.latest_checkpoint(root, warn=lambda m: print(f"{task.task_id}: warning: {m}", flush=True))
+            ckpt = None
+            if _newest_step(root) > last:  # listing is cheap; reading verifies (on a URL: downloads) the checkpoint
+                ckpt = checkpoint.latest_checkpoint(root, warn=lambda m: print(f"{task.task_id}: warning: {m}", flush=True))
             if ckpt is not None and ckpt.step > last:
                 results[ckpt.step] = _evaluate(task, ckpt, model_fn, eval_fn, writer, averages)
                 last = ckpt.step
@@ -120,6 +124,12 @@ def run_evaluator(
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return results
+
+
+def _newest_step(root: Path | str) -> int:
+    """The step of the newest checkpoint listed under ``root`` (not verified), or -1."""
+    found = checkpoint.list_checkpoints(root)
+    return int(found[0].name.split("-", 1)[1]) if found else -1
 
 
 def _evaluate(task: Any, ckpt: checkpoint.Checkpoint, model_fn: Callable[[], torch.nn.Module],

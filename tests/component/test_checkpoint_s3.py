@@ -126,3 +126,19 @@ def test_strict_restore_refuses_to_start_over_when_every_checkpoint_is_corrupt(r
     with pytest.raises(checkpoint.NoWholeCheckpointError, match="None of the 1 checkpoint"):
         checkpoint.latest_checkpoint(root, strict=True, warn=lambda m: None)
     assert os.environ["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")  # moto on loopback, never a real store
+
+
+def test_psflow_checkpoints_lists_and_verifies_the_checkpoints_of_a_url(root):
+    from click.testing import CliRunner
+
+    from psflow.cli import main
+
+    save(root, 100)
+    records = save(root, 200)
+    bucket, key = bucket_and_key(f"{root}/ckpt-0000000200/{records[1].file}")
+    s3().delete_object(Bucket=bucket, Key=key)
+    listed = CliRunner().invoke(main, ["checkpoints", root])
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.splitlines()
+    assert lines[0].startswith("ckpt-0000000200  CORRUPT:") and "shard-00001-of-00002.safetensors" in lines[0]
+    assert lines[1] == "ckpt-0000000100  step=100  shards=2  0.00 MB  ok"

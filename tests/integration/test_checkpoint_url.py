@@ -54,3 +54,23 @@ def test_two_ps_write_their_shards_to_s3_the_chief_the_manifest_and_a_second_run
     s = read_summary(logdir)
     assert s["global_step"] == 400 and s["test_accuracy"] >= 0.8, s
     assert [u.name for u in checkpoint.list_checkpoints("s3://psflow-runs/mnist")][0] == "ckpt-0000000400"
+    out = tmp_path / "model.safetensors"  # psflow export reads the URL, as it reads a logdir
+    r = subprocess.run([PSFLOW, "export", "s3://psflow-runs/mnist", str(out)], capture_output=True, text=True,
+                       timeout=120, env=task_env(**s3_env), cwd=ROOT)
+    assert r.returncode == 0 and "of step 400" in r.stdout, r.stdout + r.stderr
+    from safetensors.torch import load_file
+
+    tensors = load_file(out)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {"w": (784, 10), "b": (10,)}  # the model's own, whole
+
+
+def test_the_evaluator_task_evaluates_the_checkpoints_on_s3(s3_env, tmp_path):
+    logdir = tmp_path / "eval"
+    r = subprocess.run([PSFLOW, "run", "--no-live", "--ps", "1", "--workers", "2", "--evaluator", "--logdir", str(logdir),
+                        "--checkpoint-dir", "s3://psflow-runs/eval", str(ROOT / "examples" / "mnist_softmax_supervised.py"),
+                        "--", "--init", "zeros", "--epochs", "1", "--save_secs", "600", "--max_steps", "300",
+                        "--save_steps", "100"], capture_output=True, text=True, timeout=200, env=task_env(**s3_env), cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:] + log_tails(logdir)
+    s = read_summary(logdir)
+    evaluated = s["reports"]["evaluator:0"]["eval"]
+    assert evaluated["step"] == 300 and evaluated["accuracy"] > 0.7, evaluated  # the final checkpoint, read from S3

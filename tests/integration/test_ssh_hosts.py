@@ -197,7 +197,7 @@ def test_a_host_ssh_cannot_reach_fails_the_run_with_sshs_own_message(tmp_path, m
     monkeypatch.chdir(tmp_path)
     failing_ssh = ("sh", "-c", "echo 'ssh: connect to host node9 port 22: Connection refused' >&2; exit 255")
     said: list[str] = []
-    backend = SshBackend("127.0.0.1:1,node9:2", ssh=failing_ssh, coordinator_host="127.0.0.1", echo=said.append,
+    backend = SshBackend("node8:1,node9:2", ssh=failing_ssh, coordinator_host="127.0.0.1", echo=said.append,
                          live=False)
     plan = make_plan(SOFTMAX, ["--epochs", "1"], num_ps=1, num_workers=2, logdir=str(tmp_path / "unreachable"))
     result = Runner(backend, store=file_store, register_timeout_s=30).run(plan)
@@ -228,3 +228,18 @@ def test_a_rate_limited_link_makes_its_worker_the_straggler_whose_late_gradients
     dropped = s["reports"]["ps:0"]["ps_stats"]["stale_by_worker"]
     assert dropped.get("1", 0) > dropped.get("0", 0), dropped  # worker:1, behind the slow link, is the straggler
     assert s["status"] == "succeeded" and s["test_accuracy"] >= 0.75, s
+
+
+def test_a_hung_worker_on_another_host_gets_its_stacks_dumped_through_ssh_and_is_restarted(hosts, tmp_path):
+    """The watchdog's dump (SIGUSR1) reaches the task through its agent; the stacks come back in its log."""
+    logdir = tmp_path / "hang"
+    p = launcher(hosts, logdir, "--hang-at", "worker:1@step=20", "--hang-timeout", "3", "--restart", "on-failure",
+                 "--restart-backoff", "0.5", SOFTMAX, "--", "--epochs", "1", "--init", "zeros")
+    out = finish(p)
+    assert p.returncode == 0, out[-3000:] + log_tails(logdir)
+    s = read_summary(logdir)
+    first = next(t for t in s["tasks"] if t["task"] == "worker:1")["exits"][0]
+    assert first["restarted"] and first["cause"].startswith("hung: no progress for "), first
+    log = logdir / "logs" / "worker-1.log"
+    dump = "".join(log.read_text().splitlines(keepends=True)[first["hang"]["stacks"]["line"] - 1:])
+    assert "(most recent call first):" in dump and "fault.py" in dump and "in inject" in dump, dump[:3000]

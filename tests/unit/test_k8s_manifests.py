@@ -212,7 +212,7 @@ def test_cli_dry_run_prints_manifests_that_validate_with_a_fresh_secret_each_tim
 @pytest.mark.parametrize("args, message", [
     (["--backend", "k8s", "--volume-claim", "logs"], "--backend k8s needs --image IMAGE"),
     (["--backend", "k8s", "--image", "train:1"], "--backend k8s needs --volume-claim NAME"),
-    (["--image", "train:1"], "--image, --volume-claim and --gpus-per-worker are for --backend k8s"),
+    (["--image", "train:1"], "--image, --volume-claim, --gpus-per-worker and --env-secret are for --backend k8s"),
 ])
 def test_cli_says_which_kubernetes_option_is_missing_or_misplaced(monkeypatch, args, message):
     monkeypatch.chdir(ROOT)
@@ -231,3 +231,32 @@ def test_cli_tfjob_prints_a_secret_and_a_tfjob(monkeypatch):
     assert tfjob["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"][2:] == [
         "examples/mnist_softmax.py", "--epochs", "1"]
     assert re.fullmatch(r"psflow-\d{8}-\d{6}-[0-9a-f]{6}", tfjob["metadata"]["name"])
+
+
+def test_without_a_claim_checkpoints_on_a_url_give_each_pod_an_empty_dir_and_the_users_secret_as_env(plan):
+    from psflow.launch.contract import TaskEnv
+
+    url_plan = plan(extra_env=TaskEnv(checkpoint_dir="s3://psflow-runs/mnist").render())
+    settings = replace(SETTINGS, volume_claim=None, env_secret="aws-credentials")
+    docs = render_run(url_plan, settings, SECRET)
+    for d in docs:
+        validate(d)
+    for job in docs[2:]:
+        pod = job["spec"]["template"]["spec"]
+        assert {"name": "logdir", "emptyDir": {}} in pod["volumes"]
+        container = pod["containers"][0]
+        assert container["envFrom"] == [{"secretRef": {"name": "aws-credentials"}}]
+        assert env_of(container)["PSFLOW_CHECKPOINT_DIR"] == "s3://psflow-runs/mnist"
+    (secret, tfjob) = render_tfjob(url_plan, settings, SECRET)
+    for spec in tfjob["spec"]["tfReplicaSpecs"].values():
+        validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": spec["template"]})
+
+
+def test_without_a_claim_local_checkpoints_or_an_evaluator_are_refused_saying_why(plan):
+    from psflow.launch.contract import TaskEnv
+
+    no_claim = replace(SETTINGS, volume_claim=None)
+    with pytest.raises(ConfigError, match="needs --volume-claim NAME.*or --checkpoint-dir s3://"):
+        render_run(plan(), no_claim, SECRET)
+    with pytest.raises(ConfigError, match="An evaluator on Kubernetes needs --volume-claim"):
+        render_run(plan(evaluator=True, extra_env=TaskEnv(checkpoint_dir="s3://b/r").render()), no_claim, SECRET)

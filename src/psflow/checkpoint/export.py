@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from psflow.checkpoint.assembly import exports_averages, state_dict_from
 from psflow.checkpoint.files import fsync_dir, fsync_file, tmp_path, unlink_quietly
-from psflow.checkpoint.format import MANIFEST_NAME
+from psflow.checkpoint.format import FINAL_RE, MANIFEST_NAME, is_url
 from psflow.checkpoint.reader import Checkpoint, latest_checkpoint, read_checkpoint
 from psflow.errors import CheckpointError, ConfigError
 
@@ -71,6 +71,15 @@ def find_checkpoint(path: str | os.PathLike[str], *, warn: Callable[[str], None]
     Raises:
         CheckpointError: there is no whole checkpoint there.
     """
+    if is_url(path):  # a checkpoint's URL, or a root URL (--checkpoint-dir s3://...)
+        url = str(path).rstrip("/")
+        if FINAL_RE.fullmatch(url.rsplit("/", 1)[-1]):
+            return read_checkpoint(url)
+        found = latest_checkpoint(url, warn=warn, strict=True)
+        if found is None:
+            raise CheckpointError(f"No whole checkpoint under {url}. Received: {str(path)!r}. Pass the --checkpoint-dir "
+                                  "URL of a run that saved at least once, or one of its ckpt-<step> URLs.")
+        return found
     p = Path(path)
     if (p / MANIFEST_NAME).is_file():
         return read_checkpoint(p)

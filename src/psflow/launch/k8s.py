@@ -31,7 +31,10 @@ Kubernetes, and why:
   its container's termination message (Kubernetes keeps 4 KiB of it), read by the watcher.
 - **The log dir** (checkpoints: every ps writes its shard, the chief the manifest) must be one
   directory for every pod: a ReadWriteMany PersistentVolumeClaim (``volume_claim``) mounted at
-  ``/psflow``; the run's log dir is ``/psflow/<logdir>``.
+  ``/psflow``; the run's log dir is ``/psflow/<logdir>``. Where the checkpoints go to an object
+  store instead (``--checkpoint-dir s3://...``), no claim is needed: each pod's log dir is its own
+  ``emptyDir``, and ``env_secret`` (a Secret of the user's: ``AWS_ACCESS_KEY_ID``, ...) becomes
+  every pod's environment.
 - **Resources**: ``cpu`` requested per task as the plan's threads; ``nvidia.com/gpu`` limits for the
   chief and workers (``gpus_per_worker``). ``ttlSecondsAfterFinished`` removes finished Jobs.
 
@@ -80,7 +83,9 @@ class K8sSettings:
         image: the container image; it holds Python, psflow and the script at the path the plan
             names (relative to the image's working directory).
         volume_claim: a ReadWriteMany PersistentVolumeClaim every pod mounts at ``/psflow``: the
-            run's log dir (checkpoints, summaries) lives there.
+            run's log dir (checkpoints, summaries) lives there. None: an ``emptyDir`` per pod, for
+            runs whose checkpoints go to a URL (``PSFLOW_CHECKPOINT_DIR``).
+        env_secret: a Secret (the user's) whose keys become every pod's environment variables.
         namespace: where the objects go.
         gpus_per_worker: ``nvidia.com/gpu`` for each chief and worker pod (0: none).
         ttl_s: ``ttlSecondsAfterFinished`` of each Job (its pods and logs go then).
@@ -93,18 +98,22 @@ class K8sSettings:
     """
 
     image: str
-    volume_claim: str
+    volume_claim: str | None
     namespace: str = "default"
     gpus_per_worker: int = 0
     ttl_s: int = 3600
     port: int = 2222
     python: str = "python"
     image_pull_policy: str | None = None
+    env_secret: str | None = None
 
     def __post_init__(self) -> None:
         if not self.image or not _IMAGE.match(self.image):
             raise ConfigError(f"--image must name a container image, e.g. registry.example.com/train:1.0; received {self.image!r}.")
-        for flag, value in (("--volume-claim", self.volume_claim), ("--namespace", self.namespace)):
+        for flag, value in (("--volume-claim", self.volume_claim), ("--namespace", self.namespace),
+                            ("--env-secret", self.env_secret)):
+            if value is None and flag != "--namespace":
+                continue
             if not value or not _DNS_LABEL.match(value) or len(value) > 63:
                 raise ConfigError(f"{flag} must be a Kubernetes name (lowercase letters, digits and '-', starting with a "
                                   f"letter, at most 63 characters); received {value!r}.")
@@ -200,6 +209,8 @@ def _container(plan: LaunchPlan, settings: K8sSettings, job: str, tasks: Sequenc
     }
     if settings.image_pull_policy:
         c["imagePullPolicy"] = settings.image_pull_policy
+    if settings.env_secret:
+        c["envFrom"] = [{"secretRef": {"name": settings.env_secret}}]
     return c
 
 
@@ -207,7 +218,8 @@ def _volumes(plan: LaunchPlan, settings: K8sSettings) -> list[dict[str, Any]]:
     return [
         {"name": "secret", "secret": {"secretName": f"{run_name(plan)}-secret", "defaultMode": 0o400,
                                       "items": [{"key": SECRET_KEY, "path": SECRET_KEY}]}},
-        {"name": "logdir", "persistentVolumeClaim": {"claimName": settings.volume_claim}},
+        {"name": "logdir", "persistentVolumeClaim": {"claimName": settings.volume_claim}} if settings.volume_claim
+        else {"name": "logdir", "emptyDir": {}},
     ]
 
 
@@ -261,6 +273,7 @@ def render_run(plan: LaunchPlan, settings: K8sSettings, secret: str) -> list[dic
         ['Secret', 'Service', 'Job', 'Job']
     """
     _check_secret(secret)
+    _check_shared(plan, settings)
     return [render_secret(plan, settings, secret), render_service(plan, settings),
             *(render_job(plan, settings, job, tasks) for job, tasks in jobs_of(plan).items())]
 
@@ -273,6 +286,7 @@ def render_tfjob(plan: LaunchPlan, settings: K8sSettings, secret: str) -> list[d
         ConfigError: an evaluator (the operator does not give it a place in every task's ``TF_CONFIG``).
     """
     _check_secret(secret)
+    _check_shared(plan, settings)
     jobs = jobs_of(plan)
     if "evaluator" in jobs:
         raise ConfigError("psflow k8s tfjob cannot run an evaluator task: the TFJob operator leaves it out of the other "
@@ -309,6 +323,21 @@ def to_yaml(docs: Sequence[dict[str, Any]]) -> str:
 
     _Dumper.add_representer(list, _list)
     return yaml.dump_all(list(docs), Dumper=_Dumper, sort_keys=False, width=1 << 16)
+
+
+def _check_shared(plan: LaunchPlan, settings: K8sSettings) -> None:
+    """Without a claim, nothing on a pod's disk is seen by another: the checkpoints must go to a URL,
+    and no evaluator can see the chief's DONE file."""
+    if settings.volume_claim:
+        return
+    where = dict(plan.tasks[0].env).get("PSFLOW_CHECKPOINT_DIR", "") if plan.tasks else ""
+    if "://" not in where:
+        raise ConfigError("--backend k8s needs --volume-claim NAME: a ReadWriteMany PersistentVolumeClaim every pod "
+                          "mounts for the log dir (the ps write checkpoint shards there, the chief the manifest), or "
+                          "--checkpoint-dir s3://BUCKET/PATH to keep the checkpoints in an object store.")
+    if any(t.job == "evaluator" for t in plan.tasks):
+        raise ConfigError("An evaluator on Kubernetes needs --volume-claim: it ends when it sees the chief's DONE file "
+                          "in the shared log dir.")
 
 
 def _check_secret(secret: str) -> None:
