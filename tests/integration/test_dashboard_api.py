@@ -116,6 +116,9 @@ def test_a_run_started_through_the_api_is_watched_survives_a_dashboard_restart_a
             assert summary["status"] == "stopped" and summary["run_id"] == run_id
             ckpts = api.get(f"/api/runs/{run_id}/checkpoints").json()["checkpoints"]
             assert ckpts and ckpts[0]["ok"] and ckpts[0]["step"] > 0
+            placement = api.get(f"/api/runs/{run_id}/placement").json()
+            assert placement["checkpoint"] == ckpts[0]["name"] and {r["param"] for r in placement["rows"]} == {"w", "b"}
+            assert placement["shards"] == [{"shard": 0, "bytes": 784 * 10 * 4 + 10 * 4, "pieces": 2, "share": 1.0}]
             export = api.get(f"/api/runs/{run_id}/checkpoints/{ckpts[0]['name']}/export")
             assert export.status_code == 200 and "attachment" in export.headers["content-disposition"]
             (n,) = struct.unpack("<Q", export.content[:8])  # safetensors: header length, then the JSON header

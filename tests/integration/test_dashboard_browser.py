@@ -98,6 +98,7 @@ def test_start_watch_read_a_log_survive_a_dashboard_restart_and_stop_from_the_br
                 page.wait_for_selector("#run-state .state.stopped")
                 page.wait_for_selector('#summary dd:has-text("stopped")')
                 page.wait_for_selector("#checkpoints button[data-ckpt]")  # the final checkpoint, to export
+                page.wait_for_selector('#placement[data-rows="2"]')  # w and b on ps:0's shard
                 page.screenshot(path=str(artifacts / "06-run-stopped.png"), full_page=True)
 
                 phone = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True)

@@ -8,6 +8,7 @@ Routes (``{run}`` is a run id):
   attempts, events (``?after=`` an event id, for polling) and control requests;
 - ``GET /api/runs/{run}/metrics?name=&task=&after=&max_points=``: metric series per task;
 - ``GET /api/runs/{run}/stragglers``: each worker's speed, the slowest, persistent or transient;
+- ``GET /api/runs/{run}/placement``: parameter -> shard and bytes (from the newest checkpoint);
 - ``GET /api/runs/{run}/tasks/{task}/log?offset=&max_bytes=``: a task's log, its tail or from an offset;
 - ``GET /api/runs/{run}/summary``, ``GET /api/runs/{run}/checkpoints``,
   ``GET /api/runs/{run}/checkpoints/{name}/export``: the summary, the checkpoints, one exported as safetensors;
@@ -223,6 +224,16 @@ def create_app(settings: UiSettings) -> FastAPI:
     def get_summary(run_id: str, db: Db) -> dict[str, Any]:
         run = the_run(db, run_id)
         return {"run_id": run_id, "state": run["state"], "summary": run.get("summary")}
+
+    @app.get("/api/runs/{run_id}/placement", dependencies=reads)
+    def get_placement(run_id: str, db: Db) -> dict[str, Any]:
+        from psflow.platform.placementview import newest_placement
+
+        found = newest_placement(Path(the_run(db, run_id)["logdir"]))
+        if found is None:
+            raise HTTPException(404, detail=f"Run {run_id} has no checkpoint yet: the placement is read from the "
+                                            "newest checkpoint's manifest.")
+        return {"run_id": run_id, **found}
 
     @app.get("/api/runs/{run_id}/checkpoints", dependencies=reads)
     def get_checkpoints(run_id: str, db: Db) -> dict[str, Any]:

@@ -174,6 +174,7 @@ function runPage(runId) {
           <span class="muted">click a task above to read its log</span></div>
         <pre id="log-view" class="log"></pre></section>
       <section class="card"><h2>Checkpoints</h2><div id="checkpoints" class="table-wrap"></div></section>
+      <section class="card"><h2>Placement</h2><div id="placement" class="table-wrap"></div></section>
       <section class="card"><h2>Events</h2><div id="events" class="table-wrap" style="max-height:320px;overflow:auto"></div></section>
     </div>`;
   document.getElementById("stop-btn").onclick = () => control(runId, "stop");
@@ -384,6 +385,16 @@ async function refreshCheckpoints(runId, run) {
       <td>${k.ok ? `<button data-ckpt="${esc(k.name)}">export</button>` : esc(k.error)}</td></tr>`).join("")}</tbody></table>`
     : `<p class="muted">No checkpoints yet.</p>`;
   for (const b of el.querySelectorAll("button[data-ckpt]")) b.onclick = () => download(runId, b.dataset.ckpt);
+  const pl = document.getElementById("placement");
+  let p;
+  try { p = await api(`/api/runs/${encodeURIComponent(runId)}/placement`); }
+  catch (e) { pl.innerHTML = `<p class="muted">${esc(e.message)}</p>`; return; }
+  pl.dataset.rows = String(p.rows.length);
+  pl.innerHTML = `<p class="muted">from ${esc(p.checkpoint)} (step ${num(p.step)}): ${p.shards.map(s =>
+      `shard ${s.shard} ${num(s.bytes)} B (${num(s.share * 100, 1)}%)`).join(", ")}</p>
+    <table><thead><tr><th>parameter</th><th>shape</th><th>rows</th><th class="num">shard</th><th class="num">bytes</th></tr></thead><tbody>${
+      p.rows.map(r => `<tr><td>${esc(r.param)}</td><td>${esc(JSON.stringify(r.shape))}</td><td>${r.rows ? esc(r.rows.join("-")) : "all"}</td>
+        <td class="num">${r.shard}</td><td class="num">${num(r.bytes)}</td></tr>`).join("")}</tbody></table>`;
 }
 
 async function download(runId, name) {
