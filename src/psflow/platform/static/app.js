@@ -223,7 +223,7 @@ function drawCluster(run) {
       <button class="task ${t.exit_code ? "failed-exit" : ""} ${name === view.logTask ? "selected" : ""}" data-task="${esc(name)}" data-state="${esc(t.state)}">
         <div class="name">${esc(name)}</div>
         <div class="detail">${esc(t.state)} · attempt ${esc(t.attempt)}</div>
-        <div class="detail">${esc(t.address || "")}${t.pid ? " · pid " + esc(t.pid) : ""}</div>
+        <div class="detail">${esc(t.address || "")}${t.pid ? " · pid " + esc(t.pid) : ""}${t.scheduler_id ? " · " + esc(t.scheduler_id) : ""}</div>
         <div class="detail">${t.metrics && t.metrics.global_step !== undefined ? "step " + num(t.metrics.global_step) : ""}
           ${t.exit_cause ? esc(t.exit_cause) : ""}</div>
       </button>`).join("")}</div></div>`).join("");
