@@ -1,5 +1,6 @@
 """The HTTP API of ``psflow ui``: JSON over the job store, and the requests that start, stop and
-restart runs. FastAPI serves its OpenAPI schema at ``/openapi.json`` (and docs at ``/docs``).
+restart runs. FastAPI serves its OpenAPI schema at ``/openapi.json`` (its /docs pages are off: they
+load scripts from a CDN).
 
 Routes (``{run}`` is a run id):
 
@@ -131,8 +132,9 @@ def _unprocessable(field_name: str, message: str) -> HTTPException:
 
 def create_app(settings: UiSettings) -> FastAPI:
     """The dashboard's application: the API, ``/metrics`` and the static page."""
+    # no /docs or /redoc: FastAPI's pages load their scripts from a CDN, and nothing here may
     app = FastAPI(title="psflow", summary="Runs, tasks, metrics and logs of psflow's job store; start, stop, restart.",
-                  version="1")
+                  version="1", docs_url=None, redoc_url=None)
     launchers: list[Any] = []
 
     def authorized(request: Request) -> bool:
