@@ -98,6 +98,7 @@ function runsPage() {
       </select>
       <input id="search" type="search" placeholder="search id, script, args" aria-label="search">
       <span id="runs-count" class="muted"></span>
+      <button id="newer-btn" disabled>Newer</button> <button id="older-btn" disabled>Older</button>
       <button id="compare-btn" disabled>Compare selected</button>
     </div>
     <div class="card table-wrap"><table id="runs-table">
@@ -105,13 +106,18 @@ function runsPage() {
         <th>started</th><th>script</th></tr></thead><tbody></tbody></table></div>`;
   const state = document.getElementById("state-filter");
   const search = document.getElementById("search");
+  const PAGE = 100;
+  let offset = 0;
   const load = async () => {
-    const q = new URLSearchParams({limit: "100"});
+    const q = new URLSearchParams({limit: String(PAGE), offset: String(offset)});
     if (state.value) q.set("state", state.value);
     if (search.value.trim()) q.set("q", search.value.trim());
     try {
       const page = await api("/api/runs?" + q);
-      document.getElementById("runs-count").textContent = `${page.total} run${page.total === 1 ? "" : "s"}`;
+      const shown = page.runs.length ? `${offset + 1}-${offset + page.runs.length} of ` : "";
+      document.getElementById("runs-count").textContent = `${shown}${page.total} run${page.total === 1 ? "" : "s"}`;
+      document.getElementById("newer-btn").disabled = offset === 0;
+      document.getElementById("older-btn").disabled = offset + page.runs.length >= page.total;
       document.querySelector("#runs-table tbody").innerHTML = page.runs.map(runRow).join("") ||
         `<tr><td colspan="8" class="muted">No runs${state.value || search.value ? " match" : " yet: start one"}.</td></tr>`;
     } catch (e) { toast(e.message); }
@@ -126,8 +132,10 @@ function runsPage() {
   });
   compare.onclick = () => { location.hash = "#/compare/" + [...picked].map(encodeURIComponent).join(","); };
   view = {picked};
-  state.addEventListener("change", load);
-  search.addEventListener("input", load);
+  document.getElementById("newer-btn").onclick = () => { offset = Math.max(0, offset - PAGE); load(); };
+  document.getElementById("older-btn").onclick = () => { offset += PAGE; load(); };
+  state.addEventListener("change", () => { offset = 0; load(); });
+  search.addEventListener("input", () => { offset = 0; load(); });
   every(load);
 }
 
