@@ -157,8 +157,8 @@ def create_app(settings: UiSettings) -> FastAPI:
     app.state.settings = settings
     reads = [Depends(need_token_to_read)]
 
-    def the_run(db: JobStore, run_id: str) -> dict[str, Any]:
-        run = db.run(run_id)
+    def the_run(db: JobStore, run_id: str, *, metrics: bool = False) -> dict[str, Any]:
+        run = db.run(run_id, metrics=metrics)  # each task's latest metrics: a query over the run's points, when asked
         if run is None:
             raise HTTPException(404, detail=f"No run {run_id!r} in the job store {settings.db_path}.")
         return run
@@ -187,7 +187,7 @@ def create_app(settings: UiSettings) -> FastAPI:
 
     @app.get("/api/runs/{run_id}", dependencies=reads)
     def get_run(run_id: str, db: Db, after: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
-        run = the_run(db, run_id)
+        run = the_run(db, run_id, metrics=True)
         events = db.events(run_id, after_id=after)
         return {"run": _shown(run), "attempts": db.attempts(run_id), "events": events[-2000:],
                 "controls": db.controls(run_id)}
