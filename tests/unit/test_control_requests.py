@@ -164,3 +164,16 @@ def test_a_stop_nobody_takes_times_out_saying_so(tmp_path, monkeypatch):
     assert r.exit_code == 1, r.output
     assert "asked run run-1 to stop (request 1)" in r.output
     assert "is still pending after 0.5 s: its launcher has not taken the stop request" in r.output
+
+
+def test_a_final_report_gives_the_tasks_last_loss(tmp_path):
+    store = _opened(tmp_path / "jobs.db")
+    store.report("worker:0", {"progress": {"global_step": 2, "local_step": 1, "loss": 2.30}})
+    store.report("worker:0", {"trainer": {"global_step": 600, "local_step": 300}, "test_accuracy": 0.85,
+                              "supervisor": {"first_loss": 2.30, "last_loss": 0.84, "global_step": 600}})
+    store.finished("succeeded")
+    with JobStore(tmp_path / "jobs.db") as db:
+        task = db.run("run-1")["tasks"]["worker:0"]
+        losses = [p["value"] for p in db.metrics("run-1", task="worker:0", name="loss")]
+    assert task["progress"]["loss"] == 0.84 and task["progress"]["global_step"] == 600
+    assert losses == [2.30, 0.84]
