@@ -114,6 +114,9 @@ def test_a_run_started_through_the_api_is_watched_survives_a_dashboard_restart_a
             summary = wait_for(lambda: api.get(f"/api/runs/{run_id}/summary").json(), lambda s: s["summary"],
                                what="the summary")["summary"]
             assert summary["status"] == "stopped" and summary["run_id"] == run_id
+            ps = api.get(f"/api/runs/{run_id}/ps").json()
+            assert ps["final"] and ps["ps"]["ps:0"]["stats"]["pushes"] > 0 and ps["version"] > 0
+            assert all(w["lag"] is not None and w["lag"] >= 0 for w in ps["workers"].values())
             ckpts = api.get(f"/api/runs/{run_id}/checkpoints").json()["checkpoints"]
             assert ckpts and ckpts[0]["ok"] and ckpts[0]["step"] > 0
             placement = api.get(f"/api/runs/{run_id}/placement").json()

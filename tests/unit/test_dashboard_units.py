@@ -180,3 +180,18 @@ def test_the_placement_table_counts_each_piece_and_shard_bytes():
                                                                             ("fc.bias", 1, 20)]
     assert table["shards"] == [{"shard": 0, "bytes": 2400, "pieces": 1, "share": 0.597},
                                {"shard": 1, "bytes": 1620, "pieces": 2, "share": 0.403}]
+
+
+def test_ps_health_gives_each_workers_lag_behind_the_newest_version_and_the_ps_final_counts():
+    from psflow.platform.pshealth import ps_health
+
+    run = {"tasks": {"ps:0": {"state": "running", "attempt": 1, "progress": {"global_step": 120}},
+                     "worker:0": {"state": "running", "progress": {"global_step": 118, "pushes": 60, "stale_pushes": 2}},
+                     "worker:1": {"state": "starting", "progress": {}}},
+           "summary": None}
+    live = ps_health(run)
+    assert live["version"] == 120 and not live["final"]
+    assert live["workers"]["worker:0"]["lag"] == 2 and live["workers"]["worker:1"]["lag"] is None
+    assert live["ps"]["ps:0"]["attempt"] == 1 and live["ps"]["ps:0"]["stats"] is None
+    ended = ps_health({**run, "summary": {"reports": {"ps:0": {"ps_stats": {"pushes": 240, "stale_dropped": 3}}}}})
+    assert ended["final"] and ended["ps"]["ps:0"]["stats"]["pushes"] == 240

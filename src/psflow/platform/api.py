@@ -10,6 +10,7 @@ Routes (``{run}`` is a run id):
 - ``GET /api/runs/{run}/metrics?name=&task=&after=&max_points=``: metric series per task;
 - ``GET /api/runs/{run}/stragglers``: each worker's speed, the slowest, persistent or transient;
 - ``GET /api/runs/{run}/placement``: parameter -> shard and bytes (from the newest checkpoint);
+- ``GET /api/runs/{run}/ps``: each ps's version, each worker's lag behind it, the ps's final counts;
 - ``GET /api/runs/{run}/tasks/{task}/log?offset=&max_bytes=``: a task's log, its tail or from an offset;
 - ``GET /api/runs/{run}/summary``, ``GET /api/runs/{run}/checkpoints``,
   ``GET /api/runs/{run}/checkpoints/{name}/export``: the summary, the checkpoints, one exported as safetensors;
@@ -226,6 +227,12 @@ def create_app(settings: UiSettings) -> FastAPI:
     def get_summary(run_id: str, db: Db) -> dict[str, Any]:
         run = the_run(db, run_id)
         return {"run_id": run_id, "state": run["state"], "summary": run.get("summary")}
+
+    @app.get("/api/runs/{run_id}/ps", dependencies=reads)
+    def get_ps(run_id: str, db: Db) -> dict[str, Any]:
+        from psflow.platform.pshealth import ps_health
+
+        return {"run_id": run_id, **ps_health(the_run(db, run_id))}
 
     @app.get("/api/runs/{run_id}/placement", dependencies=reads)
     def get_placement(run_id: str, db: Db) -> dict[str, Any]:

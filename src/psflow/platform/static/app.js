@@ -183,6 +183,7 @@ function runPage(runId) {
         <pre id="log-view" class="log"></pre></section>
       <section class="card"><h2>Checkpoints</h2><div id="checkpoints" class="table-wrap"></div></section>
       <section class="card"><h2>Placement</h2><div id="placement" class="table-wrap"></div></section>
+      <section class="card"><h2>Parameter servers</h2><div id="ps-health" class="table-wrap"></div></section>
       <section class="card"><h2>Events</h2><div id="events" class="table-wrap" style="max-height:320px;overflow:auto"></div></section>
     </div>`;
   document.getElementById("stop-btn").onclick = () => control(runId, "stop");
@@ -220,7 +221,8 @@ async function refreshRun(runId) {
   drawEvents(page.events);
   drawSummary(run);
   if (!view.logTask) { view.logTask = Object.keys(run.tasks).find(t => t.startsWith("worker")) || Object.keys(run.tasks)[0]; }
-  await Promise.all([refreshMetrics(runId), refreshLog(runId), refreshCheckpoints(runId, run), refreshStragglers(runId, run)]);
+  await Promise.all([refreshMetrics(runId), refreshLog(runId), refreshCheckpoints(runId, run), refreshStragglers(runId, run),
+    refreshPs(runId)]);
 }
 
 function drawCluster(run) {
@@ -364,6 +366,25 @@ function drawStacks(s) {
     s.groups.map(g => `<div class="stack-group" data-tasks="${esc(g.tasks.join(","))}"><h2>${esc(g.tasks.join(", "))}
       <span class="muted">(${g.tasks.length} task${g.tasks.length > 1 ? "s" : ""}, main thread)</span></h2>
       <pre class="log">${esc(g.frames.map(f => `${f.function}  ${f.file}:${f.line}`).join("\n"))}</pre></div>`).join("");
+}
+
+async function refreshPs(runId) {
+  const el = document.getElementById("ps-health");
+  let h;
+  try { h = await api(`/api/runs/${encodeURIComponent(runId)}/ps`); } catch (e) { el.textContent = e.message; return; }
+  const ps = Object.entries(h.ps);
+  if (!ps.length) { el.innerHTML = `<p class="muted">No parameter servers (all-reduce).</p>`; return; }
+  const stat = (s, k) => s && s[k] !== undefined ? num(s[k]) : "";
+  el.innerHTML = `<p class="muted">newest version ${num(h.version)}${h.final ? "; the ps's own counts, from the run's end" : "; the ps count pushes at the run's end"}</p>
+    <table><thead><tr><th>ps</th><th>state</th><th class="num">version</th><th class="num">pushes</th><th class="num">applied</th>
+      <th class="num">stale dropped</th><th class="num">duplicates</th></tr></thead><tbody>${ps.map(([name, p]) => `<tr data-ps="${esc(name)}">
+      <td>${esc(name)}</td><td>${esc(p.state)}${p.attempt ? " (attempt " + esc(p.attempt) + ")" : ""}</td><td class="num">${num(p.version)}</td>
+      <td class="num">${stat(p.stats, "pushes")}</td><td class="num">${stat(p.stats, "applied_updates")}</td>
+      <td class="num">${stat(p.stats, "stale_dropped")}</td><td class="num">${stat(p.stats, "duplicates")}</td></tr>`).join("")}</tbody></table>
+    <table><thead><tr><th>worker</th><th class="num">version</th><th class="num">lag</th><th class="num">pushes</th><th class="num">stale pushes</th></tr></thead>
+    <tbody>${Object.entries(h.workers).map(([name, w]) => `<tr><td>${esc(name)}</td><td class="num">${num(w.version)}</td>
+      <td class="num">${w.lag === null ? "" : num(w.lag)}</td><td class="num">${w.pushes === null ? "" : num(w.pushes)}</td>
+      <td class="num">${w.stale_pushes === null ? "" : num(w.stale_pushes)}</td></tr>`).join("")}</tbody></table>`;
 }
 
 async function refreshStragglers(runId, run) {
