@@ -17,6 +17,7 @@ Routes (``{run}`` is a run id):
 - ``GET /api/summary``: runs by state; ``GET /api/health``; ``GET /metrics``: Prometheus;
 - ``POST /api/runs``: start a run (form fields checked here: 422 with what was wrong);
 - ``POST /api/runs/{run}/stop``, ``POST /api/runs/{run}/restart``;
+- ``POST /api/runs/{run}/checkpoints/{name}/restore``: the plan again as a new run from that checkpoint;
 - ``POST /api/runs/{run}/dump``: every task's stacks into its log; ``GET /api/runs/{run}/stacks``: them, grouped.
 
 Security: every POST needs the token (``Authorization: Bearer TOKEN`` or ``X-Psflow-Token``),
@@ -262,6 +263,23 @@ def create_app(settings: UiSettings) -> FastAPI:
             raise HTTPException(409, detail=f"Checkpoint {name} cannot be exported: {e}") from e
         return FileResponse(out, media_type="application/octet-stream", filename=f"{run_id}-{name}.safetensors",
                             background=BackgroundTask(os.unlink, out))
+
+    @app.post("/api/runs/{run_id}/checkpoints/{name}/restore", status_code=201, dependencies=[Depends(need_token)])
+    def restore_here(run_id: str, name: str, db: Db) -> dict[str, Any]:
+        from psflow.platform.launching import plan_of, restore_spec, seed_checkpoint, start_detached
+
+        run = the_run(db, run_id)
+        source = checkpoint_path(run, name)
+        try:
+            spec = restore_spec(run, settings.logdirs)
+            plan_of(spec)
+        except ConfigError as e:
+            raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
+        seed_checkpoint(source, Path(str(spec.logdir)))
+        plan, proc = start_detached(spec, env=_launcher_env(settings))
+        _recorded(settings, plan.run_id, plan.logdir, proc)
+        _reap(proc, launchers)
+        return {"run_id": plan.run_id, "restores": run_id, "checkpoint": name, "logdir": plan.logdir}
 
     @app.post("/api/runs", status_code=201, dependencies=[Depends(need_token)])
     def start_run(form: StartRun) -> dict[str, Any]:

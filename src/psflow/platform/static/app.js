@@ -409,11 +409,13 @@ async function refreshCheckpoints(runId, run) {
   let c;
   try { c = await api(`/api/runs/${encodeURIComponent(runId)}/checkpoints`); } catch (e) { el.textContent = e.message; return; }
   el.innerHTML = c.checkpoints.length ? `<table><thead><tr><th>checkpoint</th><th class="num">step</th><th class="num">bytes</th><th></th></tr></thead><tbody>${
-    c.checkpoints.map(k => `<tr><td>${esc(k.name)}</td><td class="num">${k.ok ? num(k.step) : "corrupt"}</td>
+    c.checkpoints.map(k => `<tr><td>${esc(k.name)}<div class="muted">${k.ok ? esc(Object.entries(k.data_position || {}).map(([w, p]) =>
+        `${w}: epoch ${p.epoch}, batch ${p.batch_index}`).join("; ")) : ""}</div></td><td class="num">${k.ok ? num(k.step) : "corrupt"}</td>
       <td class="num">${k.ok ? num(k.size_bytes) : ""}</td>
-      <td>${k.ok ? `<button data-ckpt="${esc(k.name)}">export</button>` : esc(k.error)}</td></tr>`).join("")}</tbody></table>`
+      <td>${k.ok ? `<button data-ckpt="${esc(k.name)}">export</button> <button data-restore="${esc(k.name)}">restore here</button>` : esc(k.error)}</td></tr>`).join("")}</tbody></table>`
     : `<p class="muted">No checkpoints yet.</p>`;
   for (const b of el.querySelectorAll("button[data-ckpt]")) b.onclick = () => download(runId, b.dataset.ckpt);
+  for (const b of el.querySelectorAll("button[data-restore]")) b.onclick = () => restoreHere(runId, b.dataset.restore);
   const pl = document.getElementById("placement");
   let p;
   try { p = await api(`/api/runs/${encodeURIComponent(runId)}/placement`); }
@@ -424,6 +426,14 @@ async function refreshCheckpoints(runId, run) {
     <table><thead><tr><th>parameter</th><th>shape</th><th>rows</th><th class="num">shard</th><th class="num">bytes</th></tr></thead><tbody>${
       p.rows.map(r => `<tr><td>${esc(r.param)}</td><td>${esc(JSON.stringify(r.shape))}</td><td>${r.rows ? esc(r.rows.join("-")) : "all"}</td>
         <td class="num">${r.shard}</td><td class="num">${num(r.bytes)}</td></tr>`).join("")}</tbody></table>`;
+}
+
+async function restoreHere(runId, name) {
+  if (!confirm(`Start run ${runId}'s plan again as a new run from ${name}?`)) return;
+  try {
+    const r = await api(`/api/runs/${encodeURIComponent(runId)}/checkpoints/${encodeURIComponent(name)}/restore`, {method: "POST"});
+    location.hash = `#/run/${encodeURIComponent(r.run_id)}`;
+  } catch (e) { toast(e.message); }
 }
 
 async function download(runId, name) {
