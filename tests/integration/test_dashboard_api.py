@@ -10,6 +10,7 @@ import os
 import struct
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import PSFLOW, ROOT, pid_alive, task_env
@@ -114,8 +115,14 @@ def test_a_run_started_through_the_api_is_watched_survives_a_dashboard_restart_a
             summary = wait_for(lambda: api.get(f"/api/runs/{run_id}/summary").json(), lambda s: s["summary"],
                                what="the summary")["summary"]
             assert summary["status"] == "stopped" and summary["run_id"] == run_id
+            ps = api.get(f"/api/runs/{run_id}/ps").json()
+            assert ps["final"] and ps["ps"]["ps:0"]["stats"]["pushes"] > 0 and ps["version"] > 0
+            assert all(w["lag"] is not None and w["lag"] >= 0 for w in ps["workers"].values())
             ckpts = api.get(f"/api/runs/{run_id}/checkpoints").json()["checkpoints"]
             assert ckpts and ckpts[0]["ok"] and ckpts[0]["step"] > 0
+            placement = api.get(f"/api/runs/{run_id}/placement").json()
+            assert placement["checkpoint"] == ckpts[0]["name"] and {r["param"] for r in placement["rows"]} == {"w", "b"}
+            assert placement["shards"] == [{"shard": 0, "bytes": 784 * 10 * 4 + 10 * 4, "pieces": 2, "share": 1.0}]
             export = api.get(f"/api/runs/{run_id}/checkpoints/{ckpts[0]['name']}/export")
             assert export.status_code == 200 and "attachment" in export.headers["content-disposition"]
             (n,) = struct.unpack("<Q", export.content[:8])  # safetensors: header length, then the JSON header
@@ -201,6 +208,7 @@ def test_concurrent_reads_are_all_answered(tmp_path, dashboard):
 def test_the_openapi_schema_is_served_and_describes_the_api(dashboard):
     with dashboard.client(token=None) as anon:
         schema = anon.get("/openapi.json").json()
+        assert anon.get("/docs").status_code == 404  # Swagger UI would load its scripts from a CDN
     assert schema["openapi"].startswith("3.") and schema["info"]["title"] == "psflow"
     paths = schema["paths"]
     for path, method in (("/api/runs", "get"), ("/api/runs", "post"), ("/api/runs/{run_id}", "get"),
@@ -266,6 +274,25 @@ def test_restart_through_the_api_stops_the_run_and_launches_its_plan_again(tmp_p
         assert new["global_step"] >= old["run"]["global_step"]  # resumed from the final checkpoint
         assert api.post(f"/api/runs/{new_id}/stop").status_code == 202
         wait_for(lambda: _run(api, new_id)["run"]["state"], lambda s: s == "stopped", what="the restarted run stopped")
+
+        # "restore here": the oldest checkpoint of the shared logdir (a newer one exists), into a new run
+        ckpts = api.get(f"/api/runs/{new_id}/checkpoints").json()["checkpoints"]
+        assert len(ckpts) >= 2 and all(c["ok"] for c in ckpts), ckpts
+        first = ckpts[-1]
+        assert set(first["data_position"]) == {"worker:0", "worker:1"}
+        assert {"epoch", "batch_index"} <= set(first["data_position"]["worker:0"])
+        assert api.post(f"/api/runs/{new_id}/checkpoints/ckpt-9/restore").status_code == 404
+        restored = api.post(f"/api/runs/{new_id}/checkpoints/{first['name']}/restore")
+        assert restored.status_code == 201, restored.text
+        third = restored.json()
+        assert third["logdir"] == str(tmp_path / "runs" / third["run_id"]) and third["checkpoint"] == first["name"]
+        log = Path(third["logdir"]) / "logs" / "worker-0.log"
+        said = f"restored from {third['logdir']}/checkpoints/{first['name']} at step {first['step']}"
+        wait_for(lambda: log.read_text() if log.exists() else "", lambda text: said in text,
+                 what=f"worker:0 saying: {said}")
+        assert api.post(f"/api/runs/{third['run_id']}/stop").status_code in (202, 409)  # 409: it may have ended
+        wait_for(lambda: _run(api, third["run_id"])["run"]["state"], lambda s: s in ("stopped", "succeeded"),
+                 what="the restored run ended")
 
 
 def test_a_slowed_worker_is_named_a_persistent_straggler(tmp_path, dashboard, procs):

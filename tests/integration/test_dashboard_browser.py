@@ -98,6 +98,7 @@ def test_start_watch_read_a_log_survive_a_dashboard_restart_and_stop_from_the_br
                 page.wait_for_selector("#run-state .state.stopped")
                 page.wait_for_selector('#summary dd:has-text("stopped")')
                 page.wait_for_selector("#checkpoints button[data-ckpt]")  # the final checkpoint, to export
+                page.wait_for_selector('#placement[data-rows="2"]')  # w and b on ps:0's shard
                 page.screenshot(path=str(artifacts / "06-run-stopped.png"), full_page=True)
 
                 phone = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True)
@@ -158,6 +159,45 @@ def test_two_runs_compared_overlay_their_loss_by_global_step(tmp_path, chromium,
                 legend = page.inner_text("#cmp-loss")
                 assert "run-lr-0.1" in legend and "run-lr-0.5" in legend
                 page.screenshot(path=str(artifacts / "08-compare.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        ui.stop()
+
+
+def test_the_runs_list_pages_filters_and_searches_many_runs(tmp_path, chromium, artifacts):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from psflow.platform.jobstore import JobStore
+
+    home = tmp_path / "home"
+    with JobStore(home / "jobs.db") as db, db.transaction():
+        for i in range(230):
+            run_id = f"20260101-{i:06d}-run{i:03d}"
+            db.add_run({"id": run_id, "script": "examples/cnn.py" if i % 10 == 0 else "examples/mnist_softmax.py",
+                        "args": [], "logdir": str(tmp_path / run_id), "cluster": {"worker": ["worker:0"]},
+                        "created_unix": 1_700_000_000.0 + i}, ["worker:0"])
+            db.finish_run(run_id, "failed" if i % 3 == 0 else "succeeded", 1_700_000_100.0 + i)
+    ui = start_dashboard(home, tmp_path / "runs")
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                page.set_default_timeout(DEADLINE_MS)
+                page.goto(ui.url)
+                page.wait_for_selector('#runs-count:has-text("1-100 of 230 runs")')
+                assert page.is_disabled("#newer-btn") and page.locator("#runs-table tbody tr").count() == 100
+                assert page.get_attribute("#runs-table tbody tr:first-child", "data-run") == "20260101-000229-run229"
+                page.click("#older-btn")
+                page.wait_for_selector('#runs-count:has-text("101-200 of 230 runs")')
+                page.click("#older-btn")
+                page.wait_for_selector('#runs-count:has-text("201-230 of 230 runs")')
+                assert page.is_disabled("#older-btn")
+                page.select_option("#state-filter", "failed")
+                page.wait_for_selector('#runs-count:has-text("1-77 of 77 runs")')
+                page.fill("#search", "cnn")
+                page.wait_for_selector('#runs-count:has-text("of 8 runs")')  # i % 10 == 0 and i % 3 == 0
+                page.screenshot(path=str(artifacts / "09-runs-filtered.png"))
             finally:
                 browser.close()
     finally:

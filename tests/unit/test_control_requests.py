@@ -129,3 +129,51 @@ def test_a_spec_that_psflow_run_would_refuse_is_refused_before_anything_starts(t
         plan_of(LaunchSpec(script=str(script), backend="k8s"))
     with pytest.raises(ConfigError, match="Restart policy 'sometimes'"):
         plan_of(LaunchSpec(script=str(script), restart_policy={"kind": "sometimes"}))
+
+
+def test_psflow_stop_names_what_it_cannot_stop(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from psflow.cli import main
+
+    monkeypatch.setenv("PSFLOW_HOME", str(tmp_path / "home"))
+    logdir = tmp_path / "logdir"
+    logdir.mkdir()
+    r = CliRunner().invoke(main, ["stop", str(logdir)])
+    assert r.exit_code == 1 and "psflow stop needs a run id from the job store" in r.output and str(logdir) in r.output
+    r = CliRunner().invoke(main, ["stop", "nope"])
+    assert r.exit_code == 1 and "No run 'nope'" in r.output
+    store = _opened(tmp_path / "home" / "jobs.db")
+    store.finished("failed")
+    r = CliRunner().invoke(main, ["stop", "run-1"])
+    assert r.exit_code == 0 and "run run-1 has already ended (failed); nothing to stop." in r.output
+    with JobStore(tmp_path / "home" / "jobs.db") as db:
+        assert db.controls("run-1") == []  # nothing asked of an ended run
+
+
+def test_a_stop_nobody_takes_times_out_saying_so(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from psflow.cli import main
+
+    monkeypatch.setenv("PSFLOW_HOME", str(tmp_path / "home"))
+    # a live run (its launcher: this process) whose store no longer polls: an older launcher, or a stuck one
+    store = _opened(tmp_path / "home" / "jobs.db")
+    store.close()
+    r = CliRunner().invoke(main, ["stop", "run-1", "--timeout", "0.5"])
+    assert r.exit_code == 1, r.output
+    assert "asked run run-1 to stop (request 1)" in r.output
+    assert "is still pending after 0.5 s: its launcher has not taken the stop request" in r.output
+
+
+def test_a_final_report_gives_the_tasks_last_loss(tmp_path):
+    store = _opened(tmp_path / "jobs.db")
+    store.report("worker:0", {"progress": {"global_step": 2, "local_step": 1, "loss": 2.30}})
+    store.report("worker:0", {"trainer": {"global_step": 600, "local_step": 300}, "test_accuracy": 0.85,
+                              "supervisor": {"first_loss": 2.30, "last_loss": 0.84, "global_step": 600}})
+    store.finished("succeeded")
+    with JobStore(tmp_path / "jobs.db") as db:
+        task = db.run("run-1")["tasks"]["worker:0"]
+        losses = [p["value"] for p in db.metrics("run-1", task="worker:0", name="loss")]
+    assert task["progress"]["loss"] == 0.84 and task["progress"]["global_step"] == 600
+    assert losses == [2.30, 0.84]

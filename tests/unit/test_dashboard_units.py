@@ -166,3 +166,32 @@ def test_a_real_faulthandler_dump_is_parsed_and_tasks_group_by_their_main_stack(
     assert [g["tasks"] for g in grouped["groups"]] == [["ps:0", "worker:2"], ["worker:0", "worker:1"]]
     assert [(o["task"], o["job"]) for o in grouped["odd_ones_out"]] == [("worker:2", "worker")]
     assert group_stacks({"worker:0": same, "worker:1": other})["odd_ones_out"] == []  # two apart: no odd one
+
+
+def test_the_placement_table_counts_each_piece_and_shard_bytes():
+    from psflow.platform.placementview import placement_table
+
+    table = placement_table({"num_shards": 2, "params": [{"name": "fc.weight", "shape": [100, 10], "dtype": "float32"},
+                                                         {"name": "fc.bias", "shape": [10], "dtype": "float16"}],
+                             "pieces": [{"param": "fc.weight", "shard": 0, "rows": [0, 60]},
+                                        {"param": "fc.weight", "shard": 1, "rows": [60, 100]},
+                                        {"param": "fc.bias", "shard": 1, "rows": None}]})
+    assert [(r["param"], r["shard"], r["bytes"]) for r in table["rows"]] == [("fc.weight", 0, 2400), ("fc.weight", 1, 1600),
+                                                                            ("fc.bias", 1, 20)]
+    assert table["shards"] == [{"shard": 0, "bytes": 2400, "pieces": 1, "share": 0.597},
+                               {"shard": 1, "bytes": 1620, "pieces": 2, "share": 0.403}]
+
+
+def test_ps_health_gives_each_workers_lag_behind_the_newest_version_and_the_ps_final_counts():
+    from psflow.platform.pshealth import ps_health
+
+    run = {"tasks": {"ps:0": {"state": "running", "attempt": 1, "progress": {"global_step": 120}},
+                     "worker:0": {"state": "running", "progress": {"global_step": 118, "pushes": 60, "stale_pushes": 2}},
+                     "worker:1": {"state": "starting", "progress": {}}},
+           "summary": None}
+    live = ps_health(run)
+    assert live["version"] == 120 and not live["final"]
+    assert live["workers"]["worker:0"]["lag"] == 2 and live["workers"]["worker:1"]["lag"] is None
+    assert live["ps"]["ps:0"]["attempt"] == 1 and live["ps"]["ps:0"]["stats"] is None
+    ended = ps_health({**run, "summary": {"reports": {"ps:0": {"ps_stats": {"pushes": 240, "stale_dropped": 3}}}}})
+    assert ended["final"] and ended["ps"]["ps:0"]["stats"]["pushes"] == 240

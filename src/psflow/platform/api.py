@@ -1,5 +1,6 @@
 """The HTTP API of ``psflow ui``: JSON over the job store, and the requests that start, stop and
-restart runs. FastAPI serves its OpenAPI schema at ``/openapi.json`` (and docs at ``/docs``).
+restart runs. FastAPI serves its OpenAPI schema at ``/openapi.json`` (its /docs pages are off: they
+load scripts from a CDN).
 
 Routes (``{run}`` is a run id):
 
@@ -8,12 +9,15 @@ Routes (``{run}`` is a run id):
   attempts, events (``?after=`` an event id, for polling) and control requests;
 - ``GET /api/runs/{run}/metrics?name=&task=&after=&max_points=``: metric series per task;
 - ``GET /api/runs/{run}/stragglers``: each worker's speed, the slowest, persistent or transient;
+- ``GET /api/runs/{run}/placement``: parameter -> shard and bytes (from the newest checkpoint);
+- ``GET /api/runs/{run}/ps``: each ps's version, each worker's lag behind it, the ps's final counts;
 - ``GET /api/runs/{run}/tasks/{task}/log?offset=&max_bytes=``: a task's log, its tail or from an offset;
 - ``GET /api/runs/{run}/summary``, ``GET /api/runs/{run}/checkpoints``,
   ``GET /api/runs/{run}/checkpoints/{name}/export``: the summary, the checkpoints, one exported as safetensors;
 - ``GET /api/summary``: runs by state; ``GET /api/health``; ``GET /metrics``: Prometheus;
 - ``POST /api/runs``: start a run (form fields checked here: 422 with what was wrong);
 - ``POST /api/runs/{run}/stop``, ``POST /api/runs/{run}/restart``;
+- ``POST /api/runs/{run}/checkpoints/{name}/restore``: the plan again as a new run from that checkpoint;
 - ``POST /api/runs/{run}/dump``: every task's stacks into its log; ``GET /api/runs/{run}/stacks``: them, grouped.
 
 Security: every POST needs the token (``Authorization: Bearer TOKEN`` or ``X-Psflow-Token``),
@@ -130,8 +134,9 @@ def _unprocessable(field_name: str, message: str) -> HTTPException:
 
 def create_app(settings: UiSettings) -> FastAPI:
     """The dashboard's application: the API, ``/metrics`` and the static page."""
+    # no /docs or /redoc: FastAPI's pages load their scripts from a CDN, and nothing here may
     app = FastAPI(title="psflow", summary="Runs, tasks, metrics and logs of psflow's job store; start, stop, restart.",
-                  version="1")
+                  version="1", docs_url=None, redoc_url=None)
     launchers: list[Any] = []
 
     def authorized(request: Request) -> bool:
@@ -154,8 +159,8 @@ def create_app(settings: UiSettings) -> FastAPI:
     app.state.settings = settings
     reads = [Depends(need_token_to_read)]
 
-    def the_run(db: JobStore, run_id: str) -> dict[str, Any]:
-        run = db.run(run_id)
+    def the_run(db: JobStore, run_id: str, *, metrics: bool = False) -> dict[str, Any]:
+        run = db.run(run_id, metrics=metrics)  # each task's latest metrics: a query over the run's points, when asked
         if run is None:
             raise HTTPException(404, detail=f"No run {run_id!r} in the job store {settings.db_path}.")
         return run
@@ -184,7 +189,7 @@ def create_app(settings: UiSettings) -> FastAPI:
 
     @app.get("/api/runs/{run_id}", dependencies=reads)
     def get_run(run_id: str, db: Db, after: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
-        run = the_run(db, run_id)
+        run = the_run(db, run_id, metrics=True)
         events = db.events(run_id, after_id=after)
         return {"run": _shown(run), "attempts": db.attempts(run_id), "events": events[-2000:],
                 "controls": db.controls(run_id)}
@@ -224,6 +229,22 @@ def create_app(settings: UiSettings) -> FastAPI:
         run = the_run(db, run_id)
         return {"run_id": run_id, "state": run["state"], "summary": run.get("summary")}
 
+    @app.get("/api/runs/{run_id}/ps", dependencies=reads)
+    def get_ps(run_id: str, db: Db) -> dict[str, Any]:
+        from psflow.platform.pshealth import ps_health
+
+        return {"run_id": run_id, **ps_health(the_run(db, run_id))}
+
+    @app.get("/api/runs/{run_id}/placement", dependencies=reads)
+    def get_placement(run_id: str, db: Db) -> dict[str, Any]:
+        from psflow.platform.placementview import newest_placement
+
+        found = newest_placement(Path(the_run(db, run_id)["logdir"]))
+        if found is None:
+            raise HTTPException(404, detail=f"Run {run_id} has no checkpoint yet: the placement is read from the "
+                                            "newest checkpoint's manifest.")
+        return {"run_id": run_id, **found}
+
     @app.get("/api/runs/{run_id}/checkpoints", dependencies=reads)
     def get_checkpoints(run_id: str, db: Db) -> dict[str, Any]:
         return {"run_id": run_id, "checkpoints": checkpoints(the_run(db, run_id))}
@@ -242,6 +263,23 @@ def create_app(settings: UiSettings) -> FastAPI:
             raise HTTPException(409, detail=f"Checkpoint {name} cannot be exported: {e}") from e
         return FileResponse(out, media_type="application/octet-stream", filename=f"{run_id}-{name}.safetensors",
                             background=BackgroundTask(os.unlink, out))
+
+    @app.post("/api/runs/{run_id}/checkpoints/{name}/restore", status_code=201, dependencies=[Depends(need_token)])
+    def restore_here(run_id: str, name: str, db: Db) -> dict[str, Any]:
+        from psflow.platform.launching import plan_of, restore_spec, seed_checkpoint, start_detached
+
+        run = the_run(db, run_id)
+        source = checkpoint_path(run, name)
+        try:
+            spec = restore_spec(run, settings.logdirs)
+            plan_of(spec)
+        except ConfigError as e:
+            raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
+        seed_checkpoint(source, Path(str(spec.logdir)))
+        plan, proc = start_detached(spec, env=_launcher_env(settings))
+        _recorded(settings, plan.run_id, plan.logdir, proc)
+        _reap(proc, launchers)
+        return {"run_id": plan.run_id, "restores": run_id, "checkpoint": name, "logdir": plan.logdir}
 
     @app.post("/api/runs", status_code=201, dependencies=[Depends(need_token)])
     def start_run(form: StartRun) -> dict[str, Any]:

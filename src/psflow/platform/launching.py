@@ -18,6 +18,10 @@ the same log directory, so the chief restores the newest checkpoint and training
 there. The new run names the old one (``restarted_from``). Fault injection (``--fail-at``) is not
 part of the plan that is restarted: it tested the run it was given to.
 
+"Restore here" (``POST /api/runs/{id}/checkpoints/{name}/restore``) launches the same plan as a new
+run in a new log directory seeded with that one checkpoint (:func:`restore_spec`,
+:func:`seed_checkpoint`): the chief restores it, with the workers' data positions it holds.
+
 Called by :mod:`psflow.cli` (restart) and :mod:`psflow.platform.api`.
 """
 
@@ -117,6 +121,31 @@ def spec_of_run(run: Mapping[str, Any]) -> LaunchSpec:
         mode=mode, strategy=strategy, backend=str(run.get("backend") or "local"),
         restart_policy=dict(run.get("restart_policy") or {}), config=config, hangs=dict(launch.get("hangs") or {}),
         threads=launch.get("threads"), logdir=str(run["logdir"]), run_id=new_run_id(), restarted_from=str(run["id"]))
+
+
+def restore_spec(run: Mapping[str, Any], runs_root: Path) -> LaunchSpec:
+    """The launch of ``run``'s plan again as a new run in a new log directory (``runs_root/<new id>``),
+    to be seeded with one of its checkpoints (:func:`seed_checkpoint`): "restore here".
+
+    Raises:
+        ConfigError: as :func:`spec_of_run`.
+    """
+    spec = spec_of_run(run)
+    return dataclasses.replace(spec, logdir=str(runs_root / str(spec.run_id)))
+
+
+def seed_checkpoint(checkpoint_dir: Path, logdir: Path) -> Path:
+    """Copy one checkpoint into ``logdir/checkpoints`` (a new run's only one, so its chief restores it),
+    under a temporary name first: a copy cut short never looks whole."""
+    import shutil
+
+    root = logdir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_dir.name
+    temp = root / f"{checkpoint_dir.name}.partial"
+    shutil.copytree(checkpoint_dir, temp)
+    temp.rename(final)
+    return final
 
 
 def plan_of(spec: LaunchSpec, *, runs_root: Path | None = None) -> LaunchPlan:

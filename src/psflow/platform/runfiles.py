@@ -97,7 +97,8 @@ def checkpoint_path(run: dict[str, Any], name: str) -> Path:
 
 
 def checkpoints(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """The run's checkpoints, newest first: name, step, shards, bytes, and whether each verifies."""
+    """The run's checkpoints, newest first: name, step, shards, bytes, each worker's data position
+    (epoch, batch) at it, and whether each verifies."""
     from psflow import checkpoint
 
     out = []
@@ -108,7 +109,8 @@ def checkpoints(run: dict[str, Any]) -> list[dict[str, Any]]:
             out.append({"name": path.name, "ok": False, "error": str(e)})
             continue
         out.append({"name": path.name, "step": ckpt.step, "shards": ckpt.num_shards, "ok": True,
-                    "size_bytes": sum(r.size_bytes for r in ckpt.shards)})
+                    "size_bytes": sum(r.size_bytes for r in ckpt.shards),
+                    "data_position": ckpt.meta.get("data_position") or {}})
     return out
 
 

@@ -298,13 +298,17 @@ class SqliteRunStore(RunStore):
 
 
 def _progress_figures(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """A report's progress figures (live ``progress``, final ``trainer`` stats, a ps's ``global_step``)."""
+    """A report's progress figures (live ``progress``, final ``trainer`` stats and the supervisor's last
+    loss, a ps's ``global_step``)."""
     out: dict[str, Any] = {}
     for key in ("progress", "trainer"):
         if isinstance(metrics.get(key), Mapping):
             out.update({k: v for k, v in metrics[key].items() if _is_real(v)})
     if isinstance(metrics.get("global_step"), int) and not isinstance(metrics.get("global_step"), bool):
         out["global_step"] = metrics["global_step"]
+    supervisor = metrics.get("supervisor")
+    if isinstance(supervisor, Mapping) and _is_real(supervisor.get("last_loss")):
+        out["loss"] = supervisor["last_loss"]  # the final report's: newer than the last live progress
     return out
 
 

@@ -1,7 +1,8 @@
 """Stragglers: which worker is slow, by how much, and whether it stays slow. Pure.
 
 Input: each worker's ``local_step`` over time, as the job store records it from the progress reports
-(one point a second or so). The run's recent span is cut into ``windows`` equal windows; in each, a
+(one point a second or so). The run's recent span is cut into ``windows`` equal windows (fewer where a window would hold
+under three reporting intervals); in each, a
 worker's rate is its steps over the time between its first and last point in the window (a window
 where it reported fewer than two points, or its step went back, a restart, does not count for it).
 In each window the workers' rates are compared with their median: a worker below ``slow_ratio`` of
@@ -54,9 +55,14 @@ def find_stragglers(steps: Mapping[str, Sequence[tuple[float, float]]], rules: S
                 "verdict": "Stragglers need two workers or more that have reported progress."}
     end = max(times)
     start = min(times) if rules.span_s is None else max(min(times), end - rules.span_s)
-    width = (end - start) / rules.windows if end > start else 0.0
+    # a window must hold a few reports of each worker (they come about once a second): no more
+    # windows than that allows, so a short run is judged over fewer, wider windows
+    gaps = [b[0] - a[0] for pts in steps.values() for a, b in zip(pts, pts[1:]) if b[0] > a[0]]
+    least = 3 * statistics.median(gaps) if gaps else 0.0
+    count = max(1, min(rules.windows, int((end - start) / least))) if least > 0 else rules.windows
+    width = (end - start) / count if end > start else 0.0
     rates: dict[str, list[float | None]] = {w: [] for w in steps}
-    for i in range(rules.windows if width else 0):
+    for i in range(count if width else 0):
         lo, hi = start + i * width, start + (i + 1) * width
         for worker, pts in steps.items():
             inside = [(t, s) for t, s in pts if lo <= t <= hi]

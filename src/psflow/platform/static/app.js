@@ -98,6 +98,7 @@ function runsPage() {
       </select>
       <input id="search" type="search" placeholder="search id, script, args" aria-label="search">
       <span id="runs-count" class="muted"></span>
+      <button id="newer-btn" disabled>Newer</button> <button id="older-btn" disabled>Older</button>
       <button id="compare-btn" disabled>Compare selected</button>
     </div>
     <div class="card table-wrap"><table id="runs-table">
@@ -105,13 +106,18 @@ function runsPage() {
         <th>started</th><th>script</th></tr></thead><tbody></tbody></table></div>`;
   const state = document.getElementById("state-filter");
   const search = document.getElementById("search");
+  const PAGE = 100;
+  let offset = 0;
   const load = async () => {
-    const q = new URLSearchParams({limit: "100"});
+    const q = new URLSearchParams({limit: String(PAGE), offset: String(offset)});
     if (state.value) q.set("state", state.value);
     if (search.value.trim()) q.set("q", search.value.trim());
     try {
       const page = await api("/api/runs?" + q);
-      document.getElementById("runs-count").textContent = `${page.total} run${page.total === 1 ? "" : "s"}`;
+      const shown = page.runs.length ? `${offset + 1}-${offset + page.runs.length} of ` : "";
+      document.getElementById("runs-count").textContent = `${shown}${page.total} run${page.total === 1 ? "" : "s"}`;
+      document.getElementById("newer-btn").disabled = offset === 0;
+      document.getElementById("older-btn").disabled = offset + page.runs.length >= page.total;
       document.querySelector("#runs-table tbody").innerHTML = page.runs.map(runRow).join("") ||
         `<tr><td colspan="8" class="muted">No runs${state.value || search.value ? " match" : " yet: start one"}.</td></tr>`;
     } catch (e) { toast(e.message); }
@@ -126,8 +132,10 @@ function runsPage() {
   });
   compare.onclick = () => { location.hash = "#/compare/" + [...picked].map(encodeURIComponent).join(","); };
   view = {picked};
-  state.addEventListener("change", load);
-  search.addEventListener("input", load);
+  document.getElementById("newer-btn").onclick = () => { offset = Math.max(0, offset - PAGE); load(); };
+  document.getElementById("older-btn").onclick = () => { offset += PAGE; load(); };
+  state.addEventListener("change", () => { offset = 0; load(); });
+  search.addEventListener("input", () => { offset = 0; load(); });
   every(load);
 }
 
@@ -174,6 +182,8 @@ function runPage(runId) {
           <span class="muted">click a task above to read its log</span></div>
         <pre id="log-view" class="log"></pre></section>
       <section class="card"><h2>Checkpoints</h2><div id="checkpoints" class="table-wrap"></div></section>
+      <section class="card"><h2>Placement</h2><div id="placement" class="table-wrap"></div></section>
+      <section class="card"><h2>Parameter servers</h2><div id="ps-health" class="table-wrap"></div></section>
       <section class="card"><h2>Events</h2><div id="events" class="table-wrap" style="max-height:320px;overflow:auto"></div></section>
     </div>`;
   document.getElementById("stop-btn").onclick = () => control(runId, "stop");
@@ -211,7 +221,8 @@ async function refreshRun(runId) {
   drawEvents(page.events);
   drawSummary(run);
   if (!view.logTask) { view.logTask = Object.keys(run.tasks).find(t => t.startsWith("worker")) || Object.keys(run.tasks)[0]; }
-  await Promise.all([refreshMetrics(runId), refreshLog(runId), refreshCheckpoints(runId, run), refreshStragglers(runId, run)]);
+  await Promise.all([refreshMetrics(runId), refreshLog(runId), refreshCheckpoints(runId, run), refreshStragglers(runId, run),
+    refreshPs(runId)]);
 }
 
 function drawCluster(run) {
@@ -222,7 +233,7 @@ function drawCluster(run) {
       <button class="task ${t.exit_code ? "failed-exit" : ""} ${name === view.logTask ? "selected" : ""}" data-task="${esc(name)}" data-state="${esc(t.state)}">
         <div class="name">${esc(name)}</div>
         <div class="detail">${esc(t.state)} · attempt ${esc(t.attempt)}</div>
-        <div class="detail">${esc(t.address || "")}${t.pid ? " · pid " + esc(t.pid) : ""}</div>
+        <div class="detail">${esc(t.address || "")}${t.pid ? " · pid " + esc(t.pid) : ""}${t.scheduler_id ? " · " + esc(t.scheduler_id) : ""}</div>
         <div class="detail">${t.metrics && t.metrics.global_step !== undefined ? "step " + num(t.metrics.global_step) : ""}
           ${t.exit_cause ? esc(t.exit_cause) : ""}</div>
       </button>`).join("")}</div></div>`).join("");
@@ -357,6 +368,25 @@ function drawStacks(s) {
       <pre class="log">${esc(g.frames.map(f => `${f.function}  ${f.file}:${f.line}`).join("\n"))}</pre></div>`).join("");
 }
 
+async function refreshPs(runId) {
+  const el = document.getElementById("ps-health");
+  let h;
+  try { h = await api(`/api/runs/${encodeURIComponent(runId)}/ps`); } catch (e) { el.textContent = e.message; return; }
+  const ps = Object.entries(h.ps);
+  if (!ps.length) { el.innerHTML = `<p class="muted">No parameter servers (all-reduce).</p>`; return; }
+  const stat = (s, k) => s && s[k] !== undefined ? num(s[k]) : "";
+  el.innerHTML = `<p class="muted">newest version ${num(h.version)}${h.final ? "; the ps's own counts, from the run's end" : "; the ps count pushes at the run's end"}</p>
+    <table><thead><tr><th>ps</th><th>state</th><th class="num">version</th><th class="num">pushes</th><th class="num">applied</th>
+      <th class="num">stale dropped</th><th class="num">duplicates</th></tr></thead><tbody>${ps.map(([name, p]) => `<tr data-ps="${esc(name)}">
+      <td>${esc(name)}</td><td>${esc(p.state)}${p.attempt ? " (attempt " + esc(p.attempt) + ")" : ""}</td><td class="num">${num(p.version)}</td>
+      <td class="num">${stat(p.stats, "pushes")}</td><td class="num">${stat(p.stats, "applied_updates")}</td>
+      <td class="num">${stat(p.stats, "stale_dropped")}</td><td class="num">${stat(p.stats, "duplicates")}</td></tr>`).join("")}</tbody></table>
+    <table><thead><tr><th>worker</th><th class="num">version</th><th class="num">lag</th><th class="num">pushes</th><th class="num">stale pushes</th></tr></thead>
+    <tbody>${Object.entries(h.workers).map(([name, w]) => `<tr><td>${esc(name)}</td><td class="num">${num(w.version)}</td>
+      <td class="num">${w.lag === null ? "" : num(w.lag)}</td><td class="num">${w.pushes === null ? "" : num(w.pushes)}</td>
+      <td class="num">${w.stale_pushes === null ? "" : num(w.stale_pushes)}</td></tr>`).join("")}</tbody></table>`;
+}
+
 async function refreshStragglers(runId, run) {
   if (view._stragAt && Date.now() - view._stragAt < 5000 && view._stragState === run.state) return;
   view._stragAt = Date.now(); view._stragState = run.state;
@@ -379,11 +409,31 @@ async function refreshCheckpoints(runId, run) {
   let c;
   try { c = await api(`/api/runs/${encodeURIComponent(runId)}/checkpoints`); } catch (e) { el.textContent = e.message; return; }
   el.innerHTML = c.checkpoints.length ? `<table><thead><tr><th>checkpoint</th><th class="num">step</th><th class="num">bytes</th><th></th></tr></thead><tbody>${
-    c.checkpoints.map(k => `<tr><td>${esc(k.name)}</td><td class="num">${k.ok ? num(k.step) : "corrupt"}</td>
+    c.checkpoints.map(k => `<tr><td>${esc(k.name)}<div class="muted">${k.ok ? esc(Object.entries(k.data_position || {}).map(([w, p]) =>
+        `${w}: epoch ${p.epoch}, batch ${p.batch_index}`).join("; ")) : ""}</div></td><td class="num">${k.ok ? num(k.step) : "corrupt"}</td>
       <td class="num">${k.ok ? num(k.size_bytes) : ""}</td>
-      <td>${k.ok ? `<button data-ckpt="${esc(k.name)}">export</button>` : esc(k.error)}</td></tr>`).join("")}</tbody></table>`
+      <td>${k.ok ? `<button data-ckpt="${esc(k.name)}">export</button> <button data-restore="${esc(k.name)}">restore here</button>` : esc(k.error)}</td></tr>`).join("")}</tbody></table>`
     : `<p class="muted">No checkpoints yet.</p>`;
   for (const b of el.querySelectorAll("button[data-ckpt]")) b.onclick = () => download(runId, b.dataset.ckpt);
+  for (const b of el.querySelectorAll("button[data-restore]")) b.onclick = () => restoreHere(runId, b.dataset.restore);
+  const pl = document.getElementById("placement");
+  let p;
+  try { p = await api(`/api/runs/${encodeURIComponent(runId)}/placement`); }
+  catch (e) { pl.innerHTML = `<p class="muted">${esc(e.message)}</p>`; return; }
+  pl.dataset.rows = String(p.rows.length);
+  pl.innerHTML = `<p class="muted">from ${esc(p.checkpoint)} (step ${num(p.step)}): ${p.shards.map(s =>
+      `shard ${s.shard} ${num(s.bytes)} B (${num(s.share * 100, 1)}%)`).join(", ")}</p>
+    <table><thead><tr><th>parameter</th><th>shape</th><th>rows</th><th class="num">shard</th><th class="num">bytes</th></tr></thead><tbody>${
+      p.rows.map(r => `<tr><td>${esc(r.param)}</td><td>${esc(JSON.stringify(r.shape))}</td><td>${r.rows ? esc(r.rows.join("-")) : "all"}</td>
+        <td class="num">${r.shard}</td><td class="num">${num(r.bytes)}</td></tr>`).join("")}</tbody></table>`;
+}
+
+async function restoreHere(runId, name) {
+  if (!confirm(`Start run ${runId}'s plan again as a new run from ${name}?`)) return;
+  try {
+    const r = await api(`/api/runs/${encodeURIComponent(runId)}/checkpoints/${encodeURIComponent(name)}/restore`, {method: "POST"});
+    location.hash = `#/run/${encodeURIComponent(r.run_id)}`;
+  } catch (e) { toast(e.message); }
 }
 
 async function download(runId, name) {
