@@ -14,7 +14,7 @@ ps (see :mod:`psflow.ps.replication` for the states and transitions).
 
 A push whose meta names ``compress`` is decoded (and checked) by :mod:`psflow.wire.compress` into
 dense buffers before the store sees it; a pull or push-pull naming ``pull_dtype`` gets its values
-in that precision. The store itself only ever holds float32 gradients and values.
+in that precision. The store only ever sees gradients in its parameters' own dtype.
 """
 
 from __future__ import annotations
