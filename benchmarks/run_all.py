@@ -9,7 +9,9 @@ Flags: ``--quick`` is passed to every benchmark (a smoke run of a few minutes in
 CNN and placement benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's
 few steps per round, the placement one's single async round) so that ``make bench`` stays within
 about a quarter of an hour; run ``benchmarks/bench_cnn.py``, ``benchmarks/bench_checkpoint.py`` and
-``benchmarks/bench_placement.py`` without it for the full figures.
+``benchmarks/bench_placement.py`` without it for the full figures. The compression benchmark runs
+only its 100 Mbit/s link part (``--quick --parts link``); ``benchmarks/bench_compress.py`` alone runs
+all of it.
 
 Run: ``.venv/bin/python benchmarks/run_all.py [--quick] [--only transport,training]``.
 """
@@ -34,6 +36,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "cnn": ["--quick"],
     "placement": ["--quick"],
     "ui": ["--quick"],
+    "compress": ["--quick", "--parts", "link"],  # the 100 Mbit/s link (needs root; says so otherwise); ~2 min
 }
 TIMEOUT_S = 900
 

@@ -65,3 +65,18 @@ def test_a_non_contiguous_tensor_is_refused_saying_what_to_call() -> None:
     with pytest.raises(TransportError, match=re.escape(
             "Tensor is not contiguous; call .contiguous() before sending.")):
         byte_view(torch.zeros(3, 2).t())
+
+
+def test_meta_is_written_as_the_standard_library_would_where_orjson_differs() -> None:
+    """orjson writes NaN as null, which a nullable field would take for 'not given': the standard
+    library's NaN is kept (the receiver then refuses it by name); integers past 64 bits too."""
+    from psflow.wire.frame import encode_meta
+
+    assert encode_meta({}) == b"{}"
+    assert encode_meta({"a": 1, "b": [1.5, "x"], 3: True}) == b'{"a":1,"b":[1.5,"x"],"3":true}'
+    assert encode_meta({"timeout_s": float("nan")}) == b'{"timeout_s":NaN}'
+    assert encode_meta({"position": None}) == b'{"position":null}'
+    big = encode_meta({"seed": 2**70})
+    assert big == b'{"seed":1180591620717411303424}'
+    assert decode_meta(big, 0, Limits())[0] == {"seed": 2**70}  # parsed by the standard library's fallback
+    assert decode_meta(b'{"timeout_s":NaN}', 0, Limits())[0]["timeout_s"] != 0  # NaN, refused later by the schema

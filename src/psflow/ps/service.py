@@ -11,6 +11,10 @@ only once that backup holds the state the reply shows; a backup copy (``backups`
 of a restarted ps) is fed by the serving one (PS_REPLICATE). A restarted ps (``attempt >= 1``)
 refuses every request until :meth:`PsService.resync` has brought both its copies back from the other
 ps (see :mod:`psflow.ps.replication` for the states and transitions).
+
+A push whose meta names ``compress`` is decoded (and checked) by :mod:`psflow.wire.compress` into
+dense buffers before the store sees it; a pull or push-pull naming ``pull_dtype`` gets its values
+in that precision. The store only ever sees gradients in its parameters' own dtype.
 """
 
 from __future__ import annotations

@@ -25,6 +25,11 @@ task), a shard connection that drops is made again: pulls and waits are repeated
 reply was lost is resent (the ps recognises it by its number and does not apply it twice); a failed
 step leaves the other connections in step instead of closing the client.
 
+Compression (``compress``, ``compress_pull``): the client encodes each shard's gradients as they
+leave (:mod:`psflow.wire.compress`; top-k keeps its residuals there) and asks for values in half
+precision; the values land in the model's float32 tensors. Timeline (``psflow run --timeline``):
+each phase of a step is a span of :mod:`psflow.timeline`; off, each hook is one ``if``.
+
 Initialization: the chief sends the model's initial values (or restored ones, from the Supervisor)
 to every shard once; every other worker waits until the shards are ready. A chief that finds every
 shard initialized already (a restarted chief: the ps kept training while it was down) sends nothing
