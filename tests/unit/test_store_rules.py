@@ -171,10 +171,11 @@ def test_a_worker_that_finished_does_not_hold_back_ssp() -> None:
 
 def test_stats_are_plain_json_with_the_wait_in_milliseconds_precision() -> None:
     stats = StoreStats(pushes=3, applied_updates=2, stale_dropped=1, stale_by_worker={2: 1, 0: 4},
-                       steps_without_all=1, duplicates=2, superseded=1, init_requests=1, wait_s=1.23456)
+                       steps_without_all=1, duplicates=2, superseded=1, init_requests=1, wait_s=1.23456,
+                       applied_by={1: {0: 2}})
     assert stats.to_dict() == {"pushes": 3, "applied_updates": 2, "stale_dropped": 1,
                                "stale_by_worker": {"0": 4, "2": 1}, "steps_without_all": 1, "duplicates": 2,
-                               "superseded": 1, "init_requests": 1, "wait_s": 1.235}
+                               "superseded": 1, "init_requests": 1, "wait_s": 1.235, "applied_by": {"1": {"0": 2}}}
 
 
 def test_the_time_spent_waiting_adds_up() -> None:
