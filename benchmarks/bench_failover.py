@@ -119,8 +119,8 @@ def main() -> None:
     p = harness.arg_parser(__doc__.splitlines()[0])
     args = p.parse_args()
     reps = harness.reps_of(args, full=3, quick=1)
-    epochs = 3 if args.quick else 5
-    chaos_s, chaos_epochs = (40.0, 40) if args.quick else (150.0, 150)
+    epochs = 2 if args.quick else 3
+    chaos_s, chaos_epochs = (30.0, 30) if args.quick else (90.0, 90)
     print(f"## failover\n\n{harness.machine()}\n\n`{harness.command_line()}`\n")
     with tempfile.TemporaryDirectory(prefix="psflow-bench-failover-") as tmp_s:
         tmp = Path(tmp_s)

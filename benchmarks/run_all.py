@@ -7,9 +7,10 @@ fails is reported as failed in the file and makes this script exit non-zero, aft
 
 Flags: ``--quick`` is passed to every benchmark (a smoke run of a few minutes in all). The checkpoint,
 CNN and placement benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's
-few steps per round, the placement one's single async round) so that ``make bench`` stays within
-about a quarter of an hour; run ``benchmarks/bench_cnn.py``, ``benchmarks/bench_checkpoint.py`` and
-``benchmarks/bench_placement.py`` without it for the full figures. The compression benchmark runs
+few steps per round, the placement one's single async round; the failover one's single round and
+30 s of faults per chaos run) so that ``make bench`` stays within about a quarter of an hour; run
+``benchmarks/bench_cnn.py``, ``benchmarks/bench_checkpoint.py``, ``benchmarks/bench_placement.py``
+and ``benchmarks/bench_failover.py`` without it for the full figures. The compression benchmark runs
 only its 100 Mbit/s link part (``--quick --parts link``); ``benchmarks/bench_compress.py`` alone runs
 all of it.
 
@@ -37,6 +38,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "placement": ["--quick"],
     "ui": ["--quick"],
     "compress": ["--quick", "--parts", "link"],  # the 100 Mbit/s link (needs root; says so otherwise); ~2 min
+    "failover": ["--quick"],
 }
 TIMEOUT_S = 900
 
