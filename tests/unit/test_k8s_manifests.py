@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from psflow.cli import main
 from psflow.cluster import ClusterSpec
+from psflow.config import TrainConfig
 from psflow.errors import ConfigError
 from psflow.launch.k8s import K8sSettings, render_run, render_tfjob, restart_fields, to_yaml
 from psflow.launch.plan import make_plan
@@ -54,8 +55,14 @@ def env_of(container):
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
+# The whole TrainConfig rides in PSFLOW_TRAIN_CONFIG: every new setting would change the golden file.
+# It is compared apart (test_every_pod_gets_the_plans_train_config), and left out of the golden text.
+_TRAIN_CONFIG = re.compile(r"(- name: PSFLOW_TRAIN_CONFIG\n\s+value: ).*")
+
+
 def check_golden(name: str, text: str) -> None:
     path = GOLDEN / name
+    text = _TRAIN_CONFIG.sub(r"\1<the plan's TrainConfig>", text)
     if os.environ.get("UPDATE_GOLDEN") == "1":
         path.write_text(text)
     assert text == path.read_text(), f"{name} changed; if deliberate, rerun with UPDATE_GOLDEN=1 and review the diff"
@@ -68,6 +75,15 @@ def test_run_manifests_validate_strictly_against_the_kubernetes_schema_and_match
         validate(d)
     check_golden("k8s_run.yaml", to_yaml(docs))
     assert list(yaml.safe_load_all(to_yaml(docs))) == docs
+
+
+def test_every_pod_gets_the_plans_train_config(plan):
+    p = plan(num_ps=2, num_workers=2, chief=True, config=TrainConfig(mode="sync", staleness=7))
+    jobs = [d for d in render_run(p, SETTINGS, SECRET) if d["kind"] == "Job"]
+    assert len(jobs) == 3
+    for job in jobs:
+        env = env_of(job["spec"]["template"]["spec"]["containers"][0])
+        assert TrainConfig.from_json(env["PSFLOW_TRAIN_CONFIG"]) == p.config
 
 
 def test_strict_validation_catches_a_misspelled_field(plan):
