@@ -13,11 +13,16 @@ Every configuration is the third seed's CNN (``examples/mnist_cnn.py``, 6.6 MB o
    1500). Every byte between the tasks crosses that one queue, both directions included: one
    shared 100 Mbit/s link, not a link per host pair (the multi-host namespaces are another
    benchmark's). Needs root and iproute2; skipped with a note otherwise.
-3. **Accuracy after one epoch**: ``examples/mnist_cnn.py`` (Adam, the learning-rate decay, moving
+3. **Two hosts** (``pair``): two network namespaces joined by a bridge (``../shared/engines/``'s
+   recipe, under names of its own), each host's link limited to 100 Mbit/s out by ``tc ... tbf``;
+   the ps on one, both workers on the other, started by hand with the seed's flags and a job
+   secret (``benchmarks/scripts/cnn_by_hand.py``): 100 Mbit/s each way, shared by the two workers.
+4. **Accuracy after one epoch**: ``examples/mnist_cnn.py`` (Adam, the learning-rate decay, moving
    averages: the example as a user runs it), one run per setting, on loopback; its test accuracy on
    ``--test_examples`` images and its wall time.
 
-Run: ``.venv/bin/python benchmarks/bench_compress.py [--quick]`` (as root for part 2). The markdown
+Run: ``.venv/bin/python benchmarks/bench_compress.py [--quick] [--parts loopback,link,pair,accuracy]`` (as
+root for parts 2 and 3). The markdown
 report goes to stdout, progress to stderr. Nothing here asserts on a timing.
 """
 
@@ -105,10 +110,81 @@ def netns_up() -> str | None:
     return NETNS
 
 
+PAIR_PREFIX, PAIR_NET = "psflow-bench", "10.79.0"
+BY_HAND = "benchmarks/scripts/cnn_by_hand.py"
+
+
+def pair_up() -> list[str] | None:
+    """Two hosts as network namespaces (``PAIR_NET.1`` and ``.2`` on a bridge in a third), each
+    host's link limited to 100 Mbit/s out (so 100 Mbit/s each way between them); None where they
+    cannot be made. The recipe of ``../shared/engines/netns_up.sh``, with its own names."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        log("two-namespace part skipped: needs root, ip and tc")
+        return None
+    pair_down()
+    sw, hosts = f"{PAIR_PREFIX}-sw", [f"{PAIR_PREFIX}-h1", f"{PAIR_PREFIX}-h2"]
+    cmds = [["ip", "netns", "add", sw], ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
+            ["ip", "-n", sw, "link", "set", "br0", "up"]]
+    for i, h in enumerate(hosts, start=1):
+        cmds += [["ip", "netns", "add", h],
+                 ["ip", "-n", sw, "link", "add", f"sw{i}", "type", "veth", "peer", "name", "eth0", "netns", h],
+                 ["ip", "-n", sw, "link", "set", f"sw{i}", "master", "br0", "up"],
+                 ["ip", "-n", h, "link", "set", "lo", "up"], ["ip", "-n", h, "addr", "add", f"{PAIR_NET}.{i}/24", "dev", "eth0"],
+                 ["ip", "-n", h, "link", "set", "eth0", "up"],
+                 ["ip", "netns", "exec", h, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "100mbit",
+                  "burst", "32kbit", "latency", "400ms"]]
+    for cmd in cmds:
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            log(f"two-namespace part skipped: `{' '.join(cmd)}` failed: {r.stderr.strip()}")
+            pair_down()
+            return None
+    return hosts
+
+
+def pair_down() -> None:
+    for name in ("sw", "h1", "h2"):
+        subprocess.run(["ip", "netns", "del", f"{PAIR_PREFIX}-{name}"], capture_output=True, check=False)
+
+
+def pair_case(compress: list[str], hosts: list[str], warmup: int, steps: int) -> dict[str, float]:
+    """The ps on host 1, two workers on host 2, started by hand with the seed's flags and a secret."""
+    config: dict[str, Any] = {}
+    if compress:
+        config["compress"] = compress[1]
+        config["compress_pull"] = "--compress-pull" in compress
+    env = {**os.environ, "PSFLOW_SECRET": "bench-compress-two-hosts", "PSFLOW_TRAIN_CONFIG": json.dumps(config),
+           "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in env.items() if k not in ("PSFLOW_COORDINATOR", "PSFLOW_TASK", "PSFLOW_CLUSTER", "TF_CONFIG")}
+    cluster = [f"--ps_hosts={PAIR_NET}.1:2222", f"--worker_hosts={PAIR_NET}.2:2223,{PAIR_NET}.2:2224"]
+    procs = []
+    for host, job, index in ((hosts[0], "ps", 0), (hosts[1], "worker", 0), (hosts[1], "worker", 1)):
+        cmd = ["ip", "netns", "exec", host, sys.executable, BY_HAND, *cluster, f"--job_name={job}", f"--task_index={index}",
+               "--warmup", str(warmup), "--steps", str(steps)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=CHILD_TIMEOUT_S)
+            if p.returncode != 0:
+                raise RuntimeError(f"a task failed ({p.returncode}): {err[-2000:]}")
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    workers = [o for o in outs if "bench" in o]
+    windows = [o["bench"] for o in workers]
+    span = max(w["end_unix"] for w in windows) - min(w["start_unix"] for w in windows)
+    return {"examples_per_sec": sum(w["examples"] for w in windows) / span,
+            "sent_per_step": median([o["trainer"]["bytes_sent"] / o["trainer"]["local_step"] for o in workers]),
+            "received_per_step": median([o["trainer"]["bytes_received"] / o["trainer"]["local_step"] for o in workers])}
+
+
 def main() -> None:
     parser = harness.arg_parser(__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="loopback,link,accuracy",
-                        help="which parts to run, comma-separated: loopback, link, accuracy")
+    parser.add_argument("--parts", default="loopback,link,pair,accuracy",
+                        help="which parts to run, comma-separated: loopback, link, pair, accuracy")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     reps = harness.reps_of(args, full=3, quick=1)
@@ -137,6 +213,17 @@ def main() -> None:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
     elif "link" in parts:
         print("### One shared 100 Mbit/s link\n\nNot measured: making a network namespace needs root, ip and tc.\n")
+    hosts = pair_up() if "pair" in parts else None
+    if hosts is not None:
+        try:
+            log(f"two hosts: {reps} interleaved rounds of {link_steps} steps per worker")
+            pair = harness.interleaved(
+                {n: (lambda f=f: pair_case(f, hosts, 2, link_steps)) for n, f in SETTINGS.items()}, reps, warmup=0)
+            print(f"### Two hosts, 100 Mbit/s each way (the ps in one network namespace, both workers in another, "
+                  f"tc tbf on each host's link; {reps} rounds, {link_steps} timed steps per worker)\n")
+            print(throughput_table(pair) + "\n")
+        finally:
+            pair_down()
     if "accuracy" not in parts:
         return
     log("part 3: one epoch of examples/mnist_cnn.py per setting")
