@@ -12,6 +12,7 @@ Lifecycle: ``open(plan)`` -> ``start`` / ``poll`` / ``stop`` / ``dump_stacks`` /
 
 from __future__ import annotations
 
+import queue
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -107,3 +108,18 @@ def log_end(log: Path) -> int:
     except FileNotFoundError:
         pass
     return lines + 1
+
+
+def drain(exits: queue.Queue[TaskExited], timeout_s: float) -> list[TaskExited]:
+    """Every exit queued by a backend's watcher threads: waits up to ``timeout_s`` for the first
+    (none: returns at once), then takes what else is there without waiting. ``Backend.poll``'s body."""
+    try:
+        first = exits.get(timeout=timeout_s) if timeout_s > 0 else exits.get_nowait()
+    except queue.Empty:
+        return []
+    found = [first]
+    while True:
+        try:
+            found.append(exits.get_nowait())
+        except queue.Empty:
+            return found

@@ -12,10 +12,17 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, TextIO
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 import click
+
+if TYPE_CHECKING:
+    from psflow.launch.plan import LaunchPlan, TaskPlan
+
+# One colour per task, by its place in the plan: the same task keeps its colour across attempts.
+COLORS = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green"]
 
 
 class Console:
@@ -47,7 +54,16 @@ class Console:
             for line in block:
                 self._echo(f"{prefix} {line.rstrip()}")
 
-    def pump(self, task: str, stream: TextIO, log_file: TextIO, color: str) -> None:
+    def follow(self, plan: LaunchPlan, task: TaskPlan, attempt: int, stream: Iterable[str]) -> threading.Thread:
+        """Start pumping one attempt's output (a daemon thread, returned started) into the task's log
+        ``LOGDIR/logs/<task>.log`` (a new file for attempt 0, appended to by later attempts) and here."""
+        color = COLORS[plan.task_names().index(task.task) % len(COLORS)]
+        log_file = open(Path(plan.logdir) / "logs" / f"{task.file_stem}.log", "w" if attempt == 0 else "a")  # noqa: SIM115 (the pump closes it)
+        thread = threading.Thread(target=self.pump, args=(task.task, stream, log_file, color), daemon=True)
+        thread.start()
+        return thread
+
+    def pump(self, task: str, stream: Iterable[str], log_file: TextIO, color: str) -> None:
         """Copy a task's output to its log file and the console, until the stream ends; closes
         ``log_file``. A traceback is echoed once it is whole, and only once per run: the same error in
         every task (a script that fails at import) shows as one traceback and a line per other task.

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow.launch import errorreport
-from psflow.launch.backend import Backend, RunResult, log_end
+from psflow.launch.backend import Backend, RunResult, drain, log_end
 from psflow.launch.console import Console
 from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import ForkServer, die_with_parent
@@ -43,7 +43,6 @@ from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.watchdog import StackDump
 
 _ROTATED = re.compile(r"\.\d+\.log$")  # worker-0.1.log: an earlier run's (task names never end in .N)
-_COLORS = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green"]
 
 
 class LocalBackend(Backend):
@@ -69,7 +68,6 @@ class LocalBackend(Backend):
         self._procs: dict[str, Any] = {}  # task -> its current attempt's process (Popen or ForkedTask)
         self._started: list[Any] = []  # every process of the run, for close()
         self._exits: queue.Queue[TaskExited] = queue.Queue()
-        self._colors: dict[str, str] = {}
         self._oom_kills: OomKills | None = None
 
     @property
@@ -92,7 +90,6 @@ class LocalBackend(Backend):
         prepare_logdir(Path(plan.logdir), self.keep_logs)
         self._plan = plan
         self._procs, self._started, self._exits = {}, [], queue.Queue()
-        self._colors = {tp.task: _COLORS[i % len(_COLORS)] for i, tp in enumerate(plan.tasks)}
         self._oom_kills = OomKills()  # the cgroup's OOM-kill count now: a SIGKILL exit with a rise was OOM-killed
         self._fork_server = self._forks = self._start_fork_server(plan) if self.preload else None
 
@@ -105,22 +102,12 @@ class LocalBackend(Backend):
         p, self._forks = self._start_process(task.argv, full, self._forks)
         self._procs[task.task] = p
         self._started.append(p)
-        log_file = open(Path(plan.logdir) / "logs" / f"{task.file_stem}.log", "w" if attempt == 0 else "a")  # noqa: SIM115 (the pump closes it)
-        threading.Thread(target=self.console.pump, args=(task.task, p.stdout, log_file, self._colors.get(task.task, "white")),
-                         daemon=True).start()
+        self.console.follow(plan, task, attempt, p.stdout)
         threading.Thread(target=self._watch, args=(task.task, attempt, p), daemon=True).start()
         return p.pid
 
     def poll(self, timeout_s: float = 0.0) -> list[TaskExited]:
-        try:
-            exits = [self._exits.get(timeout=timeout_s) if timeout_s > 0 else self._exits.get_nowait()]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                exits.append(self._exits.get_nowait())
-            except queue.Empty:
-                return exits
+        return drain(self._exits, timeout_s)
 
     def stop(self, tasks: Sequence[str], grace_s: float) -> None:
         self._stop_processes([self._procs[t] for t in tasks if t in self._procs], grace_s)

@@ -68,7 +68,7 @@ from typing import Any
 from psflow.cluster import expand_slurm_nodelist
 from psflow.errors import ClusterError, ConfigError
 from psflow.launch import errorreport
-from psflow.launch.backend import Backend, RunResult, log_end
+from psflow.launch.backend import Backend, RunResult, drain, log_end
 from psflow.launch.console import Console
 from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import TaskExited
@@ -77,7 +77,6 @@ from psflow.launch.local import prepare_logdir
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.watchdog import StackDump
 
-_COLORS = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green"]
 _WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING")  # not running yet, may still run
 _RUNNING = ("RUNNING",)
 _CLI_TIMEOUT_S = 30.0  # one squeue/scontrol/scancel call (a dead slurmctld makes each hang)
@@ -352,10 +351,7 @@ class SlurmBackend(Backend):
                              start_new_session=True, text=True, bufsize=1, preexec_fn=die_with_parent)
         self._procs[task.task], self._steps[task.task] = p, step_name(task.task, attempt)
         self._started.append(p)
-        log_file = open(Path(plan.logdir) / "logs" / f"{task.file_stem}.log", "w" if attempt == 0 else "a")  # noqa: SIM115 (the pump closes it)
-        pump = threading.Thread(target=self.console.pump, daemon=True,
-                                args=(task.task, p.stdout, log_file, _COLORS[index % len(_COLORS)]))
-        pump.start()
+        pump = self.console.follow(plan, task, attempt, p.stdout)
         threading.Thread(target=self._watch, args=(task.task, attempt, p, pump), daemon=True).start()
         return p.pid
 
@@ -363,15 +359,7 @@ class SlurmBackend(Backend):
         self._heartbeat()
         if time.monotonic() - self._checked_at >= self.job_check_s:
             self._check_job()
-        try:
-            exits = [self._exits.get(timeout=timeout_s) if timeout_s > 0 else self._exits.get_nowait()]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                exits.append(self._exits.get_nowait())
-            except queue.Empty:
-                return exits
+        return drain(self._exits, timeout_s)
 
     def ended_by(self) -> str | None:
         with self._lock:

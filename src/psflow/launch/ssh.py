@@ -44,7 +44,7 @@ from typing import Any
 from psflow.cluster import is_loopback_host
 from psflow.errors import ConfigError
 from psflow.launch import errorreport
-from psflow.launch.backend import Backend, RunResult, log_end
+from psflow.launch.backend import Backend, RunResult, drain, log_end
 from psflow.launch.console import Console
 from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import TaskExited
@@ -54,7 +54,6 @@ from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.sshagent import MARK
 from psflow.launch.watchdog import StackDump
 
-_COLORS = ["cyan", "green", "yellow", "magenta", "blue", "red", "bright_cyan", "bright_green"]
 SSH_FAILED = 255  # ssh's own exit status when the session could not be had
 
 
@@ -220,24 +219,12 @@ class SshBackend(Backend):
         _tell(p, header.rstrip("\n"))
         self._procs[task.task] = p
         self._started.append(p)
-        index = plan.task_names().index(task.task)
-        log_file = open(Path(plan.logdir) / "logs" / f"{task.file_stem}.log", "w" if attempt == 0 else "a")  # noqa: SIM115 (the pump closes it)
-        pump = threading.Thread(target=self.console.pump, daemon=True,
-                                args=(task.task, self._lines(task.task, p), log_file, _COLORS[index % len(_COLORS)]))
-        pump.start()
+        pump = self.console.follow(plan, task, attempt, self._lines(task.task, p))
         threading.Thread(target=self._watch, args=(task.task, attempt, p, pump), daemon=True).start()
         return p.pid
 
     def poll(self, timeout_s: float = 0.0) -> list[TaskExited]:
-        try:
-            exits = [self._exits.get(timeout=timeout_s) if timeout_s > 0 else self._exits.get_nowait()]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                exits.append(self._exits.get_nowait())
-            except queue.Empty:
-                return exits
+        return drain(self._exits, timeout_s)
 
     def stop(self, tasks: Sequence[str], grace_s: float) -> None:
         live = {t: self._procs[t] for t in tasks if t in self._procs and self._procs[t].poll() is None}
