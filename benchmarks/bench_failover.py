@@ -5,7 +5,7 @@
    reversed every other round); examples/sec from each run's ``summary.json``; the ratio of the
    medians (goal: >= 0.95).
 2. **ps failover**: ``psflow chaos --ps 2 --ps-replicas 2 --workers 2 --targets ps --kinds kill``
-   SIGKILLs a ps (primary of its own shard, backup of the other) every ``--every`` seconds (a ps only
+   SIGKILLs a ps (primary of its own shard, backup of the other) every 2 seconds of training (a ps only
    once every ps has run ``settle_s``: the last one re-synced) under ``--restart on-failure
    --restart-backoff 0``, on ``scripts/failover_steps.py`` (every step's start and end on disk).
    Per kill: from the SIGKILL (the injector's clock) to the end of the first step any worker began

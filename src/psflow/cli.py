@@ -612,7 +612,7 @@ def checkpoints(logdir: str) -> None:
 @click.option("--every", "every_s", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="Seconds between faults.")
 @click.option("--for", "duration", default="60s", show_default=True, metavar="DURATION",
-              help="How long faults are injected, from the run's start: 90, 90s, 5m.")
+              help="How long faults are injected, from the job's first step: 90, 90s, 5m.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Fixes the faults' times, kinds and targets.")
 @click.option("--kinds", "kinds_text", default="kill=3,stop=1", show_default=True,
               help="Fault kinds and weights: kill (SIGKILL), stop (SIGSTOP, SIGCONT --stall seconds later).")

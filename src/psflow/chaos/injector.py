@@ -74,9 +74,14 @@ class ChaosInjector:
         self._stopped: dict[str, tuple[float, InjectedFault]] = {}  # task -> (continue at, its fault)
 
     def __call__(self, controller: RunController, store: RunStore, now: float) -> None:
-        if self.t0 is None:
-            self.t0 = now
         self._continue_due(now, everything=controller.phase != "running")
+        live = store.snapshot().get("tasks", {})
+        views = {t: TaskView(r.state, r.started_at, t in self._stopped, is_ready(t, live.get(t) or {}, r.started_at))
+                 for t, r in controller.records.items()}
+        if self.t0 is None:  # the schedule's clock starts with the job's first step, however long the start took
+            if not any(v.ready for t, v in views.items() if t.split(":")[0] in ("chief", "worker")):
+                return
+            self.t0 = now
         elapsed = now - self.t0
         slot, skipped = self.schedule.due(elapsed)
         if slot is None:
@@ -88,9 +93,6 @@ class ChaosInjector:
             self.skipped.append(slot.index)
             self.schedule.taken(slot)
             return
-        live = store.snapshot().get("tasks", {})
-        views = {t: TaskView(r.state, r.started_at, t in self._stopped, is_ready(t, live.get(t) or {}, r.started_at))
-                 for t, r in controller.records.items()}
         task = pick(slot, eligible(views, now, self.settings, running=controller.phase == "running"))
         if task is None:
             return  # it waits for an eligible task, until the next slot is due

@@ -1,6 +1,7 @@
 """The chaos schedule: which fault, when, and on which task, as a pure function of a seed.
 
-``psflow chaos`` injects a fault every ``every_s`` seconds for ``duration_s`` seconds of a run. The
+``psflow chaos`` injects a fault every ``every_s`` seconds for ``duration_s`` seconds of a run, counted
+from the job's first training step (a slow start takes nothing from the schedule). The
 times, the kinds (``kill``: SIGKILL, ``stop``: SIGSTOP for ``stall_s`` then SIGCONT) and a draw in
 [0, 1) per fault are fixed by the seed before the run starts (:meth:`ChaosSchedule.slots`); the task
 a fault hits is chosen when it falls due, among the tasks eligible then (:func:`eligible`), by its
@@ -41,8 +42,8 @@ class ChaosSettings:
     """What ``psflow chaos`` injects.
 
     Args:
-        every_s: seconds between faults (the first at ``every_s`` after the run started).
-        duration_s: faults are injected during this many seconds from the run's start.
+        every_s: seconds between faults (the first at ``every_s`` after the job's first step).
+        duration_s: faults are injected during this many seconds from the job's first step.
         seed: fixes the times' kinds and draws.
         kinds: each kind with its weight, e.g. ``(("kill", 3.0), ("stop", 1.0))``.
         targets: the jobs whose tasks may be hit.
