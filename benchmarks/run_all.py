@@ -6,7 +6,7 @@ concatenated under one header, and their progress (stderr) goes to the terminal.
 fails is reported as failed in the file and makes this script exit non-zero, after the others ran.
 
 Flags: ``--quick`` is passed to every benchmark (a smoke run of a few minutes in all). The checkpoint,
-CNN and placement benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's
+CNN, placement and multi-host benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's
 few steps per round, the placement one's single async round) so that ``make bench`` stays within
 about a quarter of an hour; run ``benchmarks/bench_cnn.py``, ``benchmarks/bench_checkpoint.py`` and
 ``benchmarks/bench_placement.py`` without it for the full figures.
@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "cnn": ["--quick"],
     "placement": ["--quick"],
     "ui": ["--quick"],
+    "multihost": ["--quick"],  # skips its parts, saying why, where namespaces, sshd or Slurm cannot be made
 }
 TIMEOUT_S = 900
 
