@@ -16,7 +16,10 @@ link in 2.5 ms, so the links would not matter; the CNN's pull and push take ~0.5
 
 1. **Throughput**: 1, 2 and 3 workers against 1 and 2 ps (async, the default ``balanced`` placement:
    3.33 / 3.32 MB per ps), interleaved rounds; examples/sec = examples of every worker / the span of
-   their timed windows; the ratio 2 ps / 1 ps for each worker count.
+   their timed windows; the ratio 2 ps / 1 ps for each worker count. With every link limited, a
+   worker's own link carries its whole 6.65 MB push whatever the ps count, so a second ps can only
+   halve the pull; ``--ps-links-only 3`` (the default without ``--quick``) adds 3 workers with only
+   the ps hosts' links limited: the case where the ps link alone is the bottleneck.
 2. **Straggler**: 3 workers + 1 ps, sync; worker:2's host limited further to ``--slow-rate``
    (10 Mbit/s: its push takes ~5 s); sync N = M = 3 against sync N = 2 of M = 3 (one backup
    worker): the chief's time from global step ``start`` to ``target`` (a fixed number of steps,
@@ -31,7 +34,8 @@ Skips a part, saying why in the report, where namespaces and sshd cannot be made
 iproute2, no sshd and no apt) or Slurm cannot be brought up. Every namespace, sshd and Slurm daemon
 it starts is stopped on exit (also on Ctrl-C or an error).
 
-Run: ``.venv/bin/python benchmarks/bench_multihost.py [--quick] [--reps N] [--parts throughput,straggler,launch]``.
+Run: ``.venv/bin/python benchmarks/bench_multihost.py [--quick] [--reps N] [--parts throughput,straggler,launch]
+[--workers 1,2,3] [--ps-links-only 3] [--steps S] [--target G] [--backends local,slurm,ssh]``.
 The markdown report goes to stdout, progress to stderr. Nothing here asserts on a timing.
 """
 
@@ -186,49 +190,63 @@ def hosts_flag(h: Hosts, count: int) -> list[str]:
 # --------------------------------------------------------------------------- 1. throughput
 
 
-def config_name(ps: int, workers: int) -> str:
-    return f"{ps} ps, {workers} worker{'s' if workers > 1 else ''}"
+PS_ONLY = " (only the ps links limited)"
 
 
-def part_throughput(h: Hosts, worker_counts: list[int], reps: int, warmup: int, steps: int, rate: str,
-                    workdir: Path) -> dict[str, list[dict[str, Any]]]:
-    for i in range(1, h.n + 1):
-        h.limit(i, rate)
-    log(f"throughput: every link at {rate}: {h.qdisc(1)}")
+def config_name(ps: int, workers: int, ps_links_only: bool = False) -> str:
+    return f"{ps} ps, {workers} worker{'s' if workers > 1 else ''}" + (PS_ONLY if ps_links_only else "")
 
-    def case(ps: int, workers: int) -> Callable[[], dict[str, Any]]:
+
+def part_throughput(h: Hosts, worker_counts: list[int], ps_only_counts: list[int], reps: int, warmup: int, steps: int,
+                    rate: str, workdir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every (ps, workers) configuration, interleaved; each run's links set just before it starts."""
+
+    def case(ps: int, workers: int, ps_links_only: bool) -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
+            h.unlimit()
+            for i in range(1, (ps if ps_links_only else h.n) + 1):
+                h.limit(i, rate)
             t0 = time.monotonic()
             r = run_job(["--ps", str(ps), "--workers", str(workers), *hosts_flag(h, ps + workers)],
                         ["--warmup", str(warmup), "--steps", str(steps)], workdir, netns=h.ns(1))
             out = throughput(list(r["workers"].values()))
-            log(f"  {config_name(ps, workers)}: {out['examples_per_sec']:,.1f} ex/s ({time.monotonic() - t0:.0f} s)")
+            log(f"  {config_name(ps, workers, ps_links_only)}: {out['examples_per_sec']:,.1f} ex/s "
+                f"({time.monotonic() - t0:.0f} s)")
             return out
         return run
 
-    cases = {config_name(ps, w): case(ps, w) for w in worker_counts for ps in (1, 2)}
+    h.limit(1, rate)
+    log(f"throughput: links at {rate}: {h.qdisc(1)}")
+    cases = {config_name(ps, w): case(ps, w, False) for w in worker_counts for ps in (1, 2)}
+    cases.update({config_name(ps, w, True): case(ps, w, True) for w in ps_only_counts for ps in (1, 2)})
     try:
         return harness.interleaved(cases, reps, warmup=0)
     finally:
         h.unlimit()
 
 
-def report_throughput(res: dict[str, list[dict[str, Any]]], worker_counts: list[int], settings: dict[str, Any]) -> str:
+def report_throughput(res: dict[str, list[dict[str, Any]]], worker_counts: list[int], ps_only_counts: list[int],
+                      settings: dict[str, Any]) -> str:
     eps = {name: median([r["examples_per_sec"] for r in runs]) for name, runs in res.items()}
     step = {name: median([r["per_worker_step_s"] for r in runs]) for name, runs in res.items()}
     rows = [[name, f"{eps[name]:,.0f}", harness.spread([r["examples_per_sec"] for r in runs], ",.0f"),
              f"{median([r['median_step_ex_per_sec'] for r in runs]):,.0f}", f"{step[name] * 1000:,.0f}"]
             for name, runs in res.items()]
-    ratios = [[f"{w} worker{'s' if w > 1 else ''}: 2 ps / 1 ps", f"{eps[config_name(2, w)] / eps[config_name(1, w)]:.2f}",
-               f"{step[config_name(1, w)] / step[config_name(2, w)]:.2f}"] for w in worker_counts]
+
+    def ratio(w: int, ps_links_only: bool) -> list[str]:
+        one, two = config_name(1, w, ps_links_only), config_name(2, w, ps_links_only)
+        return [f"{w} worker{'s' if w > 1 else ''}{PS_ONLY if ps_links_only else ''}: 2 ps / 1 ps",
+                f"{eps[two] / eps[one]:.2f}", f"{step[one] / step[two]:.2f}"]
+
+    ratios = [ratio(w, False) for w in worker_counts] + [ratio(w, True) for w in ps_only_counts]
     return "\n".join([
-        f"### Throughput: 1-{max(worker_counts)} workers against 1 and 2 ps, every link at {settings['rate']}",
+        f"### Throughput: {', '.join(map(str, worker_counts))} worker(s) against 1 and 2 ps, every link at {settings['rate']}",
         "",
         (f"{settings['reps']} interleaved round(s); async, default placement (balanced: 3,331,840 / 3,321,640 bytes "
          f"per ps); per worker {settings['warmup']} warm-up + {settings['steps']} timed steps of batch 100, 1 torch "
-         "thread; one task per namespace host, ps first (ps:0 on h1 with the launcher). examples/sec = examples "
-         "of every worker / span of their timed windows; \"median step\" = sum over workers of 100 / the worker's "
-         "median step time; medians over rounds."),
+         "thread; one task per namespace host, ps first (ps:0 on h1 with the launcher). Every host's link is limited "
+         "unless the row says only the ps links are. examples/sec = examples of every worker / span of their timed "
+         "windows; \"median step\" = sum over workers of 100 / the worker's median step time; medians over rounds."),
         "",
         md_table(["configuration", "examples/sec", "spread", "ex/s (median step)", "median ms/step per worker"], rows),
         "",
@@ -351,6 +369,8 @@ def main() -> None:
     p.add_argument("--workers", default=None, help="worker counts for the throughput part (default 1,2,3; quick 1,2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per worker (default 3, quick 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per worker (default 12, quick 3)")
+    p.add_argument("--ps-links-only", default=None,
+                   help="worker counts also run with only the ps hosts' links limited (default 3; quick none)")
     p.add_argument("--rate", default="100mbit", help="every host's link (tc tbf rate; default 100mbit)")
     p.add_argument("--slow-rate", default="10mbit", help="the straggler's link (default 10mbit)")
     p.add_argument("--target", type=int, default=None, help="straggler part: global step to reach (default 14, quick 4)")
@@ -369,6 +389,12 @@ def main() -> None:
         raise SystemExit(f"--workers takes a comma list of worker counts 1-3; received {args.workers!r}.") from None
     if not worker_counts or not all(1 <= w <= NUM_HOSTS - 2 for w in worker_counts):
         raise SystemExit(f"--workers takes worker counts from 1 to {NUM_HOSTS - 2}; received {args.workers!r}.")
+    try:
+        ps_only_counts = [int(x) for x in (args.ps_links_only or ("" if args.quick else "3")).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--ps-links-only takes a comma list of worker counts 1-3; received {args.ps_links_only!r}.") from None
+    if not all(1 <= w <= NUM_HOSTS - 2 for w in ps_only_counts):
+        raise SystemExit(f"--ps-links-only takes worker counts from 1 to {NUM_HOSTS - 2}; received {args.ps_links_only!r}.")
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     steps = args.steps if args.steps is not None else (3 if args.quick else 12)
     target = args.target if args.target is not None else (4 if args.quick else 14)
@@ -404,8 +430,8 @@ def main() -> None:
                     sections += ["### Throughput", "", f"Skipped: no network-namespace hosts here ({no_hosts}).", ""]
                 else:
                     log(f"throughput: workers {worker_counts} x ps 1,2, {reps} round(s), {warmup} + {steps} steps")
-                    res = part_throughput(h, worker_counts, reps, warmup, steps, args.rate, workdir)
-                    sections.append(report_throughput(res, worker_counts, {"reps": reps, "warmup": warmup,
+                    res = part_throughput(h, worker_counts, ps_only_counts, reps, warmup, steps, args.rate, workdir)
+                    sections.append(report_throughput(res, worker_counts, ps_only_counts, {"reps": reps, "warmup": warmup,
                                                                            "steps": steps, "rate": args.rate}))
             if "straggler" in parts:
                 if h is None:
