@@ -13,6 +13,10 @@ few steps per round, the placement one's single async round; the failover one's 
 and ``benchmarks/bench_failover.py`` without it for the full figures. The compression benchmark runs
 only its 100 Mbit/s link part (``--quick --parts link``); ``benchmarks/bench_compress.py`` alone runs
 all of it.
+CNN, placement and multi-host benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's
+few steps per round, the placement one's single async round) so that ``make bench`` stays within
+about a quarter of an hour; run ``benchmarks/bench_cnn.py``, ``benchmarks/bench_checkpoint.py`` and
+``benchmarks/bench_placement.py`` without it for the full figures.
 
 Run: ``.venv/bin/python benchmarks/run_all.py [--quick] [--only transport,training]``.
 """
@@ -39,6 +43,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "ui": ["--quick"],
     "compress": ["--quick", "--parts", "link"],  # the 100 Mbit/s link (needs root; says so otherwise); ~2 min
     "failover": ["--quick"],
+    "multihost": ["--quick"],  # skips its parts, saying why, where namespaces, sshd or Slurm cannot be made
 }
 TIMEOUT_S = 900
 
