@@ -14,9 +14,10 @@ and ``benchmarks/bench_failover.py`` without it for the full figures. The compre
 only its 100 Mbit/s link part (``--quick --parts link``); ``benchmarks/bench_compress.py`` alone runs
 all of it.
 CNN, placement and multi-host benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's
-few steps per round, the placement one's single async round) so that ``make bench`` stays within
-about a quarter of an hour; run ``benchmarks/bench_cnn.py``, ``benchmarks/bench_checkpoint.py`` and
-``benchmarks/bench_placement.py`` without it for the full figures.
+few steps per round, the placement one's single async round, the multi-host one's single round of
+1-2 workers) so that ``make bench`` stays within about a quarter of an hour; run
+``benchmarks/bench_cnn.py``, ``benchmarks/bench_checkpoint.py``, ``benchmarks/bench_placement.py`` and
+``benchmarks/bench_multihost.py`` without it for the full figures.
 
 Run: ``.venv/bin/python benchmarks/run_all.py [--quick] [--only transport,training]``.
 """
