@@ -122,6 +122,9 @@ class LocalBackend(Backend):
         log = Path(self._require_plan().logdir) / "logs" / f"{task.replace(':', '-')}.log"
         where = StackDump(str(log), log_end(log))
         os.kill(p.pid, signal.SIGUSR1)
+        # A frozen task (SIGSTOP, a stopped job) cannot run its handler: resumed, it dumps at once, and
+        # the kill that follows the dump still ends it. A running task ignores SIGCONT.
+        os.kill(p.pid, signal.SIGCONT)
         return where
 
     def send_signal(self, task: str, signum: int) -> bool:

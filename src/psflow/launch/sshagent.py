@@ -50,6 +50,7 @@ def _signal(p: subprocess.Popen[bytes], sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         if sig == signal.SIGUSR1:
             os.kill(p.pid, sig)  # the task alone: a child without psflow's handler would die of it
+            os.kill(p.pid, signal.SIGCONT)  # a frozen task runs its handler only once resumed
         else:
             os.killpg(p.pid, sig)
 
