@@ -12,7 +12,8 @@ few steps per round, the placement one's single async round; the failover one's 
 ``benchmarks/bench_cnn.py``, ``benchmarks/bench_checkpoint.py``, ``benchmarks/bench_placement.py``
 and ``benchmarks/bench_failover.py`` without it for the full figures. The compression benchmark runs
 only its 100 Mbit/s link part (``--quick --parts link``); ``benchmarks/bench_compress.py`` alone runs
-all of it.
+all of it. The hangs benchmark runs with ``--quick`` (2 runs per hang kind, 45 s of training
+under contention); ``benchmarks/bench_hangs.py`` alone runs 8 of each and 5 minutes.
 CNN, placement and multi-host benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's
 few steps per round, the placement one's single async round, the multi-host one's single round of
 1-2 workers) so that ``make bench`` stays within about a quarter of an hour; run
@@ -45,6 +46,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "compress": ["--quick", "--parts", "link"],  # the 100 Mbit/s link (needs root; says so otherwise); ~2 min
     "failover": ["--quick"],
     "multihost": ["--quick"],  # skips its parts, saying why, where namespaces, sshd or Slurm cannot be made
+    "hangs": ["--quick"],  # 2 runs per hang kind and 45 s under contention: about a minute and a half
 }
 TIMEOUT_S = 900
 
