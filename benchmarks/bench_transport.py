@@ -1,17 +1,21 @@
-"""Transport benchmark: psflow's parameter pull + gradient push against a raw socket echo.
+"""Transport benchmark: psflow's parameter pull + gradient push against a raw socket echo and a pyzmq echo.
 
-What it measures, side by side in one run (repetitions interleaved, medians, ratios):
+What it measures, side by side in one run (repetitions interleaved, medians, spreads, ratios):
 
-- bulk: for 1, 16 and 64 MiB of float32 parameters, one psflow round trip = ``PsClient.pull`` of the
-  whole shard into a preallocated tensor + ``PsClient.push`` of a gradient of the same size (and,
-  where the client has it, ``PsClient.push_pull``: the trainer's step, gradient up and updated values
-  back in one request), against
-  a ps task (``PsService`` on a ``Server``, async mode, SGD with a negligible lr) in another process;
-  and one raw round trip = ``sendall`` of N bytes to a plain socket echo server in another process,
-  which ``recv_into``s them into a preallocated buffer and sends them back, read with ``recv_into``
-  into a preallocated buffer. Both move N bytes each way, one direction after the other, so
-  "GB/s each way" is N / (round-trip time) for both, and psflow/raw = raw time / psflow time.
-- small requests: round-trip time of psflow's PING op against a raw 20-byte echo.
+- bulk: for 1, 16, 64 and 256 MiB (256 MiB only without ``--quick``) of float32 parameters, one psflow
+  round trip = ``PsClient.pull`` of the whole shard into a preallocated tensor + ``PsClient.push`` of
+  a gradient of the same size, and ``PsClient.push_pull`` (the trainer's step: gradient up and
+  updated values back in one request), against a ps task (``PsService`` on a ``Server``, async mode,
+  SGD with a negligible lr) in another process; one raw round trip = ``sendall`` of N bytes to a
+  plain socket echo server in another process, which ``recv_into``s them into a preallocated buffer
+  and sends them back, read with ``recv_into`` into a preallocated buffer; and one pyzmq round trip =
+  a REQ socket ``send(copy=False)`` of the same N bytes to a REP echo in a third process (which
+  receives with ``copy=False`` and sends the received frame back with ``copy=False``), the reply
+  received with ``copy=False`` (zero-copy frames: the bytes stay in libzmq's buffer, readable in
+  place). All move N bytes each way, one direction after the other, so "GB/s each way" is
+  N / (round-trip time) for all, and X/raw = raw time / X time.
+- small requests: round-trip time of psflow's PING op against a raw 64-byte echo and a pyzmq 64-byte
+  echo.
 
 Run: ``.venv/bin/python benchmarks/bench_transport.py [--quick]``. The markdown report goes to stdout.
 """
@@ -29,6 +33,7 @@ from typing import Any
 
 import harness
 import torch
+import zmq
 from harness import MIB, log, md_table, median
 
 from psflow.cluster import ClusterSpec, TaskId
@@ -39,8 +44,9 @@ from psflow.ps.service import PsService
 from psflow.server import Server
 from psflow.wire.ops import Op
 
-SIZES_MIB = (1, 16, 64)
-SMALL_BYTES = 20
+SIZES_MIB = (1, 16, 64, 256)
+QUICK_SIZES_MIB = (1, 16, 64)  # --quick leaves out 256 MiB (~3 GB of buffers across the processes, and time)
+SMALL_BYTES = 64
 SECRET = b"bench-transport"
 TINY_LR = 1e-12  # OptimizerSpec refuses lr=0; with zero gradients the values stay bit-identical anyway
 
@@ -98,6 +104,23 @@ def _echo_conn(sock: socket.socket) -> None:
             sock.sendall(buf)
 
 
+def serve_zmq(pipe: Any) -> None:
+    """A pyzmq echo server: a REP socket that sends every message it receives back, zero-copy
+    (``copy=False`` both ways: the received frame itself is sent back)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REP)
+    sock.linger = 0
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    pipe.send(port)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not pipe.poll(0):
+        if poller.poll(100):  # ms; lets the loop see the pipe's stop between requests
+            sock.send(sock.recv(copy=False), copy=False)
+    sock.close()
+    ctx.term()
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     got, n = 0, view.nbytes
     while got < n:
@@ -130,6 +153,34 @@ class RawEcho:
         self.sock.close()
 
 
+class ZmqEcho:
+    """Client of the pyzmq echo for one message size: REQ, zero-copy frames both ways."""
+
+    def __init__(self, ctx: zmq.Context, port: int, nbytes: int) -> None:
+        self.sock = ctx.socket(zmq.REQ)
+        self.sock.linger = 0
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.nbytes = nbytes
+        self.out = memoryview(bytearray(b"\x5a" * nbytes))
+        self.reply: zmq.Frame | None = None
+
+    def round_trip(self) -> None:
+        self.sock.send(self.out, copy=False)
+        self.reply = self.sock.recv(copy=False)
+        if len(self.reply) != self.nbytes:
+            raise RuntimeError(f"the zmq echo sent back {len(self.reply)} bytes; sent {self.nbytes}")
+
+    def check(self) -> None:
+        """The bytes really travelled: the last reply is the message sent."""
+        self.round_trip()
+        if self.reply is None or self.reply.buffer != self.out:
+            raise RuntimeError("the zmq echo sent back bytes that differ from the ones sent")
+
+    def close(self) -> None:
+        self.reply = None
+        self.sock.close()
+
+
 class PsRoundTrip:
     """A worker's pull + push of one float32 parameter of ``nbytes`` against one ps shard."""
 
@@ -146,7 +197,6 @@ class PsRoundTrip:
         self.version = 0
         self.pull_s: list[float] = []
         self.push_s: list[float] = []
-        self.has_push_pull = hasattr(self.client, "push_pull")
 
     def round_trip(self) -> None:
         t0 = time.perf_counter()
@@ -186,114 +236,169 @@ def client_of(ps_address: str, worker: int) -> PsClient:
     return PsClient(cluster, TaskId("worker", worker), SECRET)
 
 
-def bench_bulk(ps_addresses: list[str], echo_port: int, reps: int, budget_bytes: int) -> tuple[str, dict[int, float]]:
-    """Raw echo vs psflow pull+push (and push_pull) per size. Returns the table and raw/psflow time ratios."""
-    rows = []
-    ratios: dict[int, float] = {}
-    for size_mib, address in zip(SIZES_MIB, ps_addresses):
+def gbs(nbytes: int, t: float) -> float:
+    """GB/s each way of a round trip that moves ``nbytes`` each way in ``t`` seconds."""
+    return nbytes / t / 1e9
+
+
+def bench_bulk(
+    sizes_mib: tuple[int, ...], ps_addresses: list[str], echo_port: int, zmq_port: int, reps: int, budget_bytes: int
+) -> tuple[list[list[str]], list[list[str]], dict[str, dict[int, float]]]:
+    """Raw echo vs psflow pull+push and push_pull vs pyzmq echo, per size, interleaved.
+
+    Returns the summary rows (one per size), the detail rows (pull and push alone) and, per case,
+    size -> raw time / case time.
+    """
+    summary, detail = [], []
+    ratios: dict[str, dict[int, float]] = {"pull+push": {}, "push_pull": {}, "pyzmq": {}}
+    zctx = zmq.Context()
+    for size_mib, address in zip(sizes_mib, ps_addresses):
         nbytes = size_mib * MIB
         iters = max(3, budget_bytes // nbytes)
-        raw, ps = RawEcho(echo_port, nbytes), PsRoundTrip(address, nbytes)
-        cases = {"raw": per_rep(raw.round_trip, iters), "pull+push": per_rep(ps.round_trip, iters)}
-        if ps.has_push_pull:
-            cases["push_pull"] = per_rep(ps.push_pull, iters)
+        raw, ps, zq = RawEcho(echo_port, nbytes), PsRoundTrip(address, nbytes), ZmqEcho(zctx, zmq_port, nbytes)
+        cases = {
+            "raw": per_rep(raw.round_trip, iters),
+            "pull+push": per_rep(ps.round_trip, iters),
+            "push_pull": per_rep(ps.push_pull, iters),
+            "pyzmq": per_rep(zq.round_trip, iters),
+        }
         log(f"bulk {size_mib} MiB: {reps} reps x {iters} round trips each of {', '.join(cases)}, interleaved")
         ps.check()
+        zq.check()
         res = harness.interleaved(cases, reps)
         ps.check()
-        t_raw, t_ps = median(res["raw"]), median(res["pull+push"])
-        t_pp = median(res["push_pull"]) if ps.has_push_pull else float("nan")
-        gbs = lambda t, n=nbytes: n / t / 1e9  # noqa: E731
-        ratios[size_mib] = t_raw / t_ps
-        rows.append([
+        zq.check()
+        t = {name: median(times) for name, times in res.items()}
+        for name in ratios:
+            ratios[name][size_mib] = t["raw"] / t[name]
+        summary.append([
             f"{size_mib} MiB",
-            f"{gbs(t_raw):.2f}",
-            f"{gbs(t_ps):.2f}",
-            f"**{100 * t_raw / t_ps:.0f}%**",
-            f"{gbs(median(ps.pull_s)):.2f} / {gbs(median(ps.push_s)):.2f}",
-            f"{gbs(t_pp):.2f}" if ps.has_push_pull else "-",
-            f"{100 * t_raw / t_pp:.0f}%" if ps.has_push_pull else "-",
-            f"{harness.spread([nbytes / t / 1e9 for t in res['raw']], '.2f')} / "
-            f"{harness.spread([nbytes / t / 1e9 for t in res['pull+push']], '.2f')}",
+            f"{gbs(nbytes, t['raw']):.2f}",
+            f"{gbs(nbytes, t['pull+push']):.2f}",
+            f"{gbs(nbytes, t['push_pull']):.2f}",
+            f"{gbs(nbytes, t['pyzmq']):.2f}",
+            f"**{100 * ratios['pull+push'][size_mib]:.0f}%**",
+            f"**{100 * ratios['push_pull'][size_mib]:.0f}%**",
+            f"**{100 * ratios['pyzmq'][size_mib]:.0f}%**",
+            " / ".join(harness.spread([gbs(nbytes, x) for x in res[name]], ".2f") for name in cases),
+        ])
+        detail.append([
+            f"{size_mib} MiB",
+            f"{gbs(nbytes, median(ps.pull_s)):.2f}",
+            f"{gbs(nbytes, median(ps.push_s)):.2f}",
+            f"{t['pull+push'] * 1e3:.2f}",
+            f"{t['push_pull'] * 1e3:.2f}",
+            f"{t['raw'] * 1e3:.2f}",
+            f"{t['pyzmq'] * 1e3:.2f}",
         ])
         raw.close()
         ps.close()
-    table = md_table(
-        ["size", "raw echo GB/s each way", "psflow pull+push GB/s each way", "pull+push / raw",
-         "psflow pull / push alone GB/s", "psflow push_pull GB/s each way", "push_pull / raw",
-         "spread GB/s raw / pull+push"],
-        rows,
-    )
-    return table, ratios
+        zq.close()
+        del raw, ps, zq, cases, res  # free this size's buffers before the next (256 MiB: ~1.3 GB here)
+    zctx.term()
+    return summary, detail, ratios
 
 
-def bench_small(ps_address: str, echo_port: int, reps: int, iters: int) -> tuple[str, float]:
-    """Raw 20-byte echo vs psflow PING. Returns the table and the psflow/raw RTT ratio."""
-    log(f"small requests: {reps} reps x {iters} round trips each, raw 20-byte echo and psflow PING interleaved")
-    raw = RawEcho(echo_port, SMALL_BYTES)
+def bench_small(ps_address: str, echo_port: int, zmq_port: int, reps: int, iters: int) -> tuple[list[str], dict[str, float]]:
+    """Raw 64-byte echo vs psflow PING vs pyzmq 64-byte echo. Returns the summary row and, per case,
+    case RTT / raw RTT."""
+    log(f"small requests: {reps} reps x {iters} round trips each, raw {SMALL_BYTES}-byte echo, psflow PING and "
+        f"pyzmq {SMALL_BYTES}-byte echo interleaved")
+    zctx = zmq.Context()
+    raw, zq = RawEcho(echo_port, SMALL_BYTES), ZmqEcho(zctx, zmq_port, SMALL_BYTES)
     client = client_of(ps_address, 1)
     conn = client.conns[0]
+    zq.check()
     res = harness.interleaved(
-        {"raw": per_rep(raw.round_trip, iters), "psflow": per_rep(lambda: conn.request(Op.PING), iters)}, reps
+        {
+            "raw": per_rep(raw.round_trip, iters),
+            "psflow": per_rep(lambda: conn.request(Op.PING), iters),
+            "pyzmq": per_rep(zq.round_trip, iters),
+        },
+        reps,
     )
     raw.close()
+    zq.close()
     client.close()
-    t_raw, t_ps = median(res["raw"]), median(res["psflow"])
-    table = md_table(
-        ["request", "raw 20-byte echo RTT us", "psflow PING RTT us", "psflow/raw", "spread us raw / psflow"],
-        [[
-            "small round trip",
-            f"{t_raw * 1e6:.1f}",
-            f"{t_ps * 1e6:.1f}",
-            f"{t_ps / t_raw:.2f}x",
-            f"{harness.spread([t * 1e6 for t in res['raw']])} / {harness.spread([t * 1e6 for t in res['psflow']])}",
-        ]],
-    )
-    return table, t_ps / t_raw
+    zctx.term()
+    t = {name: median(times) for name, times in res.items()}
+    ratios = {"psflow": t["psflow"] / t["raw"], "pyzmq": t["pyzmq"] / t["raw"]}
+    row = [
+        f"small round trip ({SMALL_BYTES} B; psflow: PING), RTT us",
+        f"{t['raw'] * 1e6:.1f}",
+        f"{t['psflow'] * 1e6:.1f}",
+        "-",
+        f"{t['pyzmq'] * 1e6:.1f}",
+        f"**{ratios['psflow']:.2f}x** RTT",
+        "-",
+        f"**{ratios['pyzmq']:.2f}x** RTT",
+        " / ".join(harness.spread([x * 1e6 for x in res[name]], ".1f") for name in ("raw", "psflow", "pyzmq")),
+    ]
+    return row, ratios
 
 
 def main() -> None:
     p = harness.arg_parser(__doc__.splitlines()[0])
     args = p.parse_args()
     reps = harness.reps_of(args, full=7, quick=3)
-    budget = (48 if args.quick else 160) * MIB  # bytes each way per repetition of a bulk case
+    sizes = QUICK_SIZES_MIB if args.quick else SIZES_MIB
+    budget = (48 if args.quick else 160) * MIB  # bytes each way per repetition of a bulk case (at least 3 round trips)
     small_iters = 500 if args.quick else 1500
     ctx = mp.get_context("spawn")
     ps_here, ps_there = ctx.Pipe()
     echo_here, echo_there = ctx.Pipe()
-    ps_proc = ctx.Process(target=serve_ps, args=(SIZES_MIB, ps_there), daemon=True)
-    echo_proc = ctx.Process(target=serve_echo, args=(echo_there,), daemon=True)
-    ps_proc.start()
-    echo_proc.start()
+    zmq_here, zmq_there = ctx.Pipe()
+    procs = [
+        ctx.Process(target=serve_ps, args=(sizes, ps_there), daemon=True),
+        ctx.Process(target=serve_echo, args=(echo_there,), daemon=True),
+        ctx.Process(target=serve_zmq, args=(zmq_there,), daemon=True),
+    ]
+    for proc in procs:
+        proc.start()
     try:
         ps_addresses: list[str] = ps_here.recv()
         echo_port: int = echo_here.recv()
+        zmq_port: int = zmq_here.recv()
         header = harness.machine()
-        bulk, ratios = bench_bulk(ps_addresses, echo_port, reps, budget)
-        small, small_ratio = bench_small(ps_addresses[0], echo_port, reps, small_iters)
+        summary, detail, ratios = bench_bulk(sizes, ps_addresses, echo_port, zmq_port, reps, budget)
+        small_row, small_ratios = bench_small(ps_addresses[0], echo_port, zmq_port, reps, small_iters)
     finally:
-        for pipe in (ps_here, echo_here):
+        for pipe in (ps_here, echo_here, zmq_here):
             try:
                 pipe.send("stop")
             except OSError:
                 pass
-        for proc in (ps_proc, echo_proc):
+        for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    verdict_bulk = all(ratios[s] >= 0.9 for s in (16, 64))
-    print(f"## Transport: psflow ps vs raw socket echo\n\n`{harness.command_line()}`  \n{header}\n")
+    print(f"## Transport: psflow ps vs raw socket echo vs pyzmq echo\n\n`{harness.command_line()}`  \n{header}\n")
     print(
         f"{reps} interleaved repetitions per case; a repetition's figure is the median of its round trips (each timed "
-        "alone), the table gives the median over repetitions and the spread of the repetitions. Loopback TCP; the ps "
-        "and the echo server each run in their own process.\n"
+        "alone), the table gives the median over repetitions and the spread (min-max) of the repetitions. Loopback TCP; "
+        "the ps, the raw echo and the pyzmq echo each run in their own process. Bulk: GB/s each way and % of the raw "
+        "echo's throughput (raw time / case time); small: round-trip time and case time / raw time.\n"
     )
-    print(bulk + "\n")
-    print(small + "\n")
+    print(md_table(
+        ["size", "raw echo", "psflow pull+push", "psflow push_pull", "pyzmq echo", "pull+push / raw",
+         "push_pull / raw", "pyzmq / raw", "spread raw / pull+push / push_pull / pyzmq"],
+        [*summary, small_row],
+    ) + "\n")
+    print(md_table(
+        ["size", "psflow pull alone GB/s", "psflow push alone GB/s", "pull+push ms", "push_pull ms", "raw echo ms",
+         "pyzmq echo ms"],
+        detail,
+    ) + "\n")
+    psflow_min = min(min(ratios["pull+push"].values()), min(ratios["push_pull"].values()))
+    bulk_met = psflow_min >= 0.9
+    each = ", ".join(
+        f"{s} MiB {100 * ratios['pull+push'][s]:.0f}% / {100 * ratios['push_pull'][s]:.0f}%" for s in sizes
+    )
     print(
-        f"Targets: psflow/raw >= 90% at 16 MiB and above: "
-        f"{'met' if verdict_bulk else 'not met'} (16 MiB {100 * ratios[16]:.0f}%, 64 MiB {100 * ratios[64]:.0f}%); "
-        f"small RTT within 1.5x of raw: {'met' if small_ratio <= 1.5 else 'not met'} ({small_ratio:.2f}x).\n"
+        f"Targets: psflow pull+push and push_pull >= 90% of raw at every size: {'met' if bulk_met else 'not met'} "
+        f"(pull+push / push_pull: {each}); small RTT within 1.5x of raw: "
+        f"{'met' if small_ratios['psflow'] <= 1.5 else 'not met'} ({small_ratios['psflow']:.2f}x; pyzmq "
+        f"{small_ratios['pyzmq']:.2f}x).\n"
     )
     sys.stdout.flush()
 
