@@ -40,8 +40,11 @@ def global_steps(logdir: Path, task: str) -> list[float]:
 
 
 def test_a_killed_ps_primary_is_restarted_resyncs_and_nothing_acknowledged_is_lost(tmp_path: Path) -> None:
+    # The workers go on at once after the kill (a refused connection fails over at once), and a whole epoch
+    # of the softmax takes about a second: slowed to 20 ms a step, the 400 steps left after the kill give
+    # the restarted ps seconds to come back and re-sync both shards before the job ends, even on a busy machine.
     out, s = launch(tmp_path / "faulty", "--restart", "on-failure", "--max-restarts", "2", "--restart-backoff", "0.5",
-                    "--fail-at", f"ps:0@step={KILL_AT}:kill")
+                    "--fail-at", f"ps:0@step={KILL_AT}:kill", "--slow", "worker:0=0.02s,worker:1=0.02s")
     assert s["status"] == "succeeded", out
     by_task = {t["task"]: t for t in s["tasks"]}
     ps0 = by_task["ps:0"]
