@@ -196,7 +196,8 @@ class Task:
                     # resyncing: some copy it holds still waits for its state (replication; psflow chaos reads it)
                     self.report_progress(global_step=store.version, pushes=store.stats.pushes,
                                          stale_dropped=store.stats.stale_dropped,
-                                         resyncing=any(r.value == "resyncing" for r in service.roles.values()))
+                                         resyncing=any(r.value == "resyncing" for r in service.roles.values()),
+                                         **service.latency.take(time.monotonic()))  # push/pull rate, p50, p99
                 # Only lost workers left: say whom the ps waits for; past lost_worker_timeout_s, fail naming them.
                 service.watch_lost_workers(time.monotonic())
             # The PS_DONE that ended the job may still be being answered: let the workers hang up

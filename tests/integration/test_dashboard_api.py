@@ -86,6 +86,15 @@ def test_a_run_started_through_the_api_is_watched_survives_a_dashboard_restart_a
         assert f'psflow_task_global_step{{run="{run_id}",task="worker:0"}}' in prom.text
         assert f'psflow_task_up{{run="{run_id}",task="ps:0"}} 1.0' in prom.text
 
+        # ps shard health: the ps times its pushes and pulls and reports rate and p50/p99 with its progress
+        live = wait_for(lambda: api.get(f"/api/runs/{run_id}/ps").json(),
+                        lambda h: (h["ps"]["ps:0"]["push_rate"] or 0) > 0 and h["ps"]["ps:0"]["push_p99_ms"] is not None,
+                        what="ps:0's live push rate and p99", context=context)["ps"]["ps:0"]
+        assert 0 < live["push_p50_ms"] <= live["push_p99_ms"] and live["pull_rate"] is not None
+        prom = api.get("/metrics").text
+        assert f'psflow_ps_requests_per_second{{op="push",run="{run_id}",task="ps:0"}}' in prom, prom[-3000:]
+        assert f'psflow_ps_request_latency_ms{{op="push",quantile="0.99",run="{run_id}",task="ps:0"}}' in prom
+
     # The dashboard goes down mid-run: the run goes on, and a new dashboard shows its whole history.
     events_before = len(page["events"])
     points_before = len(series["worker:0"]["loss"])
@@ -171,6 +180,17 @@ def test_changes_need_the_token_and_bad_forms_and_paths_are_refused_clearly(tmp_
         assert r.status_code == 422 and "'sometimes' is not a restart policy" in r.json()["detail"][0]["msg"]
         r = api.post("/api/runs", json={**TRAIN, "ps": 1, "strategy": "ps", "mode": "async", "workers": 0})
         assert r.status_code == 422 and "--workers must be at least 1" in r.json()["detail"][0]["msg"]
+        # GPUs per worker: a whole number, 0 or more; more than this machine has is refused, saying what it has
+        r = api.post("/api/runs", json={**TRAIN, "gpus_per_worker": -1})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "gpus_per_worker"]
+        from psflow.launch.gpus import gpu_count
+
+        r = api.post("/api/runs", json={**TRAIN, "gpus_per_worker": gpu_count() + 1})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "gpus_per_worker"], r.text
+        assert (f"GPUs per worker {gpu_count() + 1} for 2 training task(s) needs {2 * gpu_count() + 2} GPU(s), but this "
+                f"machine has {gpu_count()}") in r.json()["detail"][0]["msg"]
+        r = api.post("/api/runs", json={**TRAIN, "gpus_per_worker": 1, "backend": "slurm"})
+        assert r.status_code == 422 and "placed by psflow on local runs only" in r.json()["detail"][0]["msg"], r.text
         with JobStore(dashboard.home / "jobs.db") as db:
             assert [r["id"] for r in db.runs()] == ["run-x"]  # nothing refused was started
 

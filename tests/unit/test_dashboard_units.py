@@ -195,3 +195,63 @@ def test_ps_health_gives_each_workers_lag_behind_the_newest_version_and_the_ps_f
     assert live["ps"]["ps:0"]["attempt"] == 1 and live["ps"]["ps:0"]["stats"] is None
     ended = ps_health({**run, "summary": {"reports": {"ps:0": {"ps_stats": {"pushes": 240, "stale_dropped": 3}}}}})
     assert ended["final"] and ended["ps"]["ps:0"]["stats"]["pushes"] == 240
+
+
+def test_the_latency_book_gives_each_windows_rate_and_percentiles_then_starts_afresh():
+    from psflow.ps.latency import LatencyBook, quantile
+
+    assert quantile([1.0], 0.99) == 1.0 and quantile([float(i) for i in range(1, 101)], 0.99) == 99.0
+    book = LatencyBook(10.0, cap=150)
+    for i in range(1, 201):  # 1..200 ms; 150 kept, 50 counted in the rate only
+        book.record("push", i / 1000)
+    book.record("pull", 0.004)
+    first = book.take(12.0)
+    assert first["push_rate"] == 100.0 and first["pull_rate"] == 0.5
+    assert first["push_p50_ms"] == 75.0 and first["push_p99_ms"] == 149.0 and first["pull_p99_ms"] == 4.0
+    quiet = book.take(13.0)  # a window without requests: its rate only
+    assert quiet == {"push_rate": 0.0, "pull_rate": 0.0}
+
+
+def test_ps_health_shows_each_shards_live_requests_and_the_skew_across_shards():
+    from psflow.platform.pshealth import ps_health
+
+    def ps(rate: float, p99: float) -> dict:
+        return {"state": "running", "progress": {"global_step": 50, "push_rate": rate, "push_p50_ms": 1.0,
+                                                 "push_p99_ms": p99, "pull_rate": 0.0}}
+
+    health = ps_health({"tasks": {"ps:0": ps(200.0, 2.0), "ps:1": ps(50.0, 8.0), "worker:0": {"progress": {}}}})
+    assert health["ps"]["ps:1"]["push_rate"] == 50.0 and health["ps"]["ps:0"]["pull_p99_ms"] is None
+    skew = health["skew"]
+    assert skew["push_rate"] == {"max": 200.0, "min": 50.0, "ratio": 4.0, "max_ps": "ps:0"}
+    assert skew["push_p99_ms"]["ratio"] == 4.0 and skew["push_p99_ms"]["max_ps"] == "ps:1"
+    assert skew["pull_rate"]["ratio"] is None  # both idle: no ratio
+    assert "push_rate" not in ps_health({"tasks": {"ps:0": ps(1.0, 1.0)}})["skew"]  # one shard: no skew
+
+
+def test_each_training_task_gets_its_own_gpus_and_a_machine_short_of_gpus_is_refused():
+    from psflow.launch.gpus import assign_gpus
+
+    tasks = ["chief:0", "ps:0", "worker:0", "worker:1", "evaluator:0"]
+    assert assign_gpus(tasks, 2, 6) == {"chief:0": "0,1", "worker:0": "2,3", "worker:1": "4,5"}
+    assert assign_gpus(tasks, 0, 0) == {}
+    with pytest.raises(ConfigError, match=r"GPUs per worker 1 for 3 training task\(s\) needs 3 GPU\(s\), but this "
+                                          r"machine has 2"):
+        assign_gpus(tasks, 1, 2)
+    with pytest.raises(ConfigError, match="0 or more; received -1"):
+        assign_gpus(tasks, -1, 8)
+
+
+def test_a_local_plan_with_gpus_sets_each_trainers_visible_devices(monkeypatch, tmp_path):
+    from psflow.launch import gpus
+    from psflow.platform.launching import LaunchSpec, plan_of
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    monkeypatch.setattr(gpus, "gpu_count", lambda: 4)  # the plan is pure: the count is the one fact of the machine
+    plan = plan_of(LaunchSpec(script=str(script), num_ps=1, num_workers=2, gpus_per_worker=2, logdir=str(tmp_path / "r")))
+    env = {t.task: dict(t.env) for t in plan.tasks}
+    assert env["worker:0"]["CUDA_VISIBLE_DEVICES"] == "0,1" and env["worker:1"]["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert "CUDA_VISIBLE_DEVICES" not in env["ps:0"]
+    monkeypatch.setattr(gpus, "gpu_count", lambda: 0)
+    with pytest.raises(ConfigError, match="but this machine has 0"):
+        plan_of(LaunchSpec(script=str(script), num_workers=2, gpus_per_worker=1, logdir=str(tmp_path / "r")))

@@ -112,6 +112,8 @@ class StartRun(BaseModel):
     backend: Literal["local", "slurm"] = "local"
     restart: str = Field("never", max_length=200, description="psflow run --restart syntax: on-failure, worker=always,...")
     max_restarts: int = Field(3, ge=0, le=1000)
+    gpus_per_worker: int = Field(0, ge=0, le=64, description="GPUs each chief and worker sees (local runs; refused "
+                                                              "when this machine has fewer)")
 
 
 def _store(request: Request) -> Iterator[JobStore]:
@@ -295,11 +297,11 @@ def create_app(settings: UiSettings) -> FastAPI:
         spec = LaunchSpec(script=str(script), args=tuple(form.args), num_ps=form.ps if form.strategy == "ps" else 0,
                           num_workers=form.workers, chief=form.chief, evaluator=form.evaluator, mode=form.mode,
                           strategy=form.strategy, backend=form.backend, restart_policy=dataclasses.asdict(policy),
-                          run_id=run_id, logdir=str(settings.logdirs / run_id))
+                          run_id=run_id, logdir=str(settings.logdirs / run_id), gpus_per_worker=form.gpus_per_worker)
         try:
             plan, proc = start_detached(spec, env=_launcher_env(settings))
         except ConfigError as e:
-            raise _unprocessable("form", str(e)) from e
+            raise _unprocessable("gpus_per_worker" if "GPUs per worker" in str(e) else "form", str(e)) from e
         _recorded(settings, plan.run_id, plan.logdir, proc)
         _reap(proc, launchers)
         return {"run_id": plan.run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}

@@ -65,6 +65,7 @@ class LaunchSpec:
         logdir: the run's directory (None: ``runs/<run id>`` under ``runs_root``).
         run_id: the new run's id (None: a fresh one).
         restarted_from: the run this one restarts.
+        gpus_per_worker: GPUs each chief and worker sees (local: :mod:`psflow.launch.gpus`; 0: none asked).
     """
 
     script: str
@@ -83,6 +84,7 @@ class LaunchSpec:
     logdir: str | None = None
     run_id: str | None = None
     restarted_from: str | None = None
+    gpus_per_worker: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -171,7 +173,27 @@ def plan_of(spec: LaunchSpec, *, runs_root: Path | None = None) -> LaunchPlan:
     plan = make_plan(spec.script, list(spec.args), num_ps=spec.num_ps, num_workers=spec.num_workers, chief=spec.chief,
                      evaluator=spec.evaluator, logdir=logdir, config=config, threads=spec.threads, restart=policy,
                      hangs=HangPolicy(**spec.hangs))
-    return dataclasses.replace(plan, run_id=run_id)
+    return _with_gpus(dataclasses.replace(plan, run_id=run_id), spec)
+
+
+def _with_gpus(plan: LaunchPlan, spec: LaunchSpec) -> LaunchPlan:
+    """``plan`` with each training task's ``CUDA_VISIBLE_DEVICES`` (``spec.gpus_per_worker`` each).
+
+    Raises:
+        ConfigError: GPUs asked of a backend that cannot place them here, or more than this machine has.
+    """
+    from psflow.launch.gpus import VISIBLE, assign_gpus, gpu_count
+
+    if not spec.gpus_per_worker:
+        return plan
+    if spec.backend != "local":
+        raise ConfigError(f"GPUs per worker ({spec.gpus_per_worker}) are placed by psflow on local runs only; for "
+                          f"backend {spec.backend!r} ask the scheduler (Slurm: --gres=gpu:N in its options; Kubernetes: "
+                          "psflow run --backend k8s --gpus-per-worker N), or set 0.")
+    visible = assign_gpus(plan.task_names(), spec.gpus_per_worker, gpu_count())
+    tasks = tuple(dataclasses.replace(t, env=tuple(sorted({**dict(t.env), VISIBLE: visible[t.task]}.items())))
+                  if t.task in visible else t for t in plan.tasks)
+    return dataclasses.replace(plan, tasks=tasks)
 
 
 def _policy_fields(d: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,10 @@ reports the same figures):
   ``psflow_task_global_step``, ``psflow_task_examples_per_sec``, ``psflow_task_attempt`` (restarts so
   far), ``psflow_task_pushes_total``, ``psflow_task_stale_dropped_total`` (sync: gradients dropped as
   stale), ``psflow_task_up`` (1 while the task is running), labelled ``run``, ``task``;
-- ``psflow_task_restarts_total{run}``: restarts of every task of each live run.
+- ``psflow_task_restarts_total{run}``: restarts of every task of each live run;
+- per ps task of each live run, over its last report window (about a second, :mod:`psflow.ps.latency`):
+  ``psflow_ps_requests_per_second{run,task,op}`` and ``psflow_ps_request_latency_ms{run,task,op,quantile}``
+  (``op`` push or pull, ``quantile`` 0.5 or 0.99).
 
 Called by :mod:`psflow.platform.api`.
 """
@@ -57,6 +60,10 @@ class StoreCollector(Collector):
         attempt = GaugeMetricFamily("psflow_task_attempt", "A task's attempt (its restarts so far).", labels=["run", "task"])
         up = GaugeMetricFamily("psflow_task_up", "1 while a task is running.", labels=["run", "task"])
         restarts = CounterMetricFamily("psflow_task_restarts", "Restarts of a run's tasks.", labels=["run"])
+        ps_rate = GaugeMetricFamily("psflow_ps_requests_per_second", "A ps's push or pull requests per second over "
+                                    "its last report window.", labels=["run", "task", "op"])
+        ps_latency = GaugeMetricFamily("psflow_ps_request_latency_ms", "A ps's push or pull latency (ms) over its "
+                                       "last report window with requests.", labels=["run", "task", "op", "quantile"])
         for run in [*live, *pending]:
             if run["state"] not in ("running", "pending"):
                 continue  # found abandoned by the liveness check while read
@@ -67,8 +74,24 @@ class StoreCollector(Collector):
                         family.add_metric([run["id"], name], float(figures[key]))
                 attempt.add_metric([run["id"], name], t.get("attempt") or 0)
                 up.add_metric([run["id"], name], 1 if t.get("state") == "running" else 0)
+                if name.startswith("ps:"):
+                    _ps_requests(run["id"], name, figures, ps_rate, ps_latency)
             restarts.add_metric([run["id"]], sum(t.get("attempt") or 0 for t in run["tasks"].values()))
-        yield from (*families.values(), attempt, up, restarts)
+        yield from (*families.values(), attempt, up, restarts, ps_rate, ps_latency)
+
+
+def _ps_requests(run_id: str, task: str, figures: dict[str, Any], rate: GaugeMetricFamily,
+                 latency: GaugeMetricFamily) -> None:
+    for op in ("push", "pull"):
+        if _is_number(figures.get(f"{op}_rate")):
+            rate.add_metric([run_id, task, op], float(figures[f"{op}_rate"]))
+        for quantile, key in (("0.5", f"{op}_p50_ms"), ("0.99", f"{op}_p99_ms")):
+            if _is_number(figures.get(key)):
+                latency.add_metric([run_id, task, op, quantile], float(figures[key]))
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def exposition(db_path: Path) -> bytes:

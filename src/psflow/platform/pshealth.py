@@ -20,8 +20,29 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+LIVE = ("push_rate", "pull_rate", "push_p50_ms", "push_p99_ms", "pull_p50_ms", "pull_p99_ms")
+
+
+def _real(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def shard_skew(ps: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Per live figure (``LIVE``), across the ps that report it: ``{"max", "min", "ratio", "max_ps"}``
+    (``ratio`` = max / min, None where min is 0); a figure fewer than two ps report is left out."""
+    out: dict[str, Any] = {}
+    for key in LIVE:
+        seen = {name: v for name, p in ps.items() if (v := _real(p.get(key))) is not None}
+        if len(seen) < 2:
+            continue
+        top = max(seen, key=lambda n: seen[n])
+        low = min(seen.values())
+        out[key] = {"max": seen[top], "min": low, "ratio": round(seen[top] / low, 3) if low > 0 else None, "max_ps": top}
+    return out
+
+
 def ps_health(run: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"version", "ps": {task: {...}}, "workers": {task: {...}}, "final": bool}``."""
+    """``{"version", "ps": {task: {...}}, "workers": {task: {...}}, "final": bool, "skew": {...}}``."""
     tasks = run.get("tasks") or {}
     reports = ((run.get("summary") or {}).get("reports") or {})
     ps, workers = {}, {}
@@ -31,7 +52,7 @@ def ps_health(run: Mapping[str, Any]) -> dict[str, Any]:
             final = reports.get(name) or {}
             ps[name] = {"state": t.get("state"), "attempt": t.get("attempt"), "version": _int(progress.get("global_step")),
                         "stats": final.get("ps_stats"), "shards": final.get("shards"),
-                        "lost_workers": final.get("lost_workers")}
+                        "lost_workers": final.get("lost_workers"), **{k: _real(progress.get(k)) for k in LIVE}}
         elif name.startswith(("worker:", "chief:")):
             workers[name] = {"state": t.get("state"), "version": _int(progress.get("global_step")),
                              "pushes": _int(progress.get("pushes")), "stale_pushes": _int(progress.get("stale_pushes")),
@@ -40,4 +61,4 @@ def ps_health(run: Mapping[str, Any]) -> dict[str, Any]:
     newest = max(versions, default=None)
     for w in workers.values():
         w["lag"] = newest - w["version"] if newest is not None and w["version"] is not None else None
-    return {"version": newest, "ps": ps, "workers": workers, "final": bool(reports)}
+    return {"version": newest, "ps": ps, "workers": workers, "final": bool(reports), "skew": shard_skew(ps)}

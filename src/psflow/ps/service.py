@@ -31,6 +31,7 @@ from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, PsflowError, RemoteError, TrainingError, TransportError
 from psflow.ps import requests
+from psflow.ps.latency import LatencyBook
 from psflow.ps.progress import StepPlan
 from psflow.ps.replication import (
     Answer,
@@ -56,6 +57,8 @@ log = logging.getLogger("psflow.ps")
 
 # Requests for a shard's values and rules: answered by the copy that serves the shard (refused by the others).
 _ROUTED = frozenset({Op.PS_READY, Op.PS_PULL, Op.PS_PUSH, Op.PS_CLOCK, Op.PS_DONE})
+# Requests whose latency the ps card shows (a push-pull counts as a push: the trainer's step).
+_TIMED = {Op.PS_PUSH: "push", Op.PS_PULL: "pull"}
 
 
 def warm_up() -> None:
@@ -113,6 +116,7 @@ class PsService:
                 if s != shard:
                     self.backups[s] = ParameterStore(s, num_workers)
         self._shutdown = threading.Event()
+        self.latency = LatencyBook(time.monotonic())  # push/pull durations per report window (read by Task.join)
         # Compressed pushes are decoded into dense buffers kept per (shard, worker, attempt): one
         # worker's pushes to a shard come one at a time, and the store copies or applies them before the reply.
         self._dense: dict[tuple[int, int, int], dict[str, Any]] = {}
@@ -152,7 +156,19 @@ class PsService:
                 log.warning("ps:%d: worker:%d is back (it sent %s); waiting for it as before.", self.shard, worker, op.name)
             return handler(req)
 
-        return serve
+        timed = _TIMED.get(op)
+        if timed is None:
+            return serve
+        record, clock = self.latency.record, time.perf_counter
+
+        def serve_timed(req: Request) -> Reply:
+            start = clock()
+            try:
+                return serve(req)
+            finally:
+                record(timed, clock() - start)
+
+        return serve_timed
 
     def _worker_of(self, peer: str) -> int | None:
         """The worker index ``peer`` (an admitted sender) trains as; None for a task that does not train."""

@@ -381,10 +381,25 @@ async function refreshPs(runId) {
       <td>${esc(name)}</td><td>${esc(p.state)}${p.attempt ? " (attempt " + esc(p.attempt) + ")" : ""}</td><td class="num">${num(p.version)}</td>
       <td class="num">${stat(p.stats, "pushes")}</td><td class="num">${stat(p.stats, "applied_updates")}</td>
       <td class="num">${stat(p.stats, "stale_dropped")}</td><td class="num">${stat(p.stats, "duplicates")}</td></tr>`).join("")}</tbody></table>
+    ${psRequestsTable(ps, h.skew || {})}
     <table><thead><tr><th>worker</th><th class="num">version</th><th class="num">lag</th><th class="num">pushes</th><th class="num">stale pushes</th></tr></thead>
     <tbody>${Object.entries(h.workers).map(([name, w]) => `<tr><td>${esc(name)}</td><td class="num">${num(w.version)}</td>
       <td class="num">${w.lag === null ? "" : num(w.lag)}</td><td class="num">${w.pushes === null ? "" : num(w.pushes)}</td>
       <td class="num">${w.stale_pushes === null ? "" : num(w.stale_pushes)}</td></tr>`).join("")}</tbody></table>`;
+}
+
+// Each ps's push and pull requests over its last report window (about a second): rate, p50, p99; and the skew across shards.
+function psRequestsTable(ps, skew) {
+  const ms = v => v === null || v === undefined ? "" : Number(v).toFixed(2);
+  const rate = v => v === null || v === undefined ? "" : Number(v).toFixed(1);
+  const skewed = Object.entries(skew).filter(([, s]) => s.ratio !== null)
+    .map(([k, s]) => `${esc(k.replace(/_/g, " "))} ${Number(s.ratio).toFixed(2)}x (${esc(s.max_ps)})`);
+  return `<table class="ps-requests"><thead><tr><th>ps</th><th class="num">push/s</th><th class="num">push p50 ms</th>
+      <th class="num">push p99 ms</th><th class="num">pull/s</th><th class="num">pull p50 ms</th><th class="num">pull p99 ms</th></tr></thead>
+    <tbody>${ps.map(([name, p]) => `<tr data-ps-requests="${esc(name)}"><td>${esc(name)}</td><td class="num">${rate(p.push_rate)}</td>
+      <td class="num">${ms(p.push_p50_ms)}</td><td class="num">${ms(p.push_p99_ms)}</td><td class="num">${rate(p.pull_rate)}</td>
+      <td class="num">${ms(p.pull_p50_ms)}</td><td class="num">${ms(p.pull_p99_ms)}</td></tr>`).join("")}</tbody></table>
+    <p class="muted ps-skew">${skewed.length ? "skew across shards (highest / lowest): " + skewed.join("; ") : "skew across shards: needs two ps reporting"}</p>`;
 }
 
 async function refreshStragglers(runId, run) {
@@ -508,6 +523,8 @@ function startPage() {
         <div class="muted">split on spaces into a list; never run by a shell</div><div class="field-error" data-for="args"></div></div>
       <label for="f-ps">parameter servers</label><div><input id="f-ps" name="ps" type="number" min="0" value="1"><div class="field-error" data-for="ps"></div></div>
       <label for="f-workers">workers</label><div><input id="f-workers" name="workers" type="number" min="0" value="2"><div class="field-error" data-for="workers"></div></div>
+      <label for="f-gpus">GPUs per worker</label><div><input id="f-gpus" name="gpus_per_worker" type="number" min="0" value="0">
+        <div class="muted">each chief and worker sees its own; 0 trains on the CPU</div><div class="field-error" data-for="gpus_per_worker"></div></div>
       <label>tasks</label><div><label><input type="checkbox" name="chief"> separate chief</label>
         <label><input type="checkbox" name="evaluator"> evaluator</label></div>
       <label for="f-mode">mode</label><div><select id="f-mode" name="mode"><option>async</option><option>sync</option><option>ssp</option></select><div class="field-error" data-for="mode"></div></div>
@@ -528,6 +545,7 @@ function startPage() {
       ps: Number(f.get("ps")), workers: Number(f.get("workers")), chief: f.get("chief") === "on",
       evaluator: f.get("evaluator") === "on", mode: f.get("mode"), strategy: f.get("strategy"),
       backend: f.get("backend"), restart: f.get("restart").trim() || "never", max_restarts: Number(f.get("max_restarts")),
+      gpus_per_worker: Number(f.get("gpus_per_worker")),
     };
     for (const e of form.querySelectorAll(".field-error")) e.textContent = "";
     document.getElementById("form-errors").textContent = "";
