@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,6 +117,9 @@ def _k8s_options(f: Any) -> Any:
               help="Run the tasks on these hosts over ssh, filled in order (horovodrun's convention), e.g. node1:1,node2:2.")
 @click.option("--ssh-config", default=None, type=click.Path(dir_okay=False, exists=True),
               help="--hosts: an ssh configuration file (ssh -F): keys, users, ports.")
+@click.option("--alert-webhook", default=None, metavar="URL",
+              help="Tell this webhook (JSON POST) when the run fails, stalls or restarts a task, dashboard or not "
+                   "(sets PSFLOW_ALERT_WEBHOOK; PSFLOW_ALERT_STALL_S: the stall, default 300 s).")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str, script_args: tuple[str, ...],
@@ -130,6 +134,15 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     from psflow.launch.metrics import final_line
 
     script_args = _script_args(click.get_current_context(), script, script_args)
+    alert_webhook = settings.pop("alert_webhook", None)
+    if alert_webhook is not None:
+        from psflow.platform.alerts import check_webhook
+        from psflow.platform.home import ALERT_WEBHOOK_ENV
+
+        try:
+            os.environ[ALERT_WEBHOOK_ENV] = check_webhook(str(alert_webhook))  # read where the launcher makes its run store
+        except PsflowError as e:
+            raise click.UsageError(str(e)) from e
     try:
         plan, policy, hangs, config = _plan(num_ps, num_workers, chief, evaluator, logdir, script, script_args, fail_at,
                                             log_placement, threads, hang_at, slow, hang_timeout_s, heartbeat_timeout_s,

@@ -78,3 +78,50 @@ def test_a_restart_a_failure_and_a_stall_reach_the_webhook(tmp_path, receiver):
     assert len(stalls) == 1, stalls  # told once for that stall
     assert all(a["url"] == f"{ui.url}#/run/{a['run_id']}" for a in got)
     assert [a["kind"] for a in got].count("failed") == 1 and [a["kind"] for a in got].count("restarted") == 1
+
+
+def test_the_launcher_alerts_with_no_dashboard_and_a_dashboard_beside_it_does_not_tell_twice(tmp_path, receiver):
+    url, got = receiver
+    home = tmp_path / "home"
+    flaky = ("--workers", "2", "--restart", "on-failure", "--max-restarts", "1",
+             "--fail-at", "worker:1@step=30,worker:1@step=5@attempt=1")  # fails, restarts once, fails again: the run fails
+    alone = _run(home, tmp_path / "a", "--alert-webhook", url, *flaky)
+    assert alone.returncode == 1, alone.stdout[-2000:] + alone.stderr[-2000:]
+    # no dashboard ran: the launcher told the restart and the failure itself, before it exited
+    assert sorted(a["kind"] for a in got) == ["failed", "restarted"], got
+    from psflow.platform.jobstore import JobStore
+
+    with JobStore(home / "jobs.db") as db:
+        (run_a,) = [r["id"] for r in db.runs()]
+        claimed = [e["data"] for e in db.events(run_a) if e["kind"] == "alert_sent"]
+    by_kind = {a["kind"]: a for a in got}
+    assert by_kind["restarted"]["run_id"] == run_a and by_kind["restarted"]["task"] == "worker:1"
+    assert "worker:1 restarted as attempt 1" in by_kind["restarted"]["text"] and by_kind["restarted"]["source"] == "launcher"
+    assert by_kind["failed"]["detail"]["root_cause"] == "worker:1" and "root cause: worker:1" in by_kind["failed"]["text"]
+    assert sorted((c["alert"], c["key"], c["source"]) for c in claimed) == [
+        ("failed", "run", "launcher"), ("restarted", "worker:1@1", "launcher")]
+
+    # the same with a dashboard that alerts too: each alert of the run is told once, by whichever claimed it first
+    got.clear()
+    ui = start_dashboard(home, tmp_path / "runs", extra=("--alert-webhook", url, "--alert-stall", "300"))
+    try:
+        both = _run(home, tmp_path / "b", "--alert-webhook", url, *flaky)
+        assert both.returncode == 1, both.stdout[-2000:]
+        with JobStore(home / "jobs.db") as db:
+            run_b = next(r["id"] for r in db.runs() if r["id"] != run_a)
+        # a marker after run b: a failed run no launcher alerts; once the dashboard told it, its watcher has
+        # looked at every event before it (it reads them in order), run b's included
+        import time
+
+        from psflow.platform.sqlrunstore import SqliteRunStore
+
+        marker = SqliteRunStore(home / "jobs.db", {"id": "run-marker", "script": "x.py", "args": [], "logdir": str(tmp_path),
+                                                   "cluster": {"worker": ["worker:0"]}, "mode": "async", "strategy": "ps",
+                                                   "backend": "local", "restart_policy": {}, "launcher": None,
+                                                   "created_unix": time.time()}, ["worker:0"], warn=print)
+        marker.finished("failed")
+        wait_for(lambda: [a["kind"] for a in got if a["run_id"] == "run-marker"], lambda k: k == ["failed"],
+                 what="the dashboard's alert of the marker run", timeout_s=30)
+    finally:
+        ui.stop()
+    assert sorted(a["kind"] for a in got if a["run_id"] == run_b) == ["failed", "restarted"], got

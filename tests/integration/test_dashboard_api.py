@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import time
@@ -367,3 +368,79 @@ def test_dump_all_tasks_reads_every_tasks_stacks_back_grouped(tmp_path, dashboar
         assert sorted(t for g in stacks["groups"] for t in g["tasks"]) == ["ps:0", "worker:0", "worker:1"]
         assert api.post(f"/api/runs/{run['id']}/stop").status_code == 202
     assert launcher.wait(timeout=120) == 130
+
+
+def _sse(response, deadline: float):
+    """The (event, data) messages of a Server-Sent Events response, until ``deadline`` (monotonic)."""
+    event, data = None, []
+    for line in response.iter_lines():
+        if time.monotonic() > deadline:
+            raise AssertionError("the stream did not deliver what was awaited before its deadline")
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            data.append(line[6:])
+        elif line == "" and event is not None:
+            yield event, json.loads("\n".join(data))
+            event, data = None, []
+
+
+def test_the_live_stream_pushes_a_real_runs_task_states_and_metric_points_and_ends_with_it(tmp_path, dashboard):
+    with dashboard.client() as api:
+        started = api.post("/api/runs", json=TRAIN)
+        assert started.status_code == 201, started.text
+        run_id = started.json()["run_id"]
+        states_seen: list[dict[str, str]] = []
+        loss_points = 0
+        deadline = time.monotonic() + 150
+        with api.stream("GET", f"/api/runs/{run_id}/stream", params={"name": ["loss"]}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for event, data in _sse(r, deadline):
+                if event == "run":
+                    states_seen.append({t: v["state"] for t, v in data["run"]["tasks"].items()})
+                elif event == "metrics":
+                    assert set(data["series"].get("worker:0", {"loss": []})) == {"loss"}  # only the names asked
+                    loss_points += sum(len(per["loss"]) for per in data["series"].values())
+                if loss_points >= 2 and any(s.get("worker:0") == "running" for s in states_seen):
+                    break
+        # a task state change was pushed: worker:0 seen running after a run message where it was not yet
+        # (the run is recorded before its tasks have even imported torch)
+        worker = [s.get("worker:0") for s in states_seen]
+        assert "running" in worker and worker.index("running") > 0, states_seen
+
+        # a reconnect naming the last metrics message it got is sent only newer points; the stop is pushed, then `end`
+        with api.stream("GET", f"/api/runs/{run_id}/stream", params={"name": ["loss"]},
+                        headers={"Last-Event-ID": repr(time.time() + 3600)}) as r:
+            assert api.post(f"/api/runs/{run_id}/stop").status_code == 202
+            events = []
+            for event, data in _sse(r, time.monotonic() + 120):
+                events.append((event, data))
+                if event == "end":
+                    break
+        assert [e for e, _ in events if e == "metrics"] == []  # nothing after an hour from now
+        assert events[-1] == ("end", {"state": "stopped"})
+        assert [d["run"]["state"] for e, d in events if e == "run"][-1] == "stopped"
+
+        anon_ok = dashboard.client(token=None).get(f"/api/runs/{run_id}/stream")  # reading is open on loopback
+        assert anon_ok.status_code == 200 and "event: end" in anon_ok.text
+    assert dashboard.client().get("/api/runs/no-such-run/stream").status_code == 404
+
+
+def test_an_open_stream_of_a_live_run_does_not_hold_the_dashboard_up_at_shutdown(tmp_path, dashboard):
+    record = {"id": "run-live", "script": "x.py", "args": [], "logdir": str(tmp_path / "l"), "cluster": {"worker": ["worker:0"]},
+              "mode": "async", "strategy": "ps", "backend": "local", "restart_policy": {}, "launcher": None,
+              "created_unix": time.time()}
+    store = SqliteRunStore(dashboard.home / "jobs.db", record, ["worker:0"], warn=print)
+    store.task_started("worker:0", 0, None)
+    try:
+        with dashboard.client() as api:
+            wait_for(lambda: api.get("/api/runs/run-live").status_code, lambda c: c == 200, what="the run recorded")
+            with api.stream("GET", "/api/runs/run-live/stream") as r:
+                first = next(_sse(r, time.monotonic() + 30))
+                assert first[0] == "run" and first[1]["run"]["state"] == "running"
+                began = time.monotonic()
+                dashboard.proc.send_signal(signal.SIGTERM)
+                dashboard.proc.wait(timeout=15)  # would hang on the open stream without psflow ui's `closing`
+                assert time.monotonic() - began < 15
+    finally:
+        store.finished("stopped")

@@ -75,6 +75,8 @@ def test_start_watch_read_a_log_survive_a_dashboard_restart_and_stop_from_the_br
         page.fill("#f-workers", "2")
         page.select_option("#f-mode", "async")
         page.fill("#f-restart", "on-failure")
+        requests: list[str] = []
+        page.on("request", lambda r: requests.append(r.url))
         page.click("#start-btn")
         page.wait_for_url("**/#/run/*")
         run_id = page.url.split("#/run/")[1]
@@ -84,6 +86,11 @@ def test_start_watch_read_a_log_survive_a_dashboard_restart_and_stop_from_the_br
         first = int(page.get_attribute("#chart-loss", "data-points"))
         page.wait_for_function(f"Number(document.querySelector('#chart-loss').dataset.points) > {first}")
         assert page.locator("#chart-loss canvas").count() >= 1  # uPlot drew it
+        # the points were pushed over Server-Sent Events: the page opened the run's stream and never polled
+        assert page.evaluate("document.body.dataset.live") == "sse"
+        assert any(f"/api/runs/{run_id}/stream" in u for u in requests), requests
+        polled = [u for u in requests if f"/api/runs/{run_id}/metrics" in u or u.endswith(f"/api/runs/{run_id}")]
+        assert not polled, polled
         page.wait_for_selector("#straggler-verdict")
         page.screenshot(path=str(artifacts / "03-run-training.png"), full_page=True)
 

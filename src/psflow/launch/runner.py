@@ -78,12 +78,15 @@ def file_store(plan: LaunchPlan) -> RunStore:
 
 
 def recorded_store(plan: LaunchPlan, *, backend: Backend, policy: RestartPolicy, warn: Callable[[str], None]) -> RunStore:
-    """The files in the plan's log dir, and the run in the job store (``$PSFLOW_HOME/jobs.db``)."""
+    """The files in the plan's log dir, and the run in the job store (``$PSFLOW_HOME/jobs.db``); its
+    alerts to ``$PSFLOW_ALERT_WEBHOOK`` when set (:mod:`psflow.platform.runalerts`)."""
+    from psflow.platform.runalerts import alerting_store
     from psflow.platform.sqlrunstore import SqliteRunStore, run_record
 
     name = type(backend).__name__.removesuffix("Backend").lower()
     record = run_record(plan, backend=name, restart_policy=policy)
-    return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn), warn=warn)
+    return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn),
+                             *alerting_store(plan.run_id, warn=warn), warn=warn)
 
 
 class Runner:

@@ -12,10 +12,14 @@ A pure core under a thin I/O shell:
   ``poll_s``, feeds the book and POSTs each alert as JSON to the webhook (``text`` for chat tools
   that read that field, Slack's and Mattermost's incoming webhooks among them, and the alert's fields).
   It starts from the newest event in the store: history is not alerted again when the dashboard starts.
-  Alerts are sent while the dashboard runs (a run keeps going without it; what happened meanwhile is
-  not alerted later).
 
-Called by :mod:`psflow.platform.uiserver`.
+A launcher given a webhook (``psflow run --alert-webhook``, ``PSFLOW_ALERT_WEBHOOK``) tells its own
+run's alerts with the same book, dashboard or not (:mod:`psflow.platform.runalerts`). Whichever of
+the two comes first claims the alert in the job store (:meth:`JobStore.claim_alert`, keyed by
+:func:`alert_key`: run, kind, and the restarted task's attempt or the stalled step) and sends it;
+the other skips it.
+
+Called by :mod:`psflow.platform.uiserver` and :mod:`psflow.platform.runalerts`.
 """
 
 from __future__ import annotations
@@ -92,6 +96,16 @@ class AlertBook:
         return out
 
 
+def alert_key(alert: Alert) -> str:
+    """What tells one alert of a run and kind from another: the restarted task and attempt, the
+    stalled global step (a failure happens once per run)."""
+    if alert.kind == "restarted":
+        return f"{alert.task}@{alert.detail.get('attempt')}"
+    if alert.kind == "stalled":
+        return f"step={alert.detail.get('global_step')}"
+    return "run"
+
+
 def check_webhook(url: str) -> str:
     """``url`` if it is an http(s) URL with a host.
 
@@ -120,7 +134,7 @@ class AlertWatcher:
                  link: Callable[[str], str] | None = None, send: Callable[[str, bytes], None] | None = None) -> None:
         self.db_path, self.url, self.book, self.poll_s = db_path, check_webhook(url), book, poll_s
         self.link = link
-        self.send = send or _post
+        self.send = send or post_json
         self.sent = 0
         self.failed = 0
         self._stop = threading.Event()
@@ -145,7 +159,8 @@ class AlertWatcher:
                 print(f"psflow ui: alerts: cannot read the job store ({e}); trying again", file=sys.stderr, flush=True)
                 alerts = []
             for alert in alerts:
-                self._tell(alert)
+                if self._claimed(alert):
+                    self._tell(alert)
             self._stop.wait(self.poll_s)
 
     def _look(self, db: Any) -> list[Alert]:
@@ -159,6 +174,20 @@ class AlertWatcher:
         live, _ = db.run_page(state="running", limit=1000)
         steps = {r["id"]: int(r.get("global_step") or 0) for r in live if r["state"] == "running"}
         return self.book.on_events(events, causes) + self.book.on_look(steps, time.time())
+
+    def _claimed(self, alert: Alert) -> bool:
+        """Whether the dashboard is first to tell ``alert`` (the run's launcher may have told it)."""
+        import sqlite3
+
+        from psflow.platform.jobstore import JobStore, JobStoreError
+
+        try:
+            with JobStore(self.db_path) as db:
+                return db.claim_alert(alert.run_id, alert.kind, alert_key(alert), time.time(), "dashboard")
+        except (JobStoreError, sqlite3.Error) as e:
+            print(f"psflow ui: alerts: cannot claim {alert.kind} in the job store ({e}); telling it anyway",
+                  file=sys.stderr, flush=True)
+            return True
 
     def _tell(self, alert: Alert) -> None:
         body = {**asdict(alert), "detail": dict(alert.detail)}
@@ -174,7 +203,8 @@ class AlertWatcher:
                   f"lost: {alert.text}", file=sys.stderr, flush=True)
 
 
-def _post(url: str, body: bytes) -> None:
+def post_json(url: str, body: bytes) -> None:
+    """POST ``body`` (JSON) to ``url``; raises on an error status or no answer within 5 s."""
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(request, timeout=5) as response:  # noqa: S310 (http(s) checked by check_webhook)
         response.read()

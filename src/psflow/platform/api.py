@@ -14,6 +14,8 @@ Routes (``{run}`` is a run id):
 - ``GET /api/runs/{run}/tasks/{task}/log?offset=&max_bytes=``: a task's log, its tail or from an offset;
 - ``GET /api/runs/{run}/summary``, ``GET /api/runs/{run}/checkpoints``,
   ``GET /api/runs/{run}/checkpoints/{name}/export``: the summary, the checkpoints, one exported as safetensors;
+- ``GET /api/runs/{run}/stream?name=&after=``: Server-Sent Events: the run page when it changed, new
+  metric points, ``end`` once it is over (:mod:`psflow.platform.livestream`);
 - ``GET /api/summary``: runs by state; ``GET /api/health``; ``GET /metrics``: Prometheus;
 - ``POST /api/runs``: start a run (form fields checked here: 422 with what was wrong);
 - ``POST /api/runs/{run}/stop``, ``POST /api/runs/{run}/restart``;
@@ -46,13 +48,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from psflow.errors import ConfigError, PsflowError
-from psflow.platform.home import HOME_ENV, JOBS_DB, UI_TOKEN_ENV
+from psflow.platform.home import ALERT_WEBHOOK_ENV, HOME_ENV, JOBS_DB, UI_TOKEN_ENV
 from psflow.platform.jobstore import RUN_STATES, JobStore, JobStoreError
 from psflow.platform.runfiles import RunFileError, checkpoint_path, checkpoints, log_path, read_log
 
@@ -74,6 +76,7 @@ class UiSettings:
         start_wait_s: a start's longest wait for the new run's launcher to record it.
         alert_webhook: where alerts go (failed, stalled, restarted; :mod:`psflow.platform.alerts`), if anywhere.
         alert_stall_s: how long a running run's global step may stand still before it is a stall.
+        stream_poll_s: how often an open live stream (``/api/runs/{run}/stream``) reads the store.
     """
 
     home: Path
@@ -85,6 +88,7 @@ class UiSettings:
     start_wait_s: float = 60.0
     alert_webhook: str | None = None
     alert_stall_s: float = 300.0
+    stream_poll_s: float = 1.0
 
     @property
     def db_path(self) -> Path:
@@ -360,6 +364,34 @@ def create_app(settings: UiSettings) -> FastAPI:
                          name=f"psflow-restart-{run_id}").start()
         return {"run_id": spec.run_id, "restarts": run_id, "logdir": spec.logdir}
 
+    app.state.closing = threading.Event()  # set by psflow ui's shutdown: open streams end
+
+    @app.get("/api/runs/{run_id}/stream", dependencies=reads, response_class=StreamingResponse,
+             responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"}})
+    def stream_run(run_id: str, request: Request, db: Db, name: Annotated[list[str] | None, Query()] = None,
+                   after: float = 0.0) -> StreamingResponse:
+        from psflow.platform.livestream import run_stream
+
+        the_run(db, run_id)  # a 404 now, not an empty stream
+        try:  # a reconnecting EventSource names the last metrics message it got
+            after = max(after, float(request.headers.get("last-event-id") or 0.0))
+        except ValueError:
+            pass
+
+        def look(since: float) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+            with JobStore(settings.db_path) as store:
+                run = store.run(run_id, metrics=True)
+                if run is None:
+                    return None, []
+                page = {"run": _shown(run), "attempts": store.attempts(run_id),
+                        "events": store.events(run_id)[-2000:], "controls": store.controls(run_id)}
+                return page, store.metrics(run_id, after_unix=since, names=name)
+
+        body = run_stream(look, after=after, is_disconnected=request.is_disconnected, closing=app.state.closing,
+                          poll_s=settings.stream_poll_s, thin=lambda points: _thin(points, 2000))
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
     @app.get("/metrics", dependencies=reads)
     def metrics() -> Response:
         from psflow.platform.prometheus import CONTENT_TYPE, exposition
@@ -389,6 +421,8 @@ def _launcher_env(settings: UiSettings) -> dict[str, str]:
     """The environment of a launcher started here: records into this store; never sees the token."""
     env = {k: v for k, v in os.environ.items() if k != UI_TOKEN_ENV}
     env[HOME_ENV] = str(settings.home)
+    if settings.alert_webhook and not env.get(ALERT_WEBHOOK_ENV):  # the run alerts with the dashboard down too
+        env[ALERT_WEBHOOK_ENV] = settings.alert_webhook
     return env
 
 

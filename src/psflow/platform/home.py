@@ -2,7 +2,8 @@
 
 The one place that reads ``PSFLOW_HOME``. Tasks never read it (it is the launcher's and the CLI's,
 not part of the launcher->task contract in :mod:`psflow.launch.contract`). Holds ``jobs.db``, the job
-store (:mod:`psflow.platform.jobstore`). Also reads ``PSFLOW_UI_TOKEN`` (the dashboard's token).
+store (:mod:`psflow.platform.jobstore`). Also reads ``PSFLOW_UI_TOKEN`` (the dashboard's token) and
+``PSFLOW_ALERT_WEBHOOK`` (where the launcher sends a run's alerts).
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ from pathlib import Path
 HOME_ENV = "PSFLOW_HOME"
 UI_TOKEN_ENV = "PSFLOW_UI_TOKEN"
 JOBS_DB = "jobs.db"
+ALERT_WEBHOOK_ENV = "PSFLOW_ALERT_WEBHOOK"
+ALERT_STALL_ENV = "PSFLOW_ALERT_STALL_S"
 
 # The variables the launcher and the CLI read for themselves (a task's are launch.contract.ENV).
 ENV = {HOME_ENV: "where psflow keeps its own state, the job store jobs.db among it (default ~/.psflow)",
-       UI_TOKEN_ENV: "the dashboard's token for requests that change anything (default: a fresh one, printed at start)"}
+       UI_TOKEN_ENV: "the dashboard's token for requests that change anything (default: a fresh one, printed at start)",
+       ALERT_WEBHOOK_ENV: "a webhook the launcher tells when its run fails, stalls or restarts a task (psflow run "
+                          "--alert-webhook sets it)",
+       ALERT_STALL_ENV: "seconds a run's global step may stand still before the launcher alerts a stall (default 300)"}
 
 
 def psflow_home(env: Mapping[str, str] | None = None) -> Path:
@@ -40,3 +46,23 @@ def ui_token(env: Mapping[str, str] | None = None) -> str | None:
     """``$PSFLOW_UI_TOKEN`` (None where unset or blank): the dashboard's token, if the user chose one."""
     raw = (os.environ if env is None else env).get(UI_TOKEN_ENV, "").strip()
     return raw or None
+
+
+def alert_settings(env: Mapping[str, str] | None = None) -> tuple[str | None, float]:
+    """``($PSFLOW_ALERT_WEBHOOK or None, $PSFLOW_ALERT_STALL_S or 300)``: the launcher's alerts.
+
+    Raises:
+        ConfigError: a stall setting that is not a positive number.
+    """
+    from psflow.errors import ConfigError
+
+    e = os.environ if env is None else env
+    url = e.get(ALERT_WEBHOOK_ENV, "").strip() or None
+    raw = e.get(ALERT_STALL_ENV, "").strip()
+    try:
+        stall_s = float(raw) if raw else 300.0
+    except ValueError:
+        stall_s = -1.0
+    if not stall_s > 0:
+        raise ConfigError(f"{ALERT_STALL_ENV}={raw!r} is not a positive number of seconds. Unset it for 300.")
+    return url, stall_s

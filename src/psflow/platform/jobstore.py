@@ -194,6 +194,20 @@ class JobStore:
         self._db.execute("INSERT INTO events (run_id, time_unix, kind, task, data) VALUES (?, ?, ?, ?, ?)",
                          (run_id, at, kind, task if isinstance(task, str) else None, json.dumps(data, default=str)))
 
+    def claim_alert(self, run_id: str, alert: str, key: str, at: float, source: str) -> bool:
+        """Whether this caller is the first to tell alert ``alert`` (failed, restarted, stalled) of
+        ``run_id`` with ``key`` (e.g. the restarted task and attempt): the first claim records an
+        ``alert_sent`` event and wins; later ones (the launcher's and the dashboard's watchers both
+        look) lose. Its own transaction, so two processes never both win."""
+        with self.transaction():
+            seen = self._db.execute(
+                "SELECT 1 FROM events WHERE run_id = ? AND kind = 'alert_sent' AND json_extract(data, '$.alert') = ?"
+                " AND json_extract(data, '$.key') = ? LIMIT 1", (run_id, alert, key)).fetchone()
+            if seen is not None:
+                return False
+            self.add_event(run_id, "alert_sent", at, {"alert": alert, "key": key, "source": source})
+        return True
+
     def heartbeat(self, run_id: str, at: float) -> None:
         self._db.execute("UPDATE runs SET heartbeat_unix = ? WHERE id = ?", (at, run_id))
 

@@ -213,6 +213,7 @@ def run_here(spec: LaunchSpec, *, live: bool | None = None, runs_root: Path | No
 def _runner(spec: LaunchSpec, *, live: bool | None) -> Any:
     from psflow.launch.runner import Runner, file_store
     from psflow.launch.runstore import CompositeRunStore
+    from psflow.platform.runalerts import alerting_store
     from psflow.platform.sqlrunstore import SqliteRunStore, run_record
 
     if spec.backend == "slurm":
@@ -227,7 +228,8 @@ def _runner(spec: LaunchSpec, *, live: bool | None) -> Any:
     def store(plan: LaunchPlan) -> CompositeRunStore:
         warn = backend.console.warn
         record = {**run_record(plan, backend=spec.backend, restart_policy=plan.restart), "restarted_from": spec.restarted_from}
-        return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn), warn=warn)
+        return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn),
+                                 *alerting_store(plan.run_id, warn=warn), warn=warn)
 
     return Runner(backend, register_timeout_s=backend.register_timeout_s, store=store)
 

@@ -107,6 +107,9 @@ class _Server:
             async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
                 # here, not after run(): uvicorn raises the captured SIGTERM again once it has shut down
                 remove_ui(settings_.home)
+                closing = getattr(getattr(self.config.app, "state", None), "closing", None)
+                if closing is not None:
+                    closing.set()  # open live streams end (uvicorn waits for their responses)
                 if getattr(self, "alerts", None) is not None:
                     self.alerts.stop()
                 await super().shutdown(sockets)

@@ -1,10 +1,12 @@
-// psflow's dashboard: a page over the HTTP API (/api/...), refreshed by polling. No build step,
+// psflow's dashboard: a page over the HTTP API (/api/...). A run's page is kept live by Server-Sent
+// Events (/api/runs/ID/stream), falling back to polling where they fail; other pages poll. No build step,
 // no CDN: uPlot is served from vendor/. Routes: #/ (runs), #/run/ID (one run), #/new (start form).
 "use strict";
 
 const POLL_MS = 1500;
 const CHARTS = [["loss", "loss"], ["accuracy", "accuracy"], ["examples_per_sec", "examples/sec"]];
 let timer = null;
+let stream = null;  // the run page's EventSource, while it is open
 let view = null;  // the current page's state (its polling reads it)
 
 // -- the token: from the URL's #token=... once (never sent as part of a URL), kept in localStorage --
@@ -64,6 +66,7 @@ const app = document.getElementById("app");
 // -- routing -----------------------------------------------------------------------------------
 function route() {
   clearInterval(timer); timer = null;
+  if (stream) { stream.close(); stream = null; }
   view = null;
   const h = location.hash || "#/";
   let m;
@@ -189,7 +192,35 @@ function runPage(runId) {
   document.getElementById("stop-btn").onclick = () => control(runId, "stop");
   document.getElementById("restart-btn").onclick = () => control(runId, "restart");
   document.getElementById("dump-btn").onclick = () => dumpAll(runId);
-  every(() => refreshRun(runId));
+  liveRun(runId);
+}
+
+// The run page's live updates: the run and new metric points pushed by the server; polling where
+// EventSource is missing or its stream cannot be opened (e.g. a dashboard that needs the token for reads:
+// EventSource cannot send it). document.body.dataset.live says which ("sse" or "poll").
+function liveRun(runId) {
+  const poll = () => { document.body.dataset.live = "poll"; every(() => refreshRun(runId)); };
+  if (!window.EventSource) return poll();
+  const q = new URLSearchParams();
+  for (const [key] of CHARTS) q.append("name", key);
+  const es = new EventSource(`/api/runs/${encodeURIComponent(runId)}/stream?${q}`);
+  stream = es;
+  let opened = false;
+  const mine = () => stream === es && view && view.runId === runId;
+  es.onopen = () => { opened = true; document.body.dataset.live = "sse"; };
+  es.addEventListener("run", ev => { if (mine()) showRun(runId, JSON.parse(ev.data), false); });
+  es.addEventListener("metrics", ev => {
+    if (!mine()) return;
+    addPoints(JSON.parse(ev.data).series);
+    for (const [key, label] of CHARTS) drawChart(key, label);
+  });
+  es.addEventListener("end", () => { es.close(); if (stream === es) stream = null; });
+  es.onerror = () => {
+    // a stream that never opened, or one the browser gave up on: poll instead (it reconnects by itself otherwise)
+    if (opened && es.readyState !== EventSource.CLOSED) return;
+    es.close();
+    if (mine()) { stream = null; poll(); }
+  };
 }
 
 async function control(runId, what) {
@@ -206,6 +237,11 @@ async function refreshRun(runId) {
   let page;
   try { page = await api(`/api/runs/${encodeURIComponent(runId)}`); }
   catch (e) { document.getElementById("run-headline").textContent = e.message; return; }
+  await showRun(runId, page, true);
+}
+
+// Draw a run page (GET /api/runs/ID's answer, polled or pushed); the charts' points come with it when polled.
+async function showRun(runId, page, withMetrics) {
   const run = page.run;
   document.getElementById("run-state").innerHTML = badge(run.state);
   const live = run.state === "running" || run.state === "pending";
@@ -221,7 +257,7 @@ async function refreshRun(runId) {
   drawEvents(page.events);
   drawSummary(run);
   if (!view.logTask) { view.logTask = Object.keys(run.tasks).find(t => t.startsWith("worker")) || Object.keys(run.tasks)[0]; }
-  await Promise.all([refreshMetrics(runId), refreshLog(runId), refreshCheckpoints(runId, run), refreshStragglers(runId, run),
+  await Promise.all([withMetrics ? refreshMetrics(runId) : null, refreshLog(runId), refreshCheckpoints(runId, run), refreshStragglers(runId, run),
     refreshPs(runId)]);
 }
 
@@ -280,13 +316,17 @@ async function refreshMetrics(runId) {
   for (const [key] of CHARTS) q.append("name", key);
   let m;
   try { m = await api(`/api/runs/${encodeURIComponent(runId)}/metrics?${q}`); } catch (e) { return; }
-  for (const [task, per] of Object.entries(m.series)) {
+  addPoints(m.series);
+  for (const [key, label] of CHARTS) drawChart(key, label);
+}
+
+function addPoints(series) {
+  for (const [task, per] of Object.entries(series)) {
     for (const [name, points] of Object.entries(per)) {
       const s = ((view.series[name] = view.series[name] || {})[task] = view.series[name][task] || []);
       for (const p of points) { s.push(p); if (p[0] > view.after) view.after = p[0]; }
     }
   }
-  for (const [key, label] of CHARTS) drawChart(key, label);
 }
 
 function drawChart(key, label) {

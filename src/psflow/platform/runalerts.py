@@ -1,0 +1,150 @@
+"""The launcher's own alerts: a run store that tells a webhook when its run fails, stalls or restarts
+a task, whether or not a dashboard runs (``psflow run --alert-webhook URL`` or ``PSFLOW_ALERT_WEBHOOK``).
+
+:class:`AlertingRunStore` is one more copy in the launcher's :class:`~psflow.launch.runstore.CompositeRunStore`:
+it sees what the runner records as it happens and decides with the dashboard's rules
+(:class:`psflow.platform.alerts.AlertBook`): a restart decided (``task_restarting``), the run
+finished ``failed`` (with the summary's root cause), the global step standing still for ``stall_s``
+(looked at on the runner's ticks, about once a second). Alerts go out from a thread of its own, so the
+run loop never waits on the network; at the run's end the queue is given ``flush_s`` to drain.
+
+Each alert is claimed in the job store first (:meth:`JobStore.claim_alert`, keyed run + kind + task
+attempt or step): the dashboard's watcher (:class:`psflow.platform.alerts.AlertWatcher`) claims the
+same keys, so a run watched by both is told once. A store that cannot be read does not stop the
+alert (told twice rather than lost).
+
+Made by :func:`alerting_store` for :func:`psflow.launch.runner.recorded_store` and
+:mod:`psflow.platform.launching`.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from psflow.launch.runstore import RunStore
+from psflow.platform.alerts import Alert, AlertBook, alert_key, check_webhook, post_json
+
+
+class AlertingRunStore(RunStore):
+    """Decides and sends one run's alerts (see the module docstring).
+
+    Args:
+        run_id: the run.
+        url: the webhook.
+        db_path: the job store where alerts are claimed (None: ``$PSFLOW_HOME/jobs.db``).
+        stall_s: how long the global step may stand still while the run trains.
+        warn: says that a webhook could not be reached (the launcher's console).
+        send: posts one JSON body (default: urllib, 5 s timeout).
+        flush_s: how long the run's end waits for alerts still queued.
+    """
+
+    def __init__(self, run_id: str, url: str, *, db_path: Path | None = None, stall_s: float = 300.0,
+                 warn: Callable[[str], None] = print, send: Callable[[str, bytes], None] | None = None,
+                 flush_s: float = 15.0) -> None:
+        self.run_id, self.url, self.db_path = run_id, check_webhook(url), db_path
+        self.book = AlertBook(stall_s=stall_s)
+        self.warn, self.send, self.flush_s = warn, send or post_json, flush_s
+        self.sent = 0
+        self._step = 0
+        self._root_cause: str | None = None
+        self._last_look = -float("inf")
+        self._queue: queue.Queue[Alert | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._send_loop, name=f"psflow-alerts-{run_id}", daemon=True)
+        self._thread.start()
+
+    # -- what the runner records ----------------------------------------------------------------------
+    def task_restarting(self, task: str, attempt: int, after_s: float, reason: str) -> None:
+        event = {"kind": "restart", "run_id": self.run_id, "data": {"task": task, "attempt": attempt, "reason": reason}}
+        self._queue_all(self.book.on_events([event], {}))
+
+    def report(self, task: str, metrics: dict[str, Any]) -> None:
+        progress = metrics.get("progress")
+        step = progress.get("global_step") if isinstance(progress, dict) else metrics.get("global_step")
+        if isinstance(step, int) and not isinstance(step, bool) and step > self._step:
+            self._step = step
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_look < 1.0:
+            return
+        self._last_look = now
+        self._queue_all(self.book.on_look({self.run_id: self._step}, now))
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self._root_cause = summary.get("root_cause")
+
+    def finished(self, status: str) -> None:
+        event = {"kind": "run_finished", "run_id": self.run_id, "data": {"status": status}}
+        self._queue_all(self.book.on_events([event], {self.run_id: self._root_cause}))
+        self._queue.put(None)
+        self._thread.join(self.flush_s)
+        if self._thread.is_alive():
+            self.warn(f"psflow: alerts: the webhook {self.url} did not take every alert within {self.flush_s:g} s; "
+                      "the rest are lost.")
+
+    def task_started(self, task: str, attempt: int, handle: Any) -> None:
+        pass
+
+    def task_registered(self, task: str, address: str) -> None:
+        pass
+
+    def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False,
+                    hang: dict[str, Any] | None = None) -> None:
+        pass
+
+    def task_hung(self, task: str, hang: dict[str, Any]) -> None:
+        pass
+
+    def event(self, kind: str, **data: Any) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "tasks": {}}
+
+    # -- sending ---------------------------------------------------------------------------------------
+    def _queue_all(self, alerts: list[Alert]) -> None:
+        for alert in alerts:
+            self._queue.put(alert)
+
+    def _send_loop(self) -> None:
+        while (alert := self._queue.get()) is not None:
+            if not self._claimed(alert):
+                continue  # the dashboard told it already
+            body = {**asdict(alert), "detail": dict(alert.detail), "source": "launcher"}
+            try:
+                self.send(self.url, json.dumps(body, default=str).encode())
+                self.sent += 1
+            except Exception as e:  # noqa: BLE001 (a webhook's failure never touches the run)
+                self.warn(f"psflow: alerts: the webhook {self.url} refused or could not be reached ({e}); lost: {alert.text}")
+
+    def _claimed(self, alert: Alert) -> bool:
+        import sqlite3
+
+        from psflow.platform.jobstore import JobStore, JobStoreError
+
+        try:
+            with JobStore(self.db_path) as db:
+                return db.claim_alert(alert.run_id, alert.kind, alert_key(alert), time.time(), "launcher")
+        except (JobStoreError, sqlite3.Error) as e:
+            self.warn(f"psflow: alerts: cannot claim {alert.kind} in the job store ({e}); telling it anyway")
+            return True
+
+
+def alerting_store(run_id: str, *, warn: Callable[[str], None], env: dict[str, str] | None = None,
+                   db_path: Path | None = None) -> list[RunStore]:
+    """``[AlertingRunStore]`` when ``PSFLOW_ALERT_WEBHOOK`` is set, else ``[]`` (a composite store's extra copies).
+
+    Raises:
+        ConfigError: a webhook that is not an http(s) URL, or a bad ``PSFLOW_ALERT_STALL_S``.
+    """
+    from psflow.platform.home import alert_settings
+
+    url, stall_s = alert_settings(env)
+    return [AlertingRunStore(run_id, url, db_path=db_path, stall_s=stall_s, warn=warn)] if url else []
