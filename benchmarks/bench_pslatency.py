@@ -39,11 +39,11 @@ SIZES = (64, 1 << 20)
 
 
 def serve(pipe: Any) -> None:
-    """The ps process: a timed and an untimed shard, each on its own Server."""
+    """The ps process: per size, a timed and an untimed shard, each on its own Server."""
     torch.set_num_threads(1)
     cluster = ClusterSpec.from_dict({"ps": ["127.0.0.1:3"], "worker": ["127.0.0.1:1", "127.0.0.1:2"]})
     services, addresses = [], []
-    for timed in (True, False):
+    for timed in [t for _ in SIZES for t in (True, False)]:
         server = Server("ps:0", secret=SECRET)
         saved = service_module._TIMED
         if not timed:
@@ -86,9 +86,9 @@ def main() -> None:
     proc.start()
     rows = []
     try:
-        timed_address, untimed_address = here.recv()
-        for nbytes in SIZES:
-            timed, untimed = Worker(timed_address, nbytes), Worker(untimed_address, nbytes)
+        addresses = here.recv()
+        for i, nbytes in enumerate(SIZES):
+            timed, untimed = Worker(addresses[2 * i], nbytes), Worker(addresses[2 * i + 1], nbytes)
             for op in ("push", "pull"):
                 harness.log(f"{nbytes} B {op}: {reps} reps x {iters}")
                 res = harness.interleaved({"timed": lambda w=timed, o=op: harness.time_each(getattr(w, o), iters),

@@ -255,3 +255,34 @@ def test_a_local_plan_with_gpus_sets_each_trainers_visible_devices(monkeypatch, 
     monkeypatch.setattr(gpus, "gpu_count", lambda: 0)
     with pytest.raises(ConfigError, match="but this machine has 0"):
         plan_of(LaunchSpec(script=str(script), num_workers=2, gpus_per_worker=1, logdir=str(tmp_path / "r")))
+
+
+def test_the_live_stream_sends_what_changed_then_ends_with_the_run():
+    import asyncio
+    import threading
+
+    from psflow.platform.livestream import frame, new_points, run_stream
+
+    assert frame("end", {"state": "stopped"}) == 'event: end\ndata: {"state":"stopped"}\n\n'
+    assert frame("metrics", {}, event_id="2.5").startswith("event: metrics\nid: 2.5\n")
+    rows = [{"task": "worker:0", "name": "loss", "time_unix": t, "step": s, "value": v} for t, s, v in
+            ((1.0, 10, 0.9), (2.0, 20, 0.8))]
+    assert new_points(rows, 1.0) == ({"worker:0": {"loss": [[2.0, 20, 0.8]]}}, 2.0)
+
+    pages = iter([("running", rows[:1]), ("running", rows[:1]), ("running", rows), ("stopped", rows)])
+
+    def look(after: float):
+        state, points = next(pages)
+        return {"run": {"state": state, "tasks": {}}}, [p for p in points if p["time_unix"] > after]
+
+    async def collect() -> list[str]:
+        async def connected() -> bool:
+            return False
+
+        return [m async for m in run_stream(look, after=0.0, is_disconnected=connected, closing=threading.Event(),
+                                            poll_s=0.0)]
+
+    messages = "".join(asyncio.run(collect()))
+    events = [line[7:] for line in messages.splitlines() if line.startswith("event: ")]
+    # the unchanged second look sends nothing; the new point and the stopped run are sent, then `end`
+    assert events == ["run", "metrics", "metrics", "run", "end"], messages
