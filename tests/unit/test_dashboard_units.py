@@ -286,3 +286,20 @@ def test_the_live_stream_sends_what_changed_then_ends_with_the_run():
     events = [line[7:] for line in messages.splitlines() if line.startswith("event: ")]
     # the unchanged second look sends nothing; the new point and the stopped run are sent, then `end`
     assert events == ["run", "metrics", "metrics", "run", "end"], messages
+
+
+def test_with_reads_behind_the_token_the_live_stream_needs_it_too(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from psflow.platform.api import UiSettings, create_app
+    from psflow.platform.sqlrunstore import SqliteRunStore
+
+    record = {"id": "run-x", "script": "x.py", "args": [], "logdir": str(tmp_path), "cluster": {"worker": ["worker:0"]},
+              "mode": "async", "strategy": "ps", "backend": "local", "restart_policy": {}, "launcher": None,
+              "created_unix": 1.0}
+    SqliteRunStore(tmp_path / "jobs.db", record, ["worker:0"], warn=print).finished("failed")
+    client = TestClient(create_app(UiSettings(home=tmp_path, token="chosen-token", auth_reads=True)))
+    refused = client.get("/api/runs/run-x/stream")
+    assert refused.status_code == 401 and "needs the dashboard's token" in refused.json()["detail"]
+    ok = client.get("/api/runs/run-x/stream", headers={"Authorization": "Bearer chosen-token"})
+    assert ok.status_code == 200 and ok.text.endswith('event: end\ndata: {"state":"failed"}\n\n'), ok.text[-300:]
