@@ -92,6 +92,9 @@ def test_start_watch_read_a_log_survive_a_dashboard_restart_and_stop_from_the_br
         polled = [u for u in requests if f"/api/runs/{run_id}/metrics" in u or u.endswith(f"/api/runs/{run_id}")]
         assert not polled, polled
         page.wait_for_selector("#straggler-verdict")
+        # the ps card: ps:0's live push rate and p99 (pushed with the run page)
+        page.wait_for_function("(() => { const r = document.querySelector('#ps-health tr[data-ps-requests=\"ps:0\"]');"
+                               " return r && Number(r.cells[1].textContent) > 0 && r.cells[3].textContent !== ''; })()")
         page.screenshot(path=str(artifacts / "03-run-training.png"), full_page=True)
 
         page.click('#cluster .task[data-task="worker:1"]')

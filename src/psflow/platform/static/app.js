@@ -206,9 +206,17 @@ function liveRun(runId) {
   const es = new EventSource(`/api/runs/${encodeURIComponent(runId)}/stream?${q}`);
   stream = es;
   let opened = false;
-  const mine = () => stream === es && view && view.runId === runId;
+  const page0 = view;  // this page: a new route replaces it (and closes the stream); `end` closes the stream only
+  const mine = () => view === page0;
   es.onopen = () => { opened = true; document.body.dataset.live = "sse"; };
-  es.addEventListener("run", ev => { if (mine()) showRun(runId, JSON.parse(ev.data), false); });
+  // one page drawn at a time (its log and cards are fetched): a message that comes meanwhile waits, the newest wins
+  let next = null, drawing = false;
+  const draw = async () => {
+    drawing = true;
+    try { while (next && mine()) { const page = next; next = null; await showRun(runId, page, false); } }
+    finally { drawing = false; }
+  };
+  es.addEventListener("run", ev => { if (!mine()) return; next = JSON.parse(ev.data); if (!drawing) draw(); });
   es.addEventListener("metrics", ev => {
     if (!mine()) return;
     addPoints(JSON.parse(ev.data).series);
@@ -219,7 +227,8 @@ function liveRun(runId) {
     // a stream that never opened, or one the browser gave up on: poll instead (it reconnects by itself otherwise)
     if (opened && es.readyState !== EventSource.CLOSED) return;
     es.close();
-    if (mine()) { stream = null; poll(); }
+    if (stream === es) stream = null;
+    if (mine()) poll();
   };
 }
 
