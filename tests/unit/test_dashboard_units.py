@@ -225,6 +225,8 @@ def test_ps_health_shows_each_shards_live_requests_and_the_skew_across_shards():
     assert skew["push_rate"] == {"max": 200.0, "min": 50.0, "ratio": 4.0, "max_ps": "ps:0"}
     assert skew["push_p99_ms"]["ratio"] == 4.0 and skew["push_p99_ms"]["max_ps"] == "ps:1"
     assert skew["pull_rate"]["ratio"] is None  # both idle: no ratio
+    idle = ps_health({"tasks": {"ps:0": {"progress": {"pull_rate": 0.0, "pull_p50_ms": 3.0, "pull_p99_ms": 4.0}}}})
+    assert idle["ps"]["ps:0"]["pull_p99_ms"] is None  # no pulls in the last window: an older window's p99 is not shown
     assert "push_rate" not in ps_health({"tasks": {"ps:0": ps(1.0, 1.0)}})["skew"]  # one shard: no skew
 
 

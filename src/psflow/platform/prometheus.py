@@ -11,7 +11,7 @@ reports the same figures):
 - ``psflow_task_restarts_total{run}``: restarts of every task of each live run;
 - per ps task of each live run, over its last report window (about a second, :mod:`psflow.ps.latency`):
   ``psflow_ps_requests_per_second{run,task,op}`` and ``psflow_ps_request_latency_ms{run,task,op,quantile}``
-  (``op`` push or pull, ``quantile`` 0.5 or 0.99).
+  (``op`` push or pull, ``quantile`` 0.5 or 0.99; none for an op without requests in the window).
 
 Called by :mod:`psflow.platform.api`.
 """
@@ -63,7 +63,7 @@ class StoreCollector(Collector):
         ps_rate = GaugeMetricFamily("psflow_ps_requests_per_second", "A ps's push or pull requests per second over "
                                     "its last report window.", labels=["run", "task", "op"])
         ps_latency = GaugeMetricFamily("psflow_ps_request_latency_ms", "A ps's push or pull latency (ms) over its "
-                                       "last report window with requests.", labels=["run", "task", "op", "quantile"])
+                                       "last report window.", labels=["run", "task", "op", "quantile"])
         for run in [*live, *pending]:
             if run["state"] not in ("running", "pending"):
                 continue  # found abandoned by the liveness check while read
@@ -86,7 +86,7 @@ def _ps_requests(run_id: str, task: str, figures: dict[str, Any], rate: GaugeMet
         if _is_number(figures.get(f"{op}_rate")):
             rate.add_metric([run_id, task, op], float(figures[f"{op}_rate"]))
         for quantile, key in (("0.5", f"{op}_p50_ms"), ("0.99", f"{op}_p99_ms")):
-            if _is_number(figures.get(key)):
+            if _is_number(figures.get(key)) and figures.get(f"{op}_rate") != 0:  # no requests: no latency
                 latency.add_metric([run_id, task, op, quantile], float(figures[key]))
 
 

@@ -27,6 +27,16 @@ def _real(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def _live(progress: Mapping[str, Any]) -> dict[str, float | None]:
+    """The live figures of a ps's progress; an op without requests in the last window has no percentiles
+    (the progress keeps those of an older window)."""
+    out = {k: _real(progress.get(k)) for k in LIVE}
+    for op in ("push", "pull"):
+        if out[f"{op}_rate"] == 0:
+            out[f"{op}_p50_ms"] = out[f"{op}_p99_ms"] = None
+    return out
+
+
 def shard_skew(ps: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """Per live figure (``LIVE``), across the ps that report it: ``{"max", "min", "ratio", "max_ps"}``
     (``ratio`` = max / min, None where min is 0); a figure fewer than two ps report is left out."""
@@ -52,7 +62,7 @@ def ps_health(run: Mapping[str, Any]) -> dict[str, Any]:
             final = reports.get(name) or {}
             ps[name] = {"state": t.get("state"), "attempt": t.get("attempt"), "version": _int(progress.get("global_step")),
                         "stats": final.get("ps_stats"), "shards": final.get("shards"),
-                        "lost_workers": final.get("lost_workers"), **{k: _real(progress.get(k)) for k in LIVE}}
+                        "lost_workers": final.get("lost_workers"), **_live(progress)}
         elif name.startswith(("worker:", "chief:")):
             workers[name] = {"state": t.get("state"), "version": _int(progress.get("global_step")),
                              "pushes": _int(progress.get("pushes")), "stale_pushes": _int(progress.get("stale_pushes")),

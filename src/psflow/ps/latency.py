@@ -9,8 +9,8 @@ whose loop does not read the book (a benchmark's, a test's) holds at most ``cap`
 
 A window's figures, per op: ``{op}_rate`` (requests per second over the window), and when the
 window had requests ``{op}_p50_ms`` and ``{op}_p99_ms`` (nearest rank over the kept samples). A
-window without requests reports its rate (0) only: the last percentiles shown are those of the
-newest window that had requests.
+window without requests reports its rate (0) only (the dashboard then shows no percentiles for it:
+:mod:`psflow.platform.pshealth`).
 
 Called by :mod:`psflow.ps.service` (record) and :mod:`psflow.task` (take).
 """
