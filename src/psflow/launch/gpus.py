@@ -19,6 +19,10 @@ from psflow.errors import ConfigError
 VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
+class GpuRequestError(ConfigError):
+    """GPUs per worker that cannot be given: a bad count, a machine with fewer, a backend psflow does not place."""
+
+
 def is_trainer(task: str) -> bool:
     return task.startswith(("chief:", "worker:"))
 
@@ -32,20 +36,20 @@ def assign_gpus(tasks: Sequence[str], gpus_per_worker: int, available: int) -> d
         available: the GPUs this machine has (``torch.cuda.device_count()``).
 
     Raises:
-        ConfigError: a negative count, or fewer GPUs here than the training tasks need.
+        GpuRequestError: a negative count, or fewer GPUs here than the training tasks need.
 
     Example:
         >>> assign_gpus(["ps:0", "worker:0", "worker:1"], 2, 4)
         {'worker:0': '0,1', 'worker:1': '2,3'}
     """
     if isinstance(gpus_per_worker, bool) or not isinstance(gpus_per_worker, int) or gpus_per_worker < 0:
-        raise ConfigError(f"GPUs per worker must be a whole number, 0 or more; received {gpus_per_worker!r}.")
+        raise GpuRequestError(f"GPUs per worker must be a whole number, 0 or more; received {gpus_per_worker!r}.")
     if gpus_per_worker == 0:
         return {}
     trainers = [t for t in tasks if is_trainer(t)]
     needed = len(trainers) * gpus_per_worker
     if needed > available:
-        raise ConfigError(
+        raise GpuRequestError(
             f"GPUs per worker {gpus_per_worker} for {len(trainers)} training task(s) needs {needed} GPU(s), but this "
             f"machine has {available} (torch.cuda.device_count()). Ask for fewer workers or GPUs per worker, or 0 to "
             "train on the CPU.")

@@ -302,10 +302,14 @@ def create_app(settings: UiSettings) -> FastAPI:
                           num_workers=form.workers, chief=form.chief, evaluator=form.evaluator, mode=form.mode,
                           strategy=form.strategy, backend=form.backend, restart_policy=dataclasses.asdict(policy),
                           run_id=run_id, logdir=str(settings.logdirs / run_id), gpus_per_worker=form.gpus_per_worker)
+        from psflow.launch.gpus import GpuRequestError
+
         try:
             plan, proc = start_detached(spec, env=_launcher_env(settings))
+        except GpuRequestError as e:
+            raise _unprocessable("gpus_per_worker", str(e)) from e
         except ConfigError as e:
-            raise _unprocessable("gpus_per_worker" if "GPUs per worker" in str(e) else "form", str(e)) from e
+            raise _unprocessable("form", str(e)) from e
         _recorded(settings, plan.run_id, plan.logdir, proc)
         _reap(proc, launchers)
         return {"run_id": plan.run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}

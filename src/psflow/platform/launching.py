@@ -180,14 +180,14 @@ def _with_gpus(plan: LaunchPlan, spec: LaunchSpec) -> LaunchPlan:
     """``plan`` with each training task's ``CUDA_VISIBLE_DEVICES`` (``spec.gpus_per_worker`` each).
 
     Raises:
-        ConfigError: GPUs asked of a backend that cannot place them here, or more than this machine has.
+        GpuRequestError: GPUs asked of a backend that cannot place them here, or more than this machine has.
     """
-    from psflow.launch.gpus import VISIBLE, assign_gpus, gpu_count
+    from psflow.launch.gpus import VISIBLE, GpuRequestError, assign_gpus, gpu_count
 
     if not spec.gpus_per_worker:
         return plan
     if spec.backend != "local":
-        raise ConfigError(f"GPUs per worker ({spec.gpus_per_worker}) are placed by psflow on local runs only; for "
+        raise GpuRequestError(f"GPUs per worker ({spec.gpus_per_worker}) are placed by psflow on local runs only; for "
                           f"backend {spec.backend!r} ask the scheduler (Slurm: --gres=gpu:N in its options; Kubernetes: "
                           "psflow run --backend k8s --gpus-per-worker N), or set 0.")
     visible = assign_gpus(plan.task_names(), spec.gpus_per_worker, gpu_count())
