@@ -254,6 +254,11 @@ def test_a_local_plan_with_gpus_sets_each_trainers_visible_devices(monkeypatch, 
     env = {t.task: dict(t.env) for t in plan.tasks}
     assert env["worker:0"]["CUDA_VISIBLE_DEVICES"] == "0,1" and env["worker:1"]["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert "CUDA_VISIBLE_DEVICES" not in env["ps:0"]
+    from psflow.platform.launching import spec_of_run
+    from psflow.platform.sqlrunstore import run_record
+
+    record = run_record(plan, backend="local")  # what the job store keeps: a restart asks for the same GPUs
+    assert record["launch"]["gpus_per_worker"] == 2 and spec_of_run(record).gpus_per_worker == 2
     monkeypatch.setattr(gpus, "gpu_count", lambda: 0)
     with pytest.raises(ConfigError, match="but this machine has 0"):
         plan_of(LaunchSpec(script=str(script), num_workers=2, gpus_per_worker=1, logdir=str(tmp_path / "r")))

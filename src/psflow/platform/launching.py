@@ -122,7 +122,8 @@ def spec_of_run(run: Mapping[str, Any]) -> LaunchSpec:
         num_workers=len(cluster.get("worker", [])), chief=bool(cluster.get("chief")), evaluator=bool(cluster.get("evaluator")),
         mode=mode, strategy=strategy, backend=str(run.get("backend") or "local"),
         restart_policy=dict(run.get("restart_policy") or {}), config=config, hangs=dict(launch.get("hangs") or {}),
-        threads=launch.get("threads"), logdir=str(run["logdir"]), run_id=new_run_id(), restarted_from=str(run["id"]))
+        threads=launch.get("threads"), logdir=str(run["logdir"]), run_id=new_run_id(), restarted_from=str(run["id"]),
+        gpus_per_worker=int(launch.get("gpus_per_worker") or 0))
 
 
 def restore_spec(run: Mapping[str, Any], runs_root: Path) -> LaunchSpec:

@@ -66,8 +66,20 @@ def run_record(plan: LaunchPlan, *, backend: str, restart_policy: Any = None) ->
         "restart_policy": policy, "launcher": process_identity(os.getpid()), "created_unix": time.time(),
         # what psflow.platform.launching needs to launch the same plan again (fault injection left out)
         "launch": {"config": plan.config.to_dict(), "hangs": asdict(plan.hangs), "threads": plan.threads,
-                   "grace_s": plan.grace_s, "cwd": os.getcwd()},  # cwd: what a relative script path is relative to
+                   "grace_s": plan.grace_s, "cwd": os.getcwd(),  # cwd: what a relative script path is relative to
+                   "gpus_per_worker": _gpus_per_worker(plan)},
     }
+
+
+def _gpus_per_worker(plan: LaunchPlan) -> int:
+    """The GPUs each trainer of ``plan`` was given (:mod:`psflow.launch.gpus`; 0: none), for a restart to ask again."""
+    from psflow.launch.gpus import VISIBLE, is_trainer
+
+    for t in plan.tasks:
+        visible = dict(t.env).get(VISIBLE)
+        if is_trainer(t.task) and visible:
+            return len(visible.split(","))
+    return 0
 
 
 class SqliteRunStore(RunStore):
