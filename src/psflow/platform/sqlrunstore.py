@@ -66,7 +66,8 @@ def run_record(plan: LaunchPlan, *, backend: str, restart_policy: Any = None) ->
         "restart_policy": policy, "launcher": process_identity(os.getpid()), "created_unix": time.time(),
         # what psflow.platform.launching needs to launch the same plan again (fault injection left out)
         "launch": {"config": plan.config.to_dict(), "hangs": asdict(plan.hangs), "threads": plan.threads,
-                   "grace_s": plan.grace_s, "cwd": os.getcwd()},  # cwd: what a relative script path is relative to
+                   "grace_s": plan.grace_s, "cwd": os.getcwd(),  # cwd: what a relative script path is relative to
+                   **({"logdir_url": plan.logdir_url} if plan.logdir_url else {})},  # logdir: its staging dir
     }
 
 
