@@ -55,9 +55,32 @@ def train(epochs: int, env: dict[str, str], *extra: str) -> subprocess.Completed
                    "--epochs", str(epochs), "--init", "zeros", "--batch_size", "300"], env)
 
 
+def train_watching_the_url(env: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict]:
+    """``train(1, --timeline)``, and the status.json first seen on the URL while the run was going on."""
+    cmd = [PSFLOW, "run", "--no-live", "--ps", "1", "--workers", "2", "--logdir", URL, "--timeline", SOFTMAX, "--",
+           "--epochs", "1", "--init", "zeros", "--batch_size", "300"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=task_env(**env), cwd=ROOT)
+    seen: dict = {}
+    deadline = time.monotonic() + 200
+    try:
+        while proc.poll() is None and not seen and time.monotonic() < deadline:
+            files = objects("url-run/")
+            if "status.json" in files:
+                seen = {"status": json.loads(files["status.json"]), "files": sorted(files)}
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), seen
+
+
 def test_a_run_with_its_logdir_on_s3_puts_every_file_there_and_a_second_run_restores_from_its_checkpoints(s3_env):
-    r = train(1, s3_env, "--timeline")
+    r, seen = train_watching_the_url(s3_env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # Uploaded while the run went on (every 5 s), DONE not yet: it goes last, at the end.
+    assert seen and seen["status"]["state"] == "running" and "DONE" not in seen["files"], seen
     assert f"summary: {URL}/summary.json" in r.stdout
     files = objects("url-run/")
     status, summary = json.loads(files["status.json"]), json.loads(files["summary.json"])
