@@ -111,6 +111,13 @@ def test_a_run_with_its_logdir_on_s3_puts_every_file_there_and_a_second_run_rest
     summary = json.loads(objects("url-run/")["summary.json"])
     assert summary["global_step"] == 400 and summary["test_accuracy"] >= 0.8, summary
 
+    # psflow restart (the dashboard's "restart" too) keeps the URL: checkpoints read there, files uploaded.
+    r = psflow(["restart", summary["run_id"], "--no-live"], s3_env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"worker:0: restored from \S+/ckpt-0000000400 at step 400", r.stdout), r.stdout[-3000:]
+    again = json.loads(objects("url-run/")["summary.json"])
+    assert again["run_id"] != summary["run_id"] and again["global_step"] == 400, again
+
 
 def test_status_of_a_url_with_no_run_record_reads_the_url(s3_env, tmp_path):
     """A run launched elsewhere: psflow status URL downloads its status.json."""
