@@ -172,6 +172,9 @@ def run_job(launch: list[str], script_args: list[str], workdir: Path, *, netns: 
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate(timeout=10)
         raise RuntimeError(f"`{' '.join(cmd)}` took over {timeout_s:.0f} s:\n{out[-3000:]}") from None
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: the run (its own session) goes too
+        os.killpg(proc.pid, signal.SIGTERM)
+        raise
     wall_s = time.perf_counter() - t0
     summary_path = logdir / "summary.json"
     if proc.returncode != 0 or not summary_path.exists():
