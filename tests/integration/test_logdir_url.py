@@ -153,3 +153,14 @@ def test_a_logdir_url_that_cannot_be_written_fails_before_any_task_starts(s3_env
     assert f"--logdir {url!r} cannot be written" in r.stderr and "No task was started" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "psflow: run " not in r.stdout, r.stdout + r.stderr
     assert took_s < 60, f"failing took {took_s:.0f} s"  # a deadline, not a timing claim: retries would take minutes
+
+
+def test_a_failed_run_on_a_url_has_its_error_report_and_no_done_there(s3_env):
+    r = psflow(["run", "--no-live", "--ps", "1", "--workers", "1", "--logdir", "s3://psflow-runs/failed",
+                "--fail-at", "worker:0@step=3", SOFTMAX, "--", "--epochs", "1", "--init", "zeros"], s3_env)
+    assert r.returncode == 1 and "Root cause: worker:0" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    files = objects("failed/")
+    report = json.loads(files["errors/worker-0.json"])
+    assert report["task"] == "worker:0" and "injected" in report["message"].lower(), report
+    assert json.loads(files["status.json"])["state"] == "failed" and json.loads(files["summary.json"])["root_cause"] == "worker:0"
+    assert "DONE" not in files  # the chief never finished training
