@@ -50,7 +50,7 @@ def _k8s_options(f: Any) -> Any:
 @click.option("--workers", "num_workers", default=2, show_default=True, help="Worker tasks.")
 @click.option("--chief/--no-chief", default=False, help="Add a separate chief task (default: worker:0 is chief).")
 @click.option("--evaluator/--no-evaluator", default=False, help="Add an evaluator task that evaluates every new checkpoint.")
-@click.option("--logdir", default=None, help="Where logs, errors and summary.json go (default runs/<run id>).")
+@click.option("--logdir", default=None, help="Where logs, errors and summary.json go (default runs/<run id>); or a URL (s3://B/P), uploaded.")
 @click.option("--mode", type=click.Choice(["async", "sync", "ssp"]), default=None, help="Update mode.")
 @click.option("--strategy", type=click.Choice(["ps", "allreduce"]), default=None, help="Parameter servers or all-reduce.")
 @click.option("--replicas-to-aggregate", type=int, default=None, help="sync: gradients averaged per step (N).")
