@@ -149,7 +149,7 @@ def psflow_exe() -> str:
 
 
 def run_job(launch: list[str], script_args: list[str], workdir: Path, *, netns: str | None = None,
-            env: dict[str, str] | None = None) -> dict[str, Any]:
+            env: dict[str, str] | None = None, timeout_s: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
     """One ``psflow run LAUNCH cnn_steps.py -- SCRIPT_ARGS`` (inside ``netns`` if given).
 
     Returns ``{"workers": {task: bench report}, "start_unix": just before the process started,
@@ -163,7 +163,7 @@ def run_job(launch: list[str], script_args: list[str], workdir: Path, *, netns: 
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
+        out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops its tasks on SIGTERM
         try:
@@ -171,7 +171,10 @@ def run_job(launch: list[str], script_args: list[str], workdir: Path, *, netns: 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate(timeout=10)
-        raise RuntimeError(f"`{' '.join(cmd)}` took over {CHILD_TIMEOUT_S} s:\n{out[-3000:]}") from None
+        raise RuntimeError(f"`{' '.join(cmd)}` took over {timeout_s:.0f} s:\n{out[-3000:]}") from None
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: the run (its own session) goes too
+        os.killpg(proc.pid, signal.SIGTERM)
+        raise
     wall_s = time.perf_counter() - t0
     summary_path = logdir / "summary.json"
     if proc.returncode != 0 or not summary_path.exists():
@@ -311,6 +314,95 @@ def report_straggler(res: dict[str, list[dict[str, Any]]], settings: dict[str, A
     ])
 
 
+def part_time_to_accuracy(h: Hosts, reps: int, accuracy: float, settings: dict[str, Any],
+                          workdir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The straggler setting again, timed to a test accuracy (``cnn_steps.py --target_accuracy``)."""
+    for i in range(1, 5):
+        h.limit(i, settings["slow_rate"] if i == 4 else settings["rate"])
+    log(f"time to accuracy {accuracy}: links at {settings['rate']}, worker:2's host at {settings['slow_rate']}")
+    flags = {NO_BACKUP: ["--mode", "sync"], BACKUP: ["--mode", "sync", "--replicas-to-aggregate", "2"]}
+
+    def case(name: str) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            stop_file = Path(tempfile.mkdtemp(prefix="stop-", dir=workdir)) / "reached"
+            r = run_job(["--ps", "1", "--workers", "3", *flags[name], *hosts_flag(h, 4)],
+                        ["--target_accuracy", str(accuracy), "--start_step", "1", "--eval_every", str(settings["eval_every"]),
+                         "--max_step", str(settings["max_step"]), "--test_examples", str(settings["test_examples"]),
+                         "--stop_file", str(stop_file)], workdir, netns=h.ns(1), timeout_s=settings["timeout_s"])
+            chief = r["workers"]["worker:0"]
+            reached = chief.get("reached")
+            out = {"reached": reached, "evals": chief["evals"], "eval_s": chief["eval_s"], "wall_s": r["wall_s"],
+                   "steps_during_eval": chief["steps_during_eval"], "slow_steps": r["workers"]["worker:2"]["local_steps"]}
+            log(f"  {name}: " + (f"{accuracy} at global step {reached['global_step']} after {reached['train_s']:.1f} s"
+                                 if reached else f"not reached by step {settings['max_step']}")
+                + f"; evals (global step, train s, accuracy) {json.dumps([list(e.values()) for e in chief['evals']])}")
+            return out
+        return run
+
+    try:
+        return harness.interleaved({name: case(name) for name in flags}, reps, warmup=0)
+    finally:
+        h.unlimit()
+
+
+def first_reaching(evals: list[dict[str, Any]], accuracy: float) -> dict[str, Any] | None:
+    """The first evaluation at ``accuracy`` or above (a lower threshold read from the same run)."""
+    return next((e for e in evals if e["accuracy"] >= accuracy), None)
+
+
+def report_time_to_accuracy(res: dict[str, list[dict[str, Any]]], accuracy: float, settings: dict[str, Any]) -> str:
+    lower = [a for a in settings["also"] if a < accuracy]
+    sections = [_accuracy_table(res, accuracy, settings, measured=True)]
+    for a in lower:
+        again = {name: [{**r, "reached": first_reaching(r["evals"], a)} for r in runs] for name, runs in res.items()}
+        sections.append(_accuracy_table(again, a, settings, measured=False))
+    return "\n".join(sections)
+
+
+def _accuracy_table(res: dict[str, list[dict[str, Any]]], accuracy: float, settings: dict[str, Any], *,
+                    measured: bool) -> str:
+    def cell(runs: list[dict[str, Any]], key: str, fmt: str) -> tuple[str, str]:
+        vals = [r["reached"][key] for r in runs if r["reached"]]
+        missed = len(runs) - len(vals)
+        if not vals:
+            return "not reached", ""
+        return f"{median(vals):{fmt}}" + (f" ({missed} run(s) did not reach it)" if missed else ""), harness.spread(vals, fmt)
+    rows = []
+    for name, runs in res.items():
+        t, ts = cell(runs, "train_s", ".1f")
+        g, gs = cell(runs, "global_step", ".0f")
+        rows.append([name, t, ts, g, gs, f"{median([r['steps_during_eval'] for r in runs]):.0f}",
+                     f"{median([r['eval_s'] for r in runs]):.1f}", f"{median([r['slow_steps'] for r in runs]):.0f}",
+                     f"{median([r['wall_s'] for r in runs]):.1f}"])
+    t = {name: [r["reached"]["train_s"] for r in runs if r["reached"]] for name, runs in res.items()}
+    speedup = (f"Backup worker speed-up to {accuracy} (median no-backup time / median backup time): "
+               f"{median(t[NO_BACKUP]) / median(t[BACKUP]):.2f}x." if t[NO_BACKUP] and t[BACKUP] else "")
+    if not measured:
+        return "\n".join([f"#### Time to {accuracy}, read from the same runs' evaluations", "",
+                          md_table(["configuration", f"time to {accuracy} (s)", "spread", "global step", "spread"],
+                                   [row[:5] for row in rows]), "", speedup, ""])
+    return "\n".join([
+        f"### Time to test accuracy {accuracy}: sync with and without a backup worker, worker:2's link at "
+        f"{settings['slow_rate']}",
+        "",
+        (f"CNN, 1 ps (h1) + 3 workers (h2-h4), every link at {settings['rate']} but worker:2's at "
+         f"{settings['slow_rate']}. The chief evaluates the live parameters on {settings['test_examples']:,} test "
+         f"images every {settings['eval_every']} global steps; measured: its training time from global step 1 "
+         f"to the first evaluation at >= {accuracy} (evaluation pauses excluded), capped at step "
+         f"{settings['max_step']}. {settings['reps']} interleaved round(s), medians."),
+        "",
+        md_table(["configuration", f"time to {accuracy} (s)", "spread", "global step", "spread",
+                  "steps taken during evals", "eval pauses (s)", "slow worker's steps", "launcher wall (s)"], rows),
+        "",
+        speedup,
+        "",
+        "Every evaluation: " + "; ".join(f"{name} run {i}: " + ", ".join(f"{e['global_step']}:{e['accuracy']:.3f}"
+                                                                       for e in r["evals"])
+                                        for name, runs in res.items() for i, r in enumerate(runs)),
+        "",
+    ])
+
+
 # --------------------------------------------------------------------------- 3. launch to first step
 
 
@@ -374,6 +466,12 @@ def main() -> None:
     p.add_argument("--rate", default="100mbit", help="every host's link (tc tbf rate; default 100mbit)")
     p.add_argument("--slow-rate", default="10mbit", help="the straggler's link (default 10mbit)")
     p.add_argument("--target", type=int, default=None, help="straggler part: global step to reach (default 14, quick 4)")
+    p.add_argument("--accuracy", type=float, default=None,
+                   help="straggler part: time to this test accuracy instead of to --target (e.g. 0.98)")
+    p.add_argument("--also", default="0.95", help="with --accuracy: lower thresholds read from the same runs")
+    p.add_argument("--test-examples", type=int, default=1000, help="with --accuracy: test images per evaluation")
+    p.add_argument("--eval-every", type=int, default=5, help="with --accuracy: global steps between evaluations")
+    p.add_argument("--max-step", type=int, default=300, help="with --accuracy: give up at this global step")
     p.add_argument("--backends", default=",".join(BACKENDS), help="launch part: comma list of local,slurm,ssh")
     args = p.parse_args()
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
@@ -436,6 +534,13 @@ def main() -> None:
             if "straggler" in parts:
                 if h is None:
                     sections += ["### Straggler", "", f"Skipped: no network-namespace hosts here ({no_hosts}).", ""]
+                elif args.accuracy is not None:
+                    acc_settings = {"reps": reps, "rate": args.rate, "slow_rate": args.slow_rate,
+                                    "eval_every": args.eval_every, "max_step": args.max_step,
+                                    "test_examples": args.test_examples, "timeout_s": 60 + 12 * args.max_step,
+                                    "also": [float(a) for a in args.also.split(",") if a.strip()]}
+                    res4 = part_time_to_accuracy(h, reps, args.accuracy, acc_settings, workdir)
+                    sections.append(report_time_to_accuracy(res4, args.accuracy, acc_settings))
                 else:
                     log(f"straggler: sync vs sync + 1 backup, steps {start}-{target}, {reps} round(s)")
                     res2 = part_straggler(h, reps, start, target, args.rate, args.slow_rate, test_examples, workdir)

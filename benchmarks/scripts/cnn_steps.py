@@ -18,7 +18,14 @@ As a psflow script (``psflow run ... benchmarks/scripts/cnn_steps.py -- FLAGS``)
   ``bench={examples, steps, window_s, median_step_s, start_unix, end_unix}`` to the launcher (summary.json);
 - ``--target_step G``: every worker steps until the job's global step reaches ``G``; the chief
   times global step ``--start_step`` to ``G`` and then evaluates the live parameters on
-  ``--test_examples`` test images; every worker reports its median step time (for the slowdown).
+  ``--test_examples`` test images; every worker reports its median step time (for the slowdown);
+- ``--target_accuracy A``: time to accuracy. The chief evaluates the live parameters on
+  ``--test_examples`` test images every ``--eval_every`` global steps (from ``--start_step`` on) and
+  stops the job once one reaches ``A`` (it creates ``--stop_file``, which every worker checks after
+  each step: the tasks share this machine's file system), or at global step ``--max_step``. Its clock
+  runs from global step ``--start_step`` and stops during each evaluation (evaluating is not
+  training); the global steps the job took while the chief evaluated (possible with backup workers:
+  the others may aggregate without it) are counted and reported (``steps_during_eval``).
 """
 
 from __future__ import annotations
@@ -123,6 +130,56 @@ def run_to_step(trainer: Any, task: Any, batches: Iterable[tuple[torch.Tensor, t
     return out
 
 
+def run_to_accuracy(trainer: Any, task: Any, model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                    args: argparse.Namespace) -> dict[str, Any]:
+    """Step until the chief sees ``args.target_accuracy`` (or ``args.max_step``); see the module docstring."""
+    stop_file = Path(args.stop_file)
+    trainer.prepare()
+    step_s: list[float] = []
+    evals: list[dict[str, Any]] = []
+    t_start: float | None = None
+    paused_s, steps_during_eval, next_eval = 0.0, 0, args.start_step
+    reached: dict[str, Any] | None = None
+    for x, y in batches:
+        if trainer.global_step >= args.max_step or stop_file.exists():
+            break
+        t = time.perf_counter()
+        trainer.step(loss_fn, batch=(x, y))
+        now = time.perf_counter()
+        step_s.append(now - t)
+        if not task.is_chief or trainer.global_step < args.start_step:
+            continue
+        if t_start is None:
+            t_start = now
+        if evals and "_after" not in evals[-1]:
+            # The chief's first step after an evaluation: beyond its own one step, what the others took meanwhile.
+            evals[-1]["_after"] = trainer.global_step
+        if trainer.global_step >= next_eval:
+            train_s = now - t_start - paused_s
+            e0 = time.perf_counter()
+            torch.set_num_threads(2)  # outside the clock: use the machine
+            acc = accuracy(model, args.test_examples)
+            torch.set_num_threads(args.threads)
+            paused_s += time.perf_counter() - e0
+            evals.append({"global_step": trainer.global_step, "train_s": round(train_s, 3), "accuracy": acc})
+            next_eval = trainer.global_step + args.eval_every
+            if acc >= args.target_accuracy:
+                reached = evals[-1]
+                stop_file.touch()
+                break
+    for e in evals:
+        after = e.pop("_after", None)
+        if after is not None:
+            steps_during_eval += max(0, after - e["global_step"] - 1)
+    out: dict[str, Any] = {"local_steps": len(step_s), "global_step": trainer.global_step,
+                           "median_step_s": statistics.median(step_s) if step_s else None}
+    if task.is_chief:
+        stop_file.touch()  # also at max_step: the others stop too
+        out.update({"evals": evals, "reached": reached, "eval_s": round(paused_s, 3),
+                    "steps_during_eval": steps_during_eval})
+    return out
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The script's own flags (``task.argv``: what follows ``--`` on the ``psflow run`` line)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -131,11 +188,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target_step", type=int, default=0, help="step until this global step instead (0: throughput mode)")
     p.add_argument("--start_step", type=int, default=5, help="with --target_step: time from this global step on")
     p.add_argument("--test_examples", type=int, default=2000, help="with --target_step: test images the chief evaluates")
+    p.add_argument("--target_accuracy", type=float, default=0.0,
+                   help="step until the chief's test accuracy reaches this (0: off); needs --stop_file")
+    p.add_argument("--eval_every", type=int, default=5, help="with --target_accuracy: global steps between evaluations")
+    p.add_argument("--max_step", type=int, default=400, help="with --target_accuracy: give up at this global step")
+    p.add_argument("--stop_file", default="", help="with --target_accuracy: the file the chief creates to stop the job")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (the example's default)")
     p.add_argument("--split_bytes", type=int, default=None, help="the Trainer's split_bytes (default: the config's)")
     args = p.parse_args(argv)
     if min(args.warmup, args.steps, args.target_step, args.start_step) < 0 or args.steps < 1:
         p.error(f"step counts must be >= 0 and --steps >= 1; received {vars(args)}")
+    if args.target_accuracy and (not args.stop_file or args.eval_every < 1 or not 0 < args.target_accuracy <= 1):
+        p.error(f"--target_accuracy needs a value in (0, 1], --stop_file and --eval_every >= 1; received {vars(args)}")
     return args
 
 
@@ -155,6 +219,9 @@ def main() -> None:
     trainer = pf.Trainer(model, pf.optim.Adam(lr=LR), task, **settings)
     train = pf.data.mnist("train", flatten=False).shard(task)
     batches = train.batches(BATCH, epochs=EPOCHS, seed=task.replica_index)
+    if args.target_accuracy:
+        task.report(bench=run_to_accuracy(trainer, task, model, batches, args))
+        return
     if not args.target_step:
         task.report(bench=timed_steps(lambda x, y: trainer.step(loss_fn, batch=(x, y)), batches, args.warmup, args.steps))
         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import json
 import os
@@ -50,7 +51,7 @@ def _k8s_options(f: Any) -> Any:
 @click.option("--workers", "num_workers", default=2, show_default=True, help="Worker tasks.")
 @click.option("--chief/--no-chief", default=False, help="Add a separate chief task (default: worker:0 is chief).")
 @click.option("--evaluator/--no-evaluator", default=False, help="Add an evaluator task that evaluates every new checkpoint.")
-@click.option("--logdir", default=None, help="Where logs, errors and summary.json go (default runs/<run id>).")
+@click.option("--logdir", default=None, help="Where logs, errors and summary.json go (default runs/<run id>); or a URL (s3://B/P), uploaded.")
 @click.option("--mode", type=click.Choice(["async", "sync", "ssp"]), default=None, help="Update mode.")
 @click.option("--strategy", type=click.Choice(["ps", "allreduce"]), default=None, help="Parameter servers or all-reduce.")
 @click.option("--replicas-to-aggregate", type=int, default=None, help="sync: gradients averaged per step (N).")
@@ -143,11 +144,17 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
             os.environ[ALERT_WEBHOOK_ENV] = check_webhook(str(alert_webhook))  # read where the launcher makes its run store
         except PsflowError as e:
             raise click.UsageError(str(e)) from e
+    logdir_url = None
     try:
+        if logdir is not None and "://" in logdir:  # --logdir s3://...: staged here, uploaded (launch.urllogdir)
+            logdir_url, logdir, checkpoint_dir = _url_logdir(logdir, checkpoint_dir, backend=backend, hosts=hosts,
+                                                             dry_run=dry_run)
         plan, policy, hangs, config = _plan(num_ps, num_workers, chief, evaluator, logdir, script, script_args, fail_at,
                                             log_placement, threads, hang_at, slow, hang_timeout_s, heartbeat_timeout_s,
                                             restart, max_restarts, max_restarts_per_run, backoff_base_s, backoff_max_s,
                                             settings, checkpoint_dir=checkpoint_dir)
+        if logdir_url is not None:
+            plan = dataclasses.replace(plan, logdir_url=logdir_url)
         k8s = {"image": k8s_image, "volume_claim": k8s_volume_claim, "namespace": k8s_namespace,
                "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s, "env_secret": k8s_env_secret}
         if hosts is not None or ssh_config is not None:
@@ -174,12 +181,39 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     if ui_url:  # a psflow ui serving this PSFLOW_HOME shows the run
         click.echo(f"psflow: dashboard: {ui_url}#/run/{plan.run_id}")
     try:
-        result = runner.run(plan)
+        if logdir_url is not None:
+            from psflow.launch.urllogdir import LogdirSyncer
+
+            click.echo(f"psflow: logdir {logdir_url}: files staged in {plan.logdir}, uploaded every 5 s and at the end")
+            with LogdirSyncer(Path(plan.logdir), logdir_url, warn=lambda m: click.echo(f"psflow: warning: {m}", err=True)):
+                result = runner.run(plan)
+        else:
+            result = runner.run(plan)
     except PsflowError as e:
         raise click.ClickException(str(e)) from e
     click.echo(final_line(result.summary))
-    click.echo(f"psflow: summary: {plan.logdir}/summary.json   logs: {plan.logdir}/logs/")
+    where = logdir_url or plan.logdir
+    click.echo(f"psflow: summary: {where}/summary.json   logs: {where}/logs/")
     sys.exit(result.exit_code)
+
+
+def _url_logdir(url: str, checkpoint_dir: str | None, *, backend: str, hosts: str | None,
+                dry_run: bool) -> tuple[str, str, str]:
+    """``--logdir URL``: the URL (checked writable, before any task starts), the local staging
+    directory the run writes into, and the checkpoint dir (default ``URL/checkpoints``).
+
+    Raises:
+        ConfigError: another backend than local, or the URL cannot be written.
+    """
+    from psflow.launch import urllogdir
+    from psflow.platform.home import psflow_home
+
+    if backend != "local" or hosts is not None or dry_run:
+        raise ConfigError(f"--logdir {url!r}: a URL logdir works with the local backend only for now; on Slurm, ssh "
+                          "hosts or Kubernetes give a directory every host mounts, and --checkpoint-dir URL.")
+    urllogdir.check_url(url)
+    staging = urllogdir.staging_dir(url, psflow_home())
+    return url, str(staging), checkpoint_dir or urllogdir.checkpoint_url(url)
 
 
 def _plan(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str | None, script: str,

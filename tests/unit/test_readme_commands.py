@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
 
-_OTHER_TOOLS = {".venv/bin/moto_server"}  # the S3 stand-in of the checkpoints-on-a-URL example
+_OTHER_TOOLS = {".venv/bin/moto_server", ".venv/bin/tensorboard"}  # the S3 stand-in; viewing summaries copied down
 
 
 def _commands() -> list[str]:

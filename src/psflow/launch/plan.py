@@ -56,6 +56,7 @@ class LaunchPlan:
     ps_exit_timeout_s: float = 60.0  # how long ps tasks get to exit by themselves once workers are done
     threads: int = 1  # torch threads per task (PSFLOW_NUM_THREADS), see threads_per_task
     cores: int = 1  # the cores of the host the threads were shared out from
+    logdir_url: str | None = None  # --logdir URL: logdir is its local staging dir (psflow.launch.urllogdir)
 
     def task_names(self) -> list[str]:
         return [t.task for t in self.tasks]

@@ -66,6 +66,8 @@ class LaunchSpec:
         run_id: the new run's id (None: a fresh one).
         restarted_from: the run this one restarts.
         gpus_per_worker: GPUs each chief and worker sees (local: :mod:`psflow.launch.gpus`; 0: none asked).
+        logdir_url: ``psflow run --logdir URL``: ``logdir`` is its staging directory; the files are
+            uploaded there and the checkpoints are read and written at ``URL/checkpoints``.
     """
 
     script: str
@@ -85,6 +87,7 @@ class LaunchSpec:
     run_id: str | None = None
     restarted_from: str | None = None
     gpus_per_worker: int = 0
+    logdir_url: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -123,7 +126,8 @@ def spec_of_run(run: Mapping[str, Any]) -> LaunchSpec:
         mode=mode, strategy=strategy, backend=str(run.get("backend") or "local"),
         restart_policy=dict(run.get("restart_policy") or {}), config=config, hangs=dict(launch.get("hangs") or {}),
         threads=launch.get("threads"), logdir=str(run["logdir"]), run_id=new_run_id(), restarted_from=str(run["id"]),
-        gpus_per_worker=int(launch.get("gpus_per_worker") or 0))
+        gpus_per_worker=int(launch.get("gpus_per_worker") or 0),
+        logdir_url=launch.get("logdir_url"))
 
 
 def restore_spec(run: Mapping[str, Any], runs_root: Path) -> LaunchSpec:
@@ -134,7 +138,7 @@ def restore_spec(run: Mapping[str, Any], runs_root: Path) -> LaunchSpec:
         ConfigError: as :func:`spec_of_run`.
     """
     spec = spec_of_run(run)
-    return dataclasses.replace(spec, logdir=str(runs_root / str(spec.run_id)))
+    return dataclasses.replace(spec, logdir=str(runs_root / str(spec.run_id)), logdir_url=None)  # here: a local run
 
 
 def seed_checkpoint(checkpoint_dir: Path, logdir: Path) -> Path:
@@ -173,8 +177,8 @@ def plan_of(spec: LaunchSpec, *, runs_root: Path | None = None) -> LaunchPlan:
     policy = RestartPolicy(**_policy_fields(spec.restart_policy))
     plan = make_plan(spec.script, list(spec.args), num_ps=spec.num_ps, num_workers=spec.num_workers, chief=spec.chief,
                      evaluator=spec.evaluator, logdir=logdir, config=config, threads=spec.threads, restart=policy,
-                     hangs=HangPolicy(**spec.hangs))
-    return _with_gpus(dataclasses.replace(plan, run_id=run_id), spec)
+                     hangs=HangPolicy(**spec.hangs), extra_env=_url_env(spec.logdir_url))
+    return _with_gpus(dataclasses.replace(plan, run_id=run_id, logdir_url=spec.logdir_url), spec)
 
 
 def _with_gpus(plan: LaunchPlan, spec: LaunchSpec) -> LaunchPlan:
@@ -197,6 +201,16 @@ def _with_gpus(plan: LaunchPlan, spec: LaunchSpec) -> LaunchPlan:
     return dataclasses.replace(plan, tasks=tasks)
 
 
+def _url_env(logdir_url: str | None) -> dict[str, str] | None:
+    """A URL logdir's tasks keep their checkpoints at ``URL/checkpoints`` (as ``psflow run`` set them)."""
+    if logdir_url is None:
+        return None
+    from psflow.launch.contract import TaskEnv
+    from psflow.launch.urllogdir import checkpoint_url
+
+    return TaskEnv(checkpoint_dir=checkpoint_url(logdir_url)).render()
+
+
 def _policy_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(RestartPolicy)}
     unknown = set(d) - known
@@ -208,7 +222,14 @@ def _policy_fields(d: Mapping[str, Any]) -> dict[str, Any]:
 def run_here(spec: LaunchSpec, *, live: bool | None = None, runs_root: Path | None = None) -> tuple[LaunchPlan, RunResult]:
     """Run ``spec`` in this process, to its end (the foreground ``psflow restart``)."""
     plan = plan_of(spec, runs_root=runs_root)
-    return plan, _runner(spec, live=live).run(plan)
+    if plan.logdir_url is None:
+        return plan, _runner(spec, live=live).run(plan)
+    from psflow.launch.urllogdir import LogdirSyncer, check_url
+
+    check_url(plan.logdir_url)  # before any task starts
+    Path(plan.logdir).mkdir(parents=True, exist_ok=True)
+    with LogdirSyncer(Path(plan.logdir), plan.logdir_url, warn=lambda m: print(f"psflow: warning: {m}", file=sys.stderr)):
+        return plan, _runner(spec, live=live).run(plan)
 
 
 def _runner(spec: LaunchSpec, *, live: bool | None) -> Any:

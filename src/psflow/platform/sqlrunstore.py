@@ -67,7 +67,8 @@ def run_record(plan: LaunchPlan, *, backend: str, restart_policy: Any = None) ->
         # what psflow.platform.launching needs to launch the same plan again (fault injection left out)
         "launch": {"config": plan.config.to_dict(), "hangs": asdict(plan.hangs), "threads": plan.threads,
                    "grace_s": plan.grace_s, "cwd": os.getcwd(),  # cwd: what a relative script path is relative to
-                   "gpus_per_worker": _gpus_per_worker(plan)},
+                   "gpus_per_worker": _gpus_per_worker(plan),
+                   **({"logdir_url": plan.logdir_url} if plan.logdir_url else {})},  # logdir: its staging dir
     }
 
 

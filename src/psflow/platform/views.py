@@ -62,6 +62,8 @@ def find(ref: str, *, path: Path | None = None) -> RunRef:
         JobStoreError: the job store cannot be read, or ``ref`` fits several runs.
     """
     db_path = path or jobs_db_path()
+    if "://" in ref:  # psflow run --logdir URL (psflow.launch.urllogdir)
+        return _find_url(ref, db_path)
     if Path(ref).is_dir():  # read from its status.json, as psflow status LOGDIR always has
         return RunRef(Path(ref), None)
     with open_store(db_path) or contextlib.nullcontext() as db:
@@ -71,6 +73,24 @@ def find(ref: str, *, path: Path | None = None) -> RunRef:
         raise ConfigError(f"No run {ref!r}: it is not a log directory, and no run in the job store {db_path} has that "
                           f"id. `psflow runs` lists the runs recorded there (PSFLOW_HOME chooses the store).")
     return RunRef(Path(run["logdir"]), run, db_path)
+
+
+def _find_url(url: str, db_path: Path) -> RunRef:
+    """The newest run recorded with this logdir URL whose staging directory is still here; otherwise
+    the URL's own status.json and logs, downloaded into ``$PSFLOW_HOME/cache`` (a run launched
+    elsewhere, or whose staging directory was deleted)."""
+    import hashlib
+
+    from psflow.launch import urllogdir
+    from psflow.platform.home import psflow_home
+
+    with open_store(db_path) or contextlib.nullcontext() as db:
+        runs = db.runs() if db is not None else []
+    for run in runs:
+        if (run.get("launch") or {}).get("logdir_url", "").rstrip("/") == url.rstrip("/") and Path(run["logdir"]).is_dir():
+            return RunRef(Path(run["logdir"]), run, db_path)
+    cache = psflow_home() / "cache" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    return RunRef(urllogdir.download(url, cache), None)
 
 
 def status_of(ref: RunRef) -> dict[str, Any]:
