@@ -101,6 +101,24 @@ class RunStatus:
         self._update(task, state="exited", exit_code=code)
         self.write(force=True)
 
+    def add_tasks(self, tasks: Sequence[str]) -> None:
+        """``psflow scale`` added ``tasks`` (a retired one added back keeps its history)."""
+        with self._lock:
+            for t in tasks:
+                self._state["tasks"].setdefault(t, {"state": "starting", "attempt": 0, "pid": None, "address": None,
+                                                    "exit_code": None, "progress": {}, "exits": []})
+            self._dirty = True
+        self.write(force=True)
+
+    def retired(self, task: str) -> None:
+        """``psflow scale`` retired ``task``: its last exit is an expected end."""
+        with self._lock:
+            entry = self._state["tasks"].get(task)
+            if entry is not None and entry["exits"]:
+                entry["exits"][-1]["retired"] = True
+        self._update(task, state="retired")
+        self.write(force=True)
+
     def hung(self, task: str, hang: dict[str, Any]) -> None:
         """The watchdog caught ``task`` (see :meth:`psflow.launch.watchdog.Hang.to_dict`); it is killed next."""
         self._update(task, state="hung", hang=hang)
