@@ -164,6 +164,8 @@ function runPage(runId) {
     <div class="toolbar">
       <h1 id="run-title" style="margin:0">${esc(runId)}</h1> <span id="run-state"></span>
       <span style="flex:1"></span>
+      <label class="muted">workers <input id="scale-n" type="number" min="1" max="256" style="width:4.5em"></label>
+      <button id="scale-btn">Scale</button>
       <button id="restart-btn">Restart</button>
       <button id="stop-btn" class="danger">Stop</button>
     </div>
@@ -189,7 +191,18 @@ function runPage(runId) {
   document.getElementById("stop-btn").onclick = () => control(runId, "stop");
   document.getElementById("restart-btn").onclick = () => control(runId, "restart");
   document.getElementById("dump-btn").onclick = () => dumpAll(runId);
+  document.getElementById("scale-btn").onclick = () => scaleRun(runId);
   every(() => refreshRun(runId));
+}
+
+// Workers join or leave the running run (POST /api/runs/{run}/scale; the launcher answers in the events).
+async function scaleRun(runId) {
+  const workers = Number(document.getElementById("scale-n").value);
+  try {
+    const r = await api(`/api/runs/${encodeURIComponent(runId)}/scale`, {method: "POST",
+      headers: {"Content-Type": "application/json"}, body: JSON.stringify({workers})});
+    toast(`scale to ${r.workers} workers requested (request ${r.request_id})`);
+  } catch (e) { toast(e.message); }
 }
 
 async function control(runId, what) {
@@ -210,6 +223,9 @@ async function refreshRun(runId) {
   document.getElementById("run-state").innerHTML = badge(run.state);
   const live = run.state === "running" || run.state === "pending";
   document.getElementById("stop-btn").disabled = !live;
+  document.getElementById("scale-btn").disabled = !live;
+  const scaleN = document.getElementById("scale-n");
+  if (!scaleN.value) scaleN.value = Object.entries(run.tasks).filter(([n, t]) => n.startsWith("worker:") && t.state !== "retired").length;
   document.getElementById("run-headline").innerHTML =
     `${esc(run.script)} ${esc((run.args || []).join(" "))} · ${esc(run.mode)} · ${esc(run.strategy)} · ${esc(run.backend)}` +
     ` · step ${num(run.global_step)} · ${num(run.examples_per_sec)} examples/s` +
