@@ -50,7 +50,7 @@ def launch(home: Path, logdir: Path, procs: list, *flags: str, epochs: int) -> s
 
 
 @pytest.mark.parametrize("mode_flags,epochs", [
-    ((), 4),
+    ((), 6),
     (("--mode", "sync", "--sync-timeout", "600"), 3),
     (("--mode", "ssp", "--staleness", "2", "--sync-timeout", "600"), 3),
 ], ids=["async", "sync", "ssp"])
@@ -71,15 +71,25 @@ def test_a_running_job_scaled_up_then_down_finishes_with_the_added_workers_steps
     down = psflow(home, "scale", run["id"], "--workers", "1")
     assert down.returncode == 0, down.stdout + down.stderr + log_tails(logdir)
     assert "3 -> 1 workers: retiring worker:1, worker:2" in down.stdout
+    back = not mode_flags  # async: worker:1 is added back, as its next attempt, and resumes its data
+    if back:
+        again = psflow(home, "scale", run["id"], "--workers", "2")
+        assert again.returncode == 0, again.stdout + again.stderr + log_tails(logdir)
+        assert "1 -> 2 workers: adding worker:1" in again.stdout
 
     out, _ = launcher.communicate(timeout=300)  # a sync job held for a retired worker would wait 600 s: a timeout here
     assert launcher.returncode == 0, out[-4000:]
     summary = json.loads((logdir / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["restarts"] == 0
     exits = {t["task"]: t["exits"] for t in summary["tasks"]}
-    for retired in ("worker:1", "worker:2"):
-        assert len(exits[retired]) == 1 and exits[retired][0]["retired"] is True, exits[retired]
+    assert len(exits["worker:2"]) == 1 and exits["worker:2"][0]["retired"] is True, exits["worker:2"]
+    assert exits["worker:1"][0]["retired"] is True, exits["worker:1"]
     assert "retired" not in exits["worker:0"][0]
+    if back:  # its second attempt trained to the end of its epochs, from where its first one's pushes stopped
+        assert len(exits["worker:1"]) == 2 and exits["worker:1"][1]["code"] == 0 and "retired" not in exits["worker:1"][1]
+        assert "worker:1: resuming its data at epoch" in (logdir / "logs" / "worker-1.log").read_text()
+    else:
+        assert len(exits["worker:1"]) == 1
     applied = summary["reports"]["ps:0"]["ps_stats"]["applied_by"]
     assert int(applied["2"]["0"]) >= 20, applied  # the added worker's gradients were applied
     assert "ps:0: shard 0 counts 3 training replicas now (was 2)" in out
@@ -88,9 +98,10 @@ def test_a_running_job_scaled_up_then_down_finishes_with_the_added_workers_steps
         ended = store.run(run["id"])
         asked = store.controls(run["id"])
     assert ended["state"] == "succeeded"
-    assert {t: ended["tasks"][t]["state"] for t in ("worker:1", "worker:2")} == {"worker:1": "retired", "worker:2": "retired"}
+    assert ended["tasks"]["worker:2"]["state"] == "retired"
+    assert ended["tasks"]["worker:1"]["state"] == ("exited" if back else "retired")
     assert [(c["kind"], c["payload"], c["state"]) for c in asked] == [
-        ("scale", {"workers": 3}, "done"), ("scale", {"workers": 1}, "done")]
+        ("scale", {"workers": 3}, "done"), ("scale", {"workers": 1}, "done")] + ([("scale", {"workers": 2}, "done")] if back else [])
 
     late = psflow(home, "scale", run["id"], "--workers", "2")
     assert late.returncode == 1

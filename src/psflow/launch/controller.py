@@ -459,7 +459,7 @@ class RunController:
     def _maybe_drain(self, at: float) -> list[Decision]:
         """Every training task exited 0 (or was retired): the others get ``ps_exit_timeout_s`` to exit."""
         training = [r for r in self.records.values() if r.job in TRAINING_JOBS and r.state != "retired"]
-        if self.phase == "running" and training and all(self._exited_cleanly(r) for r in training):
+        if self.phase == "running" and all(self._exited_cleanly(r) for r in training):
             self.phase = "draining"
             self._drain_deadline = at + self.ps_exit_timeout_s
             self._cancel_restarts()  # training is over: a ps waiting for its restart is not needed
