@@ -246,7 +246,7 @@ function drawCluster(run) {
   for (const [name, t] of Object.entries(run.tasks)) (jobs[name.split(":")[0]] = jobs[name.split(":")[0]] || []).push([name, t]);
   document.getElementById("cluster").innerHTML = Object.entries(jobs).map(([job, tasks]) => `
     <div class="job"><div class="job-name">${esc(job)}</div><div class="tasks">${tasks.map(([name, t]) => `
-      <button class="task ${t.exit_code ? "failed-exit" : ""} ${name === view.logTask ? "selected" : ""}" data-task="${esc(name)}" data-state="${esc(t.state)}">
+      <button class="task ${t.exit_code && t.state !== "retired" ? "failed-exit" : ""} ${name === view.logTask ? "selected" : ""}" data-task="${esc(name)}" data-state="${esc(t.state)}">
         <div class="name">${esc(name)}</div>
         <div class="detail">${esc(t.state)} · attempt ${esc(t.attempt)}</div>
         <div class="detail">${esc(t.address || "")}${t.pid ? " · pid " + esc(t.pid) : ""}${t.scheduler_id ? " · " + esc(t.scheduler_id) : ""}</div>
@@ -268,7 +268,8 @@ function drawTimeline(run, attempts) {
     <div class="lane" data-lane="${esc(task)}"><span class="lane-name">${esc(task)}</span><div class="track">${(lanes[task] || []).map(a => {
       const left = 100 * (a.started_unix - t0) / (t1 - t0);
       const width = Math.max(0.8, 100 * ((a.exited_unix || now) - a.started_unix) / (t1 - t0));
-      const cls = a.exited_unix === null ? "" : a.exit_code === 0 ? "ok" : (run.state === "stopped" && !a.restart_reason ? "stop" : "bad");
+      const retired = run.tasks[task].state === "retired" && a.attempt === run.tasks[task].attempt;  // psflow scale: an expected end
+      const cls = a.exited_unix === null ? "" : a.exit_code === 0 ? "ok" : ((run.state === "stopped" || retired) && !a.restart_reason ? "stop" : "bad");
       const tip = `attempt ${a.attempt}: ${a.exit_cause || "running"}${a.restart_reason ? "; restarted: " + a.restart_reason : ""}`;
       return `<div class="bar ${cls}" style="left:${left}%;width:${Math.min(width, 100 - left)}%" title="${esc(tip)}"></div>`;
     }).join("")}</div><span class="muted">${(lanes[task] || []).length}</span></div>`).join("");
