@@ -110,6 +110,7 @@ class PsService:
         self.admitted_workers = cluster.num_tasks("worker")
         self.members_version = 0
         self._members_lock = threading.Lock()
+        self._members_warned = False
         self.store = ParameterStore(shard, num_workers)
         if replicas == 2 and attempt >= 1 and cluster.num_tasks("ps") >= 2:
             # A restarted ps: its copies died with its last attempt; both come back from the other ps.
@@ -180,10 +181,13 @@ class PsService:
             return False
         try:
             members = book().get("members")
-        except PsflowError as e:
-            log.warning("ps:%d: could not read the job's membership from the launcher (%s); asking again later.",
-                        self.shard, e)
+        except (PsflowError, OSError) as e:
+            if not self._members_warned:  # once per outage: the ps asks again about once a second
+                self._members_warned = True
+                log.warning("ps:%d: could not read the job's membership from the launcher (%s); asking again later.",
+                            self.shard, e)
             return False
+        self._members_warned = False
         return isinstance(members, dict) and self.apply_members(members)
 
     def apply_members(self, members: dict[str, Any]) -> bool:
