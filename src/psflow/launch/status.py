@@ -243,6 +243,8 @@ def _state_cell(t: dict[str, Any]) -> str:
     exits = t.get("exits") or []
     if t.get("state") == "restarting":
         return "restarting"
+    if t.get("state") == "retired":  # psflow scale retired it: an expected end, whatever its code
+        return "retired" if code is None else f"retired (exit {code})"
     if code is None:
         return "gone" if t.get("alive") is False else t.get("state", "?")  # gone: its process died unseen
     if code == 0:
