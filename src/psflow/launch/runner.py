@@ -236,6 +236,12 @@ class Runner:
         self.backend.replan(sc.plan)
         if added:
             store.tasks_added(added)
+        # SIGTERM the retiring workers before the ps can learn of it: each then ends its step and says PS_DONE
+        # (exit 0) rather than having its next push refused as a retired worker's.
+        for d in decisions:
+            if isinstance(d, StopTasks):
+                self._carry_out(d, sc.tasks, controller, store, sc.envs)
+        decisions = [d for d in decisions if not isinstance(d, StopTasks)]
         sc.coord.scale([t for t in controller.names if controller.records[t].state not in ("retired", "retiring")])
         for t in retired:
             if controller.records[t].state == "retired":  # nothing ran: retired at once
