@@ -443,6 +443,52 @@ def stop(run: str, wait: bool, timeout_s: float) -> None:
 
 @main.command()
 @click.argument("run")
+@click.option("--workers", "workers", type=int, required=True, help="The number of workers the run should have (the chief not counted).")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until the added workers run and the retired ones have exited.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=120.0, show_default=True,
+              help="With --wait: the longest wait, in seconds.")
+def scale(run: str, workers: int, wait: bool, timeout_s: float) -> None:
+    """Add or retire workers of a running run: workers join and leave while it trains. RUN is a run id
+    from `psflow runs` (or a unique part of one) or the run's log directory. Added workers pull the
+    current parameters and train; the highest-numbered ones retire (SIGTERM, then SIGKILL after the
+    grace period) and are recorded as retired, not failed. Sync quorums and ssp bounds follow the
+    membership (README: "Scaling a running job"). Local runs only: Slurm, Kubernetes and ssh runs refuse."""
+    from psflow.platform import views
+    from psflow.platform.jobstore import JobStore
+    from psflow.platform.runcontrol import ask_scale, wait_scaled
+
+    with _store_errors():
+        ref = _scalable_run(views.find(run))
+        run_id = ref.run["id"]
+        with JobStore(ref.db_path) as db:
+            request_id = ask_scale(db, run_id, workers, source="cli")
+        click.echo(f"psflow: asked run {run_id} to scale to {workers} workers (request {request_id}).")
+        if wait:
+            asked = wait_scaled(ref.db_path, run_id, request_id, timeout_s=timeout_s)
+            if asked["state"] == "refused":
+                raise ConfigError(f"run {run_id} refused to scale: {asked['answer']}.")
+            click.echo(f"psflow: run {run_id}: {asked['answer'] or asked['state']}.")
+
+
+def _scalable_run(ref: Any) -> Any:
+    """``ref`` with its job-store record; a run named by its log directory is looked up by the run id in its status.json."""
+    if ref.run is None:
+        from psflow.launch.status import read_status
+        from psflow.platform import views
+
+        try:
+            run_id = read_status(ref.logdir).get("run_id")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{ref.logdir} has no readable status.json ({e}): is a run starting there? "
+                              "Give its run id from `psflow runs` instead.") from None
+        if run_id:
+            ref = views.find(str(run_id))
+    return _stored_run(ref, "scale")
+
+
+@main.command()
+@click.argument("run")
 @click.option("--detach", is_flag=True, help="Start the new run in the background and return (its output goes to LOGDIR/launcher.log).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=120.0, show_default=True,
               help="The longest wait for a running run to stop before it is launched again, in seconds.")

@@ -633,10 +633,11 @@ class Supervisor:
         A worker the ps reports lost (its connections closed without finishing) is not waited for: the
         ps itself waits for it, up to lost_worker_timeout_s, and names it.
         """
-        others = set(range(int(self.task.num_replicas))) - {int(self.trainer.worker)}
         announced = False
         while not self._terminated:
             status = self.trainer.client.status()[0]
+            # The ps counts the job's members now (psflow scale adds and retires workers).
+            others = set(range(int(status.get("num_workers", self.task.num_replicas)))) - {int(self.trainer.worker)}
             unfinished = others - {int(w) for w in status["done_workers"]}
             missing = sorted(unfinished - {int(w) for w in status.get("lost_workers", ())})
             if not missing:

@@ -84,8 +84,10 @@ class Task:
         resume: bool | None = None,
         attempt: int = 0,
         checkpoint_dir: str | None = None,
+        data_shards: int | None = None,
     ) -> None:
         self.task_id = task_id
+        self.data_shards = data_shards  # PSFLOW_DATA_SHARDS: the launch's replicas, for a worker psflow scale added
         self.cluster = cluster
         self.secret = secret
         self.server = server
@@ -128,6 +130,8 @@ class Task:
             self.ps_service.after_push = ps_step_kill(parse_faults(self.fail_at), str(task_id))
             if attempt >= 1 and config.ps_replicas == 2:
                 self.ps_service.start_resync(config.ready_timeout_s)  # serves nothing until its copies are back
+            if coordinator:  # a ps started after a scale request counts the job's replicas as they are now
+                self.ps_service.refresh_members()
 
     # -- roles -----------------------------------------------------------------------------
     job_name = property(lambda self: self.task_id.job)
@@ -152,8 +156,17 @@ class Task:
             return self.cluster.num_tasks("chief") + self.task_id.index
         raise ConfigError(f"{self.task_id} is not a training replica; only chief and worker tasks train.")
 
-    shard_index = property(lambda self: self.replica_index)
-    num_shards = property(lambda self: self.num_replicas)
+    @property
+    def num_shards(self) -> int:
+        """The job's data shards: its training replicas at launch (fixed for the run, ``psflow scale``
+        or not: see :mod:`psflow.ps.membership`)."""
+        return self.data_shards or self.num_replicas
+
+    @property
+    def shard_index(self) -> int:
+        """This replica's data shard: its index modulo :attr:`num_shards` (a worker added past the
+        launch's replicas reads the shard of replica ``index mod num_shards`` again)."""
+        return self.replica_index % self.num_shards
 
     def __repr__(self) -> str:
         return f"Task({self.task_id}, address={self.server.address}, chief={self.is_chief})"
@@ -200,6 +213,8 @@ class Task:
                                          **service.latency.take(time.monotonic()))  # push/pull rate, p50, p99
                 # Only lost workers left: say whom the ps waits for; past lost_worker_timeout_s, fail naming them.
                 service.watch_lost_workers(time.monotonic())
+                if self.coordinator:
+                    service.refresh_members()  # psflow scale: sync quorums and ssp bounds follow the membership
             # The PS_DONE that ended the job may still be being answered: let the workers hang up
             # before the server stops, or the last one would read a closed connection, not its reply.
             deadline = time.monotonic() + 2.0
@@ -525,7 +540,7 @@ def init(
     task = Task(
         task_id, spec, secret=key, server=server, config=cfg, argv=flags.rest, coordinator=coordinator,
         logdir=tenv.logdir, connect_timeout_s=connect_timeout_s, fail_at=tenv.fail_at,
-        data_dir=tenv.data_dir, rendezvous=rendezvous, resume=tenv.resume, attempt=tenv.attempt,
+        data_dir=tenv.data_dir, rendezvous=rendezvous, resume=tenv.resume, attempt=tenv.attempt, data_shards=tenv.data_shards,
         checkpoint_dir=tenv.checkpoint_dir,
     )
     _install_error_report(task, tenv.error_file)

@@ -84,10 +84,28 @@ def test_the_snapshot_is_the_whole_book_with_its_version() -> None:
     book = AddressBook(["ps:0", "worker:0"])
     book.register("ps:0", "h:1", pid=7)
     book.register("ps:0", "h:2", pid=8, attempt=1)
-    assert book.snapshot() == {"version": 2, "tasks": {"ps:0": {"address": "h:2", "pid": 8, "attempt": 1, "version": 2}}}
+    assert book.snapshot() == {"version": 2, "tasks": {"ps:0": {"address": "h:2", "pid": 8, "attempt": 1, "version": 2}},
+                               "members": {"replicas": 1, "launch_replicas": 1, "version": 0}}
     assert book.addresses() == {"ps:0": "h:2"} and book.pids() == {"ps:0": 8}
 
 
 def test_expected_tasks_must_be_distinct() -> None:
     with pytest.raises(ConfigError, match="must be distinct"):
         AddressBook(["ps:0", "ps:0"])
+
+
+def test_a_scale_adds_awaited_tasks_removes_retired_ones_and_raises_the_members_version() -> None:
+    book = AddressBook(["ps:0", "worker:0", "worker:1"])
+    for i, t in enumerate(book.expected):
+        book.register(t, f"h:{i + 1}")
+    assert book.is_complete and book.members() == {"replicas": 2, "launch_replicas": 2, "version": 0}
+    book.scale(["ps:0", "worker:0", "worker:1", "worker:2"])
+    assert not book.is_complete and book.missing() == ["worker:2"]  # its registration is awaited like the first round's
+    assert book.members() == {"replicas": 3, "launch_replicas": 2, "version": 1}
+    book.register("worker:2", "h:9")
+    assert book.cluster_dict()["worker"] == ["h:2", "h:3", "h:9"]
+    assert book.scale(["ps:0", "worker:0"]) == ["worker:1", "worker:2"]
+    assert book.is_complete and book.cluster_dict() == {"ps": ["h:1"], "worker": ["h:2"]}
+    assert book.members() == {"replicas": 1, "launch_replicas": 2, "version": 2}
+    with pytest.raises(ConfigError, match="not part of this run"):
+        book.register("worker:2", "h:10")  # a retired task is no longer expected

@@ -16,6 +16,12 @@ The first round is complete once every expected task has registered once; a comp
 complete (entries are replaced, never removed), so a task that registers after the first round is
 answered at once with the current cluster. Readers compare ``version`` to know whether anything
 moved since they last looked.
+
+Membership (``psflow scale``): :meth:`AddressBook.scale` replaces the expected tasks (workers added
+or retired); a retired task's entry is removed, an added one is awaited like a first-round task (a
+registration is answered once every expected task has registered). :meth:`AddressBook.members` is
+what a ps reads to learn the membership: the training replicas now and at launch, and a version that
+goes up with every scale.
 """
 
 from __future__ import annotations
@@ -63,6 +69,27 @@ class AddressBook:
         self.expected = list(expected)
         self.version = 0
         self._entries: dict[str, Entry] = {}
+        self.launch_replicas = _replicas(self.expected)
+        self.members_version = 0
+
+    def scale(self, expected: Sequence[str]) -> list[str]:
+        """The run's tasks are ``expected`` now (workers added or retired by ``psflow scale``).
+        Returns the tasks retired (their entries removed)."""
+        if len(set(expected)) != len(expected):
+            raise ConfigError(f"The expected tasks must be distinct. Received: {list(expected)}.")
+        retired = [t for t in self.expected if t not in expected]
+        for t in retired:
+            self._entries.pop(t, None)
+        self.expected = list(expected)
+        self.version += 1
+        self.members_version += 1
+        return retired
+
+    def members(self) -> dict[str, int]:
+        """``{"replicas": R, "launch_replicas": R0, "version": v}``: the training replicas (chief and
+        workers) now and at launch; ``version`` goes up with every :meth:`scale`."""
+        return {"replicas": _replicas(self.expected), "launch_replicas": self.launch_replicas,
+                "version": self.members_version}
 
     def register(self, task: str, address: str, *, pid: int = 0, attempt: int | None = None) -> Registration:
         """Record that ``task`` listens at ``address`` now, replacing what it registered before.
@@ -140,8 +167,13 @@ class AddressBook:
 
     def snapshot(self) -> dict[str, Any]:
         """The whole book as plain data: ``{"version": v, "tasks": {task: entry dict}}``."""
-        return {"version": self.version, "tasks": {t: e.to_dict() for t, e in self._entries.items()}}
+        return {"version": self.version, "tasks": {t: e.to_dict() for t, e in self._entries.items()},
+                "members": self.members()}
 
     def _check_expected(self, task: str) -> None:
         if task not in self.expected:
             raise ConfigError(f"Task {task!r} is not part of this run; expected one of {self.expected}.")
+
+
+def _replicas(tasks: Sequence[str]) -> int:
+    return sum(1 for t in tasks if t.split(":")[0] in ("chief", "worker"))

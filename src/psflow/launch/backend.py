@@ -56,6 +56,15 @@ class Backend(ABC):
         caused. Default: never (local processes end only when the runner says)."""
         return None
 
+    def scale_refusal(self) -> str | None:
+        """Why this backend cannot add or retire workers of a running run (``psflow scale``), with what
+        to do instead; None when it can (then :meth:`replan` gets the grown plan before a new task starts)."""
+        return (f"the {type(self).__name__.removesuffix('Backend').lower()} backend cannot add or retire workers of a "
+                "running run; stop it (psflow stop RUN) and start it again with --workers N")
+
+    def replan(self, plan: LaunchPlan) -> None:  # noqa: B027 (a hook: backends that scale take the grown plan)
+        """``plan`` is the run's plan now (``psflow scale`` added tasks to it)."""
+
     @abstractmethod
     def start(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> Any:
         """Start attempt ``attempt`` of ``task`` with ``env`` added to its environment; return its

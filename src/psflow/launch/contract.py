@@ -43,6 +43,7 @@ ENV = {
     "PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE": "1: let the all-reduce strategy run off loopback, where its traffic is unauthenticated",
     "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
     "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
+    "PSFLOW_DATA_SHARDS": "the data shards: the training replicas at launch (set for a worker `psflow scale` added)",
     "PSFLOW_NUM_THREADS": "torch threads of a launched task, set before its script runs (by the launcher's fork server, or as OMP_NUM_THREADS)",
     "PSFLOW_NUM_PS": "under Slurm: how many of the step's tasks are ps, the first ones (default 1; 0 with the all-reduce strategy)",
     "PSFLOW_BASE_PORT": "under Slurm: the step's task i (SLURM_PROCID) listens on this port + i (default 2222)",
@@ -158,6 +159,7 @@ class TaskEnv:
     allow_unauthenticated_allreduce: bool = _var("PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE", _flag, _render_flag, default=False)
     num_ps: int | None = _var("PSFLOW_NUM_PS", lambda n, r: _count(n, r, least=0), default=None)  # Slurm only
     base_port: int = _var("PSFLOW_BASE_PORT", _port, default=2222)  # Slurm only
+    data_shards: int | None = _var("PSFLOW_DATA_SHARDS", _count, default=None)  # a scaled job's launch replicas
 
     @classmethod
     def parse(cls, env: Mapping[str, str]) -> TaskEnv:

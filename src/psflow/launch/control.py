@@ -16,8 +16,12 @@ Kinds (:data:`KINDS`):
 - ``dump``: every running task writes all its threads' stacks into its log (SIGUSR1, as the hang
   watchdog does for one task); the launcher records where each went (``stacks_dumped`` events: task,
   log, line), for :mod:`psflow.platform.stacks` to read back. Payload: none.
-- ``scale``: change the number of workers (payload ``{"workers": N}``). The launcher refuses it for
-  now, saying so (``refused``): membership changes of a running job are not built yet.
+- ``scale``: change the number of workers (payload ``{"workers": N}``): the launcher starts the
+  missing ``worker:K`` and retires the highest ones (:meth:`psflow.launch.controller.RunController.scale`;
+  the job's semantics: :mod:`psflow.ps.membership`). Backends whose tasks are fixed when the run starts
+  (Slurm, ssh), the all-reduce strategy, and a run that is not running refuse it (``refused``, saying
+  why and what to do); ``psflow scale`` and the API refuse a bad count, an ended run and those backends
+  before asking (:func:`psflow.platform.runcontrol.ask_scale`).
 
 ``restart`` is not a request to the launcher: it is a ``stop``, then the same plan launched again
 (:mod:`psflow.platform.launching`), done by whoever asked.

@@ -35,6 +35,12 @@ The rules (those of the local launcher since its first version):
   in LOG from line N``), restarted or failing the run under the restart policy like any other. A
   :class:`HeartbeatMissed` notice (from a backend that watches on its own) counts as frozen at once.
 
+Scaling (``psflow scale``, :meth:`RunController.scale`): while the run is running, workers are added
+(each starts as a new task, attempt 0, or, one retired before, as its next attempt) or the highest
+ones retired: each gets :class:`StopTasks` with the run's grace, and its exit, whatever its code, is
+recorded as ``retired``: never a failure, never restarted, not waited for by the drain. A restart
+group takes the added workers in and lets the retired ones go.
+
 Run phases::
 
     running  --every training task exited 0------------------------------> draining
@@ -49,6 +55,8 @@ Task states::
     backoff  --stop, failure or draining: the restart is cancelled--> exited
     starting --StopRequested before TaskStarted--> cancelled (never ran; nothing to wait for)
     running  --deadline missed (DumpStacks)--> running, hung --dump_wait_s passed (StopTasks, no grace)--> exited
+    running or starting --scale retires it (StopTasks)--> retiring --TaskExited--> retired
+    backoff or exited --scale retires it--> retired;  retired --scale adds it (StartTask, next attempt)--> starting
     group member: exited (a trigger's restart) --others stopped and exited--> backoff (RestartTask) --> starting
 
 A restart cancelled because training finished leaves the task's last exit standing without failing
@@ -63,6 +71,7 @@ Exits seen once the run is stopping are marked ``stopped`` (no sign of failure b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 from collections.abc import Mapping, Sequence
@@ -264,6 +273,7 @@ class ExitRecord:
     oom_killed: bool = False  # the backend saw evidence of an OOM kill
     not_restarted: str | None = None  # why the policy would have restarted it but did not (a budget spent)
     hang: Hang | None = None  # the watchdog caught it: the hang is the cause, whatever the exit code
+    retired: bool = False  # a scale request retired the task: an expected end, whatever its code
 
     @property
     def cause(self) -> str:
@@ -282,7 +292,7 @@ class TaskRecord:
     """The controller's book on one task."""
 
     task: str
-    state: str = "starting"  # starting | running | exited | backoff | cancelled
+    state: str = "starting"  # starting | running | exited | backoff | cancelled | retiring | retired
     attempt: int = 0
     handle: Any = None
     restart_due: float | None = None
@@ -395,6 +405,9 @@ class RunController:
         rec = self._record(e.task)
         if e.attempt != rec.attempt:
             return []  # a late notice of an attempt already replaced
+        if rec.state == "retiring":  # retired by a scale request while it was being started
+            rec.handle, rec.started_at = e.handle, e.at
+            return [StopTasks((e.task,), self.grace_s, f"{e.task} is retired by a scale request")] + self._finish_if_done()
         rec.state, rec.handle, rec.started_at, rec.hang = "running", e.handle, e.at, None
         self.watchdog.started(e.task, e.attempt)
         if self.phase == "stopping":  # it was being started when the run began to stop
@@ -406,8 +419,15 @@ class RunController:
 
     def _on_exited(self, e: TaskExited) -> list[Decision]:
         rec = self._record(e.task)
-        if e.attempt != rec.attempt or rec.state not in ("running", "starting", "cancelled"):
+        if e.attempt != rec.attempt or rec.state not in ("running", "starting", "cancelled", "retiring"):
             return []  # a stale or repeated notice
+        if rec.state == "retiring":
+            exit_ = ExitRecord(e.attempt, e.code, e.at, True, self._reports.get((e.task, e.attempt)),
+                               started_at=rec.started_at, oom_killed=e.oom_killed, retired=True)
+            rec.exits.append(exit_)
+            rec.state, rec.hang = "retired", None
+            self._exit_order.append((e.task, exit_))
+            return self._maybe_drain(e.at)
         # Killed by the watchdog: the hang is its cause (one that ended by itself after the dump has its own).
         hang = rec.hang if rec.hang is not None and rec.hang.attempt == e.attempt and rec.hang.killed else None
         stopped = self.phase == "stopping" and hang is None  # a hung task's kill is its failure, not a stop's
@@ -434,11 +454,74 @@ class RunController:
                     return [restart]
         if code != 0:
             return self._fail(e.task, code, exit_.cause if hang is not None else None)
-        if self.phase == "running" and all(self._exited_cleanly(r) for r in self.records.values() if r.job in TRAINING_JOBS):
+        return self._maybe_drain(e.at)
+
+    def _maybe_drain(self, at: float) -> list[Decision]:
+        """Every training task exited 0 (or was retired): the others get ``ps_exit_timeout_s`` to exit."""
+        training = [r for r in self.records.values() if r.job in TRAINING_JOBS and r.state != "retired"]
+        if self.phase == "running" and all(self._exited_cleanly(r) for r in training):
             self.phase = "draining"
-            self._drain_deadline = e.at + self.ps_exit_timeout_s
+            self._drain_deadline = at + self.ps_exit_timeout_s
             self._cancel_restarts()  # training is over: a ps waiting for its restart is not needed
         return []
+
+    # -- scaling -----------------------------------------------------------------------------------
+    def workers(self) -> list[str]:
+        """The run's worker tasks now (not retired nor retiring), in index order."""
+        tasks = [t for t, r in self.records.items() if r.job == "worker" and r.state not in ("retired", "retiring")]
+        return sorted(tasks, key=lambda t: int(t.split(":")[1]))
+
+    def scale(self, workers: int, at: float) -> list[Decision]:
+        """Have ``workers`` worker tasks from now on: start the missing ``worker:K`` (new, or the next
+        attempt of a retired one), retire the highest ones (see the module docstring).
+
+        Raises:
+            ValueError: the run is not running (finishing, stopping, or a group restart under way), or
+                ``workers`` is below one; the message says why and what to do.
+        """
+        self.now = max(self.now, at)
+        if self.phase != "running":
+            raise ValueError(f"the run is {self.phase}, not running: only a running run can be scaled.")
+        if self._regroup is not None:
+            raise ValueError(f"{self.group.what if self.group else 'a group'} is restarting ({self._regroup}); "
+                             "ask again once it runs.")
+        if workers < 1:
+            raise ValueError(f"a run needs at least one worker; received {workers}.")
+        now = self.workers()
+        out: list[Decision] = []
+        for k in range(len(now), workers):
+            task = f"worker:{k}"
+            rec = self.records.get(task)
+            if rec is None:
+                self.records[task] = rec = TaskRecord(task)
+                self.names.append(task)
+            else:
+                rec.attempt, rec.handle, rec.hang = rec.attempt + 1, None, None
+            rec.state, rec.started_at = "starting", None
+            out.append(StartTask(task, rec.attempt))
+        retire = now[workers:]
+        for task in retire:
+            rec = self.records[task]
+            self.watchdog.forget(task)
+            if rec.state == "running":
+                rec.state = "retiring"
+            elif rec.state == "starting":
+                rec.state, rec.started_at = "retiring", None  # stopped once its start is seen
+            else:  # exited (finished or failed for good), or waiting for a restart: nothing runs
+                if rec.state == "backoff":
+                    rec.state, rec.attempt, rec.restart_due = "exited", rec.attempt - 1, None
+                    rec.exits[-1].restarted = False
+                    self.restarts -= 1
+                rec.state = "retired"
+        live = tuple(t for t in retire if self.records[t].state == "retiring" and self.records[t].started_at is not None)
+        if live:
+            out.append(StopTasks(live, self.grace_s, f"retiring {', '.join(live)} (a scale request to {workers} workers)",
+                                 warning=True))
+        self.watchdog.training = frozenset(self.watchdog.training) | {t for t in self.workers()}
+        if self.group is not None and set(self.group.members) & {t for t, r in self.records.items() if r.job == "worker"}:
+            kept = tuple(t for t in self.group.members if t not in retire)
+            self.group = dataclasses.replace(self.group, members=kept + tuple(t for t in self.workers() if t not in kept))
+        return out + self._maybe_drain(at) + self._finish_if_done()
 
     def _on_stop_requested(self, e: StopRequested) -> list[Decision]:
         self.stopped_by = self.stopped_by or e.reason
@@ -589,7 +672,7 @@ class RunController:
                                               "the workers finished; stopping them.", warning=True)]
 
     def _finish_if_done(self) -> list[Decision]:
-        if any(r.state in ("starting", "running", "backoff") for r in self.records.values()):
+        if any(r.state in ("starting", "running", "backoff", "retiring") for r in self.records.values()):
             return []
         if self.stopped_by:
             status, code = "stopped", 130
@@ -626,7 +709,8 @@ class RunController:
         return rec
 
     def _live(self) -> tuple[str, ...]:
-        return tuple(t for t, r in self.records.items() if r.state == "running")
+        return tuple(t for t, r in self.records.items()
+                     if r.state == "running" or (r.state == "retiring" and r.started_at is not None))
 
     def _cancel_restarts(self) -> None:
         for rec in self.records.values():

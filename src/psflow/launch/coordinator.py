@@ -12,7 +12,8 @@ Requests:
         is answered once every one of them has registered attempt N, so that no rank of the new
         attempt is given an address of the old one (rank 0's rendezvous store moves with it).
     CO_RESOLVE {task} -> {task, address, pid, attempt, version}: where the task listens now (a
-        client whose connection to a peer dropped asks this); {} -> the whole book {version, tasks}.
+        client whose connection to a peer dropped asks this); {} -> the whole book {version, tasks,
+        members} (``members``: the training replicas now and at launch, what a ps counts: ``psflow scale``).
     CO_REPORT {task, metrics}. A report whose metrics
         are ``{"heartbeat": {attempt, waiting}}`` is a task's heartbeat (:mod:`psflow.heartbeat`): it
         is passed on as an event, not merged into the reports.
@@ -77,6 +78,14 @@ class Coordinator:
     def pids(self) -> dict[str, int]:
         with self._cond:
             return self.book.pids()
+
+    def scale(self, expected: Sequence[str]) -> list[str]:
+        """The run's tasks are ``expected`` now (``psflow scale``); returns the retired ones. The ps
+        tasks learn the new membership from the book (``members``, through CO_RESOLVE)."""
+        with self._cond:
+            retired = self.book.scale(expected)
+            self._cond.notify_all()
+        return retired
 
     def cluster(self) -> ClusterSpec:
         with self._cond:

@@ -93,6 +93,12 @@ class LocalBackend(Backend):
         self._oom_kills = OomKills()  # the cgroup's OOM-kill count now: a SIGKILL exit with a rise was OOM-killed
         self._fork_server = self._forks = self._start_fork_server(plan) if self.preload else None
 
+    def scale_refusal(self) -> str | None:
+        return None  # local processes: a worker is started or stopped like any other task
+
+    def replan(self, plan: LaunchPlan) -> None:
+        self._plan = plan
+
     def start(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> int:
         plan = self._require_plan()
         full = {**os.environ, **env}

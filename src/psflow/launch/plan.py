@@ -148,3 +148,21 @@ def make_plan(
         tasks.append(TaskPlan(name, (python, "-u", script, *script_args), tuple(sorted(env.items()))))
     return LaunchPlan(run_id=run_id, logdir=logdir, tasks=tuple(tasks), config=config, restart=restart, hangs=hangs,
                       threads=threads, cores=cores)
+
+
+def added_worker(plan: LaunchPlan, task: str) -> TaskPlan:
+    """The plan of worker ``task`` that ``psflow scale`` adds to a running ``plan``: the script and
+    arguments of the plan's first training task, its own task id and error file, and the launch's
+    data shard count (``PSFLOW_DATA_SHARDS``: see :mod:`psflow.ps.membership`).
+
+    Raises:
+        ConfigError: the plan has no training task to copy.
+    """
+    template = next((t for t in plan.tasks if t.job == "worker"), None) or next((t for t in plan.tasks if t.job == "chief"), None)
+    if template is None:
+        raise ConfigError(f"Run {plan.run_id} has no worker or chief task to copy for {task}.")
+    replicas = sum(1 for t in plan.tasks if t.job in ("chief", "worker"))
+    env = dict(template.env)
+    env.update(TaskEnv(task=TaskId.parse(task), data_shards=replicas,
+                       error_file=str(errorreport.path_for(Path(plan.logdir) / "errors", task))).render())
+    return TaskPlan(task, template.argv, tuple(sorted(env.items())))

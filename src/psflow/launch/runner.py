@@ -11,7 +11,9 @@ The I/O shell of :class:`psflow.launch.controller.RunController`. It
    loop drains: the controller's watchdog), the passing time (every ``tick_s``), and Ctrl-C /
    SIGTERM, or the backend's place ending the run (``Backend.ended_by``: a cancelled Slurm job), or a
    ``stop`` control request from the job store (``psflow stop``, the API: :mod:`psflow.launch.control`), as a
-   stop request; a :class:`~psflow.launch.controller.DumpStacks` decision becomes the backend's
+   stop request; a ``scale`` request adds or retires workers (:meth:`RunController.scale`: the new
+   tasks' plans, the coordinator's expected tasks and membership, which the ps read, and the run
+   store follow), where the backend can (``Backend.scale_refusal``); a :class:`~psflow.launch.controller.DumpStacks` decision becomes the backend's
    ``dump_stacks`` (SIGUSR1), whose location goes back to the controller and into the run store;
 4. records it all in the run store (:mod:`psflow.launch.runstore`: ``status.json``,
    ``events.jsonl``, ``summary.json``, and the job store, :mod:`psflow.platform.jobstore`), and,
@@ -28,6 +30,7 @@ Used by ``psflow run`` through :meth:`psflow.launch.local.LocalBackend.run`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import secrets
 import signal
@@ -64,7 +67,7 @@ from psflow.launch.controller import (
     describe_exit,
 )
 from psflow.launch.coordinator import Coordinator
-from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.launch.plan import LaunchPlan, TaskPlan, added_worker
 from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import CompositeRunStore, FileRunStore, RunStore
 from psflow.launch.summary import build_summary
@@ -140,13 +143,14 @@ class Runner:
                                        policy=self.policy or plan.restart, hangs=plan.hangs, group=group)
             launcher = TaskEnv(coordinator=address, secret_file=str(secret_file)).render()
             envs = {tp.task: {**dict(tp.env), **launcher} for tp in plan.tasks}
+            self._scaling = _Scaling(plan, coord, envs, launcher)
             with self.console.live_table(store.snapshot), _stop_signals() as stops:
                 finished = self._loop(plan, controller, store, envs, stops, signs)
         finally:
             self.backend.close()
             if server is not None:
                 server.stop()
-        summary = build_summary(plan, coord.reports, coord.addresses, controller.records, time.time() - t0,
+        summary = build_summary(self._scaling.plan, coord.reports, coord.addresses, controller.records, time.time() - t0,
                                 finished.status, finished.root_cause)
         if plan.config.timeline:  # every task has exited: merge their spans into one trace
             write_trace(plan.logdir)
@@ -164,7 +168,7 @@ class Runner:
     # -- the loop ----------------------------------------------------------------------------------
     def _loop(self, plan: LaunchPlan, controller: RunController, store: RunStore, envs: Mapping[str, Mapping[str, str]],
               stops: _StopSignals, signs: queue.Queue[Event]) -> RunFinished:
-        tasks = {tp.task: tp for tp in plan.tasks}
+        tasks = self._scaling.tasks
         pending: deque[Decision] = deque(controller.start(time.time()))
         while True:
             while pending:
@@ -202,6 +206,8 @@ class Runner:
             out = controller.handle(StopRequested(request.describe(), time.time()))
         elif request.kind == "dump":
             state, answer = self._dump_all(request, controller, store)
+        elif request.kind == "scale":
+            state, answer, out = self._scale(request, controller, store)
         else:
             state, answer = "refused", (f"this launcher cannot {request.kind} a running run yet (only stop and dump); "
                                         f"stop it and start it again with the new shape")
@@ -209,6 +215,44 @@ class Runner:
         store.event("control", request=request.id, action=request.kind, source=request.source,
                     payload=dict(request.payload), state=state, answer=answer)
         return out
+
+    def _scale(self, request: ControlRequest, controller: RunController, store: RunStore) -> tuple[str, str, list[Decision]]:
+        """Add or retire workers (see :mod:`psflow.ps.membership` for what the job does with them)."""
+        from psflow.ps.membership import check_workers
+
+        sc = self._scaling
+        refusal = self.backend.scale_refusal()
+        if refusal is None and sc.plan.config.strategy == "allreduce":
+            refusal = ("all-reduce ranks cannot join or leave a running group (its ranks are fixed at its rendezvous); "
+                       "stop the run and start it again with --workers N, or use --strategy ps")
+        if refusal is not None:
+            return "refused", refusal, []
+        before = controller.workers()
+        try:
+            workers = check_workers(request.payload.get("workers"), current=len(before))
+            decisions = controller.scale(workers, time.time())
+        except ValueError as e:
+            return "refused", str(e), []
+        added = [d.task for d in decisions if isinstance(d, StartTask)]
+        retired = before[workers:]
+        sc.grow(added)
+        self.backend.replan(sc.plan)
+        if added:
+            store.tasks_added(added)
+        # SIGTERM the retiring workers before the ps can learn of it: each then ends its step and says PS_DONE
+        # (exit 0) rather than having its next push refused as a retired worker's.
+        for d in decisions:
+            if isinstance(d, StopTasks):
+                self._carry_out(d, sc.tasks, controller, store, sc.envs)
+        decisions = [d for d in decisions if not isinstance(d, StopTasks)]
+        sc.coord.scale([t for t in controller.names if controller.records[t].state not in ("retired", "retiring")])
+        for t in retired:
+            if controller.records[t].state == "retired":  # nothing ran: retired at once
+                store.task_retired(t)
+        what = (f"adding {', '.join(added)}" if added else "") + ("; " if added and retired else "") + \
+               (f"retiring {', '.join(retired)}" if retired else "")
+        self.console.warn(f"{request.describe()}: {len(before)} -> {workers} workers: {what or 'nothing to change'}.")
+        return "done", f"{len(before)} -> {workers} workers" + (f": {what}" if what else " (already)"), decisions
 
     def _dump_all(self, request: ControlRequest, controller: RunController, store: RunStore) -> tuple[str, str]:
         """Every running task's stacks into its log; where each went into the run's history."""
@@ -282,6 +326,9 @@ class Runner:
                           hang=None if hang is None else hang.to_dict())
         out += controller.handle(e)
         x = controller.records[e.task].exits[-1] if controller.records[e.task].exits else None
+        if x is not None and x.attempt == e.attempt and x.retired:
+            store.task_retired(e.task)
+            self.console.echo(f"psflow: {e.task} (attempt {e.attempt}) retired ({x.cause}).")
         if x is not None and x.attempt == e.attempt and x.not_restarted:
             self.console.warn(f"{_ended(e.task, x)}; not restarted: {x.not_restarted}.")
         return out
@@ -329,6 +376,25 @@ class Runner:
             r = x.report
             why = f"{r.get('exception')}: {r.get('message')}" if r else f"{describe_exit(x.code)} (stopped after the root cause)"
             echo(f"  then {t}: {why}")
+
+
+class _Scaling:
+    """What a scale request changes beside the controller: the run's plan and task plans, the tasks'
+    environments, the coordinator (its expected tasks: the ps read the membership there)."""
+
+    def __init__(self, plan: LaunchPlan, coord: Coordinator, envs: dict[str, dict[str, str]],
+                 launcher: Mapping[str, str]) -> None:
+        self.plan, self.coord, self.envs, self.launcher = plan, coord, envs, dict(launcher)
+        self.tasks = {tp.task: tp for tp in plan.tasks}
+
+    def grow(self, added: list[str]) -> None:
+        """Plans and environments for the workers ``added`` that the run never had."""
+        new = [added_worker(self.plan, t) for t in added if t not in self.tasks]
+        for tp in new:
+            self.tasks[tp.task] = tp
+            self.envs[tp.task] = {**dict(tp.env), **self.launcher}
+        if new:
+            self.plan = dataclasses.replace(self.plan, tasks=self.plan.tasks + tuple(new))
 
 
 def _ended(task: str, x: ExitRecord) -> str:

@@ -87,6 +87,12 @@ class RunStore(ABC):
     def tick(self) -> None:  # noqa: B027 (a hook: stores that write at once need nothing)
         """Called every so often: publish what a quiet spell left unpublished."""
 
+    def tasks_added(self, tasks: list[str]) -> None:  # noqa: B027 (a hook)
+        """``psflow scale`` added ``tasks`` to the run (they start next)."""
+
+    def task_retired(self, task: str) -> None:  # noqa: B027 (a hook)
+        """``task`` was retired by ``psflow scale``: its last exit is an expected end, not a failure."""
+
     def control_requests(self) -> list[ControlRequest]:
         """Requests from outside the launcher (stop, scale) that arrived since the last call, oldest
         first; never blocks. Default: none (a store nobody else can write to)."""
@@ -157,6 +163,14 @@ class FileRunStore(RunStore):
     def tick(self) -> None:
         self.status.write()
 
+    def tasks_added(self, tasks: list[str]) -> None:
+        self.status.add_tasks(tasks)
+        self.event("tasks_added", tasks=list(tasks))
+
+    def task_retired(self, task: str) -> None:
+        self.status.retired(task)
+        self.event("task_retired", task=task)
+
 
 class CompositeRunStore(RunStore):
     """One run written to several stores: ``primary`` first, then each of ``copies``.
@@ -216,6 +230,12 @@ class CompositeRunStore(RunStore):
 
     def tick(self) -> None:
         self._all("tick")
+
+    def tasks_added(self, tasks: list[str]) -> None:
+        self._all("tasks_added", tasks)
+
+    def task_retired(self, task: str) -> None:
+        self._all("task_retired", task)
 
     def control_requests(self) -> list[ControlRequest]:
         out: list[ControlRequest] = []

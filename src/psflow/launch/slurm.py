@@ -320,6 +320,10 @@ class SlurmBackend(Backend):
         return Runner(self, register_timeout_s=self.register_timeout_s).run(plan)
 
     # -- the Backend seam ----------------------------------------------------------------------------
+    def scale_refusal(self) -> str | None:
+        return ("a Slurm job's tasks are fixed when its allocation starts (one srun step for the whole cluster), so "
+                "workers cannot join or leave it; cancel it (psflow stop RUN) and submit it again with --workers N")
+
     def open(self, plan: LaunchPlan) -> None:
         prepare_logdir(Path(plan.logdir), self.keep_logs)
         sdir = slurm_dir(plan)

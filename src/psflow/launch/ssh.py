@@ -187,6 +187,10 @@ class SshBackend(Backend):
         return Runner(self, register_timeout_s=self.register_timeout_s).run(plan)
 
     # -- the Backend seam ----------------------------------------------------------------------------
+    def scale_refusal(self) -> str | None:
+        return ("the ssh backend places every task on a host slot when the run starts, so workers cannot join or leave "
+                "it; stop it (psflow stop RUN) and start it again with --workers N, or run it on the local backend")
+
     def open(self, plan: LaunchPlan) -> None:
         self.placement = place(plan.task_names(), self.hosts)
         prepare_logdir(Path(plan.logdir), self.keep_logs)

@@ -101,6 +101,24 @@ class RunStatus:
         self._update(task, state="exited", exit_code=code)
         self.write(force=True)
 
+    def add_tasks(self, tasks: Sequence[str]) -> None:
+        """``psflow scale`` added ``tasks`` (a retired one added back keeps its history)."""
+        with self._lock:
+            for t in tasks:
+                self._state["tasks"].setdefault(t, {"state": "starting", "attempt": 0, "pid": None, "address": None,
+                                                    "exit_code": None, "progress": {}, "exits": []})
+            self._dirty = True
+        self.write(force=True)
+
+    def retired(self, task: str) -> None:
+        """``psflow scale`` retired ``task``: its last exit is an expected end."""
+        with self._lock:
+            entry = self._state["tasks"].get(task)
+            if entry is not None and entry["exits"]:
+                entry["exits"][-1]["retired"] = True
+        self._update(task, state="retired")
+        self.write(force=True)
+
     def hung(self, task: str, hang: dict[str, Any]) -> None:
         """The watchdog caught ``task`` (see :meth:`psflow.launch.watchdog.Hang.to_dict`); it is killed next."""
         self._update(task, state="hung", hang=hang)
@@ -225,6 +243,8 @@ def _state_cell(t: dict[str, Any]) -> str:
     exits = t.get("exits") or []
     if t.get("state") == "restarting":
         return "restarting"
+    if t.get("state") == "retired":  # psflow scale retired it: an expected end, whatever its code
+        return "retired" if code is None else f"retired (exit {code})"
     if code is None:
         return "gone" if t.get("alive") is False else t.get("state", "?")  # gone: its process died unseen
     if code == 0:

@@ -85,6 +85,7 @@ def task_entry(plan: LaunchPlan, record: TaskRecord, address: str | None) -> dic
                    "oom_killed": x.oom_killed, "time_unix": round(x.at, 3),
                    "ran_s": None if x.ran_s is None else round(x.ran_s, 3), "stopped": x.stopped,
                    "restarted": x.restarted, **({"not_restarted": x.not_restarted} if x.not_restarted else {}),
+                   **({"retired": True} if x.retired else {}),
                    **({"hang": x.hang.to_dict()} if x.hang is not None else {})}
                   for x in record.exits],
         "log": str(Path(plan.logdir) / "logs" / f"{record.task.replace(':', '-')}.log"),

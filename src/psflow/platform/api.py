@@ -19,6 +19,7 @@ Routes (``{run}`` is a run id):
 - ``GET /api/summary``: runs by state; ``GET /api/health``; ``GET /metrics``: Prometheus;
 - ``POST /api/runs``: start a run (form fields checked here: 422 with what was wrong);
 - ``POST /api/runs/{run}/stop``, ``POST /api/runs/{run}/restart``;
+- ``POST /api/runs/{run}/scale`` ``{"workers": N}``: workers join or leave the running run (``psflow scale``);
 - ``POST /api/runs/{run}/checkpoints/{name}/restore``: the plan again as a new run from that checkpoint;
 - ``POST /api/runs/{run}/dump``: every task's stacks into its log; ``GET /api/runs/{run}/stacks``: them, grouped.
 
@@ -131,6 +132,14 @@ def _store(request: Request) -> Iterator[JobStore]:
 
 
 Db = Annotated[JobStore, Depends(_store)]
+
+
+class ScaleRun(BaseModel):
+    """A scale request (``POST /api/runs/{run}/scale``): the number of workers the run should have."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workers: int = Field(description="worker tasks from now on (1..256; the chief not counted)")
 
 
 def _unprocessable(field_name: str, message: str) -> HTTPException:
@@ -323,6 +332,22 @@ def create_app(settings: UiSettings) -> FastAPI:
         if asked.request_id is None:
             raise HTTPException(409, detail=f"Run {run_id} has already ended ({asked.state}); there is nothing to stop.")
         return {"run_id": run_id, "request_id": asked.request_id}
+
+    @app.post("/api/runs/{run_id}/scale", status_code=202, dependencies=[Depends(need_token)])
+    def scale_run(run_id: str, form: ScaleRun, db: Db) -> dict[str, Any]:
+        from psflow.platform.runcontrol import ScaleRefused, ask_scale
+        from psflow.ps.membership import check_workers
+
+        the_run(db, run_id)
+        try:
+            check_workers(form.workers)
+        except ValueError as e:
+            raise _unprocessable("workers", str(e)) from e
+        try:
+            request_id = ask_scale(db, run_id, form.workers, source="api")
+        except ScaleRefused as e:
+            raise HTTPException(409, detail=str(e)) from e
+        return {"run_id": run_id, "request_id": request_id, "workers": form.workers}
 
     @app.post("/api/runs/{run_id}/dump", status_code=202, dependencies=[Depends(need_token)])
     def dump_run(run_id: str, db: Db) -> dict[str, Any]:

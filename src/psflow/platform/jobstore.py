@@ -183,6 +183,16 @@ class JobStore:
         self._db.execute("UPDATE attempts SET exited_unix = ?, exit_code = ?, exit_cause = ?"
                          " WHERE run_id = ? AND task = ? AND attempt = ?", (at, code, cause, run_id, task, attempt))
 
+    def add_tasks(self, run_id: str, tasks: Sequence[str]) -> None:
+        """``psflow scale`` added ``tasks`` to a running run (a retired one added back keeps its row)."""
+        (last,) = self._db.execute("SELECT COALESCE(MAX(position), -1) FROM tasks WHERE run_id = ?", (run_id,)).fetchone()
+        self._db.executemany("INSERT OR IGNORE INTO tasks (run_id, name, position, state) VALUES (?, ?, ?, 'pending')",
+                             [(run_id, t, last + 1 + i) for i, t in enumerate(tasks)])
+
+    def task_retired(self, run_id: str, task: str) -> None:
+        """``psflow scale`` retired ``task``: its state says so (its last exit is an expected end)."""
+        self._db.execute("UPDATE tasks SET state = 'retired' WHERE run_id = ? AND name = ?", (run_id, task))
+
     def task_restarting(self, run_id: str, task: str, attempt: int, reason: str) -> None:
         """``task`` will start again as ``attempt``: the attempt before it is marked with ``reason``."""
         self._db.execute("UPDATE tasks SET state = 'restarting' WHERE run_id = ? AND name = ?", (run_id, task))

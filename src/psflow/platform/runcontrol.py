@@ -71,3 +71,85 @@ def wait_until_over(db_path: Path, run_id: str, *, timeout_s: float, poll_s: flo
             raise StopTimeout(f"Run {run_id} is still {run['state']} after {timeout_s:g} s: {why}. Wait longer "
                               f"(--timeout) or check `psflow status {run_id}`.")
         time.sleep(poll_s)  # a poll interval, not a synchronisation: the loop ends on the run's state
+
+
+# -- scale ------------------------------------------------------------------------------------------
+
+# The backends whose launcher cannot add or retire workers of a running run, and why (the launcher
+# says the same when asked: psflow.launch.backend.Backend.scale_refusal).
+NOT_SCALABLE = {
+    "slurm": "a Slurm job's tasks are fixed when its allocation starts (one srun step for the whole cluster)",
+    "k8s": "a TFJob's replica counts are fixed by the manifest psflow applied when the run started",
+    "ssh": "the ssh backend places every task on a host slot when the run starts",
+}
+
+
+class ScaleRefused(JobStoreError):
+    """A scale request that cannot be carried out (bad count, an ended run, a backend that cannot)."""
+
+
+def ask_scale(db: JobStore, run_id: str, workers: object, *, source: str) -> int:
+    """Ask run ``run_id``'s launcher to have ``workers`` workers (``psflow scale``); return the request's id.
+
+    Raises:
+        ScaleRefused: ``workers`` is not a count of 1..MAX_WORKERS, the run has ended, or its backend cannot
+            scale; the message says why and what to do.
+        JobStoreError: no such run.
+    """
+    from psflow.ps.membership import check_workers
+
+    run = db.run(run_id, metrics=False)
+    if run is None:
+        raise JobStoreError(f"No run {run_id!r} in the job store {db.path}; `psflow runs` lists the runs.")
+    now = sum(1 for t, v in run.get("tasks", {}).items() if t.startswith("worker:") and v.get("state") != "retired")
+    try:
+        count = check_workers(workers, current=now)
+    except ValueError as e:
+        raise ScaleRefused(str(e)) from None
+    if run["state"] not in LIVE_STATES:
+        raise ScaleRefused(f"Run {run_id} has already ended ({run['state']}); only a running run can be scaled. "
+                           f"Start it again with `psflow restart {run_id}` (same shape), or `psflow run --workers {count} ...`.")
+    backend = str(run.get("backend") or "")
+    if backend in NOT_SCALABLE:
+        raise ScaleRefused(f"Run {run_id} runs on the {backend} backend, and {NOT_SCALABLE[backend]}, so workers cannot "
+                           f"join or leave it. Stop it (`psflow stop {run_id}`) and start it again with --workers {count}.")
+    return db.request_control(run_id, "scale", source=source, payload={"workers": count})
+
+
+def wait_scaled(db_path: Path, run_id: str, request_id: int, *, timeout_s: float, poll_s: float = 0.25) -> dict[str, Any]:
+    """Wait until the launcher answered scale request ``request_id`` and, if it carried it out, every
+    added worker runs and every retired one has exited. Returns the request (``state``, ``answer``).
+
+    Raises:
+        StopTimeout: not there within ``timeout_s``; says what is still awaited.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with JobStore(db_path) as db:
+            (asked,) = db.controls(request_id=request_id)
+            run = db.run(run_id, metrics=False) or {"state": "gone", "tasks": {}}
+        awaited = _scale_awaited(asked, run)
+        if asked["state"] == "refused" or (asked["state"] == "done" and not awaited) or run["state"] not in LIVE_STATES:
+            return asked
+        if time.monotonic() >= deadline:
+            what = (f"waiting for {', '.join(awaited)}" if asked["state"] == "done" else
+                    "its launcher has not answered the request (busy, or an older psflow)")
+            raise StopTimeout(f"Scale request {request_id} of run {run_id} is not complete after {timeout_s:g} s: {what}. "
+                              f"Wait longer (--timeout) or check `psflow status {run_id}`.")
+        time.sleep(poll_s)  # a poll interval, not a synchronisation: the loop ends on the recorded states
+
+
+def _scale_awaited(asked: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """Workers a carried-out scale request still waits for: added ones not running, retired ones not exited."""
+    if asked["state"] != "done":
+        return ["the launcher's answer"]
+    workers = int(asked["payload"].get("workers", 0))
+    out = []
+    for name, t in run.get("tasks", {}).items():
+        if not name.startswith("worker:"):
+            continue
+        wanted = "running" if int(name.split(":")[1]) < workers else "retired"
+        state = t.get("state")
+        if wanted == "running" and state not in ("running", "exited") or wanted == "retired" and state != "retired":
+            out.append(f"{name} ({state}, to be {wanted})")
+    return out

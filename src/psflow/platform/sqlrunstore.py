@@ -166,6 +166,17 @@ class SqliteRunStore(RunStore):
     def event(self, kind: str, **data: Any) -> None:
         self._put(self._event_op(kind, data))
 
+    def tasks_added(self, tasks: list[str]) -> None:
+        with self._lock:
+            for t in tasks:
+                self._progress.setdefault(t, {})
+        self._put(lambda db: db.add_tasks(self.run_id, tasks))
+        self._put(self._event_op("tasks_added", {"tasks": list(tasks)}))
+
+    def task_retired(self, task: str) -> None:
+        self._put(lambda db: db.task_retired(self.run_id, task))
+        self._put(self._event_op("task_retired", {"task": task}))
+
     def finished(self, status: str) -> None:
         at = time.time()
         self._put(self._event_op("run_finished", {"status": status}, at))

@@ -93,10 +93,13 @@ def replica_name(cluster: ClusterSpec, replica: int) -> str:
     return "chief:0" if replica < chiefs else f"worker:{replica - chiefs}"
 
 
-def sender(cluster: ClusterSpec, peer: str, op_name: str) -> TaskId:
-    """The task that sent a request, checked against the cluster. Raises ConfigError."""
+def sender(cluster: ClusterSpec, peer: str, op_name: str, *, workers: int | None = None) -> TaskId:
+    """The task that sent a request, checked against the cluster (``workers``: the worker tasks
+    admitted, when a scale request grew the job past its cluster). Raises ConfigError."""
     try:
         task = TaskId.parse(peer)
+        if workers is not None and task.job == "worker" and task.index < workers:
+            return task
         cluster.check_task(task)
     except ConfigError as e:
         raise ConfigError(
@@ -106,11 +109,12 @@ def sender(cluster: ClusterSpec, peer: str, op_name: str) -> TaskId:
     return task
 
 
-def check(cluster: ClusterSpec, op: int, peer: str, meta: Mapping[str, Any]) -> None:
-    """Refuse a request that its op's schema does not admit. Raises ConfigError naming what is wrong."""
+def check(cluster: ClusterSpec, op: int, peer: str, meta: Mapping[str, Any], *, workers: int | None = None) -> None:
+    """Refuse a request that its op's schema does not admit. Raises ConfigError naming what is wrong.
+    ``workers``: the worker tasks admitted (a scaled job's; default: the cluster's)."""
     fields = SCHEMAS.get(op)
     op_name = Op(op).name if op in Op._value2member_map_ else f"op {op}"
-    task = sender(cluster, peer, op_name)
+    task = sender(cluster, peer, op_name, workers=workers)
     for f in fields or ():
         if f.name not in meta:
             if f.required:
@@ -123,7 +127,7 @@ def check(cluster: ClusterSpec, op: int, peer: str, meta: Mapping[str, Any]) -> 
         if value is None and f.nullable:
             continue
         if f.kind == REPLICA:
-            _check_replica(cluster, task, op_name, value)
+            _check_replica(cluster, task, op_name, value, workers)
         elif not _admits(f.kind, value):
             raise ConfigError(
                 f"{op_name} from {task} refused: field {f.name!r} must be {_EXPECTED[f.kind]}; "
@@ -131,8 +135,8 @@ def check(cluster: ClusterSpec, op: int, peer: str, meta: Mapping[str, Any]) -> 
             )
 
 
-def _check_replica(cluster: ClusterSpec, task: TaskId, op_name: str, value: Any) -> None:
-    n = cluster.num_tasks("chief") + cluster.num_tasks("worker")
+def _check_replica(cluster: ClusterSpec, task: TaskId, op_name: str, value: Any, workers: int | None = None) -> None:
+    n = cluster.num_tasks("chief") + max(cluster.num_tasks("worker"), workers or 0)
     if not _admits(INT, value) or value >= n:
         raise ConfigError(
             f"{op_name} from {task} refused: worker index {_show(value)} is not a replica of this cluster, "

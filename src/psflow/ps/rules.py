@@ -18,6 +18,7 @@ Events (``ShardRules`` methods; each records an :class:`Event`)::
     join(worker, attempt)          PS_READY of a training replica: ``attempt`` is its restart count
     tick(now)                      time passed (``now``: monotonic seconds): the lost-worker deadline
     take_over()                    replication: this copy (a backup) serves the shard now; its primary died
+    resize(num_workers)            the job's membership is now replicas 0..num_workers-1 (``psflow scale``)
 
 Decisions (:class:`Act`), in the order the store must carry them out::
 
@@ -36,6 +37,9 @@ Decisions (:class:`Act`), in the order the store must carry them out::
     WAIT_LOST   every other worker is done: the shard now waits for lost ones only, with a deadline
     FAIL        ``reason`` says why: a push from a newer version (to its sender), an ssp wait or a
                 lost-worker wait past its deadline
+    RETIRED     a request of a worker a resize retired is refused (``reason``, to its sender); at the
+                resize: ``workers`` retired (a held sync gradient of theirs is dropped), or with
+                ``clock``: a held ssp wait of a retired worker ends so
 
 States of a worker, seen by this shard::
 
@@ -76,6 +80,15 @@ joining again changes nothing. The modes, for the restarted worker:
 
 A done worker stays done: a later attempt is recorded and fenced like any other, but not waited for.
 
+Membership (``resize``, :mod:`psflow.ps.membership` for the semantics in full): the shard counts
+replicas ``0 .. num_workers-1``. Growing adds ``joining`` members, counted in the sync quorum and
+the ssp bound only from their readiness (``join``; ssp: at :meth:`resume_clock`, the slowest live
+clock). Shrinking retires the highest indices: their held sync gradient is dropped, held ssp waits
+end (RETIRED with ``clock``), and they leave done, lost and the clocks; a later push, clock or
+readiness of a retired worker is refused (RETIRED), its PS_DONE or loss changes nothing. The sync
+quorum follows the joined membership keeping the backups (:func:`psflow.ps.membership.scaled_quorum`
+over ``launch_workers``, the count the settings were written for).
+
 Duplicate pushes: a push with a ``push_seq`` that is not above the last one of the same attempt was
 decided already (the client resent it after its connection dropped before the reply): DUPLICATE,
 with the first decision's ``outcome``, and nothing is applied. A lost sync worker's held gradient
@@ -103,6 +116,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from psflow.config import TrainConfig
+from psflow.ps.membership import scaled_quorum
 
 
 class On(enum.Enum):
@@ -118,6 +132,7 @@ class On(enum.Enum):
     JOIN = "join"
     TICK = "tick"
     TAKEOVER = "takeover"
+    RESIZE = "resize"
 
 
 class Act(enum.Enum):
@@ -134,6 +149,7 @@ class Act(enum.Enum):
     DUPLICATE = "duplicate"
     WAIT_LOST = "wait_lost"
     FAIL = "fail"
+    RETIRED = "retired"
 
 
 @dataclass(frozen=True)
@@ -156,7 +172,7 @@ class RuleSettings:
 @dataclass(frozen=True, slots=True)
 class Event:
     """One event, as recorded. ``value``: PUSH the gradient's version, CLOCK/CLOCK_EXPIRED the clock,
-    CONFIGURE the start version. ``seconds``: TICK the time now, CLOCK_EXPIRED the time waited."""
+    CONFIGURE the start version, RESIZE the new number of replicas. ``seconds``: TICK the time now, CLOCK_EXPIRED the time waited."""
 
     seq: int
     on: On
@@ -195,6 +211,8 @@ class ShardRules:
     Args:
         shard: the ps shard's index (named in reasons).
         num_workers: the training replicas (chief and workers) that push to the shard.
+        launch_workers: the replicas the job was launched with (what the sync settings N and M were
+            written for; default ``num_workers``); a later :meth:`resize` changes ``num_workers`` only.
         keep_log: keep every recorded event and decision in ``log`` (for replay and tests). Off, the
             decisions are only returned: a long run would otherwise keep one record per push.
 
@@ -207,9 +225,11 @@ class ShardRules:
         1
     """
 
-    def __init__(self, shard: int, num_workers: int, *, keep_log: bool = False) -> None:
+    def __init__(self, shard: int, num_workers: int, *, keep_log: bool = False, launch_workers: int | None = None) -> None:
         self.shard = shard
         self.num_workers = num_workers
+        self.launch_workers = launch_workers or num_workers
+        self.joining: set[int] = set()  # members a resize added that have not joined (PS_READY) yet
         self.settings = RuleSettings.of(TrainConfig())  # before PS_INIT: the defaults the store's config has
         self.configured = False
         self.version = 0
@@ -238,10 +258,10 @@ class ShardRules:
         """A gradient computed from version ``step`` by ``worker``'s attempt ``attempt``; ``push_seq``
         numbers the attempt's pushes (a resent push keeps its number and is a DUPLICATE)."""
         ev = self._event(On.PUSH, worker, step, attempt=attempt, push_seq=push_seq)
-        superseded = self._superseded(ev, worker, attempt, "push")
-        if superseded is not None:
-            return self._decided(ev, [superseded])
-        out = self._join(ev, worker, attempt)
+        refused = self._retired(ev, worker, "push") or self._superseded(ev, worker, attempt, "push")
+        if refused is not None:
+            return self._decided(ev, [refused])
+        out = self._admit(ev, worker) + self._join(ev, worker, attempt)
         if worker in self.lost:
             self._bring_back(worker)
             out.append(self._decide(ev, Act.BACK, workers=(worker,)))
@@ -275,10 +295,10 @@ class ShardRules:
 
     def clock(self, worker: int, clock: int, attempt: int = 0) -> list[Decision]:
         ev = self._event(On.CLOCK, worker, clock, attempt=attempt)
-        superseded = self._superseded(ev, worker, attempt, "clock")
-        if superseded is not None:
-            return self._decided(ev, [superseded])
-        joined = self._join(ev, worker, attempt)
+        refused = self._retired(ev, worker, "clock") or self._superseded(ev, worker, attempt, "clock")
+        if refused is not None:
+            return self._decided(ev, [refused])
+        joined = self._admit(ev, worker) + self._join(ev, worker, attempt)
         self.clocks[worker] = clock
         slowest = self._slowest(clock)
         if clock - slowest <= self.settings.staleness:
@@ -297,11 +317,14 @@ class ShardRules:
             "or dead; raise sync_timeout_s or restart it."))])
 
     def worker_done(self, worker: int, attempt: int = 0) -> list[Decision]:
+        if worker >= self.num_workers:
+            return []  # a retired worker's PS_DONE: it is not waited for already
         ev = self._event(On.DONE, worker, attempt=attempt)
         superseded = self._superseded(ev, worker, attempt, "PS_DONE")
         if superseded is not None:
             return self._decided(ev, [superseded])
         self.attempts[worker] = max(attempt, self.attempts.get(worker, 0))
+        self.joining.discard(worker)
         self.done.add(worker)
         self.clocks.pop(worker, None)
         # Fewer live workers lower the number a step needs; the step may now be complete.
@@ -313,8 +336,8 @@ class ShardRules:
         holds the others back; sync: its held gradient leaves with it, and with backups steps need
         one gradient fewer; without backups the step stays held for it until its deadline or until
         it comes back)."""
-        if worker in self.done:
-            return []
+        if worker in self.done or worker >= self.num_workers or worker in self.joining:
+            return []  # finished, retired, or never joined: nobody waits for it
         ev = self._event(On.LOST, worker)
         self.lost.add(worker)
         self.lost_at.setdefault(worker, self.version)
@@ -335,13 +358,13 @@ class ShardRules:
         resumes at :meth:`resume_clock`); an older one is SUPERSEDED; the same one changes nothing
         but bringing a lost worker back."""
         known = self.attempts.get(worker, 0)
-        if attempt == known and worker not in self.lost:
+        if attempt == known and worker not in self.lost and worker not in self.joining and worker < self.num_workers:
             return []
         ev = self._event(On.JOIN, worker, attempt=attempt)
-        superseded = self._superseded(ev, worker, attempt, "readiness request")
-        if superseded is not None:
-            return self._decided(ev, [superseded])
-        out = self._join(ev, worker, attempt)
+        refused = self._retired(ev, worker, "readiness request") or self._superseded(ev, worker, attempt, "readiness request")
+        if refused is not None:
+            return self._decided(ev, [refused])
+        out = self._admit(ev, worker) + self._join(ev, worker, attempt)
         if worker in self.lost:
             self._bring_back(worker)
             out.append(self._decide(ev, Act.BACK, workers=(worker,)))
@@ -349,7 +372,7 @@ class ShardRules:
 
     def worker_back(self, worker: int) -> list[Decision]:
         """A lost ``worker`` sent a request again: wait for it as before. Nothing for one not lost."""
-        if worker not in self.lost:
+        if worker not in self.lost or worker >= self.num_workers:
             return []
         ev = self._event(On.BACK, worker)
         self._bring_back(worker)
@@ -392,6 +415,36 @@ class ShardRules:
         self.pending.clear()
         return self._decided(ev, [])
 
+    def resize(self, num_workers: int) -> list[Decision]:
+        """The job's membership is now replicas ``0 .. num_workers-1`` (``psflow scale``): new ones
+        join (counted once they are ready), the highest ones retire (see the module docstring)."""
+        if num_workers < 1:
+            raise ValueError(f"A ps shard needs at least one training replica; a resize to {num_workers} was asked.")
+        if num_workers == self.num_workers:
+            return []
+        ev = self._event(On.RESIZE, value=num_workers)
+        old, out = self.num_workers, []
+        if num_workers > old:
+            self.joining |= set(range(old, num_workers))
+        else:
+            gone = set(range(num_workers, old))
+            out = [self._decide(ev, Act.RETIRED, workers=(w,), clock=c, reason=(
+                f"worker index {w} was waiting at clock {c} on ps shard {self.shard} when a scale request retired it."))
+                for w, c in sorted(self.held) if w in gone]
+            self.held -= {(w, c) for w, c in self.held if w in gone}
+            self.pending -= gone
+            self.joining -= gone
+            for w in gone:
+                self.done.discard(w)
+                self.lost.discard(w)
+                for book in (self.lost_at, self.clocks, self.lost_clocks, self.last_push):
+                    book.pop(w, None)
+            out.append(self._decide(ev, Act.RETIRED, workers=tuple(sorted(gone))))
+        self.num_workers = num_workers
+        if self.settings.mode == "sync" and self.configured:
+            out.extend(self._maybe_complete_step(ev))  # fewer members: the step may be complete now
+        return self._decided(ev, out + self._release_held(ev))
+
     def step(self, event: Event) -> list[Decision]:
         """Apply a recorded ``event`` (of another ShardRules' log): what :meth:`replay` does."""
         on, w, v = event.on, event.worker, event.value
@@ -413,17 +466,19 @@ class ShardRules:
             return self.join(_int(w), event.attempt)
         if on is On.TAKEOVER:
             return self.take_over()
+        if on is On.RESIZE:
+            return self.resize(_int(v))
         return self.tick(event.seconds or 0.0)
 
     @classmethod
-    def replay(cls, shard: int, num_workers: int, log: Iterable[Record]) -> ShardRules:
+    def replay(cls, shard: int, num_workers: int, log: Iterable[Record], *, launch_workers: int | None = None) -> ShardRules:
         """A ShardRules in the state ``log`` (a shard's whole log, from its start) leads to.
 
         Raises:
             ValueError: a replayed event did not make the decisions the log holds (the log is not
                 the whole log of a shard of this size, or its records are out of order).
         """
-        rules = cls(shard, num_workers, keep_log=True)
+        rules = cls(shard, num_workers, keep_log=True, launch_workers=launch_workers)
         records = list(log)
         i = 0
         while i < len(records):
@@ -442,24 +497,29 @@ class ShardRules:
         return rules
 
     # -- reads -----------------------------------------------------------------------------
+    def quorum(self) -> tuple[int, int]:
+        """Sync: ``(N, M)`` for the joined membership (:func:`psflow.ps.membership.scaled_quorum`)."""
+        return scaled_quorum(self.settings.replicas_to_aggregate, self.settings.total_num_replicas,
+                             launch=self.launch_workers, now=self.num_workers - len(self.joining))
+
     def has_backups(self) -> bool:
-        n = self.settings.replicas_to_aggregate or self.num_workers
-        return n < (self.settings.total_num_replicas or self.num_workers)
+        n, m = self.quorum()
+        return n < m
 
     def needed(self) -> int:
         """Sync: the gradients a step needs now."""
-        n = self.settings.replicas_to_aggregate or self.num_workers
+        n, m = self.quorum()
         # Finished workers lower the quorum; lost ones only where backups stand in for them (without
         # backups a step never goes on without a worker that did not finish: it fails, naming it).
-        gone = self.done | self.lost if self.has_backups() else self.done
-        return max(1, min(n, self.num_workers - len(gone)))
+        gone = self.done | self.lost if n < m else self.done
+        return max(1, min(n, self.num_workers - len(self.joining) - len(gone)))
 
     def lost_hold_message(self, waited_s: float) -> str | None:
         """Sync without backups with a lost worker: why the step is held (else None)."""
         if self.settings.mode != "sync" or not self.lost or self.has_backups():
             return None
         names = ", ".join(f"worker:{w}" for w in sorted(self.lost))
-        n = self.settings.replicas_to_aggregate or self.num_workers
+        n = self.quorum()[0]
         return (
             f"{names} lost its connection to ps shard {self.shard} without finishing (killed or crashed?), and sync "
             f"training without backup workers (replicas_to_aggregate = total_num_replicas = {n}) cannot take a step "
@@ -483,8 +543,8 @@ class ShardRules:
         held_for_lost = self.lost_hold_message(waited_s)
         if held_for_lost is not None:
             return held_for_lost
-        m = self.settings.total_num_replicas or self.num_workers
-        missing = sorted(set(range(m)) - self.done - self.lost - self.pending)
+        m = self.quorum()[1]
+        missing = sorted(set(range(self.num_workers)) - self.done - self.lost - self.pending - self.joining)
         names = ", ".join(f"worker:{w}" for w in missing) or "none"
         n = self.needed()
         return (
@@ -512,6 +572,7 @@ class ShardRules:
             "held": sorted(self.held), "lost_wait_since": self.lost_wait_since, "seq": self.seq,
             "lost_clocks": dict(sorted(self.lost_clocks.items())), "attempts": dict(sorted(self.attempts.items())),
             "last_push": dict(sorted(self.last_push.items())),
+            "num_workers": self.num_workers, "launch_workers": self.launch_workers, "joining": sorted(self.joining),
         }
 
     def export(self) -> dict[str, Any]:
@@ -536,6 +597,9 @@ class ShardRules:
         rules.lost_at, rules.clocks, rules.lost_clocks, rules.attempts = (
             {int(w): int(v) for w, v in data[k].items()} for k in ("lost_at", "clocks", "lost_clocks", "attempts"))
         rules.held = {(int(w), int(c)) for w, c in data["held"]}
+        rules.num_workers = int(data.get("num_workers", num_workers))
+        rules.launch_workers = int(data.get("launch_workers", rules.launch_workers))
+        rules.joining = {int(w) for w in data.get("joining", ())}
         rules.last_push = {int(w): (int(a), int(s), Act(act)) for w, (a, s, act) in data["last_push"].items()}
         since = data["lost_wait_since"]
         rules.lost_wait_since = None if since is None else float(since)
@@ -547,7 +611,7 @@ class ShardRules:
         reported one; its own clock when it is the only one left."""
         gone = self.done | self.lost
         live = [c for w, c in self.clocks.items() if w not in gone]
-        if self.num_workers - len(gone) - len(live) > 0:
+        if self.num_workers - len(self.joining) - len(gone) - len(live) > 0:
             return 0
         return min(live, default=clock)
 
@@ -564,7 +628,7 @@ class ShardRules:
         if not self.pending or len(self.pending) < self.needed():
             return []
         workers = tuple(sorted(self.pending))
-        m = self.settings.total_num_replicas or self.num_workers
+        m = self.quorum()[1]
         without_all = len(workers) < m - len(self.done)  # lost workers count as missing here
         self.pending.clear()
         self.version += 1
@@ -575,6 +639,29 @@ class ShardRules:
         self.lost_at.pop(worker, None)
         if worker in self.lost_clocks:  # ssp: back at the clock it had, not at 0
             self.clocks[worker] = self.lost_clocks.pop(worker)
+
+    def _retired(self, ev: Event, worker: int, what: str) -> Decision | None:
+        """RETIRED if a resize took ``worker`` out of the membership: its request is refused."""
+        if worker < self.num_workers:
+            return None
+        return self._decide(ev, Act.RETIRED, workers=(worker,), reason=(
+            f"ps shard {self.shard} refused a {what} of worker index {worker}: a scale request retired it (the job has "
+            f"{self.num_workers} training replicas now, 0..{self.num_workers - 1}). A retired worker stops; nothing "
+            "is lost (its shard is not read while it is retired)."))
+
+    def _admit(self, ev: Event, worker: int) -> list[Decision]:
+        """A member a resize added is ready (or sent its first request): counted from now on (ssp: at
+        the slowest live clock). REJOINED, with the attempt and (ssp) the clock; nothing for others."""
+        if worker not in self.joining:
+            return []
+        self.joining.discard(worker)
+        self.lost.discard(worker)
+        clock = None
+        if self.settings.mode == "ssp":
+            clock = self.resume_clock(worker)
+            self.lost_clocks.pop(worker, None)
+            self.clocks[worker] = clock
+        return [self._decide(ev, Act.REJOINED, workers=(worker,), attempt=ev.attempt, clock=clock)]
 
     def _superseded(self, ev: Event, worker: int, attempt: int, what: str) -> Decision | None:
         """SUPERSEDED if ``attempt`` is older than ``worker``'s newest: its request is dropped."""

@@ -108,6 +108,12 @@ class PsService:
         self.cluster = cluster
         self.default_wait_s = default_wait_s
         num_workers = cluster.num_tasks("chief") + cluster.num_tasks("worker")
+        # Membership (psflow scale, psflow.ps.membership): the worker tasks admitted (the most there
+        # ever were), and the version of the launcher's membership applied last (refresh_members).
+        self.admitted_workers = cluster.num_tasks("worker")
+        self.members_version = 0
+        self._members_lock = threading.Lock()
+        self._members_warned = False
         self.store = ParameterStore(shard, num_workers)
         if replicas == 2 and attempt >= 1 and cluster.num_tasks("ps") >= 2:
             # A restarted ps: its copies died with its last attempt; both come back from the other ps.
@@ -146,8 +152,10 @@ class PsService:
         ERROR reply naming the field (and a warning here), and never reaches the store."""
 
         def serve(req: Request) -> Reply:
+            if op == Op.PS_READY and self._maybe_new_member(req.peer):
+                self.refresh_members()  # a worker a scale request added: the launcher's book says so
             try:
-                requests.check(self.cluster, op, req.peer, req.meta)
+                requests.check(self.cluster, op, req.peer, req.meta, workers=self.admitted_workers)
             except ConfigError as e:
                 log.warning("ps:%d: %s", self.shard, e)
                 raise
@@ -170,10 +178,58 @@ class PsService:
 
         return serve_timed
 
+    def _maybe_new_member(self, peer: str) -> bool:
+        """``peer`` is a worker this ps does not count (yet): one a scale request may have added."""
+        try:
+            task = TaskId.parse(peer)
+        except ConfigError:
+            return False
+        if task.job != "worker":
+            return False
+        return task.index >= self.admitted_workers or self.cluster.num_tasks("chief") + task.index >= self.store.rules.num_workers
+
+    def refresh_members(self) -> bool:
+        """Ask the launcher's coordinator for the job's membership (``psflow scale``) and apply a newer
+        one to every copy this ps serves: ``resize`` of their rules (recorded, so a backup copy follows).
+        Returns True if it changed. Without a launcher (a task started by hand) nothing changes."""
+        book = getattr(self.resolve, "book", None)
+        if book is None:
+            return False
+        try:
+            members = book().get("members")
+        except (PsflowError, OSError) as e:
+            if not self._members_warned:  # once per outage: the ps asks again about once a second
+                self._members_warned = True
+                log.warning("ps:%d: could not read the job's membership from the launcher (%s); asking again later.",
+                            self.shard, e)
+            return False
+        self._members_warned = False
+        return isinstance(members, dict) and self.apply_members(members)
+
+    def apply_members(self, members: dict[str, Any]) -> bool:
+        """Apply the membership ``{"replicas", "launch_replicas", "version"}`` if newer than the last one."""
+        with self._members_lock:
+            version = int(members.get("version", 0))
+            if version <= self.members_version:
+                return False
+            self.members_version = version
+            replicas, launch = int(members["replicas"]), int(members["launch_replicas"])
+            self.admitted_workers = max(self.admitted_workers, replicas - self.cluster.num_tasks("chief"))
+            for s, store in sorted(self._copies().items()):
+                store.rules.launch_workers = launch  # what the sync settings were written for (not an event: every copy knows it)
+                if self.roles.get(s) is Role.SERVING:
+                    before = store.rules.num_workers
+                    store.resize(replicas)
+                    if before != replicas:
+                        log.warning("ps:%d: shard %d counts %d training replicas now (was %d): a scale request.",
+                                    self.shard, s, replicas, before)
+            self._maybe_finished()
+            return True
+
     def _worker_of(self, peer: str) -> int | None:
         """The worker index ``peer`` (an admitted sender) trains as; None for a task that does not train."""
         try:
-            task = requests.sender(self.cluster, peer, "lost-worker check")
+            task = requests.sender(self.cluster, peer, "lost-worker check", workers=self.admitted_workers)
         except ConfigError:  # not a task of the cluster: a connection that was refused every request
             return None
         return requests.replica_of(self.cluster, task)
@@ -341,7 +397,7 @@ class PsService:
         """The primary's forwarded PS_INIT: this ps holds the shard's backup from its start."""
         store = self.backups.get(shard)
         if store is None or not store.initialized:
-            store = store or ParameterStore(shard, self.store.num_workers)
+            store = store or ParameterStore(shard, self.store.num_workers, launch_workers=self.store.rules.launch_workers)
             _initialize(store, req.meta, req.tensors, None)
             self.backups[shard] = store
             self.roles[shard] = Role.BACKUP
@@ -355,7 +411,7 @@ class PsService:
         if store is not None and store.initialized and store.seq >= state_seq:
             return Reply({"seq": store.seq})  # the same state again (its reply was lost): held already
         if store is None or store.initialized:
-            store = ParameterStore(shard, self.store.num_workers)
+            store = ParameterStore(shard, self.store.num_workers, launch_workers=self.store.rules.launch_workers)
         store.load_state(req.meta, req.tensors)
         if shard == self.shard:
             self.store = store
@@ -472,7 +528,7 @@ class PsService:
         worker = self._worker_of(peer)  # a worker that dies before its first push is lost all the same
         if worker is None:
             return
-        lost = [c for c in self._serving_copies() if worker not in c.done_workers]
+        lost = [c for c in self._serving_copies() if worker not in c.done_workers and worker < c.rules.num_workers]
         for store in lost:
             store.worker_lost(worker)
         if lost:
@@ -538,6 +594,7 @@ class PsService:
             "version": s.version,
             "done_workers": sorted(s.done_workers),
             "lost_workers": sorted(s.lost_workers),
+            "num_workers": s.rules.num_workers,
             "stats": s.stats.to_dict(),
         }
         if req.meta.get("clock_log"):

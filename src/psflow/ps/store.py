@@ -97,7 +97,7 @@ class StoreStats:
 class ParameterStore:
     """Values and update rule of one ps shard."""
 
-    def __init__(self, shard: int, num_workers: int) -> None:
+    def __init__(self, shard: int, num_workers: int, *, launch_workers: int | None = None) -> None:
         self.shard = shard
         self.num_workers = num_workers
         self.values: dict[str, torch.Tensor] = {}
@@ -105,7 +105,7 @@ class ParameterStore:
         self.placement_digest = ""
         self.meta: dict[str, Any] = {}
         self.stats = StoreStats()
-        self.rules = ShardRules(shard, num_workers)  # version, done and lost workers, the sync step, ssp clocks
+        self.rules = ShardRules(shard, num_workers, launch_workers=launch_workers)  # version, done and lost workers, the sync step, ssp clocks
         self._optimizer: torch.optim.Optimizer | None = None
         self._keys: list[str] = []
         self._base_lr = 0.0
@@ -244,6 +244,8 @@ class ParameterStore:
             if d.act is Act.SUPERSEDED and d.clock is None:
                 self.stats.superseded += 1
                 raise TrainingError(d.reason)
+            if d.act is Act.RETIRED:
+                raise TrainingError(d.reason)
             if d.act is Act.DUPLICATE:
                 self.stats.duplicates += 1
                 reply = {"applied": d.outcome in (Act.APPLY, Act.HOLD), "duplicate": True}
@@ -292,6 +294,13 @@ class ParameterStore:
                 self.progress.discard_pending(d.workers[0])  # its held gradient left: the batch is redone
             elif d.act is Act.SUPERSEDED and d.clock is not None:
                 self._superseded.add((d.workers[0], d.clock, d.attempt or 0))
+            elif d.act is Act.RETIRED and d.clock is not None:
+                w = d.workers[0]
+                self._superseded.add((w, d.clock, self.rules.attempts.get(w, 0)))
+            elif d.act is Act.RETIRED and not d.reason:  # a resize retired them: their held batches are not trained
+                for w in d.workers:
+                    self.progress.discard_pending(w)
+                    self._buffers.pop(w, None)
         self._cond.notify_all()
 
     def _apply_step(self, d: Decision) -> None:
@@ -397,6 +406,15 @@ class ParameterStore:
             if d.act is Act.SUPERSEDED and d.clock is None:
                 self.stats.superseded += 1
                 raise TrainingError(d.reason)
+            if d.act is Act.RETIRED and d.reason and d.clock is None:
+                raise TrainingError(d.reason)
+
+    def resize(self, num_workers: int) -> None:
+        """The job's training replicas are now ``0 .. num_workers-1`` (``psflow scale``; see
+        :meth:`ShardRules.resize` and :mod:`psflow.ps.membership`)."""
+        with self._cond, self._recorded():
+            self._act(self.rules.resize(num_workers))
+            self.num_workers = num_workers
 
     def worker_back(self, worker: int) -> bool:
         """A lost ``worker`` sent a request again (restarted): wait for it as before. True if it was lost."""
@@ -423,7 +441,7 @@ class ParameterStore:
             return self.rules.tick(now)
 
     def all_done(self) -> bool:
-        return len(self.done_workers) >= self.num_workers
+        return len(self.done_workers) >= self.rules.num_workers
 
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """A consistent copy of values, optimizer state (``opt/...``) and averages (``ema/...``)."""
@@ -546,6 +564,7 @@ class ParameterStore:
                                 "into the empty copy of a restarted ps.")
         with self._cond:
             self.rules = ShardRules.restore(self.shard, self.num_workers, meta["rules"])
+            self.num_workers = self.rules.num_workers
             self.progress.restore(meta.get("progress") or {}, held)
             self.stats = StoreStats.from_dict(meta["stats"])
             self._cond.notify_all()

@@ -167,6 +167,8 @@ function runPage(runId) {
     <div class="toolbar">
       <h1 id="run-title" style="margin:0">${esc(runId)}</h1> <span id="run-state"></span>
       <span style="flex:1"></span>
+      <label class="muted">workers <input id="scale-n" type="number" min="1" max="256" style="width:4.5em"></label>
+      <button id="scale-btn">Scale</button>
       <button id="restart-btn">Restart</button>
       <button id="stop-btn" class="danger">Stop</button>
     </div>
@@ -192,6 +194,7 @@ function runPage(runId) {
   document.getElementById("stop-btn").onclick = () => control(runId, "stop");
   document.getElementById("restart-btn").onclick = () => control(runId, "restart");
   document.getElementById("dump-btn").onclick = () => dumpAll(runId);
+  document.getElementById("scale-btn").onclick = () => scaleRun(runId);
   liveRun(runId);
 }
 
@@ -232,6 +235,16 @@ function liveRun(runId) {
   };
 }
 
+// Workers join or leave the running run (POST /api/runs/{run}/scale; the launcher answers in the events).
+async function scaleRun(runId) {
+  const workers = Number(document.getElementById("scale-n").value);
+  try {
+    const r = await api(`/api/runs/${encodeURIComponent(runId)}/scale`, {method: "POST",
+      headers: {"Content-Type": "application/json"}, body: JSON.stringify({workers})});
+    toast(`scale to ${r.workers} workers requested (request ${r.request_id})`);
+  } catch (e) { toast(e.message); }
+}
+
 async function control(runId, what) {
   if (!confirm(`${what === "stop" ? "Stop" : "Restart"} run ${runId}?`)) return;
   try {
@@ -255,6 +268,9 @@ async function showRun(runId, page, withMetrics) {
   document.getElementById("run-state").innerHTML = badge(run.state);
   const live = run.state === "running" || run.state === "pending";
   document.getElementById("stop-btn").disabled = !live;
+  document.getElementById("scale-btn").disabled = !live;
+  const scaleN = document.getElementById("scale-n");
+  if (!scaleN.value) scaleN.value = Object.entries(run.tasks).filter(([n, t]) => n.startsWith("worker:") && t.state !== "retired").length;
   document.getElementById("run-headline").innerHTML =
     `${esc(run.script)} ${esc((run.args || []).join(" "))} · ${esc(run.mode)} · ${esc(run.strategy)} · ${esc(run.backend)}` +
     ` · step ${num(run.global_step)} · ${num(run.examples_per_sec)} examples/s` +
@@ -275,7 +291,7 @@ function drawCluster(run) {
   for (const [name, t] of Object.entries(run.tasks)) (jobs[name.split(":")[0]] = jobs[name.split(":")[0]] || []).push([name, t]);
   document.getElementById("cluster").innerHTML = Object.entries(jobs).map(([job, tasks]) => `
     <div class="job"><div class="job-name">${esc(job)}</div><div class="tasks">${tasks.map(([name, t]) => `
-      <button class="task ${t.exit_code ? "failed-exit" : ""} ${name === view.logTask ? "selected" : ""}" data-task="${esc(name)}" data-state="${esc(t.state)}">
+      <button class="task ${t.exit_code && t.state !== "retired" ? "failed-exit" : ""} ${name === view.logTask ? "selected" : ""}" data-task="${esc(name)}" data-state="${esc(t.state)}">
         <div class="name">${esc(name)}</div>
         <div class="detail">${esc(t.state)} · attempt ${esc(t.attempt)}</div>
         <div class="detail">${esc(t.address || "")}${t.pid ? " · pid " + esc(t.pid) : ""}${t.scheduler_id ? " · " + esc(t.scheduler_id) : ""}</div>
@@ -297,7 +313,8 @@ function drawTimeline(run, attempts) {
     <div class="lane" data-lane="${esc(task)}"><span class="lane-name">${esc(task)}</span><div class="track">${(lanes[task] || []).map(a => {
       const left = 100 * (a.started_unix - t0) / (t1 - t0);
       const width = Math.max(0.8, 100 * ((a.exited_unix || now) - a.started_unix) / (t1 - t0));
-      const cls = a.exited_unix === null ? "" : a.exit_code === 0 ? "ok" : (run.state === "stopped" && !a.restart_reason ? "stop" : "bad");
+      const retired = run.tasks[task].state === "retired" && a.attempt === run.tasks[task].attempt;  // psflow scale: an expected end
+      const cls = a.exited_unix === null ? "" : a.exit_code === 0 ? "ok" : ((run.state === "stopped" || retired) && !a.restart_reason ? "stop" : "bad");
       const tip = `attempt ${a.attempt}: ${a.exit_cause || "running"}${a.restart_reason ? "; restarted: " + a.restart_reason : ""}`;
       return `<div class="bar ${cls}" style="left:${left}%;width:${Math.min(width, 100 - left)}%" title="${esc(tip)}"></div>`;
     }).join("")}</div><span class="muted">${(lanes[task] || []).length}</span></div>`).join("");
