@@ -110,6 +110,7 @@ class Server:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self.register(Op.PING, lambda req: Reply({"task": self.task}))
+        self.register(Op.CLOCK, lambda req: Reply({"now_us": timeline.clock_us()}))
 
     def register(self, op: int, handler: Handler, *, reuse_buffers: bool = False) -> None:
         """Route ``op`` to ``handler``. With ``reuse_buffers`` the received tensors are reused
