@@ -336,7 +336,7 @@ def test_unknown_op_is_named_and_the_same_connection_keeps_working_when_idle(mak
     srv = make_server()
     conn = client(srv)
     try:
-        with pytest.raises(RemoteError, match=r"ps:0: Unknown op 999; this server \(ps:0\) serves ops \[6, 1001"):
+        with pytest.raises(RemoteError, match=r"ps:0: Unknown op 999; this server \(ps:0\) serves ops \[6, 7, 1001"):
             conn.request(999, {"x": 1}, [("t", torch.ones(3))], timeout_s=WAIT_S)
         # A worker may sit idle between requests (a long forward pass): the refusal must not have
         # left a short timeout on the server's side of the socket.
