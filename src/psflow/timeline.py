@@ -10,6 +10,9 @@ Who records what (categories; a span's name says more, e.g. ``push ps:1``):
   ``forward``, ``backward`` (``compute`` with several devices), ``push`` per shard (during
   backward when a shard's gradients are ready early), ``wait`` (the sync quorum, the ssp bound, or
   in async mode the ps's reply: until the reply's first byte) and ``pull`` (the values' bytes, per shard);
+- an all-reduce rank's main thread (:mod:`psflow.train.allreduce`): ``step``, ``forward``,
+  ``backward``, ``allreduce`` (the trainer's own, after backward) and ``optimizer``; DDP's bucket
+  all-reduces, which overlap backward, on a track of their own (``add(track=...)``);
 - a ps's connection threads (:mod:`psflow.server`, :mod:`psflow.ps.service`): ``receive`` (from a
   request's first byte to its last), ``apply`` (decoding and the optimizer step, or holding a sync
   gradient), ``wait`` (a sync push-pull waiting for its step) and ``send`` (the reply).
