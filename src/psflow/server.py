@@ -58,6 +58,7 @@ Handler = Callable[[Request], Reply]
 class _Route:
     handler: Handler
     reuse_buffers: bool
+    frame: bytes | None = None  # a constant reply, encoded once (register_constant): sent as it is
 
 
 class Server:
@@ -109,12 +110,19 @@ class Server:
         self.on_peer_gone: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self.register(Op.PING, lambda req: Reply({"task": self.task}))
+        self.register_constant(Op.PING, {"task": self.task})
+        self.register(Op.CLOCK, lambda req: Reply({"now_us": timeline.clock_us()}))
 
     def register(self, op: int, handler: Handler, *, reuse_buffers: bool = False) -> None:
         """Route ``op`` to ``handler``. With ``reuse_buffers`` the received tensors are reused
         between requests of one connection, so the handler must not keep references to them."""
         self.routes[int(op)] = _Route(handler, reuse_buffers)
+
+    def register_constant(self, op: int, meta: dict[str, Any]) -> None:
+        """Answer ``op`` with the same OK reply every time, encoded once: no handler, no meta to encode
+        on the request path (PING, the small round trip clients and benchmarks measure)."""
+        reply = Reply(dict(meta))
+        self.routes[int(op)] = _Route(lambda req: reply, False, encode_head(int(Op.OK), reply.meta, 0))
 
     @property
     def address(self) -> str:
@@ -233,8 +241,12 @@ class Server:
                 self._peer_conns[conn.peer] = self._peer_conns.get(conn.peer, 0) + 1
             try:
                 cache: dict[str, torch.Tensor] = {}
+
+                def alloc(spec: TensorSpec) -> torch.Tensor:
+                    return _cached(cache, spec)
+
                 while not self._stopped.is_set():
-                    if not self._serve_one(conn, cache):
+                    if not self._serve_one(conn, cache, alloc):
                         return
             except OSError:  # stop() closed the socket under a request (settimeout on a closed fd)
                 return
@@ -251,11 +263,12 @@ class Server:
                 self._conns.discard(conn)
             conn.close()
 
-    def _serve_one(self, conn: Connection, cache: dict[str, torch.Tensor]) -> bool:
+    def _serve_one(self, conn: Connection, cache: dict[str, torch.Tensor],
+                   alloc: Callable[[TensorSpec], torch.Tensor]) -> bool:
         """Serve one request. Returns False when the connection should close."""
         tl = timeline.ACTIVE  # psflow run --timeline: receive and send spans (off: this branch only)
         try:
-            frame = conn.recv(alloc=lambda spec: _cached(cache, spec))
+            frame = conn.recv(alloc=alloc)
             if tl is not None:
                 tl.add("receive", f"receive {_op_name(frame.op)}", conn.header_us, tl.now(), peer=conn.peer)
         except FrameError as e:
@@ -270,6 +283,8 @@ class Server:
             # must not be dropped by it when the next recv waits.
             conn.set_timeout(None)
             return True
+        if route.frame is not None and tl is None:  # a constant reply: its bytes as they are
+            return self._send_encoded(conn, route.frame)
         if frame.tensors and not route.reuse_buffers:
             cache.clear()  # the handler may keep what it received: never hand those buffers out again
         try:
@@ -285,6 +300,15 @@ class Server:
         sent = self._send(conn, Op.OK, reply.meta, reply.tensors)
         tl.add("send", f"send {_op_name(frame.op)}", start, tl.now(), peer=conn.peer)
         return sent
+
+    @staticmethod
+    def _send_encoded(conn: Connection, data: bytes) -> bool:
+        try:
+            conn.set_timeout(None)
+            conn.send_encoded(data)
+            return True
+        except (TransportError, OSError):
+            return False
 
     @staticmethod
     def _send(conn: Connection, op: int, meta: dict[str, Any], tensors: list[tuple[str, torch.Tensor]] = ()) -> bool:

@@ -51,7 +51,7 @@ from psflow.errors import ConfigError, PsflowError
 from psflow.fault import for_attempt
 from psflow.heartbeat import Heartbeat, install_stack_dumps
 from psflow.launch import errorreport
-from psflow.launch.contract import TaskEnv
+from psflow.launch.contract import TaskEnv, clock_skew_us
 from psflow.rendezvous import bind_rendezvous, check_exposure
 from psflow.server import Server
 from psflow.wire.conn import connect
@@ -394,6 +394,14 @@ class Task:
         if tl is None:
             return
         self.report(timeline=tl.shares())
+        with self._co_lock:
+            if self._co_conn is not None:  # the connection the report used: the launcher is the reference clock
+                conn = self._co_conn
+                try:
+                    tl.align(lambda: float(conn.request(Op.CLOCK, timeout_s=5.0).meta["now_us"]))
+                except (PsflowError, KeyError, TypeError, ValueError) as e:
+                    log.warning("%s could not measure its clock's offset to the launcher (its spans keep their own "
+                                "clock in the merged timeline): %s", self.task_id, e)
         if self.logdir:
             try:
                 tl.write(self.logdir)
@@ -501,7 +509,7 @@ def init(
         raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index "
                           "(or TF_CONFIG's task, or PSFLOW_TASK with PSFLOW_CLUSTER).")
     if cfg.timeline:
-        timeline.start(str(task_id), tenv.attempt)  # before any connection: each one stamps its frames' arrival
+        timeline.start(str(task_id), tenv.attempt, skew_us=clock_skew_us(tenv.clock_skew, task_id))  # before any connection
     if task_id.job == "ps":
         from psflow.ps.service import warm_up
 

@@ -10,14 +10,22 @@ Who records what (categories; a span's name says more, e.g. ``push ps:1``):
   ``forward``, ``backward`` (``compute`` with several devices), ``push`` per shard (during
   backward when a shard's gradients are ready early), ``wait`` (the sync quorum, the ssp bound, or
   in async mode the ps's reply: until the reply's first byte) and ``pull`` (the values' bytes, per shard);
+- an all-reduce rank's main thread (:mod:`psflow.train.allreduce`): ``step``, ``forward``,
+  ``backward``, ``allreduce`` (the trainer's own, after backward) and ``optimizer``; DDP's bucket
+  all-reduces, which overlap backward, on a track of their own (``add(track=...)``);
 - a ps's connection threads (:mod:`psflow.server`, :mod:`psflow.ps.service`): ``receive`` (from a
   request's first byte to its last), ``apply`` (decoding and the optimizer step, or holding a sync
   gradient), ``wait`` (a sync push-pull waiting for its step) and ``send`` (the reply).
 
 Clocks: every timestamp is wall-clock microseconds, taken as ``time.time()`` once at :func:`start`
-plus ``time.perf_counter()`` since then (precise and monotonic within a process, and comparable
-across the processes of one machine, which share the wall clock; across machines it is as good as
-their clock synchronisation, NTP's milliseconds).
+plus ``time.perf_counter()`` since then (precise and monotonic within a process). Hosts' wall
+clocks disagree (NTP keeps them within milliseconds, a misconfigured host by far more), so at its
+end each launched task estimates its clock's offset to one reference, the launcher (every launched
+task already holds an authenticated connection to its coordinator; ps:1.. and all-reduce ranks
+have none to ps:0 or the chief), NTP-style: several CLOCK round trips on that connection, the
+offset from the one with the shortest round trip (:func:`estimate_offset`, error at most half that
+round trip). The offset is written with the task's spans and :func:`merge` shifts them by it, so the
+merged trace is on the launcher's clock. A drift of the clocks during the run is not corrected.
 
 Off (the default), :data:`ACTIVE` is None and every hook is one ``if`` on it: no clock read, no
 allocation. On, a span costs two clock reads and one dict appended to a list (thread-safe in CPython).
@@ -32,11 +40,12 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STEP_PHASES = ("forward", "backward", "compute", "push", "wait", "pull")  # a worker's step, in order
+STEP_PHASES = ("forward", "backward", "compute", "push", "wait", "pull", "allreduce", "optimizer")  # a step (ps: push..pull; all-reduce: allreduce, optimizer)
 PS_PHASES = ("receive", "apply", "wait", "send")  # a ps's work on a request
 TRACE_FILE = "timeline.json"
 TASK_DIR = "timeline"
@@ -52,22 +61,32 @@ class Timeline:
         attempt: its restart count (a restarted task's spans go to a process of their own).
     """
 
-    def __init__(self, task: str, attempt: int = 0) -> None:
+    def __init__(self, task: str, attempt: int = 0, *, skew_us: float = 0.0) -> None:
         self.task, self.attempt = task, attempt
         self.events: list[dict[str, Any]] = []
         self.threads: dict[int, str] = {}
-        self._wall0_us = time.time() * 1e6
+        self._tracks: dict[str, int] = {}  # named tracks (add(track=...)) -> their trace thread id
+        self.clock: ClockOffset | None = None  # this clock's offset to the reference, once measured (align)
+        self._wall0_us = time.time() * 1e6 + skew_us  # skew_us: a host whose clock is off (PSFLOW_CLOCK_SKEW, tests)
         self._perf0 = time.perf_counter()
 
     def now(self) -> float:
         """Wall-clock microseconds, read through the precise monotonic clock."""
         return self._wall0_us + (time.perf_counter() - self._perf0) * 1e6
 
-    def add(self, cat: str, name: str, start_us: float, end_us: float, **args: Any) -> None:
-        """A complete span (Chrome's ``ph: "X"``) on the calling thread."""
-        tid = threading.get_native_id()
-        if tid not in self.threads:
-            self.threads[tid] = threading.current_thread().name
+    def add(self, cat: str, name: str, start_us: float, end_us: float, *, track: str | None = None,
+            **args: Any) -> None:
+        """A complete span (Chrome's ``ph: "X"``) on the calling thread, or on the named ``track`` (a
+        trace thread of its own, for work that runs on whichever thread completes it)."""
+        if track is None:
+            tid = threading.get_native_id()
+            if tid not in self.threads:
+                self.threads[tid] = threading.current_thread().name
+        else:
+            tid = self._tracks.get(track, 0)
+            if not tid:  # past any OS thread id (pid_max is at most 2**22)
+                tid = self._tracks[track] = (1 << 30) + len(self._tracks)
+                self.threads[tid] = track
         event: dict[str, Any] = {"name": name, "cat": cat, "ph": "X", "ts": round(start_us, 1),
                                  "dur": round(max(0.0, end_us - start_us), 1), "tid": tid}
         if args:
@@ -82,23 +101,80 @@ class Timeline:
             return step_shares(events)
         return busy_shares(events)
 
+    def align(self, ask_reference_us: Callable[[], float], *, rounds: int = 16) -> ClockOffset:
+        """Measure this clock's offset to a reference clock: ``rounds`` calls of ``ask_reference_us``
+        (one round trip that returns the reference's :func:`clock_us`), timed on this clock; kept in
+        :attr:`clock` and written with the spans. Raises what ``ask_reference_us`` raises."""
+        samples = []
+        for _ in range(rounds):
+            sent = self.now()
+            reference = ask_reference_us()
+            samples.append((sent, reference, self.now()))
+        self.clock = estimate_offset(samples)
+        return self.clock
+
     def write(self, logdir: str | os.PathLike[str]) -> Path:
         """Write this process's spans to ``LOGDIR/timeline/<task>.<attempt>.json``; returns the path."""
         out = Path(logdir) / TASK_DIR
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"{self.task.replace(':', '-')}.{self.attempt}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"task": self.task, "attempt": self.attempt, "os_pid": os.getpid(),
+        clock = self.clock.to_dict() if self.clock is not None else None
+        tmp.write_text(json.dumps({"task": self.task, "attempt": self.attempt, "os_pid": os.getpid(), "clock": clock,
                                    "threads": {str(k): v for k, v in self.threads.items()}, "events": list(self.events)}))
         tmp.replace(path)
         return path
 
 
-def start(task: str, attempt: int = 0) -> Timeline:
+def start(task: str, attempt: int = 0, *, skew_us: float = 0.0) -> Timeline:
     """Turn the timeline on in this process (before its connections are made); returns the recorder."""
     global ACTIVE
-    ACTIVE = Timeline(task, attempt)
+    ACTIVE = Timeline(task, attempt, skew_us=skew_us)
     return ACTIVE
+
+
+def clock_us() -> float:
+    """This process's timeline clock now (wall-clock microseconds; its recorder's when it has one):
+    what a server answers a CLOCK request with."""
+    tl = ACTIVE
+    return tl.now() if tl is not None else time.time() * 1e6
+
+
+# -- clock offsets (pure) --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ClockOffset:
+    """A clock's offset to the reference: reference time = local time + ``offset_us``, within
+    ``error_us`` (half the round trip it was estimated from)."""
+
+    offset_us: float
+    rtt_us: float
+    samples: int
+
+    @property
+    def error_us(self) -> float:
+        return self.rtt_us / 2
+
+    def to_dict(self) -> dict[str, float]:
+        return {"offset_us": round(self.offset_us, 1), "rtt_us": round(self.rtt_us, 1), "samples": self.samples}
+
+
+def estimate_offset(samples: Sequence[tuple[float, float, float]]) -> ClockOffset:
+    """NTP's estimate from round trips ``(sent, reference, received)``: ``sent`` and ``received`` on
+    the local clock around a request the reference answered at ``reference`` on its clock. The
+    round trip with the shortest time is the least delayed by queueing, and the reference read its
+    clock within it: offset = reference - (sent + received) / 2, off by at most half that round trip
+    (exactly right when the two legs took equally long).
+
+    Raises:
+        ValueError: no sample, or none with ``received >= sent`` (a clock that went backwards).
+    """
+    valid = [(r - s, ref, s, r) for s, ref, r in samples if r >= s]
+    if not valid:
+        raise ValueError(f"No usable round trip to estimate a clock offset from: received {list(samples)!r}; "
+                         "each sample is (sent, reference, received) with received >= sent.")
+    rtt, ref, sent, received = min(valid)
+    return ClockOffset(offset_us=ref - (sent + received) / 2, rtt_us=rtt, samples=len(valid))
 
 
 def stop() -> None:
@@ -155,7 +231,8 @@ def busy_shares(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def merge(files: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One Chrome trace of every task's file: a trace process per task attempt (in the given
-    order, named ``worker:1`` or ``worker:1 (attempt 2)``), a named trace thread per OS thread."""
+    order, named ``worker:1`` or ``worker:1 (attempt 2)``), a named trace thread per OS thread,
+    every span moved onto the reference clock by its file's ``clock.offset_us`` (see :meth:`Timeline.align`)."""
     events: list[dict[str, Any]] = []
     for pid, f in enumerate(files, start=1):
         name = f["task"] if not f.get("attempt") else f"{f['task']} (attempt {f['attempt']})"
@@ -163,9 +240,14 @@ def merge(files: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
         for tid, thread in f.get("threads", {}).items():
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": int(tid), "args": {"name": thread}})
-        events.extend({**e, "pid": pid} for e in f["events"])
+        shift = float((f.get("clock") or {}).get("offset_us", 0.0))
+        events.extend({**e, "pid": pid, "ts": round(e["ts"] + shift, 1)} if shift else {**e, "pid": pid}
+                      for e in f["events"])
+    offsets = {f"{f['task']}.{f.get('attempt', 0)}": f.get("clock") for f in files}
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"tasks": [f["task"] for f in files], "clock": "wall-clock microseconds"}}
+            "otherData": {"tasks": [f["task"] for f in files], "clock_offsets": offsets,
+                          "clock": "wall-clock microseconds of the launcher (each task's spans shifted by the offset "
+                                   "it measured; a task without one: its own wall clock)"}}
 
 
 def _task_order(name: str) -> tuple[int, int, int]:

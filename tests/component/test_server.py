@@ -336,7 +336,7 @@ def test_unknown_op_is_named_and_the_same_connection_keeps_working_when_idle(mak
     srv = make_server()
     conn = client(srv)
     try:
-        with pytest.raises(RemoteError, match=r"ps:0: Unknown op 999; this server \(ps:0\) serves ops \[6, 1001"):
+        with pytest.raises(RemoteError, match=r"ps:0: Unknown op 999; this server \(ps:0\) serves ops \[6, 7, 1001"):
             conn.request(999, {"x": 1}, [("t", torch.ones(3))], timeout_s=WAIT_S)
         # A worker may sit idle between requests (a long forward pass): the refusal must not have
         # left a short timeout on the server's side of the socket.
@@ -604,3 +604,18 @@ def test_a_worker_whose_ps_address_is_its_own_is_told_so_not_unknown_op(make_ser
     cluster = ClusterSpec.from_dict({"ps": [f"127.0.0.1:{port}"], "worker": [f"127.0.0.2:{port}"]})
     with pytest.raises(ClusterError, match=r"expecting ps:0 but reached worker:0, that is, this task itself"):
         PsClient(cluster, TaskId("worker", 0), SECRET, connect_timeout_s=WAIT_S)
+
+
+def test_every_server_answers_clock_with_its_wall_clock_and_ping_with_its_name(make_server: MakeServer) -> None:
+    """CLOCK is what a task's timeline measures its offset to the launcher with; PING is a constant reply."""
+    srv = make_server()
+    conn = client(srv)
+    try:
+        for _ in range(3):
+            before = time.time() * 1e6
+            now_us = conn.request(Op.CLOCK, timeout_s=WAIT_S).meta["now_us"]
+            after = time.time() * 1e6
+            assert before <= now_us <= after
+            assert conn.request(Op.PING, timeout_s=WAIT_S).meta == {"task": "ps:0"}
+    finally:
+        conn.close()

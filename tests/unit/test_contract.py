@@ -18,7 +18,8 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "psflow"
 EVERY_FIELD = TaskEnv(
     task=TaskId("worker", 1), coordinator="127.0.0.1:4000", attempt=2, cluster_json='{"ps": ["h:1"], "worker": ["h:2", "h:3"]}',
     secret="s3cret", secret_file="/run/secret", train_config=TrainConfig(mode="sync", staleness=2), logdir="runs/a",
-    checkpoint_dir="s3://bucket/run", error_file="runs/a/errors/worker-1.json", data_dir="/data", fail_at="worker:1@step=3", resume=False, num_threads=3,
+    checkpoint_dir="s3://bucket/run", error_file="runs/a/errors/worker-1.json", data_dir="/data", fail_at="worker:1@step=3",
+    clock_skew="ps:0=5e6", resume=False, num_threads=3,
     bind_host="0.0.0.0", connect_timeout_s=1.5, handshake_timeout_s=0.25, max_handshaking=7, allow_unauthenticated_allreduce=True,
     num_ps=0, base_port=3000, data_shards=2,
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -93,3 +94,78 @@ def test_the_timeline_setting_must_be_a_bool(bad) -> None:
 
     with pytest.raises(ConfigError, match="timeline must be true or false"):
         TrainConfig(timeline=bad)
+
+
+# -- clock offsets ------------------------------------------------------------------------------
+
+def _round_trips(offset_us: float, legs: list[tuple[float, float]], start: float = 1_000.0):
+    """(sent, reference, received) samples of a local clock that is ``offset_us`` behind the
+    reference, each round trip taking (out, back) microseconds."""
+    out, t = [], start
+    for up, down in legs:
+        out.append((t, t + up + offset_us, t + up + down))
+        t += up + down + 50.0
+    return out
+
+
+def test_the_offset_comes_from_the_shortest_round_trip_and_is_exact_when_its_legs_are_equal() -> None:
+    samples = _round_trips(5_000_000.0, [(900.0, 30.0), (20.0, 20.0), (15.0, 400.0)])
+    est = timeline.estimate_offset(samples)
+    assert est.offset_us == pytest.approx(5_000_000.0)
+    assert est.rtt_us == pytest.approx(40.0) and est.error_us == pytest.approx(20.0) and est.samples == 3
+
+
+@pytest.mark.parametrize("offset_us", [-3e6, 0.0, 123.5, 7e9])
+def test_the_offset_error_is_at_most_half_the_round_trip_whatever_the_asymmetry(offset_us) -> None:
+    samples = _round_trips(offset_us, [(300.0, 10.0), (25.0, 5.0), (60.0, 2.0)])
+    est = timeline.estimate_offset(samples)
+    assert abs(est.offset_us - offset_us) <= est.error_us + 1e-6
+    assert est.rtt_us == pytest.approx(30.0)
+
+
+def test_a_round_trip_that_ends_before_it_starts_is_ignored_and_none_usable_is_an_error() -> None:
+    good = (100.0, 1_100.0, 120.0)
+    assert timeline.estimate_offset([(500.0, 0.0, 400.0), good]).offset_us == pytest.approx(990.0)
+    with pytest.raises(ValueError, match="No usable round trip"):
+        timeline.estimate_offset([(500.0, 0.0, 400.0)])
+    with pytest.raises(ValueError, match="No usable round trip"):
+        timeline.estimate_offset([])
+
+
+def test_align_asks_the_reference_each_round_and_keeps_the_estimate() -> None:
+    tl = timeline.Timeline("worker:1", skew_us=-2_000_000.0)  # this host's clock is 2 s behind
+    asked = []
+
+    def reference() -> float:
+        asked.append(1)
+        return time.time() * 1e6  # the reference host's true wall clock
+
+    est = tl.align(reference, rounds=5)
+    assert len(asked) == 5 and est.samples == 5 and tl.clock is est
+    assert abs(est.offset_us - 2_000_000.0) < 50_000  # within 50 ms: a loaded 2-core machine's scheduling
+
+
+def test_merge_moves_each_tasks_spans_onto_the_reference_clock() -> None:
+    ps = {"task": "ps:0", "attempt": 0, "clock": {"offset_us": -5_000_000.0, "rtt_us": 40.0, "samples": 8},
+          "threads": {"7": "conn"}, "events": [{"name": "receive", "cat": "receive", "ph": "X", "ts": 5_000_150.0,
+                                                 "dur": 10.0, "tid": 7}]}
+    worker = {"task": "worker:0", "attempt": 0, "clock": None, "threads": {"3": "main"},
+              "events": [{"name": "push ps:0", "cat": "push", "ph": "X", "ts": 100.0, "dur": 100.0, "tid": 3}]}
+    trace = timeline.merge([worker, ps])
+    spans = {e["name"]: e for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert spans["receive"]["ts"] == pytest.approx(150.0)  # inside the push span once shifted
+    assert spans["push ps:0"]["ts"] == 100.0
+    assert trace["otherData"]["clock_offsets"]["ps:0.0"]["offset_us"] == -5_000_000.0
+
+
+def test_clock_skew_names_tasks_and_refuses_what_it_cannot_read() -> None:
+    from psflow.cluster import TaskId
+    from psflow.errors import ConfigError
+    from psflow.launch.contract import clock_skew_us
+
+    raw = "ps:0=5e6, worker:1=-3000000"
+    assert clock_skew_us(raw, TaskId("ps", 0)) == 5e6
+    assert clock_skew_us(raw, TaskId("worker", 1)) == -3e6
+    assert clock_skew_us(raw, TaskId("worker", 0)) == 0.0 and clock_skew_us(None, TaskId("ps", 0)) == 0.0
+    with pytest.raises(ConfigError, match="PSFLOW_CLOCK_SKEW entry 'ps:0=soon'"):
+        clock_skew_us("ps:0=soon", TaskId("ps", 0))

@@ -44,6 +44,7 @@ ENV = {
     "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
     "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
     "PSFLOW_DATA_SHARDS": "the data shards: the training replicas at launch (set for a worker `psflow scale` added)",
+    "PSFLOW_CLOCK_SKEW": "tests: the named tasks' timeline clocks run off by this many microseconds, e.g. ps:0=5e6,worker:1=-3e6 (hosts whose clocks disagree)",
     "PSFLOW_NUM_THREADS": "torch threads of a launched task, set before its script runs (by the launcher's fork server, or as OMP_NUM_THREADS)",
     "PSFLOW_NUM_PS": "under Slurm: how many of the step's tasks are ps, the first ones (default 1; 0 with the all-reduce strategy)",
     "PSFLOW_BASE_PORT": "under Slurm: the step's task i (SLURM_PROCID) listens on this port + i (default 2222)",
@@ -150,6 +151,7 @@ class TaskEnv:
     error_file: str | None = _var("PSFLOW_ERROR_FILE", default=None)
     data_dir: str | None = _var("PSFLOW_DATA_DIR", default=None)
     fail_at: str | None = _var("PSFLOW_FAIL_AT", default=None)
+    clock_skew: str | None = _var("PSFLOW_CLOCK_SKEW", default=None)  # tests: see clock_skew_us
     resume: bool | None = _var("PSFLOW_RESUME", _flag, _render_flag, default=None)
     num_threads: int | None = _var("PSFLOW_NUM_THREADS", _count, default=None)
     bind_host: str | None = _var("PSFLOW_BIND_HOST", empty_is_value=True, default=None)
@@ -187,3 +189,24 @@ class TaskEnv:
     def variables(cls) -> tuple[str, ...]:
         """The name of every variable TaskEnv reads, in field order."""
         return tuple(f.metadata["env"] for f in fields(cls))
+
+
+def clock_skew_us(raw: str | None, task: TaskId) -> float:
+    """``task``'s skew in ``PSFLOW_CLOCK_SKEW`` (``ps:0=5e6,worker:1=-3e6``; microseconds), 0 if not named.
+
+    Raises:
+        ConfigError: an entry is not ``job:index=number``.
+    """
+    for entry in (raw or "").split(","):
+        if not entry.strip():
+            continue
+        name, _, value = entry.partition("=")
+        try:
+            skew = float(value)
+            named = _task("PSFLOW_CLOCK_SKEW", name.strip())
+        except (ValueError, ConfigError):
+            raise ConfigError(f"PSFLOW_CLOCK_SKEW entry {entry!r} is not task=microseconds. Received: {raw!r}. "
+                              "Example: ps:0=5e6,worker:1=-3e6.") from None
+        if named == task:
+            return skew
+    return 0.0

@@ -45,6 +45,7 @@ from psflow.errors import ConfigError, TrainingError
 from psflow.optim import MovingAverage, OptimizerSpec, Schedule, set_lr
 from psflow.ps.progress import Progress, StepPlan
 from psflow.ps.rules import Act, Decision, Event, On, RuleSettings, ShardRules
+from psflow.ps.update import DirectStep
 
 if TYPE_CHECKING:
     from psflow.ps.replication import Batch, Forwarder
@@ -107,6 +108,7 @@ class ParameterStore:
         self.stats = StoreStats()
         self.rules = ShardRules(shard, num_workers, launch_workers=launch_workers)  # version, done and lost workers, the sync step, ssp clocks
         self._optimizer: torch.optim.Optimizer | None = None
+        self._step: DirectStep | None = None  # applies an update as self._optimizer.step() would
         self._keys: list[str] = []
         self._base_lr = 0.0
         self._schedule: Schedule | None = None
@@ -170,6 +172,7 @@ class ParameterStore:
             self._keys = list(self.values)
             spec = OptimizerSpec.from_dict(optimizer)
             self._optimizer = spec.build(list(self.values.values())) if self.values else None
+            self._step = DirectStep(self._optimizer) if self._optimizer is not None else None
             self._base_lr = spec.lr
             self._schedule = Schedule.from_dict(schedule) if schedule else None
             if optimizer_state and self._optimizer is not None:
@@ -318,14 +321,10 @@ class ParameterStore:
 
     def _apply(self, grads: Mapping[str, torch.Tensor], d: Decision) -> None:
         """The update that takes the values from version ``d.version - 1`` to ``d.version``."""
-        if self._optimizer is not None:
-            for k, p in self.values.items():
-                p.grad = grads[k]
+        if self._optimizer is not None and self._step is not None:
             if self._schedule is not None:
                 set_lr(self._optimizer, self._schedule.lr_at(self._base_lr, d.version - 1))
-            self._optimizer.step()
-            for p in self.values.values():
-                p.grad = None
+            self._step([grads[k] for k in self._keys])  # = optimizer.step(), without its per-call wrapper
         self.stats.applied_updates += 1
         for w in d.workers:  # a newer attempt's push supersedes the older's (rules): the newest is the sender
             self.stats.count_applied(w, self.rules.attempts.get(w, 0))

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from psflow import checkpoint
+from psflow import checkpoint, timeline
 from psflow.checkpoint.keys import ema_key, opt_key_of, split_state
 from psflow.cluster import is_loopback_host, parse_address
 from psflow.errors import ClusterError, ConfigError, TrainingError
@@ -112,6 +112,7 @@ class AllReduceTrainer(TrainerBase):
         self.allreduce_s = 0.0
         self._live: dict[str, torch.Tensor] | None = None  # the live values while averages are loaded
         self._owns_group = False
+        self._ddp_timed = False  # the timeline's comm hook is registered on self.ddp
 
     def _on_cuda(self) -> bool:
         return any(p.device.type == "cuda" for p in self.params.values())
@@ -232,27 +233,65 @@ class AllReduceTrainer(TrainerBase):
             TrainingError: a collective failed or timed out (another task died or stalled).
         """
         t0 = self._begin_step()  # joining the group is not training time
+        tl = timeline.ACTIVE  # None unless psflow run --timeline: then each phase below is a span
+        ts = tl.now() if tl is not None else 0.0
         self._load_live()
         if self.schedule is not None:
             set_lr(self.torch_optimizer, self.schedule.lr_at(self.optimizer.lr, self.global_step))
         self.torch_optimizer.zero_grad(set_to_none=True)
         through_ddp = self.ddp is not None and (batch is not None or batches is not None)
-        loss = run_step_closure(
-            closure, self.ddp if through_ddp else self.model, towers=self.towers, batch=batch, batches=batches
-        )
+        model = self.ddp if through_ddp else self.model
+        if tl is None:
+            loss = run_step_closure(closure, model, towers=self.towers, batch=batch, batches=batches)
+        else:
+            self._time_ddp_buckets(tl)
+            loss = self._timed_compute(tl, closure, batch, batches, model=model)
         t1 = time.perf_counter()
         if not through_ddp:
+            ta = tl.now() if tl is not None else 0.0
             self._allreduce_grads()
+            if tl is not None:
+                tl.add("allreduce", "all-reduce", ta, tl.now(), world_size=self.world_size)
         self.allreduce_s += time.perf_counter() - t1
         self.compute_s += t1 - t0
+        to = tl.now() if tl is not None else 0.0
         self.torch_optimizer.step()
         self.global_step += 1
         if self.ema is not None:
             self.ema.update({n: p.detach() for n, p in self.params.items()}, num_updates=self.global_step)
+        if tl is not None:
+            tl.add("optimizer", "optimizer", to, tl.now())
         if self.towers is not None:
             self.towers.refresh()
+        if tl is not None:
+            tl.add("step", f"step {self.local_step}", ts, tl.now(), global_step=self.global_step)
         self._end_step(t0, loss, batch_size, batch, batches)
         return loss
+
+    def _time_ddp_buckets(self, tl: timeline.Timeline) -> None:
+        """With the timeline on, DDP's bucket all-reduces become spans too. DDP launches them during
+        backward and they complete on gloo's (NCCL's) thread or inline, so they go on a track of their
+        own, overlapping the ``backward`` span (which also holds the wait for the last bucket): the step's
+        shares count the training thread only. The hook is torch's default (divide by the world size,
+        then all-reduce the bucket), timed: the gradients are the same as without it."""
+        if self.ddp is None or self._ddp_timed:
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def timed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            start, index = tl.now(), bucket.index()
+
+            def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+                tl.add("allreduce", f"all-reduce bucket {index} (overlaps backward)", start, tl.now(),
+                       track="all-reduce (DDP buckets)", world_size=self.world_size)
+                return fut.value()
+
+            return allreduce_hook(state, bucket).then(done)
+
+        # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation).
+        timed.__annotations__ = {"state": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+        self.ddp.register_comm_hook(None, timed)
+        self._ddp_timed = True
 
     @torch.no_grad()
     def _allreduce_grads(self) -> None:

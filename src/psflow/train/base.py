@@ -31,11 +31,12 @@ from typing import Any, ClassVar, Self
 
 import torch
 
+from psflow import timeline
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
 from psflow.fault import inject, parse_faults
 from psflow.optim import OptimizerSpec, Schedule
-from psflow.train.towers import Batch, Towers, batch_examples
+from psflow.train.towers import Batch, Towers, batch_examples, run_step_closure
 
 
 class TrainerBase(ABC):
@@ -166,6 +167,29 @@ class TrainerBase(ABC):
             inject(self._faults, str(self.task.task_id), self.local_step)
         self.prepare()  # before the clock starts: getting ready is not training time
         return time.perf_counter()
+
+    def _timed_compute(self, tl: timeline.Timeline, closure: Callable[..., torch.Tensor], batch: Any,
+                       batches: Any, model: torch.nn.Module | None = None) -> float:
+        """run_step_closure (on ``model``, default the bare model) with the timeline's forward and
+        backward spans (one span with towers). Forward ends when the closure returns its loss."""
+        start = tl.now()
+        if self.towers is not None:
+            value = run_step_closure(closure, self.model, towers=self.towers, batch=batch, batches=batches)
+            tl.add("compute", "forward + backward (devices)", start, tl.now())
+            return value
+        forward_end: list[float] = []
+
+        def timed(*args: Any) -> torch.Tensor:
+            loss = closure(*args)
+            forward_end.append(tl.now())
+            return loss
+
+        value = run_step_closure(timed, self.model if model is None else model, batch=batch, batches=batches)
+        end = tl.now()
+        middle = forward_end[0] if forward_end else end
+        tl.add("forward", "forward", start, middle)
+        tl.add("backward", "backward", middle, end)
+        return value
 
     def _end_step(
         self,

@@ -316,28 +316,6 @@ class Trainer(TrainerBase):
         self._end_step(t0, value, batch_size, batch, batches)
         return value
 
-    def _timed_compute(self, tl: timeline.Timeline, closure: Callable[..., torch.Tensor], batch: Any,
-                       batches: Any) -> float:
-        """run_step_closure with the timeline's forward and backward spans (one span with towers)."""
-        start = tl.now()
-        if self.towers is not None:
-            value = run_step_closure(closure, self.model, towers=self.towers, batch=batch, batches=batches)
-            tl.add("compute", "forward + backward (devices)", start, tl.now())
-            return value
-        forward_end: list[float] = []
-
-        def timed(*args: Any) -> torch.Tensor:
-            loss = closure(*args)
-            forward_end.append(tl.now())
-            return loss
-
-        value = run_step_closure(timed, self.model, batch=batch, batches=batches)
-        end = tl.now()
-        middle = forward_end[0] if forward_end else end
-        tl.add("forward", "forward", start, middle)
-        tl.add("backward", "backward", middle, end)
-        return value
-
     def _grads(self, shard: int) -> list[tuple[str, torch.Tensor]]:
         out = []
         for pc in self.placement.pieces_on(shard):

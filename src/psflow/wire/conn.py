@@ -126,6 +126,10 @@ class Connection:
         head = encode_head(int(op), meta, payload_len)
         self._sendall([memoryview(head), *[b for b in bufs if b.nbytes]])
 
+    def send_encoded(self, frame: bytes) -> None:
+        """Send a whole frame without tensors that :func:`~psflow.wire.frame.encode_head` made earlier."""
+        self._sendall([frame])
+
     def _sendall(self, bufs: list[memoryview] | list[bytes]) -> None:
         try:
             if len(bufs) == 1 and isinstance(bufs[0], bytes):  # a small frame: sendall's loop is C's

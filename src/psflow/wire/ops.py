@@ -13,6 +13,7 @@ class Op(enum.IntEnum):
     ERROR = 4        # reply: {"error": message, "kind": class name}
     OK = 5           # reply carrying meta and tensors
     PING = 6
+    CLOCK = 7        # -> {"now_us": the server's timeline clock}: the timeline's clock-offset estimate
     # parameter server
     PS_INIT = 20     # chief -> ps: placement, optimizer, initial values
     PS_READY = 21    # wait until initialized (with a deadline)
