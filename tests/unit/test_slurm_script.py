@@ -22,6 +22,7 @@ from psflow.launch.slurm import (
     node_of,
     parse_job_id,
     parse_scontrol_job,
+    signal_argv,
     step_argv,
     step_name,
     tasks_per_node,
@@ -139,3 +140,15 @@ def test_dry_run_prints_the_batch_script_and_starts_nothing(tmp_path):
 def test_slurm_options_on_a_local_run_are_usage_errors(tmp_path, option):
     r = CliRunner().invoke(main, ["run", *option, "--logdir", str(tmp_path / "x"), SOFTMAX])
     assert r.exit_code == 2 and f"{option[0]} is for --backend slurm; this run is local." in r.output
+
+
+def test_a_signal_to_a_task_is_scancel_of_its_step_by_name():
+    import signal
+
+    assert signal_argv("42.3", signal.SIGSTOP) == ["scancel", "--signal=STOP", "42.3"]
+    assert signal_argv("42.3", signal.SIGCONT) == ["scancel", "--signal=CONT", "42.3"]
+    assert signal_argv("7.0", signal.SIGUSR1) == ["scancel", "--signal=USR1", "7.0"]
+    with pytest.raises(ValueError, match="JOB.STEP.*received '42'"):
+        signal_argv("42", signal.SIGKILL)  # the whole job: never what a task's signal means
+    with pytest.raises(ValueError, match="not a signal number"):
+        signal_argv("42.3", 999)
