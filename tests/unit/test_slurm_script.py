@@ -152,3 +152,12 @@ def test_a_signal_to_a_task_is_scancel_of_its_step_by_name():
         signal_argv("42", signal.SIGKILL)  # the whole job: never what a task's signal means
     with pytest.raises(ValueError, match="not a signal number"):
         signal_argv("42.3", 999)
+
+
+def test_slurms_invalid_job_id_answer_counts_as_sent_only_while_the_step_runs():
+    from psflow.launch.slurm import _delivered_anyway
+
+    err = "scancel: error: Kill job error on job step id 2: Invalid job id specified\n"
+    assert _delivered_anyway(err, "2.1", {"2.0", "2.1"})  # Slurm 22.05, a multi-node job: delivered on the step's node
+    assert not _delivered_anyway(err, "2.1", {"2.0"})  # the step is gone: nothing received it
+    assert not _delivered_anyway("scancel: error: Access/permission denied\n", "2.1", {"2.1"})
