@@ -296,6 +296,21 @@ def test_later_loads_map_a_float32_twin_with_the_same_values_copy_on_write(hub_c
     assert np.load(twin / "test-images.npy").dtype == np.float32
 
 
+def test_a_mapped_sets_shards_are_views_with_the_copys_values(hub_cache: Path) -> None:
+    from psflow.data.dataset import Dataset
+
+    data.mnist("test", cache_dir=hub_cache)  # makes the twin if this test runs alone
+    mapped = data.mnist("test", cache_dir=hub_cache)
+    assert mapped.mapped
+    copied = Dataset(mapped.x.clone(), mapped.y.clone())
+    for i in range(3):
+        view, copy = mapped.shard(i, 3), copied.shard(i, 3)
+        assert view.mapped and not copy.mapped and view.x.data_ptr() == mapped.x[i:].data_ptr()  # no copy
+        assert torch.equal(view.x, copy.x) and torch.equal(view.y, copy.y)
+        first = next(iter(view.batches(50, seed=4)))
+        assert all(torch.equal(a, b) for a, b in zip(first, next(iter(copy.batches(50, seed=4)))))
+
+
 # --------------------------------------------------------------------------- cache
 
 

@@ -674,14 +674,13 @@ def _from_mirrors(cache: Path, split: str, mirrors: Sequence[str], timeout_s: fl
 
 
 def _to_dataset(images: np.ndarray, labels: np.ndarray, *, flatten: bool) -> Dataset:
+    mapped = isinstance(images, np.memmap) and images.mode == "c" and images.dtype == np.float32
     if images.dtype == np.uint8:
         x = torch.from_numpy(_pixels_to_float(images))
-    elif isinstance(images, np.memmap) and images.mode == "c" and images.dtype == np.float32:
+    elif mapped:
         x = torch.from_numpy(images)  # a float32 twin, copy-on-write: its pages come from the page cache
     else:
         x = torch.empty(images.shape, dtype=torch.float32)
         x.numpy()[...] = images
     y = torch.from_numpy(np.array(labels, dtype=np.int64))
-    return Dataset(x if flatten else x.view(-1, 1, 28, 28), y)
-
-
+    return Dataset(x if flatten else x.view(-1, 1, 28, 28), y, mapped=mapped)
