@@ -71,3 +71,29 @@ def test_a_killed_ps_primary_is_restarted_resyncs_and_nothing_acknowledged_is_lo
     _, clean = launch(tmp_path / "clean")
     assert clean["status"] == "succeeded"
     assert abs(s["test_accuracy"] - clean["test_accuracy"]) <= 0.01, (s["test_accuracy"], clean["test_accuracy"])
+
+
+def test_sync_a_killed_ps_primary_loses_no_acknowledged_step(tmp_path: Path) -> None:
+    # Sync (N = M = 2): the primary forwards each step's aggregated update once and answers the step's pushes
+    # once its backup holds it. Killed mid-run, the survivor holds every step a worker was told was applied.
+    logdir = tmp_path / "sync"
+    r = run_psflow(["run", "--ps", "2", "--workers", "2", "--ps-replicas", "2", "--mode", "sync", "--logdir", str(logdir),
+                    "--restart", "on-failure", "--max-restarts", "2", "--restart-backoff", "0.5",
+                    "--fail-at", f"ps:0@step={KILL_AT // 2}:kill", "--slow", "worker:0=0.02s,worker:1=0.02s", SOFTMAX,
+                    "--", "--epochs", "1", "--init", "zeros", "--print_every", "1"])
+    out = f"{r.stdout[-4000:]}\n{r.stderr[-2000:]}\n{log_tails(logdir, 40)}"
+    assert (logdir / "summary.json").exists(), out
+    s = read_summary(logdir)
+    assert s["status"] == "succeeded", out
+    ps0 = {t["task"]: t for t in s["tasks"]}["ps:0"]
+    assert ps0["attempts"] == 2 and ps0["exits"][0]["signal"] == "SIGKILL", ps0
+    reports = s["reports"]
+    steps = STEPS_PER_EPOCH // 2  # each global step takes one batch from each worker
+    survivor = reports["ps:1"]["shards"]
+    # Every worker was acknowledged each step it took, and the survivor applied each step once: none lost, none twice.
+    assert [reports[w]["trainer"]["local_step"] for w in ("worker:0", "worker:1")] == [steps, steps], (reports, out)
+    assert s["global_step"] == survivor["0"]["applied_updates"] == survivor["1"]["applied_updates"] == steps, (reports, out)
+    for worker in ("worker:0", "worker:1"):
+        seen = global_steps(logdir, worker)
+        assert seen and seen == sorted(seen), f"{worker}'s global step went back: {seen}"
+    assert s["test_accuracy"] >= 0.78, s["test_accuracy"]  # 300 sync steps at lr 0.01 reach about 0.83

@@ -8,6 +8,7 @@ missing. Each test runs in well under a minute; every wait has a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import signal
@@ -228,3 +229,81 @@ def test_a_psflow_script_under_the_users_own_srun_needs_no_launcher(slurm_conf, 
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "worker=0, final accuracy = " in r.stdout and "worker=1, final accuracy = " in r.stdout
     assert (tmp_path / "byhand" / "checkpoints").is_dir(), "the chief (worker:0) saved no checkpoint"
+
+
+def _pid_of(task: str, job_id: str, deadline_s: float = 30) -> int:
+    """The pid of the psflow process running ``task`` in Slurm job ``job_id`` on this host (every
+    node of the test cluster is this host): the one whose environment names both."""
+    want = {f"PSFLOW_TASK={task}".encode(), f"SLURM_JOB_ID={job_id}".encode()}
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        for d in Path("/proc").iterdir():
+            try:
+                env = set((d / "environ").read_bytes().split(b"\0"))
+                cmd = (d / "cmdline").read_bytes()
+            except (OSError, ValueError):
+                continue
+            if want <= env and b"mnist_softmax.py" in cmd and b"srun" not in cmd.split(b"\0")[0]:
+                return int(d.name)
+        time.sleep(0.1)
+    raise AssertionError(f"no process of {task} in Slurm job {job_id} within {deadline_s} s")
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_for(pred, what: str, timeout_s: float = 20) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(240)
+def test_send_signal_freezes_and_resumes_a_step_and_a_frozen_task_dumps_its_stacks(slurm_conf, tmp_path, monkeypatch):
+    from psflow.launch import Runner, make_plan
+    from psflow.launch.slurm import SlurmBackend
+
+    monkeypatch.setenv("SLURM_CONF", slurm_conf)
+    lines: list[str] = []
+    backend = SlurmBackend(nodes=3, echo=lines.append)
+    logdir = tmp_path / "signals"
+    plan = make_plan(SOFTMAX, ["--epochs", "4", "--init", "zeros", "--print_every", "1"], logdir=str(logdir))
+    seen: dict[str, object] = {"at": "start"}
+
+    def act() -> None:
+        try:
+            _wait_for(lambda: any("worker=1,epoch=0" in line for line in lines), "worker:1 trains", 60)
+            pid = _pid_of("worker:1", str(backend.job_id))
+            seen["at"] = f"pid {pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()!r}"
+            assert backend.send_signal("worker:1", signal.SIGSTOP)
+            _wait_for(lambda: _state(pid) == "T", "worker:1 stopped by SIGSTOP")
+            seen["stopped"] = True
+            where = backend.dump_stacks("worker:1")  # frozen: SIGUSR1, then SIGCONT so that it can dump
+            assert where is not None and where.log == str(logdir / "logs" / "worker-1.log")
+            seen["where"] = where
+            _wait_for(lambda: _state(pid) != "T", "worker:1 resumed after the dump")
+            assert backend.send_signal("worker:1", signal.SIGSTOP)
+            _wait_for(lambda: _state(pid) == "T", "worker:1 stopped again")
+            assert backend.send_signal("worker:1", signal.SIGCONT)
+            _wait_for(lambda: _state(pid) != "T", "worker:1 resumed by SIGCONT")
+            seen["resumed"] = True
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+            seen["error"] = e
+            with contextlib.suppress(Exception):  # never leave it frozen: the run would wait for it
+                backend.send_signal("worker:1", signal.SIGCONT)
+
+    actor = threading.Thread(target=act, daemon=True)
+    actor.start()
+    result = Runner(backend).run(plan)
+    actor.join(timeout=30)
+    out = "\n".join(lines)
+    assert "error" not in seen, f"{seen['error']!r} after {seen['at']}\n{out[-3000:]}"
+    assert seen.get("stopped") and seen.get("resumed"), out[-3000:]
+    assert result.exit_code == 0, out[-3000:]  # stopped and resumed, the run trained to its end
+    where = seen["where"]
+    dump = "".join((logdir / "logs" / "worker-1.log").read_text().splitlines(keepends=True)[where.line - 1:])  # type: ignore[attr-defined]
+    assert re.search(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):", dump, re.M), dump[:3000]
+    assert re.search(r'File ".*mnist_softmax\.py", line \d+ in main', dump), dump[:3000]
+    assert_nothing_left(slurm_conf, result.summary)

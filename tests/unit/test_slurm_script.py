@@ -22,6 +22,7 @@ from psflow.launch.slurm import (
     node_of,
     parse_job_id,
     parse_scontrol_job,
+    signal_argv,
     step_argv,
     step_name,
     tasks_per_node,
@@ -139,3 +140,24 @@ def test_dry_run_prints_the_batch_script_and_starts_nothing(tmp_path):
 def test_slurm_options_on_a_local_run_are_usage_errors(tmp_path, option):
     r = CliRunner().invoke(main, ["run", *option, "--logdir", str(tmp_path / "x"), SOFTMAX])
     assert r.exit_code == 2 and f"{option[0]} is for --backend slurm; this run is local." in r.output
+
+
+def test_a_signal_to_a_task_is_scancel_of_its_step_by_name():
+    import signal
+
+    assert signal_argv("42.3", signal.SIGSTOP) == ["scancel", "--signal=STOP", "42.3"]
+    assert signal_argv("42.3", signal.SIGCONT) == ["scancel", "--signal=CONT", "42.3"]
+    assert signal_argv("7.0", signal.SIGUSR1) == ["scancel", "--signal=USR1", "7.0"]
+    with pytest.raises(ValueError, match="JOB.STEP.*received '42'"):
+        signal_argv("42", signal.SIGKILL)  # the whole job: never what a task's signal means
+    with pytest.raises(ValueError, match="not a signal number"):
+        signal_argv("42.3", 999)
+
+
+def test_slurms_invalid_job_id_answer_counts_as_sent_only_while_the_step_runs():
+    from psflow.launch.slurm import _delivered_anyway
+
+    err = "scancel: error: Kill job error on job step id 2: Invalid job id specified\n"
+    assert _delivered_anyway(err, "2.1", {"2.0", "2.1"})  # Slurm 22.05, a multi-node job: delivered on the step's node
+    assert not _delivered_anyway(err, "2.1", {"2.0"})  # the step is gone: nothing received it
+    assert not _delivered_anyway("scancel: error: Access/permission denied\n", "2.1", {"2.1"})

@@ -42,6 +42,9 @@ class Dataset:
 
     x: torch.Tensor
     y: torch.Tensor
+    # The tensors map a file copy-on-write (MNIST's float32 cache twin): shards are views, so the
+    # pages stay shared between every worker in the page cache and a (re)started worker copies nothing.
+    mapped: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.x, torch.Tensor) and isinstance(self.y, torch.Tensor)):
@@ -71,7 +74,8 @@ class Dataset:
             count: The number of shards; required with an integer index.
 
         Returns:
-            A new :class:`Dataset` (a copy: the full set can be freed).
+            A new :class:`Dataset`: a copy (the full set can be freed), or, for a ``mapped`` set,
+            views of its file mapping (nothing private to free).
 
         Raises:
             ConfigError: The index or count is not an integer, or ``not 0 <= index < count``,
@@ -96,6 +100,8 @@ class Dataset:
                 f"Cannot split {len(self)} examples into {count} shards: some would be empty. "
                 "Use fewer workers or more data."
             )
+        if self.mapped:
+            return Dataset(self.x[index::count], self.y[index::count].contiguous(), mapped=True)
         return Dataset(self.x[index::count].contiguous(), self.y[index::count].contiguous())
 
     def batches(self, batch_size: int, *, epochs: int = 1, shuffle: bool = True, seed: int = 0,

@@ -28,8 +28,14 @@ run maps onto Slurm, and why:
   where the launcher's server binds (loopback): right while the nodes are this host, as in the
   tests; nodes on other hosts need an address they can reach and the job secret off loopback
   (issue 11, item 5).
-- **Stacks** of a hung task (the watchdog's ``dump_stacks``): ``scancel --signal=USR1 JOB.STEP``; the
-  task's faulthandler writes them to its output, which the srun client relays into its log.
+- **Stacks** of a hung task (the watchdog's ``dump_stacks``): ``scancel --signal=USR1 JOB.STEP``, then
+  ``--signal=CONT`` (a frozen task runs its handler only once resumed, as locally); the task's
+  faulthandler writes them to its output, which the srun client relays into its log.
+- **Signals** (:meth:`SlurmBackend.send_signal`, ``psflow chaos``'s SIGKILL, SIGSTOP and SIGCONT):
+  ``scancel --signal=NAME JOB.STEP`` (:func:`signal_argv`): slurmstepd delivers it to every process
+  of the attempt's step on its node, children included. The step is looked up by its name
+  (``squeue -s``); before Slurm lists it, the srun client's process group gets the signal (a SIGKILL
+  of the client ends its step; srun forwards SIGCONT, and a stopped client's step waits).
 - **Stopping**: ``scancel --signal=TERM JOB.STEP`` (the task's own SIGTERM handling, as locally),
   then ``scancel --signal=KILL`` after ``grace_s``. Signals to the srun client are not used for the
   first stage: srun takes SIGTERM as "force termination" and kills the step at once.
@@ -188,6 +194,32 @@ def batch_script(plan: LaunchPlan, settings: SlurmSettings, *, cwd: str | None =
         "done",
     ]
     return "\n".join(lines) + "\n"
+
+
+def signal_argv(step: str, signum: int) -> list[str]:
+    """The scancel command that sends ``signum`` to every task of job step ``step`` (``JOB.STEP``),
+    leaving the job and its other steps alone.
+
+    Raises:
+        ValueError: ``signum`` is not a signal number, or ``step`` is not ``JOB.STEP``.
+    """
+    try:
+        name = signal.Signals(signum).name.removeprefix("SIG")
+    except ValueError:
+        raise ValueError(f"{signum!r} is not a signal number; pass one of the signal module's (signal.SIGKILL ...).") from None
+    job, dot, step_id = step.partition(".")
+    if not (dot and job.isdigit() and step_id.isdigit()):
+        raise ValueError(f"A Slurm job step is written JOB.STEP (squeue -s); received {step!r}.")
+    return ["scancel", f"--signal={name}", step]
+
+
+def _delivered_anyway(stderr: str, step: str, running: set[str]) -> bool:
+    """Whether a failed ``scancel --signal`` of ``step`` reached it all the same. Slurm 22.05 answers
+    a signal other than KILL to a step of a job on more than one node with exit code 225 and "Kill job
+    error on job step id J: Invalid job id specified", yet the step's own node delivers it (seen on
+    ``tools/slurm_cluster.sh``: the step's process is stopped, resumed, or gets SIGUSR1's dump). So:
+    that error, while the step still runs, counts as sent; any other error does not."""
+    return "Invalid job id specified" in stderr and step in running
 
 
 def exit_code_of(srun_code: int) -> int:
@@ -405,19 +437,58 @@ class SlurmBackend(Backend):
         p, name = self._procs.get(task), self._steps.get(task)
         if p is None or name is None or p.poll() is not None:
             return None
-        try:
-            step = self.cli.steps(str(self.job_id)).get(name) if self.job_id else None
-        except ClusterError as e:
-            raise OSError(f"cannot list the steps of Slurm job {self.job_id}: {e}") from e
+        step = self._step_of(name)
         if step is None:
             return None
         log = Path(self._require_plan().logdir) / "logs" / f"{task.replace(':', '-')}.log"
         where = StackDump(str(log), log_end(log))
-        try:
-            self.cli.cancel(step, "USR1")
-        except ClusterError as e:
-            raise OSError(f"scancel --signal=USR1 {step} failed: {e}") from e
+        self._signal_step(step, signal.SIGUSR1)
+        # A frozen task (SIGSTOP) cannot run its handler: resumed, it dumps at once, and the kill that
+        # follows the dump still ends it. A running task ignores SIGCONT.
+        self._signal_step(step, signal.SIGCONT)
         return where
+
+    def send_signal(self, task: str, signum: int) -> bool:
+        """``signum`` to every process of ``task``'s running attempt: ``scancel --signal`` to its step
+        (see the module docstring); before Slurm lists the step, to its srun client's process group."""
+        p, name = self._procs.get(task), self._steps.get(task)
+        if p is None or name is None or p.poll() is not None:
+            return False
+        step = self._step_of(name)
+        if step is None:
+            if p.poll() is not None:
+                return False
+            _signal_group(p, signum)
+            return True
+        try:
+            self._signal_step(step, signum)
+        except OSError:
+            if p.poll() is not None:  # the step ended between the listing and the signal
+                return False
+            raise
+        return True
+
+    def _step_of(self, name: str) -> str | None:
+        """The running step named ``name`` (``JOB.STEP``); None when Slurm does not list it."""
+        try:
+            return self.cli.steps(str(self.job_id)).get(name) if self.job_id else None
+        except ClusterError as e:
+            raise OSError(f"cannot list the steps of Slurm job {self.job_id}: {e}") from e
+
+    def _signal_step(self, step: str, signum: int) -> None:
+        argv = signal_argv(step, signum)
+        try:
+            r = self.cli.call(*argv)
+        except ClusterError as e:
+            raise OSError(f"`{shlex.join(argv)}` failed: {e}") from e
+        if r.returncode != 0 and not _delivered_anyway(r.stderr, step, self._running_steps()):
+            raise OSError(f"`{shlex.join(argv)}` failed (exit code {r.returncode}): {(r.stderr or r.stdout).strip()}")
+
+    def _running_steps(self) -> set[str]:
+        try:
+            return set(self.cli.steps(str(self.job_id)).values()) if self.job_id else set()
+        except ClusterError:
+            return set()
 
     def error_report(self, task: str) -> dict[str, Any] | None:
         return errorreport.read(Path(self._require_plan().logdir) / "errors", task)

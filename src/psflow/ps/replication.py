@@ -24,9 +24,10 @@ is elementwise and deterministic on CPU, so re-running it on the backup gives th
 third to a half of the bytes; and the backup then keeps the optimizer state without any extra copy.
 
 Ordering and acknowledgement. The primary queues each event under the store's lock, so the queue's
-order is the order of its sequence numbers (:class:`Outbox`). One sender thread (:class:`Forwarder`)
-ships what is queued as one batch at a time and records the backup's answer, the last sequence
-number it holds. A request that changed the shard (a push, a clock, PS_DONE, a readiness) and a
+order is the order of its sequence numbers (:class:`Outbox`). The :class:`Forwarder` ships what is
+queued as one batch at a time (shipped by the first request that waits for it: a sync step's pushes
+and its aggregated update cross together, one round trip per step) and records the backup's answer,
+the last sequence number it holds. A request that changed the shard (a push, a clock, PS_DONE, a readiness) and a
 pull are answered to the worker only once the backup holds every event up to the state the reply
 shows (:meth:`Forwarder.wait_acked`): a push is acknowledged once its backup has it. The backup
 refuses a batch that skips a number (:func:`check_next`: a gap means a lost batch, and applying
@@ -273,18 +274,32 @@ class Forwarder:
     """The serving copy's sender: ships the init (or a full state), then each batch in order, to the
     backup; answers :meth:`wait_acked`. ``send(meta, tensors) -> reply meta`` is one request to the
     backup (it reconnects itself); it raising for longer than ``failover_s`` degrades the shard (see
-    the module docstring)."""
+    the module docstring).
+
+    Who ships (group commit). A request waiting for its records (:meth:`wait_acked`) ships what is
+    queued itself, on its own thread, when no batch is in flight: the records go out the moment a
+    reply needs them, with no hand-over to another thread and back. Records nobody waits for yet (a
+    sync step's first pushes: their replies wait for the step first) stay queued, so a sync step's
+    pushes and its aggregated update cross in one batch, one round trip per step. While a batch is in
+    flight, what is recorded meanwhile queues and leaves as the next batch, shipped by the first
+    waiter to see the backup's answer. One batch is in flight at a time, so the backup receives them
+    in sequence order. The forwarder's own thread ships the init, then whatever stayed queued for
+    ``flush_s`` with no waiter (a lost worker, a tick's decision), so the backup never lags for long.
+    """
 
     def __init__(self, shard: int, backup: int, send: Send,
                  init: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]] | None = None,
-                 *, failover_s: float = 5.0) -> None:
+                 *, failover_s: float = 5.0, flush_s: float = 0.02) -> None:
         self.shard, self.backup = shard, backup
         self.outbox = Outbox()
         self.degraded: str | None = None  # why the primary goes on without its backup
         self.replaced = False  # a re-sync started a new forwarder for this shard: this one is done
-        self._send, self._init, self._failover_s = send, init, failover_s
+        self.batches_shipped = 0  # batches the backup confirmed (the init or state not counted)
+        self._send, self._init, self._failover_s, self._flush_s = send, init, failover_s, flush_s
         self._cond = threading.Condition()
         self._stop = False
+        self._sending = False  # a batch (or the init) is in flight: the next one waits for its answer
+        self._init_acked = False
         self._thread = threading.Thread(target=self._run, name=f"psflow-replicate-{shard}", daemon=True)
 
     def start(self, init_seq: int, init: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]] | None = None) -> None:
@@ -308,19 +323,30 @@ class Forwarder:
             self.outbox.add(events, last_seq, positions, updates)
             self._cond.notify_all()
 
+    def _done_for(self, seq: int) -> bool:
+        return self.degraded is not None or self.replaced or self.outbox.acked_seq >= seq
+
     def wait_acked(self, seq: int, timeout_s: float) -> None:
         """Return once the backup holds every record up to ``seq`` (or the shard is degraded, or
-        this forwarder was replaced: the caller then waits on the new one).
+        this forwarder was replaced: the caller then waits on the new one). Ships the queued
+        records itself when no batch is in flight (see the class docstring).
 
         Raises:
             TrainingError: it did not within ``timeout_s``.
         """
+        deadline = time.monotonic() + timeout_s
         with self._cond:
-            if not self._cond.wait_for(lambda: self.degraded is not None or self.replaced
-                                       or self.outbox.acked_seq >= seq, timeout_s):
-                raise TrainingError(
-                    f"Shard {self.shard}'s backup ps:{self.backup} did not confirm record {seq} within {timeout_s:.1f} s "
-                    f"(it holds {self.outbox.acked_seq}). The update is not acknowledged; the worker resends it.")
+            while not self._done_for(seq):
+                if self._init_acked and not self._sending and not self._stop and self.outbox.queued:
+                    self._ship_queued()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TrainingError(
+                        f"Shard {self.shard}'s backup ps:{self.backup} did not confirm record {seq} within "
+                        f"{timeout_s:.1f} s (it holds {self.outbox.acked_seq}). The update is not acknowledged; "
+                        "the worker resends it.")
+                self._cond.wait(left)
 
     def replace(self) -> None:
         """A new forwarder serves this shard's backup from now on: stop, and release the waiters."""
@@ -334,29 +360,53 @@ class Forwarder:
             self._stop = True
             self._cond.notify_all()
 
+    def _ship_queued(self) -> bool:
+        """Under the lock, with nothing in flight: ship everything queued as one batch, the lock
+        released while it travels. False: the shard degraded (or this forwarder stopped)."""
+        batch = self.outbox.take()
+        if batch is None:
+            return True
+        self._sending = True
+        self._cond.release()
+        try:
+            ok = self._ship(*batch.to_wire(self.shard))
+        finally:
+            self._cond.acquire()
+            self._sending = False
+            self._cond.notify_all()
+        if ok:
+            self.outbox.acked(batch.last_seq)
+            self.batches_shipped += 1
+        return ok
+
     def _run(self) -> None:
         assert self._init is not None
-        if not self._ship(*self._init):
+        with self._cond:
+            self._sending = True
+        ok = self._ship(*self._init)
+        with self._cond:
+            self._sending = False
+            if ok:
+                self.outbox.acked(self._init_seq)
+                self._init_acked = True
+            self._cond.notify_all()
+        if not ok:
             return
         with self._cond:
-            self.outbox.acked(self._init_seq)
-            self._cond.notify_all()
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stop or bool(self.outbox.queued))
+            while True:
+                self._cond.wait_for(lambda: self._stop or (bool(self.outbox.queued) and not self._sending))
                 if self._stop:
                     return
-                batch = self.outbox.take()
-            if batch is None:
-                continue
-            if not self._ship(*batch.to_wire(self.shard)):
-                return
-            with self._cond:
-                self.outbox.acked(batch.last_seq)
-                self._cond.notify_all()
+                # Give the records' waiters the first chance to ship them (they batch a step's records).
+                self._cond.wait(self._flush_s)
+                if self._stop:
+                    return
+                if self.outbox.queued and not self._sending and not self._ship_queued():
+                    return
 
     def _ship(self, meta: dict[str, Any], tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Send until the backup answers; False (degraded) once it has not for ``failover_s``."""
+        """Send until the backup answers; False (degraded) once it has not for ``failover_s``.
+        Called without the lock held."""
         deadline = time.monotonic() + self._failover_s
         while True:
             try:
