@@ -175,7 +175,7 @@ def exit_delays(events: list[dict[str, Any]]) -> dict[str, float]:
     return {task: max(0.0, t - chief) for task, t in last.items() if task != "worker:0"}
 
 
-def false_positives(tmp: Path, duration_s: float, timeout_s: float) -> dict[str, Any]:
+def false_positives(tmp: Path, duration_s: float, timeout_s: float, keep: Path | None = None) -> dict[str, Any]:
     """A run of ``duration_s`` with a busy loop per core beside it that ends by itself; the watchdog's
     verdicts and each task's exit after the job's end."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
@@ -203,6 +203,9 @@ def false_positives(tmp: Path, duration_s: float, timeout_s: float) -> dict[str,
         for h in hogs:
             h.kill()
             h.wait(timeout=10)
+    if keep is not None:  # its events and logs outlive the temporary directory
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.copytree(logdir, keep, ignore=shutil.ignore_patterns("checkpoints", "steps"))
     events = events_of(logdir)
     steps = {t: len(step_lines(logdir, t)) for t in ("worker:0", "worker:1")}
     if min(steps.values()) == 0:
@@ -227,6 +230,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3.0, help="--hang-timeout and --heartbeat-timeout of every run (default 3)")
     p.add_argument("--parts", default=",".join(PARTS), help="comma list of: detect (hung/frozen runs and their exits), "
                    "fp (the false-positive run under contention); default both")
+    p.add_argument("--keep", type=Path, default=None, help="copy the false-positive run's log dir (less checkpoints and steps) here")
     args = p.parse_args()
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     if not parts or parts - set(PARTS):
@@ -241,7 +245,7 @@ def main() -> None:
             detection(tmp, reps, t)
         if "fp" in parts:
             log(f"== false positives: {duration:g} s of training beside a busy loop per core, timeout {t:g} s")
-            fp = false_positives(tmp, duration, t)
+            fp = false_positives(tmp, duration, t, args.keep)
             print(f"### False positives ({duration:g} s = {duration / 60:.1f} min of training, `--hang-timeout {t:g} "
                   f"--heartbeat-timeout {t:g}`, {fp['hogs']} busy-loop processes beside it)\n")
             print(md_table(["hang detections", "restarts", "steps worker:0 / worker:1", "1-min load average during the run (min-max)",
