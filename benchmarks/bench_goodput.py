@@ -5,8 +5,11 @@ The job: 2 ps replicated (``--ps-replicas 2``) + 3 workers, async, on the MNIST 
 twice through the same ``psflow chaos`` command (the same launcher, restart policy, push ledger and
 injector), in an order reversed every other round:
 
-- **faulted**: ``--every 60`` (default) with faults for as long as the job runs: kills and stops
-  (``--kinds kill=3,stop=1``) of a random chief, worker or ps task (ps primaries included);
+- **faulted**: ``--every 60`` (default) with faults during ``--window`` seconds from the job's first
+  step: kills and stops (``--kinds kill=3,stop=1``) of a random chief, worker or ps task (ps
+  primaries included). The window must end before the job's training does: a chief killed after the
+  ps exited (in its final evaluation) cannot be restarted into the job (its restarts cannot reach the
+  ps; seen here with faults for as long as the job ran: the run never ended);
 - **fault-free**: the same command with ``--for`` shorter than ``--every``, so that no fault falls due.
 
 Goodput of a run: the batches its shard 0 applied (useful steps: every batch of every epoch applied
@@ -42,12 +45,13 @@ JOBS: dict[str, tuple[str, list[str], int]] = {
 }
 
 
-def one_run(tmp: Path, name: str, job: str, epochs: int, every_s: float, faulted: bool, seed: int) -> dict[str, Any]:
+def one_run(tmp: Path, name: str, job: str, epochs: int, every_s: float, window_s: float, faulted: bool,
+            seed: int) -> dict[str, Any]:
     """One ``psflow chaos`` run of the job; its figures from ``chaos.json``."""
     script, script_args, _ = JOBS[job]
     logdir = tmp / name
     shutil.rmtree(logdir, ignore_errors=True)
-    window = "10h" if faulted else f"{every_s / 2:g}s"  # faulted: as long as the job runs; else no fault falls due
+    window = f"{window_s:g}s" if faulted else f"{every_s / 2:g}s"  # fault-free: no fault falls due
     cmd = [PSFLOW, "chaos", "--ps", "2", "--ps-replicas", "2", "--workers", "3", "--every", f"{every_s:g}", "--for", window,
            "--kinds", "kill=3,stop=1", "--seed", str(seed), "--logdir", str(logdir), "--no-live",
            script, "--", "--epochs", str(epochs), *script_args]
@@ -69,6 +73,8 @@ def main() -> None:
     p.add_argument("--job", choices=sorted(JOBS), default="cnn", help="the job (default cnn)")
     p.add_argument("--every", type=float, default=60.0, help="seconds between faults in the faulted runs (default 60)")
     p.add_argument("--epochs", type=int, default=None, help="the job's epochs (default: cnn 1, softmax 120)")
+    p.add_argument("--window", type=float, default=240.0, help="seconds of faults from the job's first step; must end "
+                   "before its training does (default 240: the CNN's epoch takes ~5 minutes on 2 loaded cores)")
     p.add_argument("--seed", type=int, default=60, help="the faulted runs' chaos seed (round r uses seed + r)")
     args = p.parse_args()
     rounds = harness.reps_of(args, full=2, quick=1)
@@ -82,7 +88,7 @@ def main() -> None:
             for faulted in order:
                 name = f"{'faulted' if faulted else 'fault-free'}-{r}"
                 log(f"== round {r + 1}/{rounds}: {name} ({args.job}, {epochs} epoch(s))")
-                res = one_run(tmp, name, args.job, epochs, args.every, faulted, args.seed + r)
+                res = one_run(tmp, name, args.job, epochs, args.every, args.window, faulted, args.seed + r)
                 res["round"] = r
                 runs.append(res)
                 log(f"  {name}: {res['batches']} batches in {res['wall_s']:.1f} s = {res['rate']:.2f} steps/s; "
@@ -91,7 +97,8 @@ def main() -> None:
     hit = [x for x in runs if x["faulted"]]
     batches = {x["batches"] for x in runs}
     print(f"### Goodput ({args.job}, {epochs} epoch(s), 2 ps replicated + 3 workers, async; a fault every "
-          f"{args.every:g} s: kill=3,stop=1 of chief, worker or ps; {rounds} round(s), order reversed every other round)\n")
+          f"{args.every:g} s for {args.window:g} s: kill=3,stop=1 of chief, worker or ps; {rounds} round(s), order "
+          "reversed every other round)\n")
     rows = [[x["round"] + 1, x["name"].rsplit("-", 1)[0], x["global_step"], f"{x['wall_s']:.1f}", f"{x['rate']:.3f}",
              f"{x['faults']} ({', '.join(f'{n} {k}' for k, n in sorted(x['by_kind'].items())) or 'none'})",
              ", ".join(f"{t} {n}" for t, n in sorted(x["restarts"].items())) or "none",
