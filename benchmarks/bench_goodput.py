@@ -73,8 +73,8 @@ def main() -> None:
     p.add_argument("--job", choices=sorted(JOBS), default="cnn", help="the job (default cnn)")
     p.add_argument("--every", type=float, default=60.0, help="seconds between faults in the faulted runs (default 60)")
     p.add_argument("--epochs", type=int, default=None, help="the job's epochs (default: cnn 1, softmax 120)")
-    p.add_argument("--window", type=float, default=240.0, help="seconds of faults from the job's first step; must end "
-                   "before its training does (default 240: the CNN's epoch takes ~5 minutes on 2 loaded cores)")
+    p.add_argument("--window", type=float, default=200.0, help="seconds of faults from the job's first step; must end "
+                   "before its training does (default 200: the CNN's epoch takes ~5 minutes on 2 loaded cores)")
     p.add_argument("--seed", type=int, default=60, help="the faulted runs' chaos seed (round r uses seed + r)")
     args = p.parse_args()
     rounds = harness.reps_of(args, full=2, quick=1)
