@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.psflow-setup
 
-.PHONY: setup demo test test-fast bench mutate clean
+.PHONY: setup demo test test-fast bench mutate clean bench-hangs-30m
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python benchmarks/run_all.py
+
+# issue 10's long hang run: 30 minutes of training beside a busy loop per core (not part of `make bench`)
+bench-hangs-30m: setup
+	$(BIN)/python benchmarks/bench_hangs.py --parts fp --for 1800
 
 # Mutation testing (mutmut) of the runtime's core modules listed under [tool.mutmut] in
 # pyproject.toml, against tests/unit and tests/component; not part of `make test`. About 2,500

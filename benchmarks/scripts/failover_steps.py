@@ -28,6 +28,8 @@ import psflow as pf
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--seconds", type=float, default=None,
+                   help="each worker stops after this many seconds of training (the Supervisor's max_seconds)")
     return p.parse_args(argv)
 
 
@@ -51,7 +53,7 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder / f"{str(task.task_id).replace(':', '-')}.{task.attempt}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        with pf.Supervisor(task, data=batches) as sv:
+        with pf.Supervisor(task, data=batches, max_seconds=args.seconds) as sv:
             for x, y in batches:
                 if sv.should_stop():
                     break

@@ -594,24 +594,29 @@ class Supervisor:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         failing = exc_type is not None
         try:
-            for hook in self.hooks:
-                self._quietly(failing, f"hook {type(hook).__name__}.end", lambda h=hook: h.end(self))
-            self._quietly(failing, "the last summary", self._write_scalars)
-            if self.is_chief:
-                if not failing and not self.diverged and self.trainer.config.mode == "async" and not self._allreduce:
-                    with self.trainer.waiting("the other workers to finish"):  # not a hang (the watchdog)
-                        self._wait_for_other_workers()
-                self._final_checkpoint(failing)
-                if not failing:
-                    self._write_done()
-            reason = f"{exc_type.__name__}" if exc_type is not None else self._stop_reason or "the loop ended"
-            self._say(f"stopped at step {max(self.global_step, self._last_saved_step or 0)} ({reason})")
-            self._report()
+            # Its training is over: not a hang for the watchdog (closing the trainer then says so for good).
+            with self.trainer.waiting("the end of its loop: hooks, summaries, the final checkpoint"):
+                self._end(failing, exc_type)
         finally:
             self._restore_sigterm()
             if self._writer is not None:
                 self._quietly(True, "closing the summary writer", self._writer.close)
             self._quietly(failing, "closing the trainer", self.trainer.close)
+
+    def _end(self, failing: bool, exc_type: type[BaseException] | None) -> None:
+        for hook in self.hooks:
+            self._quietly(failing, f"hook {type(hook).__name__}.end", lambda h=hook: h.end(self))
+        self._quietly(failing, "the last summary", self._write_scalars)
+        if self.is_chief:
+            if not failing and not self.diverged and self.trainer.config.mode == "async" and not self._allreduce:
+                with self.trainer.waiting("the other workers to finish"):  # not a hang (the watchdog)
+                    self._wait_for_other_workers()
+            self._final_checkpoint(failing)
+            if not failing:
+                self._write_done()
+        reason = f"{exc_type.__name__}" if exc_type is not None else self._stop_reason or "the loop ended"
+        self._say(f"stopped at step {max(self.global_step, self._last_saved_step or 0)} ({reason})")
+        self._report()
 
     def _final_checkpoint(self, failing: bool) -> None:
         if self.diverged:

@@ -269,6 +269,10 @@ class TrainerBase(ABC):
         if self._closed:
             return
         self._closed = True
+        # Training is over: from now on the heartbeats say so, and the launcher's watchdog does not take
+        # what the script does after its loop (an evaluation, the exit) for a hang of its training.
+        if hasattr(self.task, "waiting_for"):
+            self.task.waiting_for = "nothing: its training is over"
         self._release()
 
     @abstractmethod
