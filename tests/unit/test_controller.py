@@ -162,7 +162,7 @@ def test_never_is_the_default_and_restarts_nothing() -> None:
 
 def test_on_failure_restarts_after_a_backoff_that_doubles_and_is_capped() -> None:
     c = running(RestartPolicy("on-failure", max_restarts=5, backoff_base_s=1.0, backoff_max_s=3.0))
-    now, waits = 10.0, []
+    now, waits = 0.6, []  # attempt 0 (started at 0.1) dies 0.5 s in
     for attempt in range(1, 5):
         [restart] = exit_(c, "worker:1", -9, at=now)
         assert isinstance(restart, RestartTask) and (restart.task, restart.attempt) == ("worker:1", attempt)
@@ -171,13 +171,30 @@ def test_on_failure_restarts_after_a_backoff_that_doubles_and_is_capped() -> Non
         assert c.handle(TimeAdvanced(now + restart.after_s - 0.01)) == []  # not before its time
         assert c.handle(TimeAdvanced(now + restart.after_s)) == [StartTask("worker:1", attempt)]
         assert c.handle(TaskStarted("worker:1", attempt, at=now + restart.after_s, handle=200 + attempt)) == []
-        now += 10.0
+        now += restart.after_s + 0.5  # each attempt dies 0.5 s after its start: shorter than the longest wait
     assert waits == [1.0, 2.0, 3.0, 3.0]
     exit_(c, "worker:0", 0, at=now)
     exit_(c, "worker:1", 0, at=now)
     assert exit_(c, "ps:0", 0, at=now) == [RunFinished("succeeded", None, 0)]
     rec = c.records["worker:1"]
     assert rec.attempts == 5 and [x.restarted for x in rec.exits] == [True] * 4 + [False]
+
+
+def test_an_attempt_that_outlived_the_longest_wait_resets_the_backoff() -> None:
+    c = running(RestartPolicy("on-failure", max_restarts=9, backoff_base_s=1.0, backoff_max_s=4.0))
+    now, waits = 0.6, []  # attempt 0 (started at 0.1) dies 0.5 s in
+    for ran_s in (0.5, 0.5, 4.0, 0.5, 3.9, 10.0):
+        [restart] = exit_(c, "worker:1", -9, at=now)
+        waits.append(restart.after_s)
+        start = now + restart.after_s
+        c.handle(TimeAdvanced(start))
+        c.handle(TaskStarted("worker:1", restart.attempt, at=start, handle=restart.attempt))
+        now = start + ran_s
+    # quick deaths double the wait (1, 2, 4); one that ran 4 s (>= the 4 s cap) was healthy: its restart
+    # waits 1 s again; then 0.5 s and 3.9 s are quick again (2, 4); one that ran 10 s resets it once more.
+    assert waits == [1.0, 2.0, 4.0, 1.0, 2.0, 4.0]
+    [restart] = exit_(c, "worker:1", -9, at=now)
+    assert restart.after_s == 1.0
 
 
 def test_a_task_out_of_restarts_fails_the_run_and_is_its_root_cause() -> None:

@@ -584,11 +584,22 @@ class RunController:
             exit_.not_restarted = (f"the run's restart budget is spent ({self.restarts} of "
                                    f"{self.policy.max_restarts_per_run} per run)")
             return None
-        after_s = self.policy.backoff_s(done + 1)
+        after_s = self.policy.backoff_s(self._quick_exits(rec))
         exit_.restarted = True
         self.restarts += 1
         rec.state, rec.attempt, rec.restart_due = "backoff", rec.attempt + 1, self.now + after_s
         return RestartTask(rec.task, rec.attempt, after_s, describe_exit(exit_.code))
+
+    def _quick_exits(self, rec: TaskRecord) -> int:
+        """The backoff's exponent: this is the n-th restart since ``rec``'s last healthy attempt (one
+        that ran at least ``backoff_max_s``; one whose start was not seen counts as quick). So the
+        restart of a healthy attempt waits ``backoff_base_s`` again, and the quick deaths after it double it."""
+        n = 0
+        for x in reversed(rec.exits):
+            n += 1
+            if x.ran_s is not None and x.ran_s >= self.policy.backoff_max_s:
+                break
+        return max(1, n)
 
     def _begin_regroup(self, rec: TaskRecord, exit_: ExitRecord) -> list[Decision] | None:
         """A trigger of the restart group exited and the policy restarts it: stop the other members

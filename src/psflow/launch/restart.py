@@ -18,8 +18,11 @@ Kinds:
 
 The kind is chosen per job (``worker=on-failure,ps=never``); budgets and backoff are the run's:
 ``max_restarts`` per task, ``max_restarts_per_run`` all tasks together (None: no cap beyond the
-per-task one); a restart the budgets do not allow fails the run. The n-th restart of a task waits
-``backoff_base_s * 2**(n-1)``, at most ``backoff_max_s``.
+per-task one); a restart the budgets do not allow fails the run. A task's restart waits
+``backoff_base_s * 2**(n-1)``, at most ``backoff_max_s``, where n counts its latest attempts in a row
+that ended before running ``backoff_max_s``: an attempt that outlived the longest wait was healthy,
+and its restart waits ``backoff_base_s`` again (so a task killed now and then, hours apart, is not
+kept waiting a minute each time).
 
 ``--restart`` syntax: comma-separated items, each ``POLICY`` (every job not named otherwise) or
 ``JOB=POLICY``: ``on-failure``, ``worker=on-failure,ps=never``, ``on-failure,ps=never``.
@@ -48,7 +51,8 @@ class RestartPolicy:
         kind: the policy of every job not in ``by_job``.
         max_restarts: restarts allowed per task.
         max_restarts_per_run: restarts allowed for all tasks together (None: no cap).
-        backoff_base_s: the wait before a task's first restart; doubled for each later one.
+        backoff_base_s: the wait before a task's first restart; doubled for each later one in a row
+            (reset once an attempt has run ``backoff_max_s``).
         backoff_max_s: the longest wait before a restart.
         by_job: ``{job: kind}`` for the jobs whose kind differs from ``kind`` (kept as sorted pairs).
 
