@@ -58,6 +58,18 @@ def test_no_fault_while_a_task_is_stopped() -> None:
     assert eligible(views, 10.0, settings()) == []
 
 
+def test_no_fault_once_a_task_has_finished() -> None:
+    settings = ChaosSettings(every_s=1, duration_s=60, min_up_s=0.0)
+    views = {"chief:0": TaskView("running", 0.0), "worker:0": TaskView("running", 0.0),
+             "ps:0": TaskView("running", 0.0)}
+    assert eligible(views, 10.0, settings) == ["chief:0", "worker:0"]
+    # worker:0 is done (exit 0) while the chief still evaluates: the job is ending, nothing is hit
+    views["worker:0"] = TaskView("exited", 0.0, finished=True)
+    assert eligible(views, 10.0, settings) == []
+    views["worker:0"] = TaskView("exited", 0.0)  # died (not finished): waiting for its restart
+    assert eligible(views, 10.0, settings) == ["chief:0"]
+
+
 def test_a_ps_is_hit_only_when_every_ps_has_run_for_settle_s() -> None:
     s = settings(targets=("ps", "worker"), settle_s=4.0, min_up_s=1.0)
     views = {"ps:0": TaskView("running", 0.0), "ps:1": TaskView("running", 8.0), "worker:0": TaskView("running", 0.0)}

@@ -76,7 +76,8 @@ class ChaosInjector:
     def __call__(self, controller: RunController, store: RunStore, now: float) -> None:
         self._continue_due(now, everything=controller.phase != "running")
         live = store.snapshot().get("tasks", {})
-        views = {t: TaskView(r.state, r.started_at, t in self._stopped, is_ready(t, live.get(t) or {}, r.started_at))
+        views = {t: TaskView(r.state, r.started_at, t in self._stopped, is_ready(t, live.get(t) or {}, r.started_at),
+                             finished=r.state == "exited" and bool(r.exits) and r.exits[-1].code == 0)
                  for t, r in controller.records.items()}
         if self.t0 is None:  # the schedule's clock starts with the job's first step, however long the start took
             if not any(v.ready for t, v in views.items() if t.split(":")[0] in ("chief", "worker")):

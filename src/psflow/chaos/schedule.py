@@ -15,7 +15,9 @@ Eligible (the rules that keep a chaos run inside what psflow survives):
   holds no copy still re-syncing (a fault hits training, not a start: a ps killed before the chief
   initialized it, or while its pair re-syncs, loses the shard);
 - no task while another is stopped (one stall at a time), and no fault once the run is no longer
-  running (draining, stopping: a dead task then fails the run or is not restarted);
+  running (draining, stopping: a dead task then fails the run or is not restarted), nor once any
+  task has finished (exited 0: the job is ending; a chief killed in its final evaluation after the
+  ps had exited would be restarted against ps that are gone);
 - a ps only when every ps is running, ready, and has been for ``settle_s``, and some training task
   is ready (the job is initialized): with primary-backup replication the killed ps's pair must have
   re-synced before the other one of it may die (two dead ps of a pair lose the shard).
@@ -124,6 +126,7 @@ class TaskView:
     started_at: float | None
     stopped: bool = False
     ready: bool = True  # its current attempt reported that it works (see the module docstring)
+    finished: bool = False  # it exited 0 (its part of the job is done)
 
     def up_s(self, now: float) -> float:
         return -math.inf if self.started_at is None else now - self.started_at
@@ -178,7 +181,7 @@ def eligible(tasks: Mapping[str, TaskView], now: float, settings: ChaosSettings,
         >>> eligible(views, 10.0, ChaosSettings(every_s=1, duration_s=5))
         ['worker:0']
     """
-    if not running or any(v.stopped for v in tasks.values()):
+    if not running or any(v.stopped or v.finished for v in tasks.values()):
         return []
     ps = {t: v for t, v in tasks.items() if t.split(":")[0] == "ps"}
     training = any(v.ready and v.state == "running" for t, v in tasks.items() if t.split(":")[0] in ("chief", "worker"))
