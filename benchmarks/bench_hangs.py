@@ -178,7 +178,9 @@ def exit_delays(events: list[dict[str, Any]]) -> dict[str, float]:
 def false_positives(tmp: Path, duration_s: float, timeout_s: float, keep: Path | None = None) -> dict[str, Any]:
     """A run of ``duration_s`` with a busy loop per core beside it that ends by itself; the watchdog's
     verdicts and each task's exit after the job's end."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    # each busy loop spins while this process lives: a bench killed by any signal leaves none behind
+    hog = f"import os\nwhile os.getppid() == {os.getpid()}: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(os.cpu_count() or 1)]
     logdir = tmp / "contention"
     loads = []
     terminated = False
