@@ -9,6 +9,7 @@ missing. Each test runs in well under a minute; every wait has a deadline.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 import signal
@@ -118,6 +119,11 @@ def test_mnist_softmax_trains_on_three_slurm_nodes_to_its_accuracy(slurm_conf, t
     assert "[worker:1] worker=1, final accuracy = " in r.stdout  # the steps' output streams through the launcher
     assert "final accuracy" in (logdir / "logs" / "worker-1.log").read_text()
     job_id = job_id_of(r.stdout)
+    # the run's history (the job page) names the Slurm job and its nodes, whatever the backend
+    events = [json.loads(line) for line in (logdir / "events.jsonl").read_text().splitlines()]
+    noted = {e["event"]: e for e in events if e["event"].startswith("scheduler_")}
+    assert noted["scheduler_submitted"]["job_id"] == job_id and noted["scheduler_running"]["job_id"] == job_id
+    assert sorted(noted["scheduler_running"]["nodes"].split(",")) == NODES
     assert wait_until_ended(slurm_conf, job_id) == "COMPLETED"  # the launcher released the allocation
     assert_nothing_left(slurm_conf, s)
 

@@ -161,3 +161,34 @@ def test_slurms_invalid_job_id_answer_counts_as_sent_only_while_the_step_runs():
     assert _delivered_anyway(err, "2.1", {"2.0", "2.1"})  # Slurm 22.05, a multi-node job: delivered on the step's node
     assert not _delivered_anyway(err, "2.1", {"2.0"})  # the step is gone: nothing received it
     assert not _delivered_anyway("scancel: error: Access/permission denied\n", "2.1", {"2.1"})
+
+
+class _QueueingCli:
+    """Slurm's answers for a job that waits in the queue (Priority, then Resources) and then runs."""
+
+    def __init__(self) -> None:
+        self.answers = [("PENDING", "Priority", ""), ("PENDING", "Priority", ""), ("PENDING", "Resources", ""),
+                        ("RUNNING", "None", "n[1-2]")]
+
+    def submit(self, script: Path) -> str:
+        assert script.is_file()
+        return "4242"
+
+    def job(self, job_id: str) -> tuple[str, str, str]:
+        assert job_id == "4242"
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_the_slurm_backend_notes_its_job_id_and_each_pending_reason_for_the_run_history(tmp_path: Path) -> None:
+    from psflow.launch.slurm import SlurmBackend
+
+    backend = SlurmBackend(nodes=2, echo=lambda _line: None, cli=_QueueingCli())  # type: ignore[arg-type]
+    backend.open(make_plan(SOFTMAX, num_ps=1, num_workers=1, logdir=str(tmp_path / "run")))
+    notes = backend.take_notes()
+    assert [k for k, _ in notes] == ["scheduler_submitted", "scheduler_waiting", "scheduler_waiting", "scheduler_running"]
+    assert notes[0][1]["job_id"] == "4242" and notes[0][1]["nodes"] == 2
+    # each state and reason once, as it changed
+    assert [(d["state"], d["reason"]) for k, d in notes if k == "scheduler_waiting"] == [("PENDING", "Priority"),
+                                                                                          ("PENDING", "Resources")]
+    assert notes[-1][1] == {"job_id": "4242", "nodes": "n1,n2"}
+    assert backend.take_notes() == []  # taken once

@@ -96,6 +96,13 @@ class Backend(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot signal a task for its stacks")
 
 
+    def take_notes(self) -> list[tuple[str, dict[str, Any]]]:
+        """What the place the tasks run in said since the last call, oldest first, as ``(kind, data)``
+        events for the run's history (a scheduler's job id, its queue state and pending reason: the job
+        page shows them whatever the backend). Taken by the runner once its store exists, then every
+        tick. Default: nothing."""
+        return []
+
     def send_signal(self, task: str, signum: int) -> bool:
         """Send ``signum`` to ``task``'s running attempt (every process of it: SIGKILL, SIGSTOP and
         SIGCONT reach its children too), as ``psflow chaos`` does; True if sent, False when the task

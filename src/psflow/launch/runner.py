@@ -132,6 +132,7 @@ class Runner:
             secret_file = write_secret(logdir)
             server = Server("launcher", host=self.backend.coordinator_host(), secret=secret_file.read_bytes())
             store = self.make_store(plan) if self.make_store else self._recorded_store(plan)
+            _record_notes(self.backend, store)  # what the scheduler said while open() waited (job id, queue)
             signs: queue.Queue[Event] = queue.Queue()  # heartbeats and progress, for the controller's watchdog
             group = restart_group(plan.config.strategy, plan.config.ps_replicas, plan.task_names())
             # All-reduce ranks of a new attempt meet only once all have registered it (rank 0's store moved).
@@ -182,6 +183,7 @@ class Runner:
             for request in store.control_requests():
                 pending.extend(self._control(request, controller, store))
             exits = self.backend.poll(timeout_s=self.tick_s)
+            _record_notes(self.backend, store)
             ended = self.backend.ended_by()  # before the exits it caused: they are then a stop's, not failures
             if ended is not None:
                 pending.extend(controller.handle(StopRequested(ended, time.time())))
@@ -481,3 +483,9 @@ def _tail(path: Path, n: int = 15) -> str:
         return "\n".join("  " + line for line in path.read_text().splitlines()[-n:])
     except OSError:
         return "  (no log)"
+
+
+def _record_notes(backend: Backend, store: RunStore) -> None:
+    """The backend's notes (:meth:`~psflow.launch.backend.Backend.take_notes`) into the run's history."""
+    for kind, data in backend.take_notes():
+        store.event(kind, **data)

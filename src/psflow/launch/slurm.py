@@ -340,6 +340,7 @@ class SlurmBackend(Backend):
         self._ended_told = self._closing = False
         self._beat = 0
         self._beat_at = self._checked_at = 0.0
+        self._notes: list[tuple[str, dict[str, Any]]] = []  # for the run's history (take_notes)
 
     def script(self, plan: LaunchPlan) -> str:
         """The batch script :meth:`open` submits for ``plan`` (``psflow run --dry-run`` prints it)."""
@@ -368,8 +369,19 @@ class SlurmBackend(Backend):
         script.write_text(self.script(plan))
         self.job_id = self.cli.submit(script)
         self.console.echo(f"psflow: Slurm job {self.job_id} submitted ({self.settings.nodes} node(s)); script {script}")
+        self._note("scheduler_submitted", job_id=self.job_id, nodes=self.settings.nodes, script=str(script))
         self.nodes = self._wait_running(plan)
         self.console.echo(f"psflow: Slurm job {self.job_id} running on {', '.join(self.nodes)}")
+        self._note("scheduler_running", job_id=self.job_id, nodes=",".join(self.nodes))
+
+    def take_notes(self) -> list[tuple[str, dict[str, Any]]]:
+        with self._lock:
+            out, self._notes = self._notes, []
+        return out
+
+    def _note(self, kind: str, **data: Any) -> None:
+        with self._lock:
+            self._notes.append((kind, data))
 
     def start(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> int:
         plan = self._require_plan()
@@ -536,6 +548,7 @@ class SlurmBackend(Backend):
             if f"{state} {reason}" != shown:
                 shown = f"{state} {reason}"
                 self.console.echo(f"psflow: Slurm job {self.job_id} is {state} (reason: {reason})")
+                self._note("scheduler_waiting", job_id=self.job_id, state=state, reason=reason)
             if time.monotonic() > deadline:
                 raise ClusterError(f"Slurm job {self.job_id} did not start within {self.queue_timeout_s:g} s "
                                    f"(state {state}, reason: {reason}). SlurmBackend(queue_timeout_s=...) waits longer.")

@@ -324,7 +324,13 @@ function drawEvents(events) {
   const shown = events.slice(-200).reverse();
   document.getElementById("events").innerHTML = `<table><tbody>${shown.map(e => `<tr>
     <td class="muted">${esc(new Date(e.time_unix * 1000).toLocaleTimeString())}</td><td>${esc(e.kind)}</td><td>${esc(e.task || "")}</td>
-    <td class="muted">${esc(e.data.reason || e.data.cause || e.data.answer || e.data.status || "")}</td></tr>`).join("")}</tbody></table>`;
+    <td class="muted">${esc(eventNote(e.data))}</td></tr>`).join("")}</tbody></table>`;
+}
+
+// An event's one-line note; a scheduler's (scheduler_* events: Slurm's job id, queue state, pending reason, nodes).
+function eventNote(d) {
+  if (d.job_id !== undefined) return [`job ${d.job_id}`, d.state, d.reason, d.nodes].filter(x => x !== undefined && x !== "").join(" · ");
+  return d.reason || d.cause || d.answer || d.status || "";
 }
 
 function drawSummary(run) {
