@@ -57,7 +57,9 @@ def train(epochs: int, env: dict[str, str], *extra: str) -> subprocess.Completed
 
 def train_watching_the_url(env: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict]:
     """``train(1, --timeline)``, and the status.json first seen on the URL while the run was going on."""
-    cmd = [PSFLOW, "run", "--no-live", "--ps", "1", "--workers", "2", "--logdir", URL, "--timeline", SOFTMAX, "--",
+    # each worker step 80 ms: the run outlasts the syncer's first pass (5 s) on a quiet machine too
+    cmd = [PSFLOW, "run", "--no-live", "--ps", "1", "--workers", "2", "--logdir", URL, "--timeline",
+           "--slow", "worker:0=0.08s,worker:1=0.08s", SOFTMAX, "--",
            "--epochs", "1", "--init", "zeros", "--batch_size", "300"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=task_env(**env), cwd=ROOT)
     seen: dict = {}

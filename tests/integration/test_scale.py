@@ -41,10 +41,14 @@ def local_step(run: dict, task: str) -> int:
 
 
 def launch(home: Path, logdir: Path, procs: list, *flags: str, epochs: int) -> subprocess.Popen:
+    # Every worker's first attempt steps at 30 ms at least, worker:2 too once added: on a quiet machine too the
+    # job outlasts its three scalings, and no worker runs out of data before it is retired. (Through the tasks'
+    # own fault switch, inherited from the launcher: --slow refuses worker:2, which the launch plan lacks.)
+    slow = ",".join(f"worker:{i}@step=0:delay=0.03" for i in range(3))
     p = subprocess.Popen([PSFLOW, "run", "--ps", "1", "--workers", "2", "--no-live", "--logdir", str(logdir), *flags,
                           SOFTMAX, "--", "--epochs", str(epochs), "--init", "zeros", "--print_every", "1"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=task_env(PSFLOW_HOME=str(home)), cwd=ROOT, start_new_session=True)
+                         env=task_env(PSFLOW_HOME=str(home), PSFLOW_FAIL_AT=slow), cwd=ROOT, start_new_session=True)
     procs.append(p)
     return p
 
