@@ -95,3 +95,45 @@ def _no_run_left_in_the_checkout():
     existed = default.exists()
     yield
     assert existed or not default.exists(), f"a test wrote {default}; give its run a logdir under tmp_path"
+
+
+@pytest.fixture
+def s3_env(monkeypatch, tmp_path):
+    """An S3 stand-in (moto's server on loopback) with the bucket ``psflow-runs``; the AWS_* environment
+    that points at it, set here and returned for the tasks' environment."""
+    server_mod = pytest.importorskip("moto.server", reason="the S3 stand-in is moto's server (pip install 'moto[server]')")
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "psflow-test", "AWS_SECRET_ACCESS_KEY": "psflow-test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="psflow-runs")
+    yield env
+    server.stop()
+
+
+def psflow_in(home: Path, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """``psflow ARGS`` with ``PSFLOW_HOME=home`` (its job store), from the checkout."""
+    return subprocess.run([PSFLOW, *args], capture_output=True, text=True, timeout=timeout_s,
+                          env=task_env(PSFLOW_HOME=str(home)), cwd=ROOT)
+
+
+def wait_for_run(db: Path, check, *, what: str, timeout_s: float = 120.0, context=lambda: "") -> dict:
+    """The first run in the job store ``db`` for which ``check(run)`` holds, within ``timeout_s``."""
+    import time
+
+    from psflow.platform.jobstore import JobStore
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if db.exists():
+            with JobStore(db) as store:
+                for run in store.runs(metrics=False):
+                    if check(run):
+                        return run
+        time.sleep(0.2)  # a poll of the store, not a synchronisation
+    raise AssertionError(f"no run {what} within {timeout_s} s\n{context()}")

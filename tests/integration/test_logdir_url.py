@@ -15,26 +15,11 @@ import pytest
 from conftest import PSFLOW, ROOT, SOFTMAX, task_env
 
 pytest.importorskip("s3fs", reason="a logdir on s3:// needs s3fs (pip install 'psflow[s3]')")
-server_mod = pytest.importorskip("moto.server", reason="the S3 stand-in is moto's server (pip install 'moto[server]')")
+pytest.importorskip("moto.server", reason="the S3 stand-in is moto's server (pip install 'moto[server]')")
 
 pytestmark = pytest.mark.timeout(300)
 URL = "s3://psflow-runs/url-run"
 
-
-@pytest.fixture
-def s3_env(monkeypatch, tmp_path):
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "psflow-test", "AWS_SECRET_ACCESS_KEY": "psflow-test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    import boto3
-
-    boto3.client("s3").create_bucket(Bucket="psflow-runs")
-    yield env
-    server.stop()
 
 
 def objects(prefix: str) -> dict[str, bytes]:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from conftest import PSFLOW, ROOT, SOFTMAX, log_tails, task_env
+from conftest import PSFLOW, ROOT, SOFTMAX, log_tails, psflow_in, task_env, wait_for_run
 
 from psflow.platform.jobstore import JobStore
 
@@ -19,21 +18,11 @@ pytestmark = pytest.mark.timeout(420)
 
 
 def psflow(home: Path, *args: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([PSFLOW, *args], capture_output=True, text=True, timeout=timeout_s,
-                          env=task_env(PSFLOW_HOME=str(home)), cwd=ROOT)
+    return psflow_in(home, *args, timeout_s=timeout_s)
 
 
 def wait_for(db: Path, check, *, what: str, timeout_s: float = 150.0, context=lambda: "") -> dict:
-    """The first run in the store for which ``check(run)`` holds, within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if db.exists():
-            with JobStore(db) as store:
-                for run in store.runs(metrics=False):
-                    if check(run):
-                        return run
-        time.sleep(0.2)  # a poll of the store, not a synchronisation
-    raise AssertionError(f"no run {what} within {timeout_s} s\n{context()}")
+    return wait_for_run(db, check, what=what, timeout_s=timeout_s, context=context)
 
 
 def local_step(run: dict, task: str) -> int:

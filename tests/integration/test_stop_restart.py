@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PSFLOW, ROOT, SOFTMAX, log_tails, pid_alive, task_env
+from conftest import PSFLOW, ROOT, SOFTMAX, log_tails, pid_alive, psflow_in, task_env, wait_for_run
 
 from psflow.platform.jobstore import JobStore
 
@@ -17,21 +17,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def psflow(home: Path, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([PSFLOW, *args], capture_output=True, text=True, timeout=timeout_s,
-                          env=task_env(PSFLOW_HOME=str(home)), cwd=ROOT)
-
-
-def wait_for_run(db: Path, check, *, what: str, timeout_s: float = 120.0, context=lambda: "") -> dict:
-    """The first run in the store for which ``check(run)`` holds, within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if db.exists():
-            with JobStore(db) as store:
-                for run in store.runs(metrics=False):
-                    if check(run):
-                        return run
-        time.sleep(0.2)
-    raise AssertionError(f"no run {what} within {timeout_s} s\n{context()}")
+    return psflow_in(home, *args, timeout_s=timeout_s)
 
 
 def test_stop_then_restart_a_real_run_through_the_job_store(tmp_path, procs):
