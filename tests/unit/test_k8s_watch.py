@@ -108,6 +108,34 @@ def test_restart_budget_per_task_is_kubernetes_backoff_limit_per_index(tmp_path,
     assert status_of(tmp_path)["tasks"]["worker:1"]["attempt"] == 2
 
 
+def test_the_runs_restart_budget_holds_across_jobs_the_launcher_fails_the_run_past_it(tmp_path, monkeypatch):
+    # Each Job's backoffLimit alone would allow 2 failures per job type (4 here): the run allows 2 in all.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("import psflow\n")
+    policy = RestartPolicy.parse("on-failure", max_restarts=5, max_restarts_per_run=2)
+    plan = replace(make_plan("train.py", num_ps=1, num_workers=2, logdir="runs/k", restart=policy),
+                   run_id="20260101-120000-abc123")
+    cluster = FakeCluster(exits={("worker:0", 0): 1, ("ps:0", 0): 1, ("worker:1", 0): 1, ("worker:1", 1): 1})
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 1, result.summary
+    assert "restart budget is spent" in result.summary["reason"] and "--max-restarts-per-run 2" in result.summary["reason"]
+    spent = [e for e in events_of(tmp_path) if e["event"] == "restart_budget_spent"]
+    assert len(spent) == 1 and spent[0]["max_restarts_per_run"] == 2
+    assert result.root_cause == spent[0]["task"]  # the third failure, whichever task had it
+    assert not cluster.objects["Job"]  # the launcher deleted the run's Jobs
+    assert status_of(tmp_path)["state"] == "failed"
+
+
+def test_run_budget_spent_is_the_failure_past_the_cap():
+    from psflow.launch.k8swatch import run_budget_spent
+
+    fails = [("worker:0", 0, 1), ("ps:0", 0, -9), ("worker:0", 1, 1)]
+    assert run_budget_spent(fails, None) is None
+    assert run_budget_spent(fails, 3) is None and run_budget_spent(fails[:2], 2) is None
+    assert run_budget_spent(fails, 2) == ("worker:0", 1, 1)
+    assert run_budget_spent(fails, 0) == ("worker:0", 0, 1)
+
+
 def test_stop_deletes_the_run_and_records_it_stopped(tmp_path, monkeypatch):
     plan = make(tmp_path, monkeypatch)
     cluster = FakeCluster()

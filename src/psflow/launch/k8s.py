@@ -25,8 +25,10 @@ Kubernetes, and why:
   ``podFailurePolicy`` that fails the index at once on exit codes 1-127 (Kubeflow's convention);
   ``always`` -> as ``on-failure`` (a Job never restarts a pod that exited 0). Pods use
   ``restartPolicy: Never`` throughout, so each attempt is its own pod with its own exit code and
-  log. ``max_restarts_per_run`` becomes each Job's ``backoffLimit`` (per job type, not across the
-  run); the backoff between retries is Kubernetes' own (10 s doubling to 6 min).
+  log. ``max_restarts_per_run`` becomes each Job's ``backoffLimit`` (per job type: all Kubernetes can
+  hold without psflow), and the launcher that follows the run holds it across the whole run
+  (:func:`psflow.launch.k8swatch.run_budget_spent`: past it, the run fails and its Jobs are
+  deleted); the backoff between retries is Kubernetes' own (10 s doubling to 6 min).
 - **Error reports**: ``PSFLOW_ERROR_FILE=/dev/termination-log``, so a failing task's JSON report is
   its container's termination message (Kubernetes keeps 4 KiB of it), read by the watcher.
 - **The log dir** (checkpoints: every ps writes its shard, the chief the manifest) must be one

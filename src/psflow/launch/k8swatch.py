@@ -212,6 +212,21 @@ class PodTracker:
                 return task, attempt, code
         return None
 
+    def failures(self) -> list[tuple[str, int, int]]:
+        """Every failed exit seen, (task, attempt, code), in the order seen: each one a restart asked
+        of the run's budget (Kubernetes restarts it if its own per-index budget allows)."""
+        return [(task, attempt, code) for (task, attempt), code in self._exited.items() if code != 0]
+
+
+def run_budget_spent(failures: Sequence[tuple[str, int, int]], max_restarts_per_run: int | None) -> tuple[str, int, int] | None:
+    """The failed exit that a run's restart budget cannot pay for, if any: the (cap + 1)-th failure
+    across all tasks. A Job's ``backoffLimit`` caps each job type's Job; the run's cap
+    (``--max-restarts-per-run``, which the local backend applies across every task) is held by the
+    launcher that follows the run, which fails it and deletes its Jobs at that failure."""
+    if max_restarts_per_run is None or len(failures) <= max_restarts_per_run:
+        return None
+    return failures[max_restarts_per_run]
+
 
 def outcome(jobs: Iterable[Any]) -> tuple[str | None, str]:
     """``("succeeded" | "failed" | None, why)`` from the run's ``V1Job`` objects' conditions."""
@@ -321,7 +336,8 @@ class K8sBackend:
                 status, why = self._follow(plan, tracker, store, t0)
             finally:
                 self._delete(plan, jobs=status != "succeeded")
-        root = tracker.last_failure() if status == "failed" else None
+        spent = run_budget_spent(tracker.failures(), plan.restart.max_restarts_per_run)
+        root = (spent or tracker.last_failure()) if status == "failed" else None
         # The pods report to no coordinator (the launcher may be outside the cluster): no global step
         # or throughput here; the chief's summaries and checkpoints in the claim's log dir have them.
         summary = {"run_id": plan.run_id, "backend": "k8s", "status": status or "stopped", "reason": why,
@@ -360,6 +376,13 @@ class K8sBackend:
             pods = [v for v in map(pod_view, self._core.list_namespaced_pod(namespace=ns, label_selector=selector).items) if v]
             for change in tracker.update(pods):
                 self._record(plan, change, store)
+            spent = run_budget_spent(tracker.failures(), plan.restart.max_restarts_per_run)
+            if spent is not None:
+                cap = plan.restart.max_restarts_per_run
+                store.event("restart_budget_spent", task=spent[0], attempt=spent[1], max_restarts_per_run=cap)
+                return "failed", (f"the run's restart budget is spent: {len(tracker.failures())} failed attempts "
+                                  f"across its tasks, {spent[0]} (attempt {spent[1]}) the one past "
+                                  f"--max-restarts-per-run {cap}")
             status, why = outcome(self._batch.list_namespaced_job(namespace=ns, label_selector=selector).items)
             store.tick()
             if status is not None:
