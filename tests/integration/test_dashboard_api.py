@@ -316,6 +316,34 @@ def test_restart_through_the_api_stops_the_run_and_launches_its_plan_again(tmp_p
                  what="the restored run ended")
 
 
+def test_a_restart_goes_on_when_the_dashboard_dies_right_after_it_was_asked(tmp_path, dashboard):
+    # The wait for the old run's end lives in the new run's launcher (its own session), not in the
+    # dashboard: SIGKILL the dashboard the moment it has answered, and the new run still starts.
+    from psflow.platform.runcontrol import ask_stop, wait_until_over
+
+    db_path = dashboard.home / "jobs.db"
+    with dashboard.client() as api:
+        run_id = api.post("/api/runs", json=TRAIN).json()["run_id"]
+        wait_for(lambda: _run(api, run_id)["run"], lambda r: r["state"] == "running" and r["global_step"] > 0,
+                 what="the run training")
+        answer = api.post(f"/api/runs/{run_id}/restart")
+    os.killpg(dashboard.proc.pid, signal.SIGKILL)
+    dashboard.proc.wait(timeout=10)
+    assert answer.status_code == 202, answer.text
+    new_id = answer.json()["run_id"]
+
+    def record(rid):
+        with JobStore(db_path) as db:
+            return db.run(rid, metrics=False)
+
+    new = wait_for(lambda: record(new_id), lambda r: r is not None and r["state"] == "running" and r["global_step"],
+                   what="the restarted run training with no dashboard")
+    assert record(run_id)["state"] == "stopped" and new["restarted_from"] == run_id
+    with JobStore(db_path) as db:
+        asked = ask_stop(db, new_id, source="test")
+    assert wait_until_over(db_path, new_id, timeout_s=120, request_id=asked.request_id)["state"] == "stopped"
+
+
 def test_a_slowed_worker_is_named_a_persistent_straggler(tmp_path, dashboard, procs):
     from conftest import SOFTMAX, log_tails
 

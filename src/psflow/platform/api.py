@@ -381,7 +381,8 @@ def create_app(settings: UiSettings) -> FastAPI:
 
     @app.post("/api/runs/{run_id}/restart", status_code=202, dependencies=[Depends(need_token)])
     def restart_run(run_id: str, db: Db) -> dict[str, Any]:
-        from psflow.platform.launching import plan_of, spec_of_run
+        from psflow.platform.launching import plan_of, spec_of_run, start_detached
+        from psflow.platform.runcontrol import ask_stop
 
         run = the_run(db, run_id)
         try:
@@ -389,9 +390,15 @@ def create_app(settings: UiSettings) -> FastAPI:
             plan_of(spec)  # refused now, not in the background, if it cannot start again
         except ConfigError as e:
             raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
-        threading.Thread(target=_restart, args=(settings, run, spec, launchers), daemon=True,
-                         name=f"psflow-restart-{run_id}").start()
-        return {"run_id": spec.run_id, "restarts": run_id, "logdir": spec.logdir}
+        # The stop is asked here; the new run's launcher, a process of its own session, waits for the
+        # old run's end before it starts, so the restart survives this dashboard going down meanwhile.
+        asked = ask_stop(db, run_id, source="api")
+        if asked.request_id is not None:
+            spec = dataclasses.replace(spec, after_run=run_id, after_request=asked.request_id,
+                                       after_timeout_s=settings.stop_wait_s)
+        plan, proc = start_detached(spec, env=_launcher_env(settings))
+        _reap(proc, launchers)
+        return {"run_id": plan.run_id, "restarts": run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
 
     app.state.closing = threading.Event()  # set by psflow ui's shutdown: open streams end
 
@@ -481,22 +488,6 @@ def _reap(proc: Any, launchers: list[Any]) -> None:
     """Wait for a launcher in a thread, so that it leaves no zombie behind when it ends."""
     launchers.append(proc)
     threading.Thread(target=proc.wait, daemon=True, name=f"psflow-reap-{proc.pid}").start()
-
-
-def _restart(settings: UiSettings, run: dict[str, Any], spec: Any, launchers: list[Any]) -> None:
-    """Stop ``run`` if it still runs, wait for its end, then start ``spec`` (the restart's background half)."""
-    from psflow.platform.launching import start_detached
-    from psflow.platform.runcontrol import ask_stop, wait_until_over
-
-    try:
-        with JobStore(settings.db_path) as db:
-            asked = ask_stop(db, run["id"], source="api")
-        if asked.request_id is not None:
-            wait_until_over(settings.db_path, run["id"], timeout_s=settings.stop_wait_s, request_id=asked.request_id)
-        _, proc = start_detached(spec, env=_launcher_env(settings))
-        _reap(proc, launchers)
-    except PsflowError as e:  # nobody waits on this thread: the store says what happened
-        print(f"psflow ui: the restart of run {run['id']} failed: {e}", flush=True)
 
 
 def _thin(points: list[list[Any]], max_points: int) -> list[list[Any]]:

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psflow.errors import ConfigError
+from psflow.errors import ConfigError, PsflowError
 from psflow.launch.backend import RunResult
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.restart import RestartPolicy
@@ -68,6 +68,10 @@ class LaunchSpec:
         gpus_per_worker: GPUs each chief and worker sees (local: :mod:`psflow.launch.gpus`; 0: none asked).
         logdir_url: ``psflow run --logdir URL``: ``logdir`` is its staging directory; the files are
             uploaded there and the checkpoints are read and written at ``URL/checkpoints``.
+        after_run, after_request, after_timeout_s: a restart's launcher waits up to ``after_timeout_s``
+            for run ``after_run`` to end (its stop request ``after_request``) before it starts: the
+            wait lives in the launcher's own process, so a restart asked of the dashboard goes on
+            if the dashboard goes down between the stop and the launch.
     """
 
     script: str
@@ -88,6 +92,9 @@ class LaunchSpec:
     restarted_from: str | None = None
     gpus_per_worker: int = 0
     logdir_url: str | None = None
+    after_run: str | None = None
+    after_request: int | None = None
+    after_timeout_s: float = 120.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -274,6 +281,16 @@ def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapp
     return plan, proc
 
 
+def _wait_for_stop(spec: LaunchSpec) -> None:
+    """A restart's launcher: wait for the run it restarts to end (see :class:`LaunchSpec`'s ``after_run``)."""
+    from psflow.platform.home import jobs_db_path
+    from psflow.platform.runcontrol import wait_until_over
+
+    assert spec.after_run is not None
+    print(f"psflow: run {spec.run_id} waits for run {spec.after_run} to stop before it starts.", flush=True)
+    wait_until_over(jobs_db_path(), spec.after_run, timeout_s=spec.after_timeout_s, request_id=spec.after_request)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The detached launcher: ``python -m psflow.platform.launching SPEC_JSON``; returns the run's exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -282,8 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     spec = LaunchSpec.from_json(args[0])
     try:
+        if spec.after_run is not None:
+            _wait_for_stop(spec)
         plan, result = run_here(spec, live=False)
-    except ConfigError as e:
+    except PsflowError as e:
         print(f"psflow: {e}", file=sys.stderr)
         return 2
     print(f"psflow: run {plan.run_id} ended with exit code {result.exit_code}", flush=True)
