@@ -246,6 +246,20 @@ def test_always_restarts_a_ps_that_exits_early_but_never_a_finished_trainer() ->
     assert c.records["ps:0"].attempts == 2
 
 
+def test_a_trainer_that_dies_after_the_ps_finished_the_job_is_not_restarted_into_a_job_that_is_gone() -> None:
+    # The chief (worker:0) evaluates after the ps exited 0 (every worker said done) and is killed there.
+    c = running(RestartPolicy("on-failure", max_restarts=600, backoff_base_s=0.5))
+    assert exit_(c, "worker:1", 0, at=5.0) == []
+    assert exit_(c, "ps:0", 0, at=5.5) == []
+    assert exit_(c, "worker:0", -9, at=6.0) == [RunFinished("failed", "worker:0", 1)]
+    last = c.records["worker:0"].exits[-1]
+    assert not last.restarted and "ps:0 exited 0" in last.not_restarted and c.restarts == 0
+    # while the ps runs, the same death is restarted
+    c = running(RestartPolicy("on-failure", max_restarts=600, backoff_base_s=0.5))
+    assert exit_(c, "worker:1", 0, at=5.0) == []
+    assert exit_(c, "worker:0", -9, at=6.0) == [RestartTask("worker:0", 1, 0.5, "exit code -9 (SIGKILL)")]
+
+
 def test_draining_cancels_a_pending_restart_and_a_stop_cancels_one_too() -> None:
     c = running(RestartPolicy("on-failure", backoff_base_s=30.0))
     assert isinstance(exit_(c, "ps:0", -9, at=1.0)[0], RestartTask)

@@ -59,6 +59,10 @@ Task states::
     backoff or exited --scale retires it--> retired;  retired --scale adds it (StartTask, next attempt)--> starting
     group member: exited (a trigger's restart) --others stopped and exited--> backoff (RestartTask) --> starting
 
+A training task that dies once a ps has exited 0 (the ps end when every worker has said it is done:
+a chief killed in its final evaluation) is not restarted: its new attempt would find no ps to train
+with, and would fail again for as long as the budget lasts. Its exit fails the run.
+
 A restart cancelled because training finished leaves the task's last exit standing without failing
 the run (the training tasks completed without it); cancelled by a failure or a stop, that exit
 counts for the root cause like any other.
@@ -576,6 +580,11 @@ class RunController:
 
     def _schedule_restart(self, rec: TaskRecord, exit_: ExitRecord) -> RestartTask | None:
         """A RestartTask if the budgets allow it; None when they are spent."""
+        finished_ps = [r.task for r in self.records.values() if r.job == "ps" and self._exited_cleanly(r)]
+        if rec.job in TRAINING_JOBS and finished_ps:
+            exit_.not_restarted = (f"the ps finished the job ({', '.join(finished_ps)} exited 0): a restarted "
+                                   f"{rec.task} would find no parameter server to train with")
+            return None
         done = rec.attempt  # restarts of this task so far
         if done >= self.policy.max_restarts:
             exit_.not_restarted = f"its restart budget is spent ({done} of {self.policy.max_restarts} per task)"
