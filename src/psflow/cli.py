@@ -506,17 +506,21 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None) -> None
 
     with _store_errors():
         ref = _stored_run(views.find(run), "restart")
+        spec = spec_of_run(ref.run)
         with JobStore(ref.db_path) as db:
             asked = ask_stop(db, ref.run["id"], source="cli")
         if asked.request_id is not None:
             click.echo(f"psflow: stopping run {asked.run_id} (request {asked.request_id}) before it starts again.")
-            wait_until_over(ref.db_path, asked.run_id, timeout_s=timeout_s, request_id=asked.request_id)
-        spec = spec_of_run(ref.run)
-        if detach:
+        if detach:  # the new run's launcher waits for the old run's end itself (as the API's restart)
+            if asked.request_id is not None:
+                spec = dataclasses.replace(spec, after_run=asked.run_id, after_request=asked.request_id,
+                                           after_timeout_s=timeout_s)
             plan, proc = start_detached(spec)
             click.echo(f"psflow: run {plan.run_id} restarts {asked.run_id} (launcher pid {proc.pid}); "
                        f"logs in {plan.logdir}, launcher output in {plan.logdir}/launcher.log")
             return
+        if asked.request_id is not None:
+            wait_until_over(ref.db_path, asked.run_id, timeout_s=timeout_s, request_id=asked.request_id)
         click.echo(f"psflow: run {spec.run_id} restarts {asked.run_id}; logs in {spec.logdir}")
         plan, result = run_here(spec, live=live)
     click.echo(final_line(result.summary))

@@ -62,12 +62,23 @@ def test_stop_then_restart_a_real_run_through_the_job_store(tmp_path, procs):
         steps = [m["value"] for m in store.metrics(new["id"], name="global_step")]
     # it resumed from the stopped run's final checkpoint: its first global step is past it
     assert steps and min(steps) >= step_at_stop, (steps[:5], step_at_stop)
+
+    # restart --detach of a running run: the command asks the stop and returns; the new run's launcher
+    # waits for the old run's end, then starts
+    third_ask = psflow(home, "restart", new["id"], "--detach")
+    assert third_ask.returncode == 0, third_ask.stdout + third_ask.stderr
+    assert f"stopping run {new['id']} (request " in third_ask.stdout
+    third = wait_for_run(db, lambda r: r.get("restarted_from") == new["id"] and (r.get("global_step") or 0) > 0,
+                         what="the second restart training", context=lambda: log_tails(logdir))
+    with JobStore(db) as store:
+        assert store.run(new["id"])["state"] == "stopped"
+    assert f"waits for run {new['id']} to stop before it starts" in (logdir / "launcher.log").read_text()
     launcher_log = (logdir / "launcher.log").read_text()
 
-    stopped = psflow(home, "stop", new["id"])
-    assert stopped.returncode == 0 and f"run {new['id']} is stopped" in stopped.stdout, stopped.stdout + stopped.stderr
-    pid = new["launcher"]["pid"]
-    deadline = time.monotonic() + 60
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not pid_alive(pid), launcher_log
+    stopped = psflow(home, "stop", third["id"])
+    assert stopped.returncode == 0 and f"run {third['id']} is stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+    for pid in (new["launcher"]["pid"], third["launcher"]["pid"]):
+        deadline = time.monotonic() + 60
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pid_alive(pid), launcher_log
