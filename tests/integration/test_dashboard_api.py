@@ -170,7 +170,7 @@ def test_changes_need_the_token_and_bad_forms_and_paths_are_refused_clearly(tmp_
         assert problems[("body", "ps")] == "Input should be greater than or equal to 0"
         assert problems[("body", "mode")] == "Input should be 'async', 'sync' or 'ssp'"
         assert problems[("body", "shell")] == "Extra inputs are not permitted"
-        for script, says in (("../src/psflow/cli.py", "is not under an allowed directory"),
+        for script, says in (("../src/psflow/cli/run.py", "is not under an allowed directory"),
                              ("/etc/passwd", "is not under an allowed directory"),
                              ("README.md", "is not a Python file"), ("missing.py", "does not exist")):
             r = api.post("/api/runs", json={**TRAIN, "script": script})

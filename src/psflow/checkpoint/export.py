@@ -7,7 +7,7 @@ writes a checkpoint's tensors as stored, optionally renamed or filtered.
 Invariant: an exported file is written to a tmp name, fsynced and renamed, then its directory is
 fsynced: ``out`` is never half-written and no tmp file is left, even on failure.
 
-Callers: ``psflow export`` (cli.py), scripts that want a checkpoint's tensors in one file, the
+Callers: ``psflow export`` (cli/files.py), scripts that want a checkpoint's tensors in one file, the
 evaluator (:func:`find_checkpoint`'s layout, ``CHECKPOINTS_DIR``).
 """
 
