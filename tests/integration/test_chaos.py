@@ -57,7 +57,11 @@ def test_chaos_kills_and_stops_tasks_and_the_job_loses_nothing_acknowledged(tmp_
     assert ledger["lost"] == 0, ledger
     assert ledger["acknowledged"] + ledger["unacknowledged"] == ledger["applied"] == EPOCHS * STEPS_PER_EPOCH, ledger
     assert report["batches_applied"] == EPOCHS * STEPS_PER_EPOCH, report
-    assert summary["global_step"] == EPOCHS * STEPS_PER_EPOCH, summary["global_step"]
+    # The summary's global step is the largest any task reported, shard 1's version included: a worker
+    # killed between its push to shard 1 and its push to shard 0 leaves shard 1 one update ahead (the
+    # batch is redone, as shard 0's ledger shows), so it reads at most one above per worker kill.
+    worker_kills = sum(n for task, n in kills.items() if task.startswith("worker"))
+    assert 0 <= summary["global_step"] - EPOCHS * STEPS_PER_EPOCH <= worker_kills, (summary["global_step"], kills)
 
 
 def test_stopped_tasks_go_on_where_they_stopped_with_nothing_restarted_or_lost(tmp_path: Path) -> None:
