@@ -90,9 +90,14 @@ def test_a_backup_fed_the_primarys_batches_ends_in_its_state(mode: str) -> None:
     cap = Capture()
     primary, backup = _store(mode, cap), _store(mode)
     for step in range(3):
-        primary.push(0, primary.version, {"w": torch.full((3,), 1.0 + step)}, position={"batch": step}, push_seq=step + 1)
+        primary.push(0, primary.version, {"w": torch.full((3,), 1.0 + step)}, position={"epoch": 0, "batch_index": step},
+                     push_seq=step + 1)
         primary.push(1, primary.version, {"w": torch.full((3,), -0.5)}, push_seq=step + 1)
     primary.push(0, 0, {"w": torch.ones(3)}, push_seq=1)  # a resent push: DUPLICATE
+    position = {"epoch": 0, "batch_index": 2}
+    primary.push(0, primary.version, {"w": torch.full((3,), 2.0)}, position=position, attempt=1, push_seq=1)
+    if mode == "async":  # a restarted attempt's redone batch: DUPLICATE on the backup too
+        assert primary.stats.duplicates == 2
     primary.worker_lost(1)
     batch = cap.outbox.take()
     assert batch is not None and all(e.on is not On.CONFIGURE for e in batch.events)

@@ -183,15 +183,29 @@ def test_sync_a_lost_workers_held_gradient_left_so_its_resent_push_is_taken_agai
     assert acts(r.push(0, 0, push_seq=1)) == [("BACK", (0,)), ("HOLD", (0,))]
 
 
+def test_a_redone_push_is_a_duplicate_of_an_apply_in_async_and_ssp_and_taken_in_sync() -> None:
+    for mode in ("async", "ssp"):
+        r = rules(mode)
+        r.push(0, 0, 0, push_seq=1)
+        (dup,) = r.push(0, 1, attempt=1, push_seq=1, redone=True)[-1:]
+        assert (dup.act, dup.outcome, r.version, r.attempts[0]) == (Act.DUPLICATE, Act.APPLY, 1, 1)
+        (resent,) = r.push(0, 1, attempt=1, push_seq=1)  # its number was recorded: a resend is recognised
+        assert (resent.act, r.version) == (Act.DUPLICATE, 1)
+        assert acts(r.push(0, 1, attempt=1, push_seq=2)) == [("APPLY", (0,))]
+    r = rules("sync")
+    assert acts(r.push(0, 0, push_seq=1, redone=True)) == [("HOLD", (0,))]  # sync: the rejoin drops held ones instead
+
+
 def test_the_new_events_replay_to_the_same_state() -> None:
     r = rules("ssp", workers=3, staleness=1)
     r.clock(0, 0), r.push(0, 0, push_seq=1), r.clock(1, 0), r.clock(2, 0)
     r.clock(1, 1), r.clock(1, 2), r.worker_lost(2), r.join(2, 1), r.push(2, 1, 0, push_seq=4)
     r.push(2, 1, 1, push_seq=1), r.push(2, 1, 1, push_seq=1), r.clock(2, 1, attempt=1), r.worker_done(2, attempt=1)
+    r.push(1, 1, 0, push_seq=2, redone=True)
     assert r.log is not None and {rec.on for rec in r.log if not isinstance(rec, Decision)} >= {On.JOIN, On.PUSH}
     copy = ShardRules.replay(0, 3, r.log)
     assert copy.state() == r.state() and copy.log == r.log
-    assert copy.attempts == {2: 1} and copy.last_push == {0: (0, 1, Act.APPLY), 2: (1, 1, Act.APPLY)}
+    assert copy.attempts == {2: 1} and copy.last_push == {0: (0, 1, Act.APPLY), 1: (0, 2, Act.APPLY), 2: (1, 1, Act.APPLY)}
 
 
 # -- a property: random kills, restarts and late pushes of dead attempts (async) -------------------------

@@ -189,6 +189,47 @@ def test_applied_pushes_are_counted_per_worker_attempt_and_duplicates_not_again(
     assert store.stats.applied_by == {0: {0: 2, 1: 1}, 1: {0: 1}}
 
 
+def pos(epoch: int, batch: int, **config: int) -> dict[str, int]:
+    return {"epoch": epoch, "batch_index": batch, "seed": 1, "batch_size": 8, "num_examples": 80, "shuffle": 1,
+            "drop_last": 0, **config}
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_restarted_workers_redone_batch_is_applied_once_on_a_shard_that_took_it_already(mode):
+    # A worker killed between its shards' pushes: this shard (not shard 0) applied batch (0, 3);
+    # shard 0 did not record it, so the restarted attempt redoes it and pushes it here again.
+    store = make_store(mode)
+    store.push(0, 0, grads(0), position=pos(0, 2), attempt=0, push_seq=1)
+    store.push(0, 1, grads(1), position=pos(0, 3), attempt=0, push_seq=2)
+    before = {k: v.clone() for k, v in store.values.items()}
+    reply = store.push(0, 2, grads(1), position=pos(0, 3), attempt=1, push_seq=1)  # redone: not again
+    assert reply["duplicate"] and reply["applied"] and store.version == 2
+    assert all(torch.equal(before[k], store.values[k]) for k in before)
+    assert store.stats.applied_by == {0: {0: 2}} and store.stats.duplicates == 1
+    store.push(0, 2, grads(2), position=pos(0, 4), attempt=1, push_seq=2)  # the next batch: applied
+    store.push(0, 3, grads(3), position=pos(1, 0), attempt=1, push_seq=3)  # and the next epoch's
+    assert store.version == 4 and store.progress.positions_now()["0"] == pos(1, 0)
+
+
+def test_a_position_of_another_sequence_or_without_a_batch_index_is_never_a_repeat():
+    store = make_store("async")
+    store.push(0, 0, grads(0), position=pos(0, 5), attempt=0, push_seq=1)
+    store.push(0, 1, grads(1), position=pos(0, 1, num_examples=60), attempt=1, push_seq=1)  # resharded data
+    store.push(0, 2, grads(1), position=pos(0, 1, seed=2), attempt=2, push_seq=1)  # another shuffle
+    store.push(0, 3, grads(1), position={"step": 1}, attempt=3, push_seq=1)  # a user's iterator
+    store.push(1, 4, grads(1), position=pos(0, 1), attempt=0, push_seq=1)  # another worker
+    assert store.version == 5 and store.stats.duplicates == 0
+
+
+def test_sync_leaves_a_redone_batch_to_the_rejoin():
+    store = make_store("sync", workers=2, timeout=5)
+    store.push(0, 0, grads(0), position=pos(0, 1), attempt=0, push_seq=1)
+    store.push(1, 0, grads(1), position=pos(0, 1), attempt=0, push_seq=1)
+    assert store.version == 1
+    reply = store.push(0, 1, grads(0), position=pos(0, 1), attempt=1, push_seq=1)
+    assert not reply.get("duplicate") and store.stats.duplicates == 0
+
+
 def test_a_sync_step_counts_each_held_gradient_under_its_attempt():
     store = make_store("sync", workers=2)
     store.push(0, 0, grads(0), attempt=2, push_seq=1)

@@ -74,6 +74,21 @@ class Progress:
         if isinstance(position, Mapping):
             self.positions[str(worker)] = dict(position)
 
+    def applied_already(self, worker: int, position: Mapping[str, Any] | None) -> bool:
+        """Whether ``worker``'s batch at ``position`` (the position after it) is at or before the one
+        recorded for it here: a restarted worker redoing a batch this shard took from its dead attempt.
+        Positions compare by ``(epoch, batch_index)`` when both are a BatchIterator's, with the same
+        settings (a different seed, batch size or data shard is another sequence: never a repeat)."""
+        seen = self.positions.get(str(worker))
+        if not isinstance(position, Mapping) or seen is None:
+            return False
+        order = ("epoch", "batch_index")
+        if not all(type(position.get(k)) is int and type(seen.get(k)) is int for k in order):
+            return False
+        if {k: v for k, v in position.items() if k not in order} != {k: v for k, v in seen.items() if k not in order}:
+            return False
+        return (position["epoch"], position["batch_index"]) <= (seen["epoch"], seen["batch_index"])
+
     def pending(self, worker: int, position: Mapping[str, Any] | None) -> None:
         """Sync: ``worker``'s gradient waits for its step; its position moves on when it is applied."""
         if isinstance(position, Mapping):

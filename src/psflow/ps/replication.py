@@ -170,8 +170,11 @@ def not_serving(ps: int, shard: int, role: Role, num_ps: int) -> NotServingError
 def event_to_dict(ev: Event) -> dict[str, Any]:
     if ev.on is On.CONFIGURE:
         raise ValueError("A CONFIGURE event is not shipped: the backup configures from the forwarded PS_INIT.")
-    return {"seq": ev.seq, "on": ev.on.value, "worker": ev.worker, "value": ev.value, "seconds": ev.seconds,
-            "attempt": ev.attempt, "push_seq": ev.push_seq}
+    d = {"seq": ev.seq, "on": ev.on.value, "worker": ev.worker, "value": ev.value, "seconds": ev.seconds,
+         "attempt": ev.attempt, "push_seq": ev.push_seq}
+    if ev.redone:
+        d["redone"] = True
+    return d
 
 
 def event_from_dict(d: Mapping[str, Any]) -> Event:
@@ -181,7 +184,7 @@ def event_from_dict(d: Mapping[str, Any]) -> Event:
             raise ValueError("CONFIGURE")
         return Event(int(d["seq"]), on, _opt_int(d.get("worker")), _opt_int(d.get("value")),
                      None if d.get("seconds") is None else float(d["seconds"]), None, int(d.get("attempt", 0)),
-                     _opt_int(d.get("push_seq")))
+                     _opt_int(d.get("push_seq")), d.get("redone") is True)
     except (KeyError, TypeError, ValueError) as e:
         raise PsflowError(f"A replicated event is malformed ({e!r}); received {dict(d)!r}. The primary and its "
                           "backup must run the same psflow version.") from None

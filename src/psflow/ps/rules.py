@@ -93,6 +93,10 @@ Duplicate pushes: a push with a ``push_seq`` that is not above the last one of t
 decided already (the client resent it after its connection dropped before the reply): DUPLICATE,
 with the first decision's ``outcome``, and nothing is applied. A lost sync worker's held gradient
 leaves with it, so its resent push is taken again (the number is forgotten with the gradient).
+A ``redone`` push (async, ssp) is a restarted worker's batch that this shard applied already
+from its dead attempt (the store compares the push's data position with the one it recorded: a
+worker killed between its shards' pushes redoes a batch shard 0 had not recorded): DUPLICATE
+with ``outcome`` APPLY, nothing applied, and its number is recorded like an applied push's.
 
 The lost-worker deadline: once every worker is done or lost and some are lost, the first ``tick``
 starts the wait (WAIT_LOST); a tick ``lost_worker_timeout_s`` later fails (FAIL); a tick that finds
@@ -182,6 +186,7 @@ class Event:
     settings: RuleSettings | None = None
     attempt: int = 0  # PUSH, CLOCK, DONE, JOIN: the sender's attempt (its restart count)
     push_seq: int | None = None  # PUSH: the sender's push number within its attempt (None: no dedup)
+    redone: bool = False  # PUSH (async, ssp): a batch this shard applied already (see "Duplicate pushes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,10 +259,13 @@ class ShardRules:
         self.configured = True
         return self._decided(ev, self._release_held(ev))
 
-    def push(self, worker: int, step: int, attempt: int = 0, push_seq: int | None = None) -> list[Decision]:
+    def push(self, worker: int, step: int, attempt: int = 0, push_seq: int | None = None,
+             redone: bool = False) -> list[Decision]:
         """A gradient computed from version ``step`` by ``worker``'s attempt ``attempt``; ``push_seq``
-        numbers the attempt's pushes (a resent push keeps its number and is a DUPLICATE)."""
-        ev = self._event(On.PUSH, worker, step, attempt=attempt, push_seq=push_seq)
+        numbers the attempt's pushes (a resent push keeps its number and is a DUPLICATE); ``redone``:
+        its batch was applied here already (async, ssp: a DUPLICATE of an APPLY)."""
+        redone = redone and self.settings.mode != "sync"
+        ev = self._event(On.PUSH, worker, step, attempt=attempt, push_seq=push_seq, redone=redone)
         refused = self._retired(ev, worker, "push") or self._superseded(ev, worker, attempt, "push")
         if refused is not None:
             return self._decided(ev, [refused])
@@ -268,6 +276,11 @@ class ShardRules:
         last = self.last_push.get(worker)
         if push_seq is not None and last is not None and (attempt, push_seq) <= last[:2]:
             out.append(self._decide(ev, Act.DUPLICATE, workers=(worker,), outcome=last[2]))
+            return self._decided(ev, out)
+        if redone:
+            out.append(self._decide(ev, Act.DUPLICATE, workers=(worker,), outcome=Act.APPLY))
+            if push_seq is not None:
+                self.last_push[worker] = (attempt, push_seq, Act.APPLY)
             return self._decided(ev, out)
         decided = len(out)
         self._push_rules(ev, worker, step, out)
@@ -451,7 +464,7 @@ class ShardRules:
         if on is On.CONFIGURE:
             return self.configure(event.settings or RuleSettings(), v or 0)
         if on is On.PUSH:
-            return self.push(_int(w), _int(v), event.attempt, event.push_seq)
+            return self.push(_int(w), _int(v), event.attempt, event.push_seq, event.redone)
         if on is On.CLOCK:
             return self.clock(_int(w), _int(v), event.attempt)
         if on is On.CLOCK_EXPIRED:
@@ -701,9 +714,10 @@ class ShardRules:
         return out + self._release_held(ev)
 
     def _event(self, on: On, worker: int | None = None, value: int | None = None, *, seconds: float | None = None,
-               settings: RuleSettings | None = None, attempt: int = 0, push_seq: int | None = None) -> Event:
+               settings: RuleSettings | None = None, attempt: int = 0, push_seq: int | None = None,
+               redone: bool = False) -> Event:
         self.seq += 1
-        return Event(self.seq, on, worker, value, seconds, settings, attempt, push_seq)
+        return Event(self.seq, on, worker, value, seconds, settings, attempt, push_seq, redone)
 
     def _decide(self, ev: Event, act: Act, **fields: Any) -> Decision:
         self.seq += 1

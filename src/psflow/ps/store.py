@@ -243,7 +243,8 @@ class ParameterStore:
         """The push's decisions, carried out (under the lock)."""
         self.stats.pushes += 1
         reply: dict[str, Any] = {"applied": True}
-        for d in self.rules.push(worker, version, attempt, push_seq):
+        redone = self.config.mode != "sync" and self.progress.applied_already(worker, position)
+        for d in self.rules.push(worker, version, attempt, push_seq, redone):
             if d.act is Act.SUPERSEDED and d.clock is None:
                 self.stats.superseded += 1
                 raise TrainingError(d.reason)

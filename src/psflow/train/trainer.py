@@ -19,8 +19,10 @@ Restarts: a trainer names its task's ``attempt`` (the launcher's PSFLOW_ATTEMPT;
 start) at readiness and on every push, clock and PS_DONE, and numbers its pushes (``seq``). A
 restarted worker so takes over from its dead attempt on every shard (which drops that attempt's
 late pushes), gets the data position of its last applied batch and (ssp) the clock it resumes at
-in the readiness reply. Shard 0 keeps the data positions and receives each step's push last: a
-batch whose position it recorded was sent to every other shard before. With a resolver (a launched
+in the readiness reply. Shard 0's data positions are the ones resumed from, and it receives each
+step's push last: a batch whose position it recorded was sent to every other shard before. Every
+shard records the positions too, so a batch redone after a kill between two shards' pushes is
+applied once on each (a shard that took it already answers it as a duplicate). With a resolver (a launched
 task), a shard connection that drops is made again: pulls and waits are repeated, and a push whose
 reply was lost is resent (the ps recognises it by its number and does not apply it twice); a failed
 step leaves the other connections in step instead of closing the client.
@@ -131,7 +133,7 @@ class Trainer(TrainerBase):
         self.stale_pushes = 0
         self._holds_averages = False  # pull(averages=True) put moving averages into the model
         self.step_plan = StepPlan()  # the chief sends it to the ps (Supervisor: max_steps, save_model_steps)
-        self.data_source: Any = None  # an iterator with state_dict(): its position rides on each push to shard 0
+        self.data_source: Any = None  # an iterator with state_dict(): its position rides on each push (see _send_shard)
         self.ready_info: dict[str, Any] = {}  # shard 0's readiness reply: step, settings, data positions
         self.stopped = False  # the ps refused the last step: the job reached the plan's stop step
         self._restored_positions: Mapping[str, Any] | None = None
@@ -361,8 +363,9 @@ class Trainer(TrainerBase):
 
     def _send_shard(self, shard: int, *, during_backward: bool = False) -> None:
         assert self._sent is not None
-        # Shard 0 keeps the workers' data positions; the iterator has already moved past this batch.
-        position = self.data_source.state_dict() if shard == 0 and self.data_source is not None else None
+        # Every shard records the worker's data position (the iterator has already moved past this
+        # batch): shard 0's is where a restarted worker resumes, the others' recognise a batch redone.
+        position = self.data_source.state_dict() if self.data_source is not None else None
         tl = timeline.ACTIVE
         start = tl.now() if tl is not None else 0.0
         self.client.send_push(shard, self.worker, self.versions[shard], self._grads(shard), wait_s=self.config.sync_timeout_s,
