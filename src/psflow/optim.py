@@ -145,7 +145,7 @@ class OptimizerSpec(abc.ABC):
 
         Example:
             >>> OptimizerSpec.from_dict({"name": "sgd", "lr": 0.1})
-            SGD(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False)
+            SGD(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, fused=True)
         """
         return _from_dict("optimizer", _OPTIMIZERS, d)
 
@@ -169,7 +169,14 @@ class OptimizerSpec(abc.ABC):
 
 @dataclass(frozen=True)
 class SGD(OptimizerSpec):
-    """Stochastic gradient descent, optionally with (Nesterov) momentum; ``torch.optim.SGD``."""
+    """Stochastic gradient descent, optionally with (Nesterov) momentum; ``torch.optim.SGD``.
+
+    ``fused`` (default True): the ps applies it with torch's fused kernel (one vectorized pass over
+    each tensor; on one CPU thread Adam's step on the MNIST CNN's 3.3M values takes 2.5 ms instead
+    of 19 ms, SGD with momentum 1.8 instead of 2.9, Adagrad 1.8 instead of 4.7). Its results differ
+    from the default implementation's in the last bits; ``fused=False`` gives
+    ``torch.optim.SGD(...)``'s default for-loop implementation exactly.
+    """
 
     name: ClassVar[str] = "sgd"
     lr: float = 0.01
@@ -177,6 +184,7 @@ class SGD(OptimizerSpec):
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    fused: bool = True
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -197,12 +205,20 @@ class SGD(OptimizerSpec):
             dampening=self.dampening,
             weight_decay=self.weight_decay,
             nesterov=self.nesterov,
+            fused=self.fused,
         )
 
 
 @dataclass(frozen=True)
 class Adagrad(OptimizerSpec):
-    """Adagrad; ``torch.optim.Adagrad``."""
+    """Adagrad; ``torch.optim.Adagrad``.
+
+    ``fused`` (default True): the ps applies it with torch's fused kernel (one vectorized pass over
+    each tensor; on one CPU thread Adam's step on the MNIST CNN's 3.3M values takes 2.5 ms instead
+    of 19 ms, SGD with momentum 1.8 instead of 2.9, Adagrad 1.8 instead of 4.7). Its results differ
+    from the default implementation's in the last bits; ``fused=False`` gives
+    ``torch.optim.Adagrad(...)``'s default for-loop implementation exactly.
+    """
 
     name: ClassVar[str] = "adagrad"
     lr: float = 0.01
@@ -210,6 +226,7 @@ class Adagrad(OptimizerSpec):
     weight_decay: float = 0.0
     initial_accumulator_value: float = 0.0
     eps: float = 1e-10
+    fused: bool = True
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -231,12 +248,20 @@ class Adagrad(OptimizerSpec):
             weight_decay=self.weight_decay,
             initial_accumulator_value=self.initial_accumulator_value,
             eps=self.eps,
+            fused=self.fused,
         )
 
 
 @dataclass(frozen=True)
 class Adam(OptimizerSpec):
-    """Adam (and AMSGrad); ``torch.optim.Adam``."""
+    """Adam (and AMSGrad); ``torch.optim.Adam``.
+
+    ``fused`` (default True): the ps applies it with torch's fused kernel (one vectorized pass over
+    each tensor; on one CPU thread Adam's step on the MNIST CNN's 3.3M values takes 2.5 ms instead
+    of 19 ms, SGD with momentum 1.8 instead of 2.9, Adagrad 1.8 instead of 4.7). Its results differ
+    from the default implementation's in the last bits; ``fused=False`` gives
+    ``torch.optim.Adam(...)``'s default for-loop implementation exactly.
+    """
 
     name: ClassVar[str] = "adam"
     lr: float = 0.001
@@ -244,6 +269,7 @@ class Adam(OptimizerSpec):
     eps: float = 1e-8
     weight_decay: float = 0.0
     amsgrad: bool = False
+    fused: bool = True
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -258,6 +284,7 @@ class Adam(OptimizerSpec):
             eps=self.eps,
             weight_decay=self.weight_decay,
             amsgrad=self.amsgrad,
+            fused=self.fused,
         )
 
 

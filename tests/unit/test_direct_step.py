@@ -45,6 +45,10 @@ SPECS = [
     RMSprop(lr=1e-2),
     RMSprop(lr=1e-2, momentum=0.9, weight_decay=0.01),
     RMSprop(lr=1e-2, centered=True, momentum=0.5),
+    # psflow builds SGD, Adam and Adagrad fused by default (above); torch's for-loop kernels too:
+    SGD(lr=0.05, momentum=0.9, fused=False),
+    Adam(lr=1e-2, amsgrad=True, fused=False),
+    Adagrad(lr=0.1, fused=False),
 ]
 
 
@@ -119,6 +123,16 @@ def test_direct_step_state_survives_a_checkpoint_round_trip(spec: OptimizerSpec)
 
 class _MySGD(torch.optim.SGD):
     pass
+
+
+def test_specs_build_fused_optimizers_unless_told_not_to():
+    for spec in (SGD(lr=0.1), Adam(), Adagrad()):
+        opt = spec.build(_params())
+        assert opt.param_groups[0]["fused"] is True, spec
+        assert type(spec).from_dict(spec.to_dict()) == spec
+    for spec in (SGD(lr=0.1, fused=False), Adam(fused=False), Adagrad(fused=False)):
+        assert not spec.build(_params()).param_groups[0]["fused"], spec
+    assert OptimizerSpec.from_dict({"name": "adam", "lr": 0.01}).fused is True  # a spec written before the field
 
 
 def test_direct_step_falls_back_to_step_for_a_hook_a_subclass_or_two_groups():

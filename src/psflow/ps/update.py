@@ -12,9 +12,11 @@ where checkpoints read it (:func:`psflow.optim.optimizer_state_tensors`).
 
 It falls back to ``step()`` (setting ``p.grad`` for it) whenever the direct call could differ:
 an optimizer class other than those four (subclasses included), more than one param group, a
-step hook registered (on the optimizer or globally), ``differentiable``/``capturable``/
-``fused``, parameters that require grad or are complex, and any call where a parameter's state
-is not complete yet (the first step creates it: SGD's momentum buffer, Adam's moments).
+step hook registered (on the optimizer or globally), ``differentiable``/``capturable``,
+parameters that require grad or are complex, and any call where a parameter's state is not
+complete yet (the first step creates it: SGD's momentum buffer, Adam's moments). A ``fused``
+optimizer (psflow's specs build SGD, Adam and Adagrad fused) takes the direct path too: the
+functional call with ``fused=True`` is the fused kernel ``step()`` runs.
 
 Called by :class:`psflow.ps.store.ParameterStore` (``_apply``), under the store's lock.
 """
@@ -80,7 +82,7 @@ def _eligible(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
     if type(opt) not in _DIRECT_TYPES or len(opt.param_groups) != 1 or not params:
         return False
     group = opt.param_groups[0]
-    if group.get("differentiable") or group.get("capturable") or group.get("fused"):
+    if group.get("differentiable") or group.get("capturable"):
         return False
     if isinstance(group["lr"], torch.Tensor):
         return False
