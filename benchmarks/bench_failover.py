@@ -15,10 +15,18 @@
    restarted attempt's first step (process start, rendezvous, readiness, its data position, one
    step). Goal: p99 <= 1 s.
 
+4. **Replication's cost on the CNN, with the CPU it takes** (``--parts cnncost``, not in the default
+   parts: ~5 minutes): ``examples/mnist_cnn.py`` (Adam, 3.27M values) for 300 global steps, 2 ps + 2
+   workers, ``--ps-replicas 1`` against ``2``, async and sync, interleaved rounds. Besides examples/sec,
+   each run's busy CPU time over the whole machine (``/proc/stat``: every core's non-idle time, from
+   the launch to the exit) and its idle share: on a machine with fewer cores than the job has busy
+   processes, a ratio of busy CPU that matches the ratio of throughputs says the replica's cost is
+   the CPU it takes (its receive and apply), not a wait.
+
 Every chaos run also reports its ledger: acknowledged updates lost (must be 0).
 
 Run: ``.venv/bin/python benchmarks/bench_failover.py [--quick] [--reps N] [--parts cost,ps,worker]
-[--chaos-s S]`` (``--parts``: which of the three to run, all by default; ``--chaos-s``: seconds of
+[--chaos-s S]`` (``--parts``: which of cost, ps, worker and cnncost to run, the first three by default; ``--chaos-s``: seconds of
 faults per chaos run, 90 by default, 30 with ``--quick``). The markdown report goes
 to stdout, progress to stderr. Nothing here asserts on a timing.
 """
@@ -72,6 +80,40 @@ def replication_cost(tmp: Path, reps: int, epochs: int) -> str:
                      "ratio of medians 2 / 1 (goal >= 0.95)", "per-round ratio, median (spread)"], rows)
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """The machine's (all, idle) CPU time in clock ticks since boot, summed over every core (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return sum(fields), fields[3] + fields[4]  # idle + iowait
+
+
+def cnn_run(tmp: Path, mode: str, replicas: int, steps: int) -> tuple[float, float, float]:
+    """One CNN run: (examples/sec, busy CPU core-seconds of the whole machine, idle share)."""
+    logdir = tmp / f"cnn-{mode}-{replicas}"
+    shutil.rmtree(logdir, ignore_errors=True)
+    (all0, idle0) = cpu_ticks()
+    run([PSFLOW, "run", "--ps", "2", "--workers", "2", "--ps-replicas", str(replicas), "--mode", mode, "--no-live",
+         "--logdir", str(logdir), "examples/mnist_cnn.py", "--", "--max_steps", str(steps), "--log_every", "1000",
+         "--test_examples", "1000"])
+    (all1, idle1) = cpu_ticks()
+    hz = os.sysconf("SC_CLK_TCK")
+    eps = float(json.loads((logdir / "summary.json").read_text())["examples_per_sec"])
+    return eps, ((all1 - all0) - (idle1 - idle0)) / hz, (idle1 - idle0) / max(1, all1 - all0)
+
+
+def cnn_cost(tmp: Path, reps: int, steps: int) -> str:
+    cases = {(mode, r): (lambda mode=mode, r=r: cnn_run(tmp, mode, r, steps)) for mode in ("async", "sync") for r in (1, 2)}
+    res = harness.interleaved({f"{m} {r}": fn for (m, r), fn in cases.items()}, reps, warmup=0)
+    rows = []
+    for mode in ("async", "sync"):
+        one, two = res[f"{mode} 1"], res[f"{mode} 2"]
+        eps1, eps2 = median([e for e, _, _ in one]), median([e for e, _, _ in two])
+        cpu1, cpu2 = median([c for _, c, _ in one]), median([c for _, c, _ in two])
+        rows.append([mode, f"{eps1:,.0f}", f"{eps2:,.0f}", f"**{eps2 / eps1:.2f}**", f"{cpu1:.1f}", f"{cpu2:.1f}",
+                     f"**{cpu1 / cpu2:.2f}**", f"{median([i for _, _, i in one]):.0%} / {median([i for _, _, i in two]):.0%}"])
+    return md_table(["mode", "examples/s, 1 copy", "examples/s, 2 copies", "throughput 2 / 1 (goal >= 0.95)",
+                     "busy CPU core-s, 1 copy", "busy CPU core-s, 2 copies", "busy CPU 1 / 2", "idle share 1 / 2"], rows)
+
+
 def chaos(tmp: Path, name: str, targets: str, every_s: float, duration_s: float, epochs: int) -> tuple[dict[str, Any], Path]:
     logdir = tmp / name
     shutil.rmtree(logdir, ignore_errors=True)
@@ -122,12 +164,13 @@ def percentiles(values: list[float]) -> list[str]:
 
 def main() -> None:
     p = harness.arg_parser(__doc__.splitlines()[0])
-    p.add_argument("--parts", default="cost,ps,worker", help="which parts to run, comma-separated: cost, ps, worker")
+    p.add_argument("--parts", default="cost,ps,worker",
+                   help="which parts to run, comma-separated: cost, ps, worker, cnncost (not in the default)")
     p.add_argument("--chaos-s", type=float, default=None, help="seconds of faults per chaos run (90; 30 with --quick)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
-    if not parts or parts - {"cost", "ps", "worker"}:
-        raise SystemExit(f"--parts takes cost, ps and worker, comma-separated; received {args.parts!r}.")
+    if not parts or parts - {"cost", "ps", "worker", "cnncost"}:
+        raise SystemExit(f"--parts takes cost, ps, worker and cnncost, comma-separated; received {args.parts!r}.")
     reps = harness.reps_of(args, full=3, quick=1)
     epochs = 2 if args.quick else 3
     chaos_s = args.chaos_s if args.chaos_s is not None else (30.0 if args.quick else 90.0)
@@ -139,6 +182,12 @@ def main() -> None:
             log(f"== replication cost: {reps} interleaved round(s), {epochs} epochs each")
             print(f"### Replication's cost (softmax, 2 ps + 2 workers, {epochs} epochs, {reps} interleaved rounds)\n")
             print(replication_cost(tmp, reps, epochs) + "\n")
+        if "cnncost" in parts:
+            steps = 100 if args.quick else 300
+            log(f"== replication cost on the CNN: {reps} interleaved round(s), {steps} steps each")
+            print(f"### Replication's cost on the CNN, with the CPU it takes (2 ps + 2 workers, Adam, {steps} global "
+                  f"steps, {reps} interleaved rounds; medians)\n")
+            print(cnn_cost(tmp, reps, steps) + "\n")
         rows, ledgers = [], []
         for name, targets, every, measure in (("ps failover (SIGKILL of a ps: primary of one shard, backup of the other)",
                                                "ps", 2.0, ps_recovery),

@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: dict[str, list[str]] = {
     "transport": [],
     "training": [],
+    "apply": ["--quick"],  # the ps's optimizer step, fused against for-loop kernels: seconds
     "checkpoint": ["--quick"],
     "cnn": ["--quick"],
     "placement": ["--quick"],

@@ -1,4 +1,4 @@
-"""The transport benchmark still runs against today's ps and wire (a smoke run, no timing asserted):
+"""The transport and apply benchmarks still run against today's ps and wire (a smoke run, no timing asserted):
 benchmarks construct servers and clients by hand, so an API change that leaves them behind fails here,
 not in the next `make bench`."""
 
@@ -16,3 +16,11 @@ def test_transport_benchmark_quick_run_completes_and_reports_every_size():
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     for size in ("1 MiB", "16 MiB", "64 MiB", "small round trip"):
         assert size in out.stdout, out.stdout[-3000:]
+
+
+def test_apply_benchmark_quick_run_times_every_optimizer_fused_and_not():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_apply.py"), "--quick", "--reps", "1"],
+                         capture_output=True, text=True, timeout=120, env=task_env(), cwd=ROOT)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and line.endswith("x |")]
+    assert [r.split("|")[1].strip() for r in rows] == ["SGD", "SGD momentum=0.9", "Adagrad", "Adam"], out.stdout
