@@ -221,6 +221,22 @@ def test_a_position_of_another_sequence_or_without_a_batch_index_is_never_a_repe
     assert store.version == 5 and store.stats.duplicates == 0
 
 
+def test_an_iterator_started_again_within_one_attempt_is_never_taken_for_a_redone_batch():
+    # A script that makes a new iterator per epoch (same settings): its positions go back within
+    # one attempt. Only a newer attempt's push is compared with the recorded position.
+    store = make_store("async")
+    store.push(0, 0, grads(0), position=pos(0, 1), attempt=0, push_seq=1)
+    store.push(0, 1, grads(1), position=pos(0, 2), attempt=0, push_seq=2)
+    store.push(0, 2, grads(2), position=pos(0, 1), attempt=0, push_seq=3)  # the next epoch's first batch
+    assert store.version == 3 and store.stats.duplicates == 0
+    assert store.progress.position_attempts == {"0": 0}
+    assert store.push(0, 3, grads(2), position=pos(0, 1), attempt=1, push_seq=1)["duplicate"]  # a restart's redo
+    store.push(0, 3, grads(3), position=pos(0, 2), attempt=1, push_seq=2)
+    assert store.progress.position_attempts == {"0": 1}
+    store.push(0, 4, grads(3), position=pos(0, 1), attempt=1, push_seq=3)  # its own iterator, started again
+    assert store.version == 5 and store.stats.duplicates == 1
+
+
 def test_sync_leaves_a_redone_batch_to_the_rejoin():
     store = make_store("sync", workers=2, timeout=5)
     store.push(0, 0, grads(0), position=pos(0, 1), attempt=0, push_seq=1)

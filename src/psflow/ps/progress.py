@@ -59,6 +59,7 @@ class Progress:
     def __init__(self) -> None:
         self.plan = StepPlan()
         self.positions: dict[str, dict[str, Any]] = {}
+        self.position_attempts: dict[str, int] = {}  # the attempt whose batch set each async position
         self._pending: dict[str, dict[str, Any]] = {}  # sync: positions of gradients not applied yet
         self._held: dict[int, tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]] = {}
 
@@ -66,21 +67,29 @@ class Progress:
         """At initialization: the plan, and the positions restored from a checkpoint."""
         self.plan = plan
         self.positions = {str(k): dict(v) for k, v in (positions or {}).items() if isinstance(v, Mapping)}
+        self.position_attempts = {}  # restored positions: set by no attempt this shard knows
         self._pending.clear()
         self._held.clear()
 
-    def consumed(self, worker: int, position: Mapping[str, Any] | None) -> None:
-        """``worker``'s batch is done with (applied, or dropped as stale): its position moves on."""
+    def consumed(self, worker: int, position: Mapping[str, Any] | None, attempt: int = 0) -> None:
+        """``worker``'s batch (of its attempt ``attempt``) is done with (applied, or dropped as
+        stale): its position moves on."""
         if isinstance(position, Mapping):
             self.positions[str(worker)] = dict(position)
+            self.position_attempts[str(worker)] = attempt
 
-    def applied_already(self, worker: int, position: Mapping[str, Any] | None) -> bool:
-        """Whether ``worker``'s batch at ``position`` (the position after it) is at or before the one
-        recorded for it here: a restarted worker redoing a batch this shard took from its dead attempt.
+    def applied_already(self, worker: int, position: Mapping[str, Any] | None, attempt: int = 0) -> bool:
+        """Whether ``worker``'s batch at ``position`` (the position after it), sent by its attempt
+        ``attempt``, is at or before the one an *earlier* attempt recorded here: a restarted worker
+        redoing a batch this shard took from its dead attempt. Within one attempt a position never
+        repeats a batch (a resent push is recognised by its number), so positions are not compared
+        there: a script that starts its iterator again (a new one per epoch) is never refused.
         Positions compare by ``(epoch, batch_index)`` when both are a BatchIterator's, with the same
         settings (a different seed, batch size or data shard is another sequence: never a repeat)."""
         seen = self.positions.get(str(worker))
         if not isinstance(position, Mapping) or seen is None:
+            return False
+        if attempt <= self.position_attempts.get(str(worker), -1):
             return False
         order = ("epoch", "batch_index")
         if not all(type(position.get(k)) is int and type(seen.get(k)) is int for k in order):
@@ -123,7 +132,7 @@ class Progress:
     def export(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Everything but the plan and the positions (which travel as a PS_INIT's), for a full
         state transfer: the pending positions, and the held snapshots (tensors ``held/<version>/<name>``)."""
-        meta = {"pending": {k: dict(v) for k, v in self._pending.items()},
+        meta = {"pending": {k: dict(v) for k, v in self._pending.items()}, "position_attempts": dict(self.position_attempts),
                 "held": {str(v): {k: dict(p) for k, p in pos.items()} for v, (_, pos) in self._held.items()}}
         tensors = {f"held/{v}/{k}": t for v, (ts, _) in self._held.items() for k, t in ts.items()}
         return meta, tensors
@@ -131,6 +140,7 @@ class Progress:
     def restore(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
         """Inverse of :meth:`export`, after :meth:`configure`."""
         self._pending = {str(k): dict(v) for k, v in (meta.get("pending") or {}).items()}
+        self.position_attempts = {str(k): int(v) for k, v in (meta.get("position_attempts") or {}).items()}
         held: dict[int, dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
             _, version, key = name.split("/", 2)

@@ -302,6 +302,7 @@ class Forwarder:
         self._cond = threading.Condition()
         self._stop = False
         self._sending = False  # a batch (or the init) is in flight: the next one waits for its answer
+        self._queued_since = 0.0  # when the oldest record now queued was queued (monotonic)
         self._init_acked = False
         self._thread = threading.Thread(target=self._run, name=f"psflow-replicate-{shard}", daemon=True)
 
@@ -323,7 +324,10 @@ class Forwarder:
         with self._cond:
             if self.degraded is not None or self.replaced:
                 return
+            was_empty = not self.outbox.queued
             self.outbox.add(events, last_seq, positions, updates)
+            if was_empty and self.outbox.queued:
+                self._queued_since = time.monotonic()  # the flush's clock starts with the oldest record queued
             self._cond.notify_all()
 
     def _done_for(self, seq: int) -> bool:
@@ -400,11 +404,15 @@ class Forwarder:
                 self._cond.wait_for(lambda: self._stop or (bool(self.outbox.queued) and not self._sending))
                 if self._stop:
                     return
-                # Give the records' waiters the first chance to ship them (they batch a step's records).
-                self._cond.wait(self._flush_s)
-                if self._stop:
-                    return
-                if self.outbox.queued and not self._sending and not self._ship_queued():
+                # Give the records' waiters the first chance to ship them (they batch a step's records):
+                # ship only what has stayed queued for flush_s. A notification (another record, a
+                # waiter's batch answered) is no reason to ship early; records a waiter shipped meanwhile
+                # are gone from the queue, and newer ones have their own flush_s.
+                left = self._queued_since + self._flush_s - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                if not self._sending and not self._ship_queued():
                     return
 
     def _ship(self, meta: dict[str, Any], tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:

@@ -243,7 +243,7 @@ class ParameterStore:
         """The push's decisions, carried out (under the lock)."""
         self.stats.pushes += 1
         reply: dict[str, Any] = {"applied": True}
-        redone = self.config.mode != "sync" and self.progress.applied_already(worker, position)
+        redone = self.config.mode != "sync" and self.progress.applied_already(worker, position, attempt)
         for d in self.rules.push(worker, version, attempt, push_seq, redone):
             if d.act is Act.SUPERSEDED and d.clock is None:
                 self.stats.superseded += 1
@@ -260,7 +260,7 @@ class ParameterStore:
             elif d.act is Act.STOPPED:
                 reply = {"applied": False, "stopped": True}
             elif d.act is Act.DROP_STALE:
-                self.progress.consumed(worker, position)  # a dropped batch is not trained again
+                self.progress.consumed(worker, position, attempt)  # a dropped batch is not trained again
                 self._act([d])
                 reply = {"applied": False, "stale": True}
             elif d.act is Act.FAIL:
@@ -275,7 +275,7 @@ class ParameterStore:
                     own[k].copy_(g)
                 self.progress.pending(worker, position)
             elif d.act is Act.APPLY and self.config.mode != "sync":
-                self.progress.consumed(worker, position)  # before _apply: a snapshot it takes includes it
+                self.progress.consumed(worker, position, attempt)  # before _apply: a snapshot it takes includes it
                 self._apply(grads, d)
             else:
                 self._act([d])
@@ -624,12 +624,12 @@ class ParameterStore:
                         self.stats.steps_without_all += 1
                     self.progress.step_applied()
                 else:
-                    self.progress.consumed(worker, position)
+                    self.progress.consumed(worker, position, ev.attempt)
                 self._apply(update, d)
             elif d.act is Act.HOLD and ev.on is On.PUSH:
                 self.progress.pending(worker, position)  # the gradient itself stays on the primary
             elif d.act is Act.DROP_STALE:
-                self.progress.consumed(worker, position)
+                self.progress.consumed(worker, position, ev.attempt)
                 self._act([d])
             elif d.act is Act.DUPLICATE:
                 self.stats.duplicates += 1
