@@ -110,8 +110,25 @@ class Server:
         self.on_peer_gone: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        # expect_routes(): the services' routes come after start(); a request for one waits for them.
+        self._routes_pending: threading.Event | None = None
+        self._routes_wait_s = 0.0
         self.register_constant(Op.PING, {"task": self.task})
         self.register(Op.CLOCK, lambda req: Reply({"now_us": timeline.clock_us()}))
+
+    def expect_routes(self, timeout_s: float) -> None:
+        """Before :meth:`start`: this server's services register their routes after it listens (a
+        launched ps learns the cluster, which its service needs, only once its address is
+        registered). Until :meth:`routes_ready`, a request for an op not registered yet waits for
+        them (at most ``timeout_s``) instead of being refused as unknown: a peer that is quick to
+        ask is not failed by a service still being made."""
+        self._routes_pending = threading.Event()
+        self._routes_wait_s = timeout_s
+
+    def routes_ready(self) -> None:
+        """Every service has registered its routes (see :meth:`expect_routes`)."""
+        if self._routes_pending is not None:
+            self._routes_pending.set()
 
     def register(self, op: int, handler: Handler, *, reuse_buffers: bool = False) -> None:
         """Route ``op`` to ``handler``. With ``reuse_buffers`` the received tensors are reused
@@ -277,6 +294,9 @@ class Server:
         except TransportError:
             return False
         route = self.routes.get(frame.op)
+        if route is None and self._routes_pending is not None and not self._routes_pending.is_set():
+            self._routes_pending.wait(self._routes_wait_s)  # its service is still being made (expect_routes)
+            route = self.routes.get(frame.op)
         if route is None:
             self._refuse(conn, f"Unknown op {frame.op}; this server ({self.task}) serves ops {sorted(self.routes)}.")
             # _refuse bounded its send with a timeout; the connection stays open, so an idle client

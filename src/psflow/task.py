@@ -524,6 +524,8 @@ def init(
         _check_secret(None, bind_host, key)
         _check_allreduce(cfg, [], bind_host, env)  # every task binds bind_host: the cluster's hosts will be those
         server = Server(str(task_id), host=bind_host, port=0, secret=key, **server_settings)
+        if task_id.job == "ps":
+            server.expect_routes(cfg.ready_timeout_s)  # the ps service is made once the cluster is known
         address = server.start()
         if cfg.strategy == "allreduce" and task_id in (TaskId("chief", 0), TaskId("worker", 0)):
             # Replica 0 is chief:0 if the run has one, else worker:0; only the cluster tells, so both bind.
@@ -543,6 +545,8 @@ def init(
             rendezvous = bind_rendezvous(bind_host, port, timeout_s=cfg.ready_timeout_s)
             port = 0
         server = Server(str(task_id), host=bind_host, port=port, secret=key, **server_settings)
+        if task_id.job == "ps":
+            server.expect_routes(cfg.ready_timeout_s)  # a worker may ask before the ps service is made
         server.start()
 
     task = Task(
@@ -551,6 +555,7 @@ def init(
         data_dir=tenv.data_dir, rendezvous=rendezvous, resume=tenv.resume, attempt=tenv.attempt, data_shards=tenv.data_shards,
         checkpoint_dir=tenv.checkpoint_dir,
     )
+    server.routes_ready()  # a ps: its service's routes are registered
     _install_error_report(task, tenv.error_file)
     atexit.register(task.finish)
     task.start_heartbeat(cfg.heartbeat_every_s)

@@ -329,6 +329,48 @@ def test_malformed_meta_after_the_handshake_is_refused_and_the_connection_closed
     assert_served(srv)
 
 
+# --- a service registered after start (a launched ps) ----------------------------------------------
+
+
+def test_a_request_that_arrives_before_its_service_registered_waits_for_it_not_refused() -> None:
+    """A launched ps listens (and registers its address) before its service exists; a worker that
+    asks at once must be answered once the service is there, not refused as an unknown op."""
+    srv = Server("ps:0", secret=SECRET, handshake_timeout_s=WAIT_S)
+    srv.expect_routes(WAIT_S)
+    srv.start()
+    conn = client(srv)
+    try:
+        replies: list[object] = []
+        asking = threading.Thread(target=lambda: replies.append(conn.request(ECHO, {"x": 1}, timeout_s=WAIT_S).meta))
+        asking.start()
+        asking.join(0.3)
+        assert asking.is_alive() and not replies  # waiting for the service, not refused
+        srv.register(ECHO, echo)
+        srv.routes_ready()
+        asking.join(WAIT_S)
+        assert replies == [{"peer": "worker:0", "meta": {"x": 1}}]
+        with pytest.raises(RemoteError, match="Unknown op 999"):  # once ready, an unknown op is refused at once
+            conn.request(999, timeout_s=0.5)
+    finally:
+        conn.close()
+        srv.stop()
+
+
+def test_a_service_that_never_registers_leaves_its_ops_refused_after_the_wait() -> None:
+    srv = Server("ps:0", secret=SECRET, handshake_timeout_s=WAIT_S)
+    srv.expect_routes(0.2)
+    srv.start()
+    conn = client(srv)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError, match="Unknown op 24"):
+            conn.request(Op.PS_STATUS, timeout_s=WAIT_S)
+        assert time.monotonic() - t0 >= 0.2
+    finally:
+        conn.close()
+        srv.stop()
+
+
 # --- errors that keep the connection ------------------------------------------------------------
 
 

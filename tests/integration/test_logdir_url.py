@@ -28,7 +28,13 @@ def objects(prefix: str) -> dict[str, bytes]:
     s3 = boto3.client("s3")
     keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="psflow-runs", Prefix=prefix)
             for o in page.get("Contents", [])]
-    return {k[len(prefix):]: s3.get_object(Bucket="psflow-runs", Key=k)["Body"].read() for k in keys}
+    out = {}
+    for k in keys:  # an object listed may be gone when read (the launcher's write probe, deleted at once)
+        try:
+            out[k[len(prefix):]] = s3.get_object(Bucket="psflow-runs", Key=k)["Body"].read()
+        except s3.exceptions.NoSuchKey:
+            continue
+    return out
 
 
 def psflow(args: list[str], env: dict[str, str], timeout_s: float = 240) -> subprocess.CompletedProcess:
