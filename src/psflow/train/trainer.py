@@ -128,6 +128,7 @@ class Trainer(TrainerBase):
         self.attempt = int(getattr(task, "attempt", 0) or 0)  # the launcher's restart count (PSFLOW_ATTEMPT)
         self.clock_base = 0  # ssp: the clock this attempt starts at (from readiness: a restarted worker resumes)
         self._push_seq = 0  # this attempt's steps sent: each push carries it, so a resent one is recognised
+        self._position: dict[str, Any] | None = None  # the data position after this step's batch (each push carries it)
         self._ledger = (PushLedger(task.logdir, str(task.task_id), self.worker, self.attempt)
                         if self.config.push_ledger and getattr(task, "logdir", None) else None)
         self.stale_pushes = 0
@@ -283,6 +284,7 @@ class Trainer(TrainerBase):
         self._sent = set()
         self._remaining = {s: set(names) for s, names in self._shard_params.items()}
         self._push_seq += 1
+        self._position = None  # read at this step's first push (a closure may draw its batch itself)
         if self._ledger is not None:
             self._ledger.step_sent()
         try:
@@ -363,13 +365,14 @@ class Trainer(TrainerBase):
 
     def _send_shard(self, shard: int, *, during_backward: bool = False) -> None:
         assert self._sent is not None
-        # Every shard records the worker's data position (the iterator has already moved past this
-        # batch): shard 0's is where a restarted worker resumes, the others' recognise a batch redone.
-        position = self.data_source.state_dict() if self.data_source is not None else None
+        if self._position is None and self.data_source is not None:
+            # Every shard records the worker's data position (the iterator has moved past this batch):
+            # shard 0's is where a restarted worker resumes, the others' recognise a batch redone.
+            self._position = self.data_source.state_dict()
         tl = timeline.ACTIVE
         start = tl.now() if tl is not None else 0.0
         self.client.send_push(shard, self.worker, self.versions[shard], self._grads(shard), wait_s=self.config.sync_timeout_s,
-                              position=position, attempt=self.attempt, seq=self._push_seq)
+                              position=self._position, attempt=self.attempt, seq=self._push_seq)
         if tl is not None:
             tl.add("push", f"push ps:{shard}", start, tl.now(), during_backward=during_backward)
         self._sent.add(shard)
