@@ -4,6 +4,7 @@ request in each role, the full state transfer of a shard (rules, store) and a re
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -116,6 +117,37 @@ def test_a_replaced_forwarder_releases_its_waiters_and_queues_nothing() -> None:
     fwd.add([], 4, {}, {})
     assert fwd.outbox.queued == []
     gate.set()
+
+
+def test_records_nobody_waits_for_leave_once_they_stayed_queued_flush_s_not_at_the_next_record() -> None:
+    """The forwarder's own thread ships what no request waits for only after flush_s: a record
+    queued meanwhile (a notification) does not cut that wait short; both leave as one batch."""
+    from psflow.ps.rules import Event, On
+
+    shipped: list[tuple[float, int]] = []
+    arrived = threading.Event()
+
+    def send(meta, tensors):  # noqa: ANN001, ANN202
+        if meta.get("kind") == "batch":
+            shipped.append((time.monotonic(), len(meta["events"])))
+            arrived.set()
+        return {}
+
+    flush_s = 0.6
+    fwd = Forwarder(0, 1, send, ({"kind": "init"}, []), failover_s=1.0, flush_s=flush_s)
+    fwd.start(1)
+    fwd.wait_acked(1, 5.0)  # the init is held: from here on only batches
+    queued = time.monotonic()
+    fwd.add([Event(2, On.LOST, 0)], 3, {}, {})
+    time.sleep(0.15)  # not a synchronisation: lets the thread start its flush wait, which the next record must not end
+    fwd.add([Event(4, On.LOST, 1)], 5, {}, {})  # a second record: wakes the thread, ships nothing yet
+    assert arrived.wait(5.0), "the queued records were never shipped"
+    fwd.wait_acked(5, 5.0)  # everything queued reached the backup
+    assert sum(n for _, n in shipped) == 2, shipped
+    fwd.close()
+    # The first batch left no sooner than flush_s after the first record (both in it, unless this
+    # thread stalled past flush_s before queueing the second).
+    assert shipped[0][0] - queued >= flush_s * 0.9, (shipped[0][0] - queued, flush_s)
 
 
 def test_the_failover_timeouts_are_settings() -> None:
