@@ -17,12 +17,22 @@ What it measures, side by side in one run (repetitions interleaved, medians, spr
 - small requests: round-trip time of psflow's PING op against a raw 64-byte echo and a pyzmq 64-byte
   echo.
 
-Run: ``.venv/bin/python benchmarks/bench_transport.py [--quick]``. The markdown report goes to stdout.
+Placement: where the two ends run decides a small round trip more than any code does. On this VM a
+wake-up across cores costs ~40 us each way, on one core a context switch ~3 us, and an unpinned
+run lands in either mode by chance (the raw echo's 8-84 us spreads of earlier reports were the two
+modes). So each placement is measured on its own, every process pinned (``os.sched_setaffinity``):
+``one-core`` (client and servers share one core: every microsecond of Python on either end shows)
+and ``two-cores`` (servers on one core, the client on another: how a ps and a worker run). Both by
+default where the machine has two cores; ``--placement free`` leaves the scheduler to choose.
+
+Run: ``.venv/bin/python benchmarks/bench_transport.py [--quick] [--placement one-core|two-cores|free]``.
+The markdown report goes to stdout.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import struct
 import sys
@@ -51,11 +61,41 @@ SECRET = b"bench-transport"
 TINY_LR = 1e-12  # OptimizerSpec refuses lr=0; with zero gradients the values stay bit-identical anyway
 
 
+# Placement name -> (the client's cores, the servers' cores), as indices into the cores this process may use.
+PLACEMENTS = {"one-core": ((0,), (0,)), "two-cores": ((0,), (1,)), "free": (None, None)}
+
+
+def pin(cpus: set[int] | None) -> None:
+    """Run this process (and the threads it starts) on ``cpus`` only; None leaves it as it is."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+
+
+def placements_of(arg: str | None) -> list[str]:
+    """The placements to measure: the one asked for, or one-core and two-cores (one-core alone on a
+    single core). Raises SystemExit if two-cores is asked of a machine with one core."""
+    cores = len(os.sched_getaffinity(0))
+    if arg is None:
+        return ["one-core", "two-cores"] if cores >= 2 else ["one-core"]
+    if arg == "two-cores" and cores < 2:
+        raise SystemExit(f"--placement two-cores needs two cores; this process may use {cores}.")
+    return [arg]
+
+
+def cores_of(placement: str, cores: set[int]) -> tuple[set[int] | None, set[int] | None]:
+    """The client's and the servers' core sets of ``placement`` among ``cores`` (the ones this process may use)."""
+    mine = sorted(cores)
+    client, servers = PLACEMENTS[placement]
+    return (None if client is None else {mine[i] for i in client},
+            None if servers is None else {mine[i] for i in servers})
+
+
 # --------------------------------------------------------------------------- the servers (child processes)
 
 
-def serve_ps(sizes_mib: tuple[int, ...], pipe: Any) -> None:
+def serve_ps(sizes_mib: tuple[int, ...], pipe: Any, cpus: set[int] | None = None) -> None:
     """A ps task process: one Server + PsService per size (a ps shard pulls all its values at once)."""
+    pin(cpus)
     torch.set_num_threads(1)
     services = []
     addresses = []
@@ -71,9 +111,10 @@ def serve_ps(sizes_mib: tuple[int, ...], pipe: Any) -> None:
         s.server.stop()
 
 
-def serve_echo(pipe: Any) -> None:
+def serve_echo(pipe: Any, cpus: set[int] | None = None) -> None:
     """A plain socket echo server: each connection first says its message size N, then every N bytes
     it sends are received into a preallocated buffer and sent back."""
+    pin(cpus)
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(16)
@@ -104,9 +145,10 @@ def _echo_conn(sock: socket.socket) -> None:
             sock.sendall(buf)
 
 
-def serve_zmq(pipe: Any) -> None:
+def serve_zmq(pipe: Any, cpus: set[int] | None = None) -> None:
     """A pyzmq echo server: a REP socket that sends every message it receives back, zero-copy
     (``copy=False`` both ways: the received frame itself is sent back)."""
+    pin(cpus)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.REP)
     sock.linger = 0
@@ -339,19 +381,44 @@ def bench_small(ps_address: str, echo_port: int, zmq_port: int, reps: int, iters
 
 def main() -> None:
     p = harness.arg_parser(__doc__.splitlines()[0])
+    p.add_argument("--placement", choices=sorted(PLACEMENTS), default=None,
+                   help="where the client and the servers run (default: one-core, then two-cores)")
     args = p.parse_args()
     reps = harness.reps_of(args, full=7, quick=3)
-    sizes = QUICK_SIZES_MIB if args.quick else SIZES_MIB
-    budget = (48 if args.quick else 160) * MIB  # bytes each way per repetition of a bulk case (at least 3 round trips)
-    small_iters = 500 if args.quick else 1500
+    placements = placements_of(args.placement)
+    print(f"## Transport: psflow ps vs raw socket echo vs pyzmq echo\n\n`{harness.command_line()}`  \n{harness.machine()}\n")
+    print(
+        f"{reps} interleaved repetitions per case; a repetition's figure is the median of its round trips (each timed "
+        "alone), the table gives the median over repetitions and the spread (min-max) of the repetitions. Loopback TCP; "
+        "the ps, the raw echo and the pyzmq echo each run in their own process. Bulk: GB/s each way and % of the raw "
+        "echo's throughput (raw time / case time); small: round-trip time and case time / raw time.\n"
+    )
+    mine = os.sched_getaffinity(0)
+    try:
+        for placement in placements:
+            client, servers = cores_of(placement, mine)
+            pin(client)
+            report_placement(placement, client, servers, args.quick, reps)
+    finally:
+        pin(mine)
+
+
+def report_placement(placement: str, client: set[int] | None, servers: set[int] | None, quick: bool, reps: int) -> None:
+    """Measure every case with the processes where ``placement`` puts them, and print its tables."""
+    sizes = QUICK_SIZES_MIB if quick else SIZES_MIB
+    budget = (48 if quick else 160) * MIB  # bytes each way per repetition of a bulk case (at least 3 round trips)
+    small_iters = 500 if quick else 1500
+    where = ("the scheduler's choice" if client is None
+             else f"client on core {sorted(client)}, servers on core {sorted(servers or ())}")
+    log(f"placement {placement}: {where}")
     ctx = mp.get_context("spawn")
     ps_here, ps_there = ctx.Pipe()
     echo_here, echo_there = ctx.Pipe()
     zmq_here, zmq_there = ctx.Pipe()
     procs = [
-        ctx.Process(target=serve_ps, args=(sizes, ps_there), daemon=True),
-        ctx.Process(target=serve_echo, args=(echo_there,), daemon=True),
-        ctx.Process(target=serve_zmq, args=(zmq_there,), daemon=True),
+        ctx.Process(target=serve_ps, args=(sizes, ps_there, servers), daemon=True),
+        ctx.Process(target=serve_echo, args=(echo_there, servers), daemon=True),
+        ctx.Process(target=serve_zmq, args=(zmq_there, servers), daemon=True),
     ]
     for proc in procs:
         proc.start()
@@ -359,7 +426,6 @@ def main() -> None:
         ps_addresses: list[str] = ps_here.recv()
         echo_port: int = echo_here.recv()
         zmq_port: int = zmq_here.recv()
-        header = harness.machine()
         summary, detail, ratios = bench_bulk(sizes, ps_addresses, echo_port, zmq_port, reps, budget)
         small_row, small_ratios = bench_small(ps_addresses[0], echo_port, zmq_port, reps, small_iters)
     finally:
@@ -372,13 +438,7 @@ def main() -> None:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    print(f"## Transport: psflow ps vs raw socket echo vs pyzmq echo\n\n`{harness.command_line()}`  \n{header}\n")
-    print(
-        f"{reps} interleaved repetitions per case; a repetition's figure is the median of its round trips (each timed "
-        "alone), the table gives the median over repetitions and the spread (min-max) of the repetitions. Loopback TCP; "
-        "the ps, the raw echo and the pyzmq echo each run in their own process. Bulk: GB/s each way and % of the raw "
-        "echo's throughput (raw time / case time); small: round-trip time and case time / raw time.\n"
-    )
+    print(f"### Placement {placement}: {where}\n")
     print(md_table(
         ["size", "raw echo", "psflow pull+push", "psflow push_pull", "pyzmq echo", "pull+push / raw",
          "push_pull / raw", "pyzmq / raw", "spread raw / pull+push / push_pull / pyzmq"],
@@ -395,8 +455,8 @@ def main() -> None:
         f"{s} MiB {100 * ratios['pull+push'][s]:.0f}% / {100 * ratios['push_pull'][s]:.0f}%" for s in sizes
     )
     print(
-        f"Targets: psflow pull+push and push_pull >= 90% of raw at every size: {'met' if bulk_met else 'not met'} "
-        f"(pull+push / push_pull: {each}); small RTT within 1.5x of raw: "
+        f"Targets ({placement}): psflow pull+push and push_pull >= 90% of raw at every size: "
+        f"{'met' if bulk_met else 'not met'} (pull+push / push_pull: {each}); small RTT within 1.5x of raw: "
         f"{'met' if small_ratios['psflow'] <= 1.5 else 'not met'} ({small_ratios['psflow']:.2f}x; pyzmq "
         f"{small_ratios['pyzmq']:.2f}x).\n"
     )

@@ -11,11 +11,24 @@ from conftest import ROOT, task_env
 
 
 def test_transport_benchmark_quick_run_completes_and_reports_every_size():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transport.py"), "--quick", "--reps", "1"],
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transport.py"), "--quick", "--reps", "1",
+                          "--placement", "one-core"],
                          capture_output=True, text=True, timeout=150, env=task_env(), cwd=ROOT)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "### Placement one-core: client on core [" in out.stdout, out.stdout[-3000:]
+    assert "Placement two-cores" not in out.stdout, out.stdout[-3000:]
     for size in ("1 MiB", "16 MiB", "64 MiB", "small round trip"):
         assert size in out.stdout, out.stdout[-3000:]
+
+
+def test_transport_benchmark_refuses_two_cores_on_one():
+    """Pinned to one core, the two-core placement cannot be measured: one clear error, nothing run."""
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, str(ROOT / "benchmarks" / "bench_transport.py"),
+                          "--quick", "--placement", "two-cores"],
+                         capture_output=True, text=True, timeout=60, env=task_env(), cwd=ROOT)
+    assert out.returncode != 0
+    assert "--placement two-cores needs two cores; this process may use 1." in out.stderr, out.stderr[-2000:]
+    assert "bulk" not in out.stderr, out.stderr[-2000:]
 
 
 def test_apply_benchmark_quick_run_times_every_optimizer_fused_and_not():
