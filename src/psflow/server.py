@@ -304,7 +304,12 @@ class Server:
             conn.set_timeout(None)
             return True
         if route.frame is not None and tl is None:  # a constant reply: its bytes as they are
-            return self._send_encoded(conn, route.frame)
+            try:
+                conn.set_timeout(None)
+                conn.send_encoded(route.frame)
+                return True
+            except (TransportError, OSError):
+                return False
         if frame.tensors and not route.reuse_buffers:
             cache.clear()  # the handler may keep what it received: never hand those buffers out again
         try:
@@ -320,15 +325,6 @@ class Server:
         sent = self._send(conn, Op.OK, reply.meta, reply.tensors)
         tl.add("send", f"send {_op_name(frame.op)}", start, tl.now(), peer=conn.peer)
         return sent
-
-    @staticmethod
-    def _send_encoded(conn: Connection, data: bytes) -> bool:
-        try:
-            conn.set_timeout(None)
-            conn.send_encoded(data)
-            return True
-        except (TransportError, OSError):
-            return False
 
     @staticmethod
     def _send(conn: Connection, op: int, meta: dict[str, Any], tensors: list[tuple[str, torch.Tensor]] = ()) -> bool:

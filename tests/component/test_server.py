@@ -475,28 +475,45 @@ def test_eight_clients_with_fifty_requests_each_all_get_their_own_answers(make_s
     assert done == [50] * 8
 
 
+class _Capture:
+    """A socket that keeps what is sent on it (a connection's framing, without a peer)."""
+
+    family = socket.AF_UNIX
+
+    def __init__(self, into: bytearray) -> None:
+        self.into = into
+
+    def sendall(self, data: bytes) -> None:
+        self.into.extend(data)
+
+    def sendmsg(self, bufs: list[memoryview]) -> int:
+        for b in bufs:
+            self.into.extend(b)
+        return sum(memoryview(b).nbytes for b in bufs)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    sizes=st.lists(st.sampled_from([0, 1, 7, 1000, 16_000, 40_000, 70_000]), min_size=1, max_size=6),
+    sizes=st.lists(st.sampled_from([-1, 0, 1, 7, 1000, 16_000, 40_000, 70_000]), min_size=1, max_size=6),
     chunk=st.integers(1, 100_000),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_back_to_back_frames_cut_anywhere_arrive_whole_and_in_order(sizes: list[int], chunk: int, seed: int) -> None:
     """The receive buffer (small frames in one recv, large payloads straight into the tensor) must
     give every frame back whole, whatever the segmentation: frames sent back to back, delivered in
-    pieces of any size, straddling the buffer and its large-payload threshold."""
+    pieces of any size, straddling the buffer and its large-payload threshold. Size -1: a frame
+    listing an empty tensor (no payload: the short path for small frames must still make it)."""
     g = torch.Generator().manual_seed(seed)
-    frames = [(Op.PING, {"i": i, "pad": "x" * (i * 37)}, [("v", torch.randn(n // 4, generator=g))] if n else [])
+    frames = [(Op.PING, {"i": i, "pad": "x" * (i * 37)},
+               [("v", torch.randn(max(n, 0) // 4, generator=g))] if n else [])
               for i, n in enumerate(sizes)]
     a, b = socket.socketpair()
     with a, b:
         b.settimeout(WAIT_S)
         wire = bytearray()
-        encoder = Connection(socket.socket(), peer="encoder")  # only its framing is used, via a capturing _sendall
-        encoder._sendall = lambda bufs: wire.extend(b"".join(bytes(x) for x in bufs))  # type: ignore[method-assign]
+        encoder = Connection(_Capture(wire), peer="encoder")  # type: ignore[arg-type]  # only its framing is used
         for op, meta, tensors in frames:
             encoder.send(op, meta, tensors)
-        encoder.sock.close()
 
         def feed() -> None:
             for i in range(0, len(wire), chunk):
@@ -513,6 +530,27 @@ def test_back_to_back_frames_cut_anywhere_arrive_whole_and_in_order(sizes: list[
                 assert torch.equal(got.tensors[name], t)
         sender.join(WAIT_S)
         assert not sender.is_alive()
+
+
+def test_a_small_frame_without_payload_past_the_meta_limit_is_refused_by_a_connection_with_a_lower_limit() -> None:
+    """The short path for small frames keeps the connection's own limit on the meta, not only its buffer's."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(WAIT_S)
+        meta = b'{"pad":"' + b"x" * 100 + b'"}'
+        a.sendall(HEADER.pack(b"PSF1", int(Op.PING), 0, len(meta), 0) + meta)
+        with pytest.raises(TransportError, match=f"meta of {len(meta)} bytes exceeds the limit of 64 bytes"):
+            Connection(b, peer="sender", limits=Limits(max_meta_bytes=64)).recv()
+
+
+def test_a_frame_without_payload_that_lists_a_nonempty_tensor_is_refused_as_a_size_mismatch() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(WAIT_S)
+        meta = b'{"t":[["v","float32",[3]]]}'
+        a.sendall(HEADER.pack(b"PSF1", int(Op.PING), 0, len(meta), 0) + meta)
+        with pytest.raises(TransportError, match="tensors of 12 bytes but a payload of 0 bytes"):
+            Connection(b, peer="sender").recv()
 
 
 def test_peer_gone_fires_once_per_task_after_its_last_connection_closes(make_server: MakeServer) -> None:

@@ -41,7 +41,9 @@ from typing import TYPE_CHECKING, Any
 from psflow import timeline
 from psflow.errors import AuthError, ClusterError, PeerGoneError, PsflowError, RemoteError, TransportError
 from psflow.wire.frame import (
+    HEADER,
     HEADER_SIZE,
+    MAGIC,
     FrameError,
     Limits,
     TensorSpec,
@@ -49,6 +51,7 @@ from psflow.wire.frame import (
     decode_handshake_meta,
     decode_header,
     decode_meta,
+    decode_small_meta,
     encode_head,
     tensor_specs,
 )
@@ -61,6 +64,10 @@ NamedTensors = Sequence[tuple[str, "torch.Tensor"]]
 Allocator = Callable[[TensorSpec], "torch.Tensor | None"]
 _IOV_MAX = 512
 _RECV_BUF = 64 * 1024
+_SMALL = _RECV_BUF // 2  # a frame without payload whose meta is at most this takes recv's short path
+_unpack_header = HEADER.unpack_from
+_ERROR = int(Op.ERROR)
+_NO_META: dict[str, Any] = {}  # never written to
 
 
 @dataclass
@@ -95,6 +102,7 @@ class Connection:
         self.sock = sock
         self.peer = peer
         self.limits = limits
+        self._small_meta = min(_SMALL, limits.max_meta_bytes)  # recv's short path takes metas up to this
         # Receive buffer: one recv usually brings a small frame whole (header, meta and a small
         # payload), so a request costs one syscall, not three. Large payloads bypass it.
         self._rbuf = memoryview(bytearray(_RECV_BUF))
@@ -118,7 +126,7 @@ class Connection:
     # -- sending ---------------------------------------------------------------------------
     def send(self, op: int, meta: dict[str, Any] | None = None, tensors: NamedTensors = ()) -> None:
         if not tensors:  # the common small request or reply: one buffer, one syscall
-            self._sendall([encode_head(int(op), meta or {}, 0)])
+            self.send_encoded(encode_head(int(op), meta or _NO_META, 0))
             return
         meta = {**(meta or {}), "t": tensor_specs(tensors)}
         bufs = [byte_view(t) for _, t in tensors]
@@ -127,16 +135,19 @@ class Connection:
         self._sendall([memoryview(head), *[b for b in bufs if b.nbytes]])
 
     def send_encoded(self, frame: bytes) -> None:
-        """Send a whole frame without tensors that :func:`~psflow.wire.frame.encode_head` made earlier."""
-        self._sendall([frame])
-
-    def _sendall(self, bufs: list[memoryview] | list[bytes]) -> None:
+        """Send a whole frame without tensors that :func:`~psflow.wire.frame.encode_head` made
+        (earlier, or just now): one buffer, and ``sendall``'s loop is C's."""
         try:
-            if len(bufs) == 1 and isinstance(bufs[0], bytes):  # a small frame: sendall's loop is C's
-                self.bytes_sent += len(bufs[0])
-                self.sock.sendall(bufs[0])
-                return
-            self.bytes_sent += sum(b.nbytes for b in bufs)  # type: ignore[union-attr]
+            self.sock.sendall(frame)
+        except TimeoutError as e:
+            raise TransportError(f"Timed out sending to {self.peer}.") from e
+        except OSError as e:
+            raise PeerLostError(f"Lost the connection to {self.peer} while sending: {e}.") from e
+        self.bytes_sent += len(frame)
+
+    def _sendall(self, bufs: list[memoryview]) -> None:
+        try:
+            self.bytes_sent += sum(b.nbytes for b in bufs)
             while bufs:
                 sent = self.sock.sendmsg(bufs[:_IOV_MAX])
                 while sent:
@@ -214,9 +225,34 @@ class Connection:
         """Receive one frame. ``alloc(spec)`` may return a destination tensor (same dtype and
         shape) to receive into; otherwise a fresh tensor is allocated."""
         try:
-            if self._rend - self._rpos < HEADER_SIZE:
-                self._fill(HEADER_SIZE)
-            pos = self._rpos
+            rbuf, pos, end = self._rbuf, self._rpos, self._rend
+            if end - pos < HEADER_SIZE:
+                if pos == end and self._deadline is None:  # empty: one read, at the front
+                    pos = self._rpos = 0
+                    end = self._rend = self.sock.recv_into(rbuf)
+                    if not end:
+                        raise PeerLostError(f"{self.peer} closed the connection.")
+                if end - pos < HEADER_SIZE:
+                    self._fill(HEADER_SIZE)
+                    pos, end = self._rpos, self._rend
+            # The short path: a small frame without tensors (every request and reply but the
+            # tensors' own), checked exactly as below, in as few Python steps as possible: after a
+            # context switch each step runs on cold caches, and a small round trip is mostly them.
+            magic, op, _flags, meta_len, payload_len = _unpack_header(rbuf, pos)
+            if not payload_len and magic == MAGIC and meta_len <= self._small_meta and self._timeline is None:
+                start = pos + HEADER_SIZE
+                stop = start + meta_len
+                if stop > end:
+                    self._rpos = start
+                    self._fill(meta_len)
+                    start = self._rpos
+                    stop = start + meta_len
+                meta, specs = decode_small_meta(rbuf[start:stop], self.limits)
+                self._rpos = stop
+                self.bytes_received += HEADER_SIZE + meta_len
+                if specs:  # empty tensors only (no payload)
+                    return Frame(op, meta, self._receive_tensors(specs, alloc))
+                return Frame(op, meta, {})
             op, _flags, meta_len, payload_len = decode_header(self._rbuf[pos:pos + HEADER_SIZE], self.limits)
             self._rpos = pos + HEADER_SIZE
             self.bytes_received += HEADER_SIZE + meta_len + payload_len
@@ -229,16 +265,7 @@ class Connection:
                 self._recv_exact(memoryview(buf))
                 meta_raw = bytes(buf)
             meta, specs = decode_meta(meta_raw, payload_len, self.limits)
-            tensors: dict[str, torch.Tensor] = {}
-            for spec in specs:
-                dest = alloc(spec) if alloc else None
-                if dest is None or dest.dtype != spec.dtype or tuple(dest.shape) != spec.shape or not dest.is_contiguous():
-                    import torch  # already loaded: the specs' dtypes are torch's
-
-                    dest = torch.empty(spec.shape, dtype=spec.dtype)
-                if spec.nbytes:
-                    self._recv_exact(byte_view(dest))
-                tensors[spec.name] = dest
+            tensors = self._receive_tensors(specs, alloc)
             meta.pop("t", None)
             return Frame(op, meta, tensors)
         except TimeoutError as e:
@@ -247,6 +274,20 @@ class Connection:
             if isinstance(e, TransportError):
                 raise
             raise PeerLostError(f"Lost the connection to {self.peer}: {e}.") from e
+
+    def _receive_tensors(self, specs: list[TensorSpec], alloc: Allocator | None) -> dict[str, torch.Tensor]:
+        """The payload's tensors, each read straight into ``alloc``'s destination or a fresh tensor."""
+        tensors: dict[str, torch.Tensor] = {}
+        for spec in specs:
+            dest = alloc(spec) if alloc else None
+            if dest is None or dest.dtype != spec.dtype or tuple(dest.shape) != spec.shape or not dest.is_contiguous():
+                import torch  # already loaded: the specs' dtypes are torch's
+
+                dest = torch.empty(spec.shape, dtype=spec.dtype)
+            if spec.nbytes:
+                self._recv_exact(byte_view(dest))
+            tensors[spec.name] = dest
+        return tensors
 
     # -- request/reply (client side) -------------------------------------------------------
     def request(
@@ -258,10 +299,11 @@ class Connection:
         alloc: Allocator | None = None,
         timeout_s: float | None = None,
     ) -> Frame:
-        self.set_timeout(timeout_s)
+        if timeout_s != self._timeout:
+            self.set_timeout(timeout_s)
         self.send(op, meta, tensors)
         reply = self.recv(alloc)
-        if reply.op == Op.ERROR:
+        if reply.op == _ERROR:
             raise RemoteError(f"{self.peer}: {reply.meta.get('error', 'unknown error')}")
         return reply
 

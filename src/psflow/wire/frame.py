@@ -180,6 +180,17 @@ def decode_meta(data: bytes, payload_len: int, limits: Limits) -> tuple[dict[str
     return meta, specs
 
 
+def decode_small_meta(data: bytes | memoryview, limits: Limits) -> tuple[dict[str, Any], list[TensorSpec]]:
+    """:func:`decode_meta` of a frame without payload (its tensors, if it lists any, are empty).
+    Raises FrameError. ``data`` may be a view of the receive buffer: it is parsed, not kept."""
+    meta = _json_object(data)
+    if "t" not in meta:
+        return meta, []
+    meta, specs = decode_meta(bytes(data), 0, limits)
+    meta.pop("t")
+    return meta, specs
+
+
 def decode_handshake_meta(data: bytes) -> dict[str, Any]:
     """Parse a handshake frame's meta: a JSON object that lists no tensors. Raises FrameError."""
     meta = _json_object(data)
@@ -188,7 +199,7 @@ def decode_handshake_meta(data: bytes) -> dict[str, Any]:
     return meta
 
 
-def _json_object(data: bytes) -> dict[str, Any]:
+def _json_object(data: bytes | memoryview) -> dict[str, Any]:
     # orjson: invalid UTF-8, NaN, deep nesting (past 1024 levels) and integers past 64 bits are all
     # JSONDecodeError, a ValueError; the standard library parses what orjson cannot (big integers).
     if data == b"{}" or not data:
@@ -202,13 +213,13 @@ def _json_object(data: bytes) -> dict[str, Any]:
     return meta
 
 
-def _stdlib_json(data: bytes) -> Any:
+def _stdlib_json(data: bytes | memoryview) -> Any:
     """What orjson refused, parsed by the standard library (integers past 64 bits), or a FrameError."""
     # ValueError covers JSONDecodeError and ints past Python's digit limit; RecursionError, deep nesting.
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FrameError(f"Frame meta is not valid UTF-8 JSON: {e}. Received {data[:64]!r}...") from e
+        raise FrameError(f"Frame meta is not valid UTF-8 JSON: {e}. Received {bytes(data[:64])!r}...") from e
 
 
 def _parse_specs(raw: Any, limits: Limits) -> list[TensorSpec]:
