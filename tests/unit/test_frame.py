@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from psflow.wire.frame import (
     decode_header,
     decode_meta,
     encode_head,
+    io_view,
     tensor_specs,
 )
 
@@ -245,6 +247,10 @@ def test_random_json_meta_only_ever_raises_frame_error(raw_meta: object, entries
 # --- byte_view and tensor_specs -----------------------------------------------------------------
 
 
+VIEWS = [pytest.param(byte_view, id="byte_view"), pytest.param(io_view, id="io_view")]
+
+
+@pytest.mark.parametrize("view_of", VIEWS)
 @pytest.mark.parametrize(
     "tensor",
     [
@@ -253,33 +259,41 @@ def test_random_json_meta_only_ever_raises_frame_error(raw_meta: object, entries
         pytest.param(torch.zeros(2, 3, 4).permute(2, 0, 1), id="permuted"),
     ],
 )
-def test_byte_view_refuses_non_contiguous_tensors(tensor: torch.Tensor) -> None:
+def test_byte_view_refuses_non_contiguous_tensors(view_of: Callable[[torch.Tensor], memoryview], tensor: torch.Tensor) -> None:
     with pytest.raises(TransportError, match=r"not contiguous; call \.contiguous\(\)"):
-        byte_view(tensor)
-    assert byte_view(tensor.contiguous()).nbytes == tensor.numel() * tensor.element_size()
+        view_of(tensor)
+    assert view_of(tensor.contiguous()).nbytes == tensor.numel() * tensor.element_size()
 
 
-def test_byte_view_refuses_tensors_not_on_the_cpu() -> None:
+@pytest.mark.parametrize("view_of", VIEWS)
+def test_byte_view_refuses_tensors_not_on_the_cpu(view_of: Callable[[torch.Tensor], memoryview]) -> None:
     with pytest.raises(TransportError, match=r"Tensor on meta cannot be sent directly; move it to the CPU"):
-        byte_view(torch.empty(3, device="meta"))
+        view_of(torch.empty(3, device="meta"))
 
 
-def test_byte_view_is_a_zero_copy_view_of_the_tensor_storage() -> None:
+@pytest.mark.parametrize("view_of", VIEWS)
+def test_byte_view_is_a_zero_copy_view_of_the_tensor_storage(view_of: Callable[[torch.Tensor], memoryview]) -> None:
     t = torch.zeros(4, dtype=torch.int32)
-    view = byte_view(t)
+    view = view_of(t)
     view[4:8] = struct.pack("<i", 123456)
     assert t.tolist() == [0, 123456, 0, 0]
 
 
-def test_byte_view_accepts_a_parameter_that_requires_grad_and_an_offset_view() -> None:
+@pytest.mark.parametrize("view_of", VIEWS)
+def test_byte_view_accepts_a_parameter_that_requires_grad_and_an_offset_view(
+    view_of: Callable[[torch.Tensor], memoryview],
+) -> None:
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
-    assert bytes(byte_view(p)) == struct.pack("<2f", 1.0, -2.0)
+    assert bytes(view_of(p)) == struct.pack("<2f", 1.0, -2.0)
     base = torch.arange(6, dtype=torch.int16)
-    assert bytes(byte_view(base[2:4])) == struct.pack("<2h", 2, 3)
+    assert bytes(view_of(base[2:4])) == struct.pack("<2h", 2, 3)
+    assert bytes(view_of(torch.tensor([True, False, True]))) == b"\x01\x00\x01"
+    assert bytes(view_of(torch.tensor([1.5], dtype=torch.bfloat16))) == torch.tensor([1.5], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
 
 
-def test_byte_view_of_an_empty_tensor_is_empty() -> None:
-    assert byte_view(torch.empty(0, 5)).nbytes == 0
+@pytest.mark.parametrize("view_of", VIEWS)
+def test_byte_view_of_an_empty_tensor_is_empty(view_of: Callable[[torch.Tensor], memoryview]) -> None:
+    assert view_of(torch.empty(0, 5)).nbytes == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.uint16, torch.float8_e4m3fn])

@@ -47,12 +47,12 @@ from psflow.wire.frame import (
     FrameError,
     Limits,
     TensorSpec,
-    byte_view,
     decode_handshake_meta,
     decode_header,
     decode_meta,
     decode_small_meta,
     encode_head,
+    io_view,
     tensor_specs,
 )
 from psflow.wire.ops import Op
@@ -129,7 +129,7 @@ class Connection:
             self.send_encoded(encode_head(int(op), meta or _NO_META, 0))
             return
         meta = {**(meta or {}), "t": tensor_specs(tensors)}
-        bufs = [byte_view(t) for _, t in tensors]
+        bufs = [io_view(t) for _, t in tensors]  # ``tensors`` holds them until sent
         payload_len = sum(b.nbytes for b in bufs)
         head = encode_head(int(op), meta, payload_len)
         self._sendall([memoryview(head), *[b for b in bufs if b.nbytes]])
@@ -285,7 +285,7 @@ class Connection:
 
                 dest = torch.empty(spec.shape, dtype=spec.dtype)
             if spec.nbytes:
-                self._recv_exact(byte_view(dest))
+                self._recv_exact(io_view(dest))  # ``dest`` holds it
             tensors[spec.name] = dest
         return tensors
 

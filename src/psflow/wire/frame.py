@@ -16,6 +16,7 @@ peer cannot make a task allocate more than that.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
@@ -256,3 +257,17 @@ def byte_view(t: torch.Tensor) -> memoryview:
     import torch
 
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def io_view(t: torch.Tensor) -> memoryview:
+    """:func:`byte_view` for one send or receive: the same bytes and checks in two cheap calls, but
+    the view does not keep ``t`` alive, so the caller must hold ``t`` while the view is in use (a
+    connection's send and receive do). Why: a frame's tensors are viewed right after megabytes
+    went through the CPU's caches, where each of byte_view's torch calls costs ~5 us (20 us in
+    all, against 3 us warm); this is 4 us there."""
+    if not t.is_cpu or not t.is_contiguous():
+        return byte_view(t)  # raises the error that says what to do
+    n = t.nbytes
+    if not n:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
