@@ -11,6 +11,7 @@ Unknown fields are ignored (a newer client may send more). Pure: no I/O, no stat
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Mapping
@@ -93,11 +94,17 @@ def replica_name(cluster: ClusterSpec, replica: int) -> str:
     return "chief:0" if replica < chiefs else f"worker:{replica - chiefs}"
 
 
+@functools.lru_cache(maxsize=1024)
+def _task_of(peer: str) -> TaskId:
+    """``TaskId.parse(peer)``, once per peer: every request names its sender (TaskId is immutable)."""
+    return TaskId.parse(peer)
+
+
 def sender(cluster: ClusterSpec, peer: str, op_name: str, *, workers: int | None = None) -> TaskId:
     """The task that sent a request, checked against the cluster (``workers``: the worker tasks
     admitted, when a scale request grew the job past its cluster). Raises ConfigError."""
     try:
-        task = TaskId.parse(peer)
+        task = _task_of(peer)
         if workers is not None and task.job == "worker" and task.index < workers:
             return task
         cluster.check_task(task)
