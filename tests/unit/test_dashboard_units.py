@@ -168,6 +168,34 @@ def test_a_real_faulthandler_dump_is_parsed_and_tasks_group_by_their_main_stack(
     assert group_stacks({"worker:0": same, "worker:1": other})["odd_ones_out"] == []  # two apart: no odd one
 
 
+def test_a_frame_faulthandler_caught_in_flux_is_kept_with_line_zero_and_the_dump_goes_on():
+    from psflow.platform.stacks import parse_dump
+
+    threads = parse_dump(['Thread 0x00007f6b7bfff6c0 (most recent call first):\n',
+                          '  File "/src/psflow/cluster.py", line ??? in parse\n',
+                          '  File "/src/psflow/server.py", line 12 in _serve\n', '\n',
+                          'Thread 0x00007f6b7c000000 (most recent call first):\n',
+                          '  File "train.py", line 3 in <module>\n'])
+    assert [[(f["line"], f["function"]) for f in t["frames"]] for t in threads] == [
+        [(0, "parse"), (12, "_serve")], [(3, "<module>")]]
+
+
+def test_psflow_own_dump_format_reads_back_as_faulthandler_s_with_the_main_thread_last():
+    import sys
+    import threading
+
+    from psflow.heartbeat import format_stacks
+    from psflow.platform.stacks import main_stack, parse_dump
+
+    here = threading.get_ident()
+    frames = {here: sys._getframe(), 1: sys._getframe().f_back}
+    threads = parse_dump(format_stacks(frames, current=1, main=here).decode().splitlines(keepends=True))
+    assert [t["current"] for t in threads] == [True, False]
+    me = main_stack(threads)[0]
+    assert me["function"] == "test_psflow_own_dump_format_reads_back_as_faulthandler_s_with_the_main_thread_last"
+    assert me["file"] == __file__ and me["line"] > 0
+
+
 def test_the_placement_table_counts_each_piece_and_shard_bytes():
     from psflow.platform.placementview import placement_table
 

@@ -86,7 +86,7 @@ class Backend(ABC):
 
     def dump_stacks(self, task: str) -> StackDump | None:
         """Have ``task``'s running attempt write the stacks of all its threads into its log (SIGUSR1,
-        which every psflow task answers with faulthandler); return where they go (the log and the line
+        which every psflow task answers with a stack dump, psflow.heartbeat); return where they go (the log and the line
         they start at or after), or None when the task has no running attempt.
 
         Raises:

@@ -30,7 +30,7 @@ run maps onto Slurm, and why:
   (issue 11, item 5).
 - **Stacks** of a hung task (the watchdog's ``dump_stacks``): ``scancel --signal=USR1 JOB.STEP``, then
   ``--signal=CONT`` (a frozen task runs its handler only once resumed, as locally); the task's
-  faulthandler writes them to its output, which the srun client relays into its log.
+  its stack dumper (psflow.heartbeat) writes them to its output, which the srun client relays into its log.
 - **Signals** (:meth:`SlurmBackend.send_signal`, ``psflow chaos``'s SIGKILL, SIGSTOP and SIGCONT):
   ``scancel --signal=NAME JOB.STEP`` (:func:`signal_argv`): slurmstepd delivers it to every process
   of the attempt's step on its node, children included. The step is looked up by its name

@@ -8,7 +8,7 @@ session's stdin and stdout. The protocol, one line each:
   in its environment (``/proc/PID/environ`` is readable by its owner only): never on a command line
   (``ps`` shows those to every user) nor in a file.
 - launcher -> agent, later: ``TERM``, ``KILL`` or ``USR1``: that signal to the task's process group
-  (``USR1`` to the task alone: its faulthandler dumps every thread's stack into its output).
+  (``USR1`` to the task alone: its stack dumper (psflow.heartbeat) writes every thread's stack into its output).
 - agent -> launcher: the task's output (stdout and stderr, as they come), then, once it exited,
   ``<RS>psflow-agent report {json}`` (its error report, if it wrote one) and ``<RS>psflow-agent exit N``
   (negative: killed by signal -N), RS being the ASCII record separator. ssh's own exit status cannot

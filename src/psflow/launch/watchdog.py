@@ -24,7 +24,7 @@ wrong default would kill healthy tasks. Heartbeats are sent in every run regardl
 request a second per task).
 
 What happens on a missed deadline is the run controller's (:mod:`psflow.launch.controller`): it asks
-for the task's stacks (``DumpStacks``: SIGUSR1, which the task's faulthandler answers by writing every
+for the task's stacks (``DumpStacks``: SIGUSR1, which the task answers (psflow.heartbeat) by writing every
 thread's stack into its log), waits ``dump_wait_s``, then kills it; the exit is recorded with the
 :class:`Hang` as its cause, and the restart policy restarts it or fails the run like any failure.
 

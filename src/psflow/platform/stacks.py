@@ -1,9 +1,9 @@
 """Stack dumps of every task, read back and grouped: "dump all tasks" on the dashboard. Pure.
 
 A ``dump`` control request makes the run's launcher send SIGUSR1 to each running task
-(:mod:`psflow.launch.control`); each task's faulthandler writes every thread's stack into its log, and
+(:mod:`psflow.launch.control`); each task writes every thread's stack into its log (psflow.heartbeat), and
 the launcher records where (a ``stacks_dumped`` event: the log and the line the dump starts at or
-after). Here: :func:`parse_dump` reads faulthandler's text from there (``Thread 0x... (most recent
+after). Here: :func:`parse_dump` reads that text, in faulthandler's format, from there (``Thread 0x... (most recent
 call first):`` then ``  File "...", line N in func`` lines; the main thread, the oldest, comes last),
 and :func:`group_stacks` puts tasks whose main threads stand at the same frames in one group, largest
 first, and names the **odd one out** of a job: where every other task of the job shares one stack
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):\s*$")
-_FRAME = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
+_FRAME = re.compile(r'^  File "(.*)", line (\d+|\?\?\?) in (.*)$')  # ???: a frame faulthandler caught in flux
 
 
 def parse_dump(lines: Sequence[str]) -> list[dict[str, Any]]:
@@ -39,7 +39,8 @@ def parse_dump(lines: Sequence[str]) -> list[dict[str, Any]]:
             continue
         frame = _FRAME.match(line)
         if frame and threads:
-            threads[-1]["frames"].append({"file": frame.group(1), "line": int(frame.group(2)), "function": frame.group(3)})
+            line_no = int(frame.group(2)) if frame.group(2).isdigit() else 0
+            threads[-1]["frames"].append({"file": frame.group(1), "line": line_no, "function": frame.group(3)})
         elif line.strip() in ("", "<no Python frame>") or line.startswith("  ..."):
             continue
         else:

@@ -1,0 +1,181 @@
+"""A task's stack dump on SIGUSR1 (psflow.heartbeat.install_stack_dumps), in a real child process.
+
+The dump must not harm a busy task: faulthandler's C handler, which psflow used before, walks the
+other threads' frames while they run, printed ``line ???`` for frames in flux and once crashed a
+training ps with SIGSEGV. And it must come while the main thread is stuck in C and never runs a
+Python signal handler: here the main thread blocks the signal and sleeps in libc.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from psflow.platform.stacks import parse_dump
+
+pytestmark = pytest.mark.timeout(90)
+
+BUSY = r"""
+import sys, threading, time
+from psflow.heartbeat import install_stack_dumps
+
+def spin():
+    def down(n):
+        return n if n < 1 else down(n - 1)
+    while True:
+        down(40)
+
+print(install_stack_dumps(), flush=True)
+for _ in range(3):
+    threading.Thread(target=spin, daemon=True).start()
+print("spinning", flush=True)
+while True:
+    time.sleep(0.001)
+"""
+
+STUCK_IN_C = r"""
+import ctypes, signal, sys
+from psflow.heartbeat import install_stack_dumps
+
+print(install_stack_dumps(), flush=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # the main thread never takes it
+print("blocked", flush=True)
+ctypes.CDLL(None).sleep(60)  # in C, without the GIL
+"""
+
+
+def start(code: str, tmp_path) -> tuple[subprocess.Popen, object]:  # noqa: ANN001
+    err = open(tmp_path / "stderr.log", "w+")  # noqa: SIM115 - closed by the test
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "True"
+    return proc, err
+
+
+def dumps_in(text: str) -> list[list[dict]]:
+    """Every dump in ``text``, each a list of threads. Dumps follow each other with nothing between,
+    so they are told apart by their last thread: the main thread, whose outermost frame is the module."""
+    dumps: list[list[dict]] = [[]]
+    for thread in parse_dump(text.splitlines()):
+        dumps[-1].append(thread)
+        if thread["frames"] and thread["frames"][-1]["function"] == "<module>":
+            dumps.append([])
+    return [d for d in dumps if d]
+
+
+def wait_for(pred, timeout_s: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.01)
+
+
+def test_a_busy_task_survives_many_dumps_and_each_dump_is_whole(tmp_path) -> None:  # noqa: ANN001
+    proc, err = start(BUSY, tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "spinning"
+        for _ in range(150):
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(0.004)
+        wait_for(lambda: (tmp_path / "stderr.log").read_text().count("most recent call first") >= 5, 20,
+                 "the first dump")
+        assert proc.poll() is None, "the task died of its stack dumps"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        err.close()
+    text = (tmp_path / "stderr.log").read_text()
+    assert "???" not in text, text[:3000]
+    for threads in dumps_in(text)[:-1]:  # the last may have been cut by the kill
+        assert all(t["frames"] for t in threads), threads
+        main = threads[-1]["frames"]
+        assert main[-1]["function"] == "<module>", main
+        spinners = [t for t in threads if any(f["function"] == "spin" for f in t["frames"])]
+        assert len(spinners) == 3, threads
+
+
+def test_the_dump_comes_while_the_main_thread_is_stuck_in_c(tmp_path) -> None:  # noqa: ANN001
+    proc, err = start(STUCK_IN_C, tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "blocked"
+        os.kill(proc.pid, signal.SIGUSR1)
+        wait_for(lambda: "most recent call first" in (tmp_path / "stderr.log").read_text()
+                 and (tmp_path / "stderr.log").read_text().rstrip().endswith("in <module>"), 20,
+                 "the stuck task's dump")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(10)
+        err.close()
+    (threads,) = dumps_in((tmp_path / "stderr.log").read_text())
+    assert [f["function"] for f in threads[-1]["frames"]] == ["<module>"]  # the main thread, in ctypes' sleep
+    assert threads[0]["current"] and any(f["function"] == "_dump_on_wakeup" for f in threads[0]["frames"])
+
+
+def test_a_forked_child_installs_its_own_dumper(tmp_path) -> None:  # noqa: ANN001
+    """A child forked after install (a fork server's task, a data loader's worker) inherits the
+    wakeup pipe but not the thread that reads it: installing again in the child must answer there."""
+    code = r"""
+import os, signal, sys, time
+from psflow.heartbeat import install_stack_dumps
+print(install_stack_dumps(), flush=True)
+pid = os.fork()
+if pid == 0:
+    install_stack_dumps()
+    print(f"child {os.getpid()}", flush=True)
+    time.sleep(60)
+    os._exit(0)
+time.sleep(60)
+"""
+    proc, err = start(code, tmp_path)
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline().split()[1])
+        os.kill(child, signal.SIGUSR1)
+        wait_for(lambda: "most recent call first" in (tmp_path / "stderr.log").read_text(), 20, "the child's dump")
+    finally:
+        proc.kill()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (OSError, UnboundLocalError):
+            pass
+        proc.wait(10)
+        err.close()
+    (threads,) = dumps_in((tmp_path / "stderr.log").read_text())
+    assert any(f["function"] == "_dump_on_wakeup" for t in threads for f in t["frames"])
+
+
+def test_the_main_thread_dumps_when_asyncio_took_the_wakeup_descriptor(tmp_path) -> None:  # noqa: ANN001
+    """A script's event loop that handles signals takes the process's one wakeup descriptor: the
+    dump then comes from the main thread's handler, as the loop runs."""
+    code = r"""
+import asyncio, signal
+from psflow.heartbeat import install_stack_dumps
+print(install_stack_dumps(), flush=True)
+
+async def main():
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: None)
+    print("looping", flush=True)
+    while True:
+        await asyncio.sleep(0.01)
+
+asyncio.run(main())
+"""
+    proc, err = start(code, tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "looping"
+        os.kill(proc.pid, signal.SIGUSR1)
+        wait_for(lambda: "most recent call first" in (tmp_path / "stderr.log").read_text(), 20, "the dump")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(10)
+        err.close()
+    (threads,) = dumps_in((tmp_path / "stderr.log").read_text())
+    assert threads[-1]["current"] and threads[-1]["frames"][0]["function"] == "_on_signal", threads[-1]
