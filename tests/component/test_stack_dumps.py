@@ -13,6 +13,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -49,12 +52,20 @@ ctypes.CDLL(None).sleep(60)  # in C, without the GIL
 """
 
 
-def start(code: str, tmp_path) -> tuple[subprocess.Popen, object]:  # noqa: ANN001
-    err = open(tmp_path / "stderr.log", "w+")  # noqa: SIM115 - closed by the test
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True)
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "True"
-    return proc, err
+@contextmanager
+def running(code: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """``code`` in a child process (its own session: a child it forks goes with it), its stderr in a
+    file; yields once the child has said that the dumps are installed; kills them all at the end."""
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "True"
+            yield proc, log
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def dumps_in(text: str) -> list[list[dict]]:
@@ -76,21 +87,15 @@ def wait_for(pred, timeout_s: float, what: str) -> None:  # noqa: ANN001
         time.sleep(0.01)
 
 
-def test_a_busy_task_survives_many_dumps_and_each_dump_is_whole(tmp_path) -> None:  # noqa: ANN001
-    proc, err = start(BUSY, tmp_path)
-    try:
+def test_a_busy_task_survives_many_dumps_and_each_dump_is_whole(tmp_path: Path) -> None:
+    with running(BUSY, tmp_path) as (proc, log):
         assert proc.stdout is not None and proc.stdout.readline().strip() == "spinning"
         for _ in range(150):
             os.kill(proc.pid, signal.SIGUSR1)
             time.sleep(0.004)
-        wait_for(lambda: (tmp_path / "stderr.log").read_text().count("most recent call first") >= 5, 20,
-                 "the first dump")
+        wait_for(lambda: log.read_text().count("most recent call first") >= 5, 20, "the first dump")
         assert proc.poll() is None, "the task died of its stack dumps"
-    finally:
-        proc.kill()
-        proc.wait(10)
-        err.close()
-    text = (tmp_path / "stderr.log").read_text()
+    text = log.read_text()
     assert "???" not in text, text[:3000]
     for threads in dumps_in(text)[:-1]:  # the last may have been cut by the kill
         assert all(t["frames"] for t in threads), threads
@@ -100,25 +105,18 @@ def test_a_busy_task_survives_many_dumps_and_each_dump_is_whole(tmp_path) -> Non
         assert len(spinners) == 3, threads
 
 
-def test_the_dump_comes_while_the_main_thread_is_stuck_in_c(tmp_path) -> None:  # noqa: ANN001
-    proc, err = start(STUCK_IN_C, tmp_path)
-    try:
+def test_the_dump_comes_while_the_main_thread_is_stuck_in_c(tmp_path: Path) -> None:
+    with running(STUCK_IN_C, tmp_path) as (proc, log):
         assert proc.stdout is not None and proc.stdout.readline().strip() == "blocked"
         os.kill(proc.pid, signal.SIGUSR1)
-        wait_for(lambda: "most recent call first" in (tmp_path / "stderr.log").read_text()
-                 and (tmp_path / "stderr.log").read_text().rstrip().endswith("in <module>"), 20,
-                 "the stuck task's dump")
+        wait_for(lambda: log.read_text().rstrip().endswith("in <module>"), 20, "the stuck task's dump")
         assert proc.poll() is None
-    finally:
-        proc.kill()
-        proc.wait(10)
-        err.close()
-    (threads,) = dumps_in((tmp_path / "stderr.log").read_text())
+    (threads,) = dumps_in(log.read_text())
     assert [f["function"] for f in threads[-1]["frames"]] == ["<module>"]  # the main thread, in ctypes' sleep
     assert threads[0]["current"] and any(f["function"] == "_dump_on_wakeup" for f in threads[0]["frames"])
 
 
-def test_a_forked_child_installs_its_own_dumper(tmp_path) -> None:  # noqa: ANN001
+def test_a_forked_child_installs_its_own_dumper(tmp_path: Path) -> None:
     """A child forked after install (a fork server's task, a data loader's worker) inherits the
     wakeup pipe but not the thread that reads it: installing again in the child must answer there."""
     code = r"""
@@ -133,25 +131,16 @@ if pid == 0:
     os._exit(0)
 time.sleep(60)
 """
-    proc, err = start(code, tmp_path)
-    try:
+    with running(code, tmp_path) as (proc, log):
         assert proc.stdout is not None
         child = int(proc.stdout.readline().split()[1])
         os.kill(child, signal.SIGUSR1)
-        wait_for(lambda: "most recent call first" in (tmp_path / "stderr.log").read_text(), 20, "the child's dump")
-    finally:
-        proc.kill()
-        try:
-            os.kill(child, signal.SIGKILL)
-        except (OSError, UnboundLocalError):
-            pass
-        proc.wait(10)
-        err.close()
-    (threads,) = dumps_in((tmp_path / "stderr.log").read_text())
+        wait_for(lambda: "most recent call first" in log.read_text(), 20, "the child's dump")
+    (threads,) = dumps_in(log.read_text())
     assert any(f["function"] == "_dump_on_wakeup" for t in threads for f in t["frames"])
 
 
-def test_the_main_thread_dumps_when_asyncio_took_the_wakeup_descriptor(tmp_path) -> None:  # noqa: ANN001
+def test_the_main_thread_dumps_when_asyncio_took_the_wakeup_descriptor(tmp_path: Path) -> None:
     """A script's event loop that handles signals takes the process's one wakeup descriptor: the
     dump then comes from the main thread's handler, as the loop runs."""
     code = r"""
@@ -167,15 +156,10 @@ async def main():
 
 asyncio.run(main())
 """
-    proc, err = start(code, tmp_path)
-    try:
+    with running(code, tmp_path) as (proc, log):
         assert proc.stdout is not None and proc.stdout.readline().strip() == "looping"
         os.kill(proc.pid, signal.SIGUSR1)
-        wait_for(lambda: "most recent call first" in (tmp_path / "stderr.log").read_text(), 20, "the dump")
+        wait_for(lambda: "most recent call first" in log.read_text(), 20, "the dump")
         assert proc.poll() is None
-    finally:
-        proc.kill()
-        proc.wait(10)
-        err.close()
-    (threads,) = dumps_in((tmp_path / "stderr.log").read_text())
+    (threads,) = dumps_in(log.read_text())
     assert threads[-1]["current"] and threads[-1]["frames"][0]["function"] == "_on_signal", threads[-1]
