@@ -24,6 +24,7 @@ that fails is retried at the next beat, never raised).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -37,7 +38,7 @@ STACKS_SIGNAL = signal.SIGUSR1
 
 
 _installed: dict[int, int] = {}  # signal -> the pid that answers it (a forked child must install again)
-_wakeup: dict[str, int] = {}  # the wakeup pipe this module made: "pid", "r", "w" (a forked child inherits them)
+_wakeup: dict[str, int] = {}  # the wakeup pipe this module made ("pid", "r", "w") and the dumps' "out" (a forked child inherits them)
 _dump_signals: set[int] = set()  # the signals the dumper thread answers with a dump
 
 
@@ -87,7 +88,7 @@ def _own_wakeup(out: int) -> bool:
         os.close(r)
         os.close(w)
         return False
-    _wakeup.update(pid=os.getpid(), r=r, w=w)
+    _wakeup.update(pid=os.getpid(), r=r, w=w, out=out)
     threading.Thread(target=_dump_on_wakeup, args=(r, out), name="psflow-stack-dumps", daemon=True).start()
     return True
 
@@ -99,13 +100,8 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     current = signal.set_wakeup_fd(-1)
     ours = current == _wakeup.get("w")
     signal.set_wakeup_fd(current, warn_on_full_buffer=not ours)
-    if ours:
-        return
-    try:
-        write_all(sys.stderr.fileno(), format_stacks(sys._current_frames(), threading.get_ident(),
-                                                     threading.main_thread().ident))
-    except (AttributeError, ValueError, OSError):
-        pass  # stderr is gone: nobody to tell
+    if not ours:
+        _dump_to(_wakeup["out"])
 
 
 def _dump_on_wakeup(r: int, out: int) -> None:
@@ -119,11 +115,13 @@ def _dump_on_wakeup(r: int, out: int) -> None:
         if not data:
             return
         if _dump_signals.intersection(data):
-            try:
-                write_all(out, format_stacks(sys._current_frames(), threading.get_ident(),
-                                             threading.main_thread().ident))
-            except OSError:
-                pass  # stderr is gone: nobody to tell
+            _dump_to(out)
+
+
+def _dump_to(out: int) -> None:
+    """Every thread's stack, now, into ``out``; a closed ``out`` (stderr gone) leaves nobody to tell."""
+    with contextlib.suppress(OSError):
+        write_all(out, format_stacks(sys._current_frames(), threading.get_ident(), threading.main_thread().ident))
 
 
 def format_stacks(frames: dict[int, FrameType], current: int, main: int | None) -> bytes:
