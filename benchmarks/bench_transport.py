@@ -14,6 +14,11 @@ What it measures, side by side in one run (repetitions interleaved, medians, spr
   received with ``copy=False`` (zero-copy frames: the bytes stay in libzmq's buffer, readable in
   place). All move N bytes each way, one direction after the other, so "GB/s each way" is
   N / (round-trip time) for all, and X/raw = raw time / X time.
+- the apply's share: a raw round trip whose server, between receiving and sending, applies the ps's
+  SGD step (psflow's ``DirectStep``, one thread) to N bytes of float32 values with the received
+  bytes as the gradient, and sends the values back: a push_pull with nothing but the socket around
+  the update. raw / (raw + step) is the most any ps that applies a push after receiving it can
+  reach; push_pull / (raw + step) is psflow's own cost around that.
 - small requests: round-trip time of psflow's PING op against a raw 64-byte echo and a pyzmq 64-byte
   echo.
 
@@ -51,7 +56,9 @@ from psflow.config import TrainConfig
 from psflow.optim import SGD
 from psflow.ps.client import PsClient
 from psflow.ps.service import PsService
+from psflow.ps.update import DirectStep
 from psflow.server import Server
+from psflow.wire.frame import io_view
 from psflow.wire.ops import Op
 
 SIZES_MIB = (1, 16, 64, 256)
@@ -115,6 +122,7 @@ def serve_echo(pipe: Any, cpus: set[int] | None = None) -> None:
     """A plain socket echo server: each connection first says its message size N, then every N bytes
     it sends are received into a preallocated buffer and sent back."""
     pin(cpus)
+    torch.set_num_threads(1)  # as the ps's
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(16)
@@ -134,15 +142,27 @@ def _echo_accept(lsock: socket.socket) -> None:
 
 
 def _echo_conn(sock: socket.socket) -> None:
+    """One echo connection. Its first 16 bytes: the message size N, and whether to step. With
+    ``step``, the N bytes are a float32 gradient: the connection's own N bytes of values take the
+    ps's SGD step with it (psflow's update kernel, the ps's one thread), and the values go back,
+    as a ps answers a push_pull, with only the socket around it."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with sock:
-        head = bytearray(8)
+        head = bytearray(16)
         if not _recv_exact(sock, memoryview(head)):
             return
-        (n,) = struct.unpack("<Q", head)
-        buf = memoryview(bytearray(n))
-        while _recv_exact(sock, buf):
-            sock.sendall(buf)
+        n, step = struct.unpack("<QQ", head)
+        if not step:
+            buf = memoryview(bytearray(n))
+            while _recv_exact(sock, buf):
+                sock.sendall(buf)
+            return
+        values, grad = torch.zeros(n // 4), torch.zeros(n // 4)
+        update = DirectStep(SGD(lr=TINY_LR).build([values]))
+        into, out = io_view(grad), io_view(values)
+        while _recv_exact(sock, into):
+            update([grad])
+            sock.sendall(out)
 
 
 def serve_zmq(pipe: Any, cpus: set[int] | None = None) -> None:
@@ -177,19 +197,30 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
 
 
 class RawEcho:
-    """Client of the echo server for one message size."""
+    """Client of the echo server for one message size (``step``: the server applies the ps's SGD
+    step to its values with the received bytes as the gradient, and sends the values back)."""
 
-    def __init__(self, port: int, nbytes: int) -> None:
+    def __init__(self, port: int, nbytes: int, *, step: bool = False) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.sendall(struct.pack("<Q", nbytes))
-        self.out = memoryview(bytearray(b"\x5a" * nbytes))
+        self.sock.sendall(struct.pack("<QQ", nbytes, int(step)))
+        self.out = memoryview(bytearray(nbytes))  # zeros: as a gradient, they leave the values as they are
         self.into = memoryview(bytearray(nbytes))
 
     def round_trip(self) -> None:
         self.sock.sendall(self.out)
         if not _recv_exact(self.sock, self.into):
             raise ConnectionError("the echo server closed the connection")
+
+    def check_step(self) -> None:
+        """The server really steps: a gradient of ones takes its (zero) values to -lr, which the
+        zero gradients of the timed round trips then leave as they are."""
+        ones = torch.ones(len(self.out) // 4)
+        self.out[:] = io_view(ones)  # ``ones`` holds the bytes io_view points at
+        self.round_trip()
+        self.out[:] = bytes(len(self.out))
+        if not torch.equal(torch.frombuffer(self.into, dtype=torch.float32), torch.full((len(self.into) // 4,), -TINY_LR)):
+            raise RuntimeError("the stepping echo sent back values that are not the ones its SGD step gives")
 
     def close(self) -> None:
         self.sock.close()
@@ -286,7 +317,8 @@ def gbs(nbytes: int, t: float) -> float:
 def bench_bulk(
     sizes_mib: tuple[int, ...], ps_addresses: list[str], echo_port: int, zmq_port: int, reps: int, budget_bytes: int
 ) -> tuple[list[list[str]], list[list[str]], dict[str, dict[int, float]]]:
-    """Raw echo vs psflow pull+push and push_pull vs pyzmq echo, per size, interleaved.
+    """Raw echo (alone and with the ps's step) vs psflow pull+push and push_pull vs pyzmq echo, per
+    size, interleaved.
 
     Returns the summary rows (one per size), the detail rows (pull and push alone) and, per case,
     size -> raw time / case time.
@@ -298,8 +330,10 @@ def bench_bulk(
         nbytes = size_mib * MIB
         iters = max(3, budget_bytes // nbytes)
         raw, ps, zq = RawEcho(echo_port, nbytes), PsRoundTrip(address, nbytes), ZmqEcho(zctx, zmq_port, nbytes)
+        raw_step = RawEcho(echo_port, nbytes, step=True)
         cases = {
             "raw": per_rep(raw.round_trip, iters),
+            "raw+step": per_rep(raw_step.round_trip, iters),
             "pull+push": per_rep(ps.round_trip, iters),
             "push_pull": per_rep(ps.push_pull, iters),
             "pyzmq": per_rep(zq.round_trip, iters),
@@ -307,6 +341,7 @@ def bench_bulk(
         log(f"bulk {size_mib} MiB: {reps} reps x {iters} round trips each of {', '.join(cases)}, interleaved")
         ps.check()
         zq.check()
+        raw_step.check_step()
         res = harness.interleaved(cases, reps)
         ps.check()
         zq.check()
@@ -322,7 +357,7 @@ def bench_bulk(
             f"**{100 * ratios['pull+push'][size_mib]:.0f}%**",
             f"**{100 * ratios['push_pull'][size_mib]:.0f}%**",
             f"**{100 * ratios['pyzmq'][size_mib]:.0f}%**",
-            " / ".join(harness.spread([gbs(nbytes, x) for x in res[name]], ".2f") for name in cases),
+            " / ".join(harness.spread([gbs(nbytes, x) for x in res[name]], ".2f") for name in cases if name != "raw+step"),
         ])
         detail.append([
             f"{size_mib} MiB",
@@ -331,12 +366,16 @@ def bench_bulk(
             f"{t['pull+push'] * 1e3:.2f}",
             f"{t['push_pull'] * 1e3:.2f}",
             f"{t['raw'] * 1e3:.2f}",
+            f"{t['raw+step'] * 1e3:.2f}",
+            f"{100 * t['raw'] / t['raw+step']:.0f}%",
+            f"**{100 * t['raw+step'] / t['push_pull']:.0f}%**",
             f"{t['pyzmq'] * 1e3:.2f}",
         ])
         raw.close()
+        raw_step.close()
         ps.close()
         zq.close()
-        del raw, ps, zq, cases, res  # free this size's buffers before the next (256 MiB: ~1.3 GB here)
+        del raw, raw_step, ps, zq, cases, res  # free this size's buffers before the next (256 MiB: ~1.3 GB here)
     zctx.term()
     return summary, detail, ratios
 
@@ -446,6 +485,7 @@ def report_placement(placement: str, client: set[int] | None, servers: set[int] 
     ) + "\n")
     print(md_table(
         ["size", "psflow pull alone GB/s", "psflow push alone GB/s", "pull+push ms", "push_pull ms", "raw echo ms",
+         "raw echo + the ps's SGD step ms", "raw echo / (raw echo + step)", "push_pull / (raw echo + step)",
          "pyzmq echo ms"],
         detail,
     ) + "\n")

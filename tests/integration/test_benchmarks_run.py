@@ -19,6 +19,7 @@ def test_transport_benchmark_quick_run_completes_and_reports_every_size():
     assert "Placement two-cores" not in out.stdout, out.stdout[-3000:]
     for size in ("1 MiB", "16 MiB", "64 MiB", "small round trip"):
         assert size in out.stdout, out.stdout[-3000:]
+    assert "| push_pull / (raw echo + step) |" in out.stdout, out.stdout[-3000:]
 
 
 def test_transport_benchmark_refuses_two_cores_on_one():
