@@ -13,12 +13,9 @@ few steps per round, the placement one's single async round; the failover one's 
 and ``benchmarks/bench_failover.py`` without it for the full figures. The compression benchmark runs
 only its 100 Mbit/s link part (``--quick --parts link``); ``benchmarks/bench_compress.py`` alone runs
 all of it. The hangs benchmark runs with ``--quick`` (2 runs per hang kind, 45 s of training
-under contention); ``benchmarks/bench_hangs.py`` alone runs 8 of each and 5 minutes.
-CNN, placement and multi-host benchmarks always run with ``--quick`` (the checkpoint one's small model, the CNN's
-few steps per round, the placement one's single async round, the multi-host one's single round of
-1-2 workers) so that ``make bench`` stays within about a quarter of an hour; run
-``benchmarks/bench_cnn.py``, ``benchmarks/bench_checkpoint.py``, ``benchmarks/bench_placement.py`` and
-``benchmarks/bench_multihost.py`` without it for the full figures.
+under contention); ``benchmarks/bench_hangs.py`` alone runs 8 of each and 5 minutes. The multi-host
+benchmark runs with ``--quick`` too (a single round of 1-2 workers); ``benchmarks/bench_multihost.py``
+alone runs all of it.
 
 Run: ``.venv/bin/python benchmarks/run_all.py [--quick] [--only transport,training]``.
 """
@@ -38,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 # name -> extra flags always passed; the order is the order of the report.
 BENCHMARKS: dict[str, list[str]] = {
     "transport": [],
+    "overlap": [],  # the most overlapping the ps's update with the transfer could win (raw sockets): ~1 min
     "training": [],
     "apply": ["--quick"],  # the ps's optimizer step, fused against for-loop kernels: seconds
     "checkpoint": ["--quick"],

@@ -32,6 +32,16 @@ def test_transport_benchmark_refuses_two_cores_on_one():
     assert "bulk" not in out.stderr, out.stderr[-2000:]
 
 
+def test_overlap_benchmark_quick_run_reports_every_mode_at_every_size():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_overlap.py"), "--quick", "--reps", "1"],
+                         capture_output=True, text=True, timeout=120, env=task_env(), cwd=ROOT)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "terminate called" not in out.stderr, out.stderr[-2000:]
+    assert "| raw ms | after ms | send-overlap ms | receive-overlap ms |" in out.stdout, out.stdout[-3000:]
+    rows = [line.split("|")[1].strip() for line in out.stdout.splitlines() if line.startswith("| ") and "MiB |" in line]
+    assert rows == ["1 MiB", "16 MiB", "64 MiB"], out.stdout[-3000:]
+
+
 def test_apply_benchmark_quick_run_times_every_optimizer_fused_and_not():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_apply.py"), "--quick", "--reps", "1"],
                          capture_output=True, text=True, timeout=120, env=task_env(), cwd=ROOT)
