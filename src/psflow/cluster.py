@@ -180,6 +180,8 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "job_tasks", _normalize(self.job_tasks))
+        # Made once: a ps consults it on every request (its sender's job and range). Never mutated.
+        object.__setattr__(self, "_jobs", dict(self.job_tasks))
         got = f"Received: {self.to_dict()}."
         for job, addrs in self.job_tasks:
             if not addrs:
@@ -216,7 +218,7 @@ class ClusterSpec:
     @property
     def jobs(self) -> Mapping[str, tuple[str, ...]]:
         """Job name -> task addresses, read-only, in :data:`JOBS` order."""
-        return MappingProxyType(dict(self.job_tasks))
+        return MappingProxyType(self._jobs)
 
     @classmethod
     def from_dict(
@@ -280,7 +282,7 @@ class ClusterSpec:
 
     def num_tasks(self, job: str) -> int:
         """Number of tasks of ``job``; 0 when the job is absent."""
-        return len(self.jobs.get(job, ()))
+        return len(self._jobs.get(job, ()))
 
     def check_task(self, task: TaskId) -> None:
         """Raises ConfigError unless ``task`` names a job of this spec and an index within it."""
