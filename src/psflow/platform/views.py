@@ -71,7 +71,8 @@ def find(ref: str, *, path: Path | None = None) -> RunRef:
         run = db.run(run_id) if db is not None and run_id else None
     if run is None:
         raise ConfigError(f"No run {ref!r}: it is not a log directory, and no run in the job store {db_path} has that "
-                          f"id. `psflow runs` lists the runs recorded there (PSFLOW_HOME chooses the store).")
+                          f"id, nor an id that starts or ends with it. `psflow runs` lists the runs recorded there "
+                          f"(PSFLOW_HOME chooses the store).")
     return RunRef(Path(run["logdir"]), run, db_path)
 
 
