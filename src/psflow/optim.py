@@ -452,7 +452,10 @@ class MovingAverage:
 
     Each update: ``shadow -= (1 - decay) * (shadow - value)``, where
     ``decay = min(decay, (1 + n) / (10 + n))`` if ``use_num_updates`` (``n`` is the
-    ``num_updates`` argument, or the count of earlier updates when it is ``None``).
+    ``num_updates`` argument, or the count of earlier updates when it is ``None``). It is computed
+    as one ``lerp_`` towards the value (the same formula in one pass, without temporaries: a ps
+    updates the averages after every step; its rounding may differ from the three-operation form
+    in the last bit).
 
     With ``zero_debias`` (TF's ``assign_moving_average(zero_debias=True)``) a biased accumulator
     starts at zero and the shadow is ``biased / (1 - decay ** local_step)``.
@@ -525,12 +528,12 @@ class MovingAverage:
             value = t.detach().to(device=shadow.device, dtype=shadow.dtype)
             if self.zero_debias:
                 biased = self._biased[name]
-                biased.sub_((biased - value) * (1.0 - decay))
+                biased.lerp_(value, 1.0 - decay)
                 self._local_step[name] += 1
                 bias_factor = 1.0 - decay ** self._local_step[name]
-                shadow.copy_(biased / bias_factor)
+                torch.div(biased, bias_factor, out=shadow)
             else:
-                shadow.sub_((shadow - value) * (1.0 - decay))
+                shadow.lerp_(value, 1.0 - decay)
         self.num_updates += 1
 
     def shadow(self) -> dict[str, torch.Tensor]:
