@@ -30,12 +30,10 @@ import os
 import socket
 import struct
 import sys
-import threading
-from typing import Any
 
 import harness
 import torch
-from bench_transport import TINY_LR, _recv_exact, cores_of, per_rep, pin
+from bench_transport import TINY_LR, _recv_exact, cores_of, per_rep, pin, serve_sockets
 from harness import MIB, log, md_table, median
 
 from psflow.optim import SGD
@@ -47,33 +45,9 @@ SIZES_MIB = (1, 16, 64, 256)
 QUICK_SIZES_MIB = (1, 16, 64)
 
 
-def serve(pipe: Any, cpus: set[int] | None) -> None:
-    """The server process: one thread per connection; a connection first says N, its mode and its piece size."""
-    pin(cpus)
-    torch.set_num_threads(1)  # as the ps's
-    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    lsock.bind(("127.0.0.1", 0))
-    lsock.listen(16)
-    pipe.send(lsock.getsockname()[1])
-    conns: list[threading.Thread] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                sock, _ = lsock.accept()
-            except OSError:
-                return
-            conns.append(threading.Thread(target=_serve_conn, args=(sock,), daemon=True))
-            conns[-1].start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    pipe.recv()  # the clients closed their connections before this: each thread ends at its EOF
-    lsock.close()
-    for t in conns:
-        t.join(timeout=10)  # an interpreter exiting under a thread inside torch aborts ("terminate called")
-
-
 def _serve_conn(sock: socket.socket) -> None:
+    """One connection of the server process (``bench_transport.serve_sockets``): it first says N,
+    its mode and its piece size, then each N bytes it sends are a gradient, answered per its mode."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with sock:
         head = bytearray(24)
@@ -188,7 +162,7 @@ def main() -> None:
           f"{sorted(server_cpus or ())}, client on core {sorted(client_cpus or ())}.\n")
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=serve, args=(there, server_cpus), daemon=True)
+    proc = ctx.Process(target=serve_sockets, args=(there, server_cpus, _serve_conn), daemon=True)
     proc.start()
     rows = []
     try:

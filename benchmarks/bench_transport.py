@@ -121,24 +121,35 @@ def serve_ps(sizes_mib: tuple[int, ...], pipe: Any, cpus: set[int] | None = None
 def serve_echo(pipe: Any, cpus: set[int] | None = None) -> None:
     """A plain socket echo server: each connection first says its message size N, then every N bytes
     it sends are received into a preallocated buffer and sent back."""
+    serve_sockets(pipe, cpus, _echo_conn)
+
+
+def serve_sockets(pipe: Any, cpus: set[int] | None, handle: Callable[[socket.socket], None]) -> None:
+    """A raw socket server process (pinned to ``cpus``, one torch thread as a ps has): it sends its
+    port through ``pipe``, serves each connection with ``handle`` in a thread of its own, and stops
+    when ``pipe`` says so (after the clients closed their connections: each thread ends at its EOF)."""
     pin(cpus)
-    torch.set_num_threads(1)  # as the ps's
+    torch.set_num_threads(1)
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(16)
     pipe.send(lsock.getsockname()[1])
-    threading.Thread(target=_echo_accept, args=(lsock,), daemon=True).start()
+    conns: list[threading.Thread] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                sock, _ = lsock.accept()
+            except OSError:
+                return
+            conns.append(threading.Thread(target=handle, args=(sock,), daemon=True))
+            conns[-1].start()
+
+    threading.Thread(target=accept, daemon=True).start()
     pipe.recv()
     lsock.close()
-
-
-def _echo_accept(lsock: socket.socket) -> None:
-    while True:
-        try:
-            sock, _ = lsock.accept()
-        except OSError:
-            return
-        threading.Thread(target=_echo_conn, args=(sock,), daemon=True).start()
+    for t in conns:
+        t.join(timeout=10)  # an interpreter exiting under a thread inside torch aborts ("terminate called")
 
 
 def _echo_conn(sock: socket.socket) -> None:
