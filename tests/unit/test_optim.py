@@ -268,6 +268,21 @@ def test_moving_average_without_num_updates_matches_hand_computation() -> None:
     assert ema.shadow()["w"].item() == pytest.approx(1.29, abs=1e-12)
 
 
+def test_moving_average_decay_zero_takes_the_value_and_decay_one_keeps_the_shadow_exactly() -> None:
+    """The ends of the formula are exact (one lerp): a value far from the shadow is not lost to
+    rounding, as ``shadow - (shadow - value) * 1`` loses it (1e8 - (1e8 - 1) is 0 in float32)."""
+    value = torch.tensor([1.0, -3.5, 7e-8], dtype=torch.float32)
+    fast = MovingAverage(0.0, use_num_updates=False)
+    fast.register({"w": torch.tensor([1e8, 2e7, -5e6], dtype=torch.float32)})
+    fast.update({"w": value})
+    assert torch.equal(fast.shadow()["w"], value)
+    still = MovingAverage(1.0, use_num_updates=False)
+    start = torch.tensor([1e8, 2e7, -5e6], dtype=torch.float32)
+    still.register({"w": start})
+    still.update({"w": value})
+    assert torch.equal(still.shadow()["w"], start)
+
+
 def test_moving_average_with_num_updates_caps_decay_early() -> None:
     ema = MovingAverage(0.99)
     ema.register({"w": torch.tensor([1.0], dtype=torch.float64)})
