@@ -408,15 +408,16 @@ class ShardRules:
             self.lost_wait_since = now
             return self._decided(ev, [self._decide(ev, Act.WAIT_LOST, workers=tuple(lost), reason=(
                 f"waiting for {names} to finish (connection closed without PS_DONE: {steps}); every other worker has "
-                f"sent PS_DONE (finished, or stopped on an error: see its log). Giving up in {timeout_s:g} s unless it reconnects (lost_worker_timeout_s)."))])
+                f"sent PS_DONE (finished, or stopped on an error: see its log). Giving up in {timeout_s:g} s unless it "
+                "reconnects (lost_worker_timeout_s)."))])
         if now - self.lost_wait_since < timeout_s:
             return []
         ev = self._event(On.TICK, seconds=now)
         return self._decided(ev, [self._decide(ev, Act.FAIL, workers=tuple(lost), reason=(
             f"ps:{self.shard} waited {timeout_s:g} s for {names} to come back (connection closed without PS_DONE: "
-            f"{steps}; killed or crashed?); every other worker has sent PS_DONE (finished, or stopped on an error). Restart the lost worker within "
-            "lost_worker_timeout_s (--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG by hand), or see its log "
-            "for why it died."))])
+            f"{steps}; killed or crashed?); every other worker has sent PS_DONE (finished, or stopped on an error). "
+            "Restart the lost worker within lost_worker_timeout_s (--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG "
+            "by hand), or see its log for why it died."))])
 
     def take_over(self) -> list[Decision]:
         """A backup serves the shard now (its primary died): the sync gradients held for the step
