@@ -13,7 +13,8 @@ wait has a deadline (``run_threads`` joins with a timeout and fails naming the t
 :class:`CuttingProxy` is a TCP path in front of one server that can drop a connection at an exact
 point of an exchange (a network blip), for the client's reconnect-and-resend tests.
 
-Used by tests/component/test_sync_modes.py, test_rejoin.py and test_chief_restart.py.
+Used by tests/component/test_sync_modes.py, test_rejoin.py and test_chief_restart.py; :func:`wait_until`, the
+component tests' one polling wait with a deadline, by test_ps_resync.py and the stack-dump tests too.
 """
 
 from __future__ import annotations
@@ -231,6 +232,15 @@ def run_threads(targets: Sequence[Callable[[], Any]], *, timeout_s: float) -> li
     """Run each target on its own thread; return their results in order (see :meth:`ThreadGroup.join`)."""
     group = ThreadGroup({f"target-{i}": fn for i, fn in enumerate(targets)}).start()
     return list(group.join(timeout_s=timeout_s).values())
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``pred`` until it holds; fail naming ``what`` past ``timeout_s`` (the component tests' one wait)."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.01)
 
 
 class CuttingProxy:

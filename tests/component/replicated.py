@@ -6,7 +6,6 @@ Used by test_ps_failover.py, test_ps_resync.py and test_replication.py, each of 
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -74,10 +73,3 @@ def train(t: Trainer, model: torch.nn.Module, worker: int, *, max_steps: int, se
     t.close()
     return t.local_step
 
-
-def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s")
-        time.sleep(0.02)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
+from inproc import wait_until
 
 from psflow.launch.local import LocalBackend
 from psflow.launch.plan import make_plan
@@ -23,14 +23,6 @@ print("ready", flush=True)
 while True:
     time.sleep(0.05)
 """
-
-
-def wait_for(pred, timeout_s: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s")
-        time.sleep(0.02)
 
 
 def state_of(pid: int) -> str:
@@ -47,12 +39,12 @@ def test_a_frozen_task_is_resumed_to_dump_its_stacks_into_its_log(tmp_path: Path
     try:
         pid = backend.start(task, 0, {})
         log = tmp_path / "run" / "logs" / f"{task.file_stem}.log"
-        wait_for(lambda: log.exists() and "ready" in log.read_text(), 30, "the task's first line")
+        wait_until(lambda: log.exists() and "ready" in log.read_text(), 30, "the task's first line")
         os.kill(pid, signal.SIGSTOP)
-        wait_for(lambda: state_of(pid) == "T", 10, "the task stopping")
+        wait_until(lambda: state_of(pid) == "T", 10, "the task stopping")
         where = backend.dump_stacks("worker:0")
         assert where is not None and where.log == str(log)
-        wait_for(lambda: "most recent call first" in log.read_text(), 10, "the frozen task's stacks in its log")
+        wait_until(lambda: "most recent call first" in log.read_text(), 10, "the frozen task's stacks in its log")
         dump = "".join(log.read_text().splitlines(keepends=True)[where.line - 1:])
         assert 'sleeper.py", line' in dump, dump
     finally:

@@ -21,8 +21,8 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from inproc import SECRET, InprocCluster, run_threads
-from replicated import Ledger, make_model, train, wait_until
+from inproc import SECRET, InprocCluster, run_threads, wait_until
+from replicated import Ledger, make_model, train
 
 from psflow import optim
 from psflow.cluster import TaskId

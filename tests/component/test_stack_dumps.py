@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from inproc import wait_until
 
 from psflow.platform.stacks import parse_dump
 
@@ -79,21 +80,13 @@ def dumps_in(text: str) -> list[list[dict]]:
     return [d for d in dumps if d]
 
 
-def wait_for(pred, timeout_s: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s")
-        time.sleep(0.01)
-
-
 def test_a_busy_task_survives_many_dumps_and_each_dump_is_whole(tmp_path: Path) -> None:
     with running(BUSY, tmp_path) as (proc, log):
         assert proc.stdout is not None and proc.stdout.readline().strip() == "spinning"
         for _ in range(150):
             os.kill(proc.pid, signal.SIGUSR1)
             time.sleep(0.004)
-        wait_for(lambda: log.read_text().count("most recent call first") >= 5, 20, "the first dump")
+        wait_until(lambda: log.read_text().count("most recent call first") >= 5, 20, "the first dump")
         assert proc.poll() is None, "the task died of its stack dumps"
     text = log.read_text()
     assert "???" not in text, text[:3000]
@@ -109,7 +102,7 @@ def test_the_dump_comes_while_the_main_thread_is_stuck_in_c(tmp_path: Path) -> N
     with running(STUCK_IN_C, tmp_path) as (proc, log):
         assert proc.stdout is not None and proc.stdout.readline().strip() == "blocked"
         os.kill(proc.pid, signal.SIGUSR1)
-        wait_for(lambda: log.read_text().rstrip().endswith("in <module>"), 20, "the stuck task's dump")
+        wait_until(lambda: log.read_text().rstrip().endswith("in <module>"), 20, "the stuck task's dump")
         assert proc.poll() is None
     (threads,) = dumps_in(log.read_text())
     assert [f["function"] for f in threads[-1]["frames"]] == ["<module>"]  # the main thread, in ctypes' sleep
@@ -135,7 +128,7 @@ time.sleep(60)
         assert proc.stdout is not None
         child = int(proc.stdout.readline().split()[1])
         os.kill(child, signal.SIGUSR1)
-        wait_for(lambda: "most recent call first" in log.read_text(), 20, "the child's dump")
+        wait_until(lambda: "most recent call first" in log.read_text(), 20, "the child's dump")
     (threads,) = dumps_in(log.read_text())
     assert any(f["function"] == "_dump_on_wakeup" for t in threads for f in t["frames"])
 
@@ -159,7 +152,7 @@ asyncio.run(main())
     with running(code, tmp_path) as (proc, log):
         assert proc.stdout is not None and proc.stdout.readline().strip() == "looping"
         os.kill(proc.pid, signal.SIGUSR1)
-        wait_for(lambda: "most recent call first" in log.read_text(), 20, "the dump")
+        wait_until(lambda: "most recent call first" in log.read_text(), 20, "the dump")
         assert proc.poll() is None
     (threads,) = dumps_in(log.read_text())
     assert threads[-1]["current"], threads[-1]  # the main thread wrote it, from its signal handler
