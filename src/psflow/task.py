@@ -54,6 +54,7 @@ from psflow.launch import errorreport
 from psflow.launch.contract import TaskEnv, clock_skew_us
 from psflow.rendezvous import bind_rendezvous, check_exposure
 from psflow.server import Server
+from psflow.threads import apply_threads, choose_threads, host_cores
 from psflow.wire.conn import connect
 from psflow.wire.ops import Op
 from psflow.wire.resolve import CoordinatorResolver
@@ -508,6 +509,7 @@ def init(
     if task_id is None:
         raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index "
                           "(or TF_CONFIG's task, or PSFLOW_TASK with PSFLOW_CLUSTER).")
+    _set_threads(env, tenv, spec, task_id, launched=bool(coordinator))
     if cfg.timeline:
         timeline.start(str(task_id), tenv.attempt, skew_us=clock_skew_us(tenv.clock_skew, task_id))  # before any connection
     if task_id.job == "ps":
@@ -561,6 +563,19 @@ def init(
     task.start_heartbeat(cfg.heartbeat_every_s)
     _current = task
     return task
+
+
+def _set_threads(env: dict[str, str], tenv: TaskEnv, spec: ClusterSpec | None, task_id: TaskId, *, launched: bool) -> None:
+    """This task's torch threads (:mod:`psflow.threads`): a task started by hand gets its share of
+    this host's cores unless the user chose, and says so in its first line (on stderr); a launched
+    task keeps the launcher's share (the run's header prints it)."""
+    choice = choose_threads(env, task_id, cluster=spec, num_threads=tenv.num_threads, launched=launched,
+                            cores=host_cores())
+    apply_threads(choice)
+    if launched:
+        log.debug(choice.describe(task_id))
+    else:
+        print(f"psflow: {choice.describe(task_id)}", file=sys.stderr, flush=True)
 
 
 def _quick_interpreter_exit() -> None:

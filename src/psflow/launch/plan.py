@@ -11,7 +11,6 @@ next) carries out the same plan, and a plan can be printed, compared and rendere
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import uuid
@@ -27,6 +26,7 @@ from psflow.launch import errorreport
 from psflow.launch.contract import TaskEnv
 from psflow.launch.restart import JOBS, RestartPolicy
 from psflow.launch.watchdog import HangPolicy
+from psflow.threads import host_cores, threads_per_task
 
 
 @dataclass(frozen=True)
@@ -65,24 +65,6 @@ class LaunchPlan:
         d = asdict(self)
         d["config"] = self.config.to_dict()
         return json.dumps(d, indent=1)
-
-
-def host_cores() -> int:
-    """The cores this process may run on (its CPU affinity, which a container or taskset narrows)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def threads_per_task(num_tasks: int, cores: int) -> int:
-    """Torch threads for each of ``num_tasks`` tasks sharing ``cores``: an even share, at least one.
-
-    Every task counts, ps included (it applies the updates with torch ops). Left at torch's default,
-    each task would start one thread per core: with three tasks on a host, three times as many busy
-    threads as cores, and OpenMP threads that spin while they wait for each other slow every task.
-    """
-    return max(1, cores // max(1, num_tasks))
 
 
 def make_plan(
