@@ -8,7 +8,8 @@ Tags written by psflow:
 
 - progress (every task that trains and has a logdir, with or without a Supervisor; from the
   trainer's progress reports, about once a second): ``progress/loss`` (the last step's),
-  ``progress/examples_per_sec`` (this task's examples over its training time),
+  ``progress/examples_per_sec`` (this task's examples over the wall-clock time from its first step
+  to its last), ``progress/step_examples_per_sec`` (over the time inside its steps),
   ``progress/global_step``;
 - training under a Supervisor: ``loss`` (averaged over the interval), ``examples_per_sec``,
   ``global_steps_per_sec``, ``learning_rate``; histograms ``parameters/<name>`` and

@@ -301,8 +301,8 @@ class Task:
             step: the x coordinate; default the global step of this task's trainer (0 without one).
 
         Without a logdir (started by hand with no ``PSFLOW_LOGDIR``) nothing is written; a warning
-        says so once. Trainers write ``progress/loss``, ``progress/examples_per_sec`` and
-        ``progress/global_step`` this way about once a second.
+        says so once. Trainers write ``progress/loss``, ``progress/examples_per_sec`` (wall-clock),
+        ``progress/step_examples_per_sec`` and ``progress/global_step`` this way about once a second.
 
         Example:
             >>> task.scalar("test_mse", 0.0123)                 # at the trainer's global step

@@ -32,7 +32,7 @@ def _run(home: Path, run_id: str, state: str | None, *, logdir: Path, step: int 
         store.task_started(t, 0, os.getpid())
         store.task_registered(t, "127.0.0.1:1")
     for w in ("worker:0", "worker:1"):
-        store.report(w, {"progress": {"global_step": step, "loss": 0.25, "examples": 4000, "train_time_s": 2.0,
+        store.report(w, {"progress": {"global_step": step, "loss": 0.25, "examples": 4000, "train_time_s": 1.0, "wall_time_s": 2.0,
                                       "examples_per_sec": 2000.0}})
     if state is None:
         store.close()

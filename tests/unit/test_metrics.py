@@ -36,24 +36,32 @@ def _replay(tmp_path, events: list[tuple[str, dict]]) -> tuple[dict, dict]:
     return status.snapshot(), reports
 
 
-def test_job_rate_is_every_tasks_examples_over_the_longest_training_time():
-    assert job_rate([{"examples": 3000, "train_time_s": 2.0}, {"examples": 2000, "train_time_s": 2.5}]) == 2000.0
-    assert job_rate([{"global_step": 5}, {"examples": 10, "train_time_s": 0.0}]) == 0.0  # nothing trained yet
+def test_job_rate_is_every_tasks_examples_over_the_longest_time():
+    assert job_rate([{"examples": 3000, "wall_time_s": 2.0}, {"examples": 2000, "wall_time_s": 2.5}]) == 2000.0
+    assert job_rate([{"global_step": 5}, {"examples": 10, "wall_time_s": 0.0}]) == 0.0  # nothing trained yet
     assert job_rate([]) == 0.0
+    # the headline takes the wall-clock time, the step rate the time inside the steps
+    figures = [{"examples": 3000, "train_time_s": 1.0, "wall_time_s": 2.0}, {"examples": 3000, "train_time_s": 1.5, "wall_time_s": 2.5}]
+    assert (job_rate(figures), job_rate(figures, "train_time_s")) == (2400.0, 4000.0)
 
 
 def test_status_headline_and_summary_give_the_same_rate_for_the_same_run(tmp_path):
     # Two workers at different speeds: summing their own rates (old headline) gave 1,500 + 800 = 2,300.
     events = [
-        ("worker:0", {"progress": {"global_step": 10, "examples": 1500, "train_time_s": 1.0, "examples_per_sec": 1500.0}}),
-        ("worker:1", {"progress": {"global_step": 12, "examples": 1600, "train_time_s": 2.0, "examples_per_sec": 800.0}}),
-        ("worker:0", {"trainer": {"global_step": 40, "examples": 3000, "train_time_s": 2.0, "examples_per_sec": 1500.0}}),
-        ("worker:1", {"trainer": {"global_step": 40, "examples": 3000, "train_time_s": 3.75, "examples_per_sec": 800.0}}),
+        ("worker:0", {"progress": {"global_step": 10, "examples": 1500, "train_time_s": 0.5, "wall_time_s": 1.0,
+                                   "examples_per_sec": 1500.0}}),
+        ("worker:1", {"progress": {"global_step": 12, "examples": 1600, "train_time_s": 1.0, "wall_time_s": 2.0,
+                                   "examples_per_sec": 800.0}}),
+        ("worker:0", {"trainer": {"global_step": 40, "examples": 3000, "train_time_s": 1.0, "wall_time_s": 2.0,
+                                  "examples_per_sec": 1500.0}}),
+        ("worker:1", {"trainer": {"global_step": 40, "examples": 3000, "train_time_s": 1.5, "wall_time_s": 3.75,
+                                  "examples_per_sec": 800.0}}),
         ("ps:0", {"global_step": 40, "ps_stats": {"pushes": 60}}),
     ]
     snapshot, reports = _replay(tmp_path, events)
     summary = _summary(tmp_path, reports)
-    assert summary["examples_per_sec"] == snapshot["examples_per_sec"] == 1600.0  # 6,000 examples / 3.75 s
+    assert summary["examples_per_sec"] == snapshot["examples_per_sec"] == 1600.0  # 6,000 examples / 3.75 s of wall clock
+    assert summary["step_examples_per_sec"] == snapshot["step_examples_per_sec"] == 4000.0  # / 1.5 s inside the steps
     assert summary["examples"] == 6000
     assert "examples/sec=1600.0" in final_line(summary)
 
@@ -61,8 +69,8 @@ def test_status_headline_and_summary_give_the_same_rate_for_the_same_run(tmp_pat
 def test_a_stopped_run_reports_the_rate_it_trained_at_from_the_last_progress(tmp_path):
     # Ctrl-C / SIGTERM: the workers died without their final report.
     events = [
-        ("worker:0", {"progress": {"global_step": 22000, "examples": 1_100_000, "train_time_s": 10.0}}),
-        ("worker:1", {"progress": {"global_step": 21990, "examples": 1_099_000, "train_time_s": 10.0}}),
+        ("worker:0", {"progress": {"global_step": 22000, "examples": 1_100_000, "train_time_s": 5.0, "wall_time_s": 10.0}}),
+        ("worker:1", {"progress": {"global_step": 21990, "examples": 1_099_000, "train_time_s": 5.0, "wall_time_s": 10.0}}),
     ]
     snapshot, reports = _replay(tmp_path, events)
     summary = _summary(tmp_path, reports, stopped_by="SIGTERM")

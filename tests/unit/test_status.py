@@ -68,16 +68,17 @@ def test_first_write_goes_out_on_a_freshly_booted_machine(tmp_path, monkeypatch)
     assert read_status(tmp_path)["tasks"]["ps:0"]["pid"] == 7
 
 
-def test_headline_is_the_jobs_examples_over_the_longest_training_time_and_the_largest_step():
+def test_headline_is_the_jobs_examples_over_the_longest_wall_time_and_the_largest_step():
     state = {"tasks": {
-        "worker:0": {"state": "running", "progress": {"global_step": 10, "examples": 300, "train_time_s": 3.0,
-                                                      "examples_per_sec": 100.0}},
-        "worker:1": {"state": "exited", "progress": {"global_step": 12, "examples": 300, "train_time_s": 6.0,
-                                                     "examples_per_sec": 50}},
+        "worker:0": {"state": "running", "progress": {"global_step": 10, "examples": 300, "train_time_s": 1.0,
+                                                      "wall_time_s": 3.0, "examples_per_sec": 100.0}},
+        "worker:1": {"state": "exited", "progress": {"global_step": 12, "examples": 300, "train_time_s": 2.0,
+                                                     "wall_time_s": 6.0, "examples_per_sec": 50}},
         "ps:0": {"state": "running", "progress": {"global_step": 12}},
     }}
-    # Not the sum of the tasks' own rates (150): 600 examples in the slowest worker's 6 s.
-    assert headline(state) == {"global_step": 12, "examples_per_sec": 100.0, "running": 2}
+    # Not the sum of the tasks' own rates (150): 600 examples in the slowest worker's 6 s of wall clock;
+    # inside the steps, 600 in its 2 s.
+    assert headline(state) == {"global_step": 12, "examples_per_sec": 100.0, "step_examples_per_sec": 300.0, "running": 2}
 
 
 def test_render_shows_every_task_and_does_not_read_names_as_markup(tmp_path):

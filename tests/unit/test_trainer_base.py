@@ -109,7 +109,23 @@ def test_steps_count_examples_from_the_batch_or_the_given_size_and_get_ready_onc
     stats = trainer.stats()
     assert (stats["global_step"], stats["local_step"], stats["examples"]) == (3, 3, 11)
     assert trainer.prepared == 1
-    assert set(stats) == {"global_step", "local_step", "examples", "train_time_s", "compute_s", "examples_per_sec"}
+    assert set(stats) == {"global_step", "local_step", "examples", "train_time_s", "wall_time_s", "compute_s",
+                          "examples_per_sec", "step_examples_per_sec"}
+
+
+def test_the_headline_rate_is_wall_clock_from_the_first_step_to_the_last_and_the_step_rate_keeps_its_own_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([10.0, 10.5, 13.0, 13.5])  # two steps of 0.5 s, 2 s of the script's own work between them
+    trainer = make()
+    trainer.prepare()  # before the clock: getting ready counts in neither time
+    monkeypatch.setattr("psflow.train.base.time.perf_counter", lambda: next(clock))
+    x, y = torch.zeros(50, 3), torch.zeros(50, 1)
+    trainer.step(mse, batch=(x, y))
+    trainer.step(mse, batch=(x, y))
+    monkeypatch.undo()
+    stats = trainer.stats()
+    assert (stats["train_time_s"], stats["wall_time_s"]) == (1.0, 3.5)
+    assert (stats["examples_per_sec"], stats["step_examples_per_sec"]) == (round(100 / 3.5, 1), 100.0)
 
 
 def test_progress_goes_to_the_launcher_at_most_every_progress_every_s() -> None:
@@ -121,7 +137,8 @@ def test_progress_goes_to_the_launcher_at_most_every_progress_every_s() -> None:
     assert len(task.reports) == 1  # the first step reports; the next are within the interval
     first = task.reports[0]
     assert (first["global_step"], first["local_step"], first["examples"]) == (1, 1, 2)
-    assert set(first) == {"global_step", "local_step", "examples", "train_time_s", "examples_per_sec", "loss"}
+    assert set(first) == {"global_step", "local_step", "examples", "train_time_s", "wall_time_s", "examples_per_sec",
+                          "step_examples_per_sec", "loss"}
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("nan"), "1"])

@@ -1,16 +1,20 @@
 """A run's figures from what its tasks reported: the training rate and the script's own metrics.
 
-**The rate.** One definition, used by the live status (``status.json``, ``psflow status``),
-``summary.json`` and the launcher's final line (see :func:`job_rate`)::
+**The rates.** One definition each, used by the live status (``status.json``, ``psflow status``),
+``summary.json``, the dashboard and the launcher's final line (see :func:`job_rate`)::
 
-    examples_per_sec = examples trained by all training tasks / the longest training time of any one
+    examples_per_sec      = examples trained by all training tasks / the longest wall_time_s of any one
+    step_examples_per_sec = examples trained by all training tasks / the longest train_time_s of any one
 
-A task's training time is the seconds it spent inside ``trainer.step`` (pull, forward, backward,
-push, and waits for other workers in sync and ssp modes); its setup and the script's own work
-between steps are not counted. The workers train side by side, so the job's examples over the
-slowest worker's time is what the job delivered. A task's figures are its final ``trainer`` report
-or, when it ended without one (Ctrl-C, SIGTERM, killed), its last live ``progress`` report (about
-once a second): a stopped run reports the rate it really trained at, not 0.
+``examples_per_sec``, the headline, is the wall-clock rate: a task's ``wall_time_s`` runs from the
+start of its first step to the end of its last, the script's own work between steps (reading data,
+evaluating, printing) included; its setup before the first step is not. ``step_examples_per_sec``
+counts only the seconds inside ``trainer.step`` (pull, forward, backward, push, and waits for other
+workers in sync and ssp modes): what the training itself could deliver, about 2x the headline for
+the MNIST softmax. The workers train side by side, so the job's examples over the slowest worker's
+time is what the job delivered. A task's figures are its final ``trainer`` report or, when it ended
+without one (Ctrl-C, SIGTERM, killed), its last live ``progress`` report (about once a second): a
+stopped run reports the rate it really trained at, not 0.
 
 **The script's metrics.** Every name a task passed to ``task.report(name=number)`` that is not one
 of psflow's own report names (:data:`PSFLOW_REPORTS`), kept as it was named: ``test_accuracy`` for
@@ -32,23 +36,25 @@ from typing import Any
 PSFLOW_REPORTS = frozenset({"trainer", "progress", "ps_stats", "global_step", "lost_workers", "supervisor", "eval"})
 
 
-def job_rate(figures: Iterable[Mapping[str, Any]]) -> float:
-    """The job's examples/sec: every training task's examples over the longest training time.
+def job_rate(figures: Iterable[Mapping[str, Any]], time_key: str = "wall_time_s") -> float:
+    """The job's examples/sec: every training task's examples over the longest of its times.
 
     Args:
-        figures: one mapping per training task with ``examples`` and ``train_time_s`` (a trainer's
-            ``stats()`` or its progress report); mappings without ``train_time_s`` are skipped.
+        figures: one mapping per training task with ``examples`` and the time (a trainer's
+            ``stats()`` or its progress report); mappings without the time are skipped.
+        time_key: ``wall_time_s`` for the headline (wall-clock) rate, ``train_time_s`` for the rate
+            inside the steps (``step_examples_per_sec``).
 
     Returns:
         The rate rounded to 0.1, or 0.0 when no task has trained yet.
 
     Example:
-        >>> job_rate([{"examples": 3000, "train_time_s": 2.0}, {"examples": 2000, "train_time_s": 2.5}])
+        >>> job_rate([{"examples": 3000, "wall_time_s": 2.0}, {"examples": 2000, "wall_time_s": 2.5}])
         2000.0
     """
     examples, longest = 0, 0.0
     for f in figures:
-        t = f.get("train_time_s")
+        t = f.get(time_key)
         if not _is_number(t):
             continue
         examples += int(f.get("examples") or 0)

@@ -32,9 +32,9 @@ from psflow.launch.liveness import process_identity
 from psflow.launch.metrics import job_rate
 
 STATUS_FILE = "status.json"
-# Trainers report the first seven; a ps reports global_step, pushes and stale_dropped.
-_PROGRESS_KEYS = ("global_step", "local_step", "examples", "train_time_s", "examples_per_sec", "loss", "time_unix",
-                  "pushes", "stale_dropped")
+# Trainers report the first nine; a ps reports global_step, pushes and stale_dropped.
+_PROGRESS_KEYS = ("global_step", "local_step", "examples", "train_time_s", "wall_time_s", "examples_per_sec",
+                  "step_examples_per_sec", "loss", "time_unix", "pushes", "stale_dropped")
 
 
 class RunStatus:
@@ -184,14 +184,16 @@ class RunStatus:
 
 def headline(state: dict[str, Any]) -> dict[str, Any]:
     """The run's figures from its tasks' last progress: the job's global step (the largest any
-    task reported), the job's examples/sec (:func:`psflow.launch.metrics.job_rate`, the same
-    figure as ``summary.json``'s), the number of running tasks."""
+    task reported), the job's examples/sec, wall-clock and inside the steps
+    (:func:`psflow.launch.metrics.job_rate`, the same figures as ``summary.json``'s), the number of
+    running tasks."""
     tasks = state.get("tasks", {})
     progress = [t.get("progress") or {} for t in tasks.values()]
     steps = [p["global_step"] for p in progress if isinstance(p.get("global_step"), int)]
     return {
         "global_step": max(steps, default=0),
         "examples_per_sec": job_rate(progress),
+        "step_examples_per_sec": job_rate(progress, "train_time_s"),
         "running": sum(1 for t in tasks.values() if t.get("state") == "running"),
     }
 

@@ -40,8 +40,8 @@ from psflow.platform.home import jobs_db_path
 from psflow.platform.jobstore import JobStore, JobStoreError, explain
 
 # Progress figures kept as metrics over time (besides the script's own scalars and eval/...).
-PROGRESS_METRICS = ("loss", "accuracy", "examples_per_sec", "global_step", "local_step", "examples",
-                    "pushes", "stale_dropped")
+PROGRESS_METRICS = ("loss", "accuracy", "examples_per_sec", "step_examples_per_sec", "global_step", "local_step",
+                    "examples", "pushes", "stale_dropped")
 _CLOSE = object()
 
 Op = Callable[[JobStore], None]

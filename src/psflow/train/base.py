@@ -15,7 +15,12 @@ States and transitions::
 
 Invariants: ``global_step`` is the job's step as of this task's last step, pull or prepare;
 ``local_step`` and ``examples`` count only the steps this task took that the job applied;
-``train_time_s`` excludes getting ready.
+``train_time_s`` is the time inside those steps (getting ready excluded), ``wall_time_s`` the time
+from the start of the first to the end of the last (the script's own work between steps included).
+
+Rates: ``examples_per_sec`` is the wall-clock rate (examples / ``wall_time_s``), the one a user
+sees; ``step_examples_per_sec`` (examples / ``train_time_s``) is the rate inside the steps, higher
+by whatever the loop does between them (data, evaluation, logging, checkpoints).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class TrainerBase(ABC):
     local_step: int
     examples: int
     train_time_s: float
+    wall_time_s: float
     compute_s: float
 
     def __init__(
@@ -102,6 +108,8 @@ class TrainerBase(ABC):
         self.local_step = 0
         self.examples = 0
         self.train_time_s = 0.0
+        self.wall_time_s = 0.0
+        self._first_step_at: float | None = None  # perf_counter at the start of the first applied step
         self.compute_s = 0.0
         self._progress_at: float | None = None
         self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
@@ -203,7 +211,11 @@ class TrainerBase(ABC):
         self.local_step += 1
         n = batch_size if batch_size is not None else batch_examples(batch, batches)
         self.examples += n or 0
-        self.train_time_s += time.perf_counter() - t0
+        end = time.perf_counter()
+        self.train_time_s += end - t0
+        if self._first_step_at is None:
+            self._first_step_at = t0
+        self.wall_time_s = end - self._first_step_at
         self._report_progress(loss)
 
     def waiting(self, what: str) -> contextlib.AbstractContextManager[None]:
@@ -233,7 +245,19 @@ class TrainerBase(ABC):
 
     # -- counters --------------------------------------------------------------------------
     def _examples_per_sec(self) -> float:
+        """The wall-clock rate: examples over the time from the first step's start to the last one's end."""
+        return self.examples / self.wall_time_s if self.wall_time_s else 0.0
+
+    def _step_examples_per_sec(self) -> float:
+        """The rate inside the steps: examples over the time spent in them."""
         return self.examples / self.train_time_s if self.train_time_s else 0.0
+
+    def _rates(self) -> dict[str, float]:
+        """The counters behind both rates, and the rates (the job's are computed from the times:
+        :func:`psflow.launch.metrics.job_rate`)."""
+        return {"train_time_s": round(self.train_time_s, 4), "wall_time_s": round(self.wall_time_s, 4),
+                "examples_per_sec": round(self._examples_per_sec(), 1),
+                "step_examples_per_sec": round(self._step_examples_per_sec(), 1)}
 
     def stats(self) -> dict[str, Any]:
         """This task's counters (the launcher's summary holds them as ``trainer``)."""
@@ -241,9 +265,8 @@ class TrainerBase(ABC):
             "global_step": self.global_step,
             "local_step": self.local_step,
             "examples": self.examples,
-            "train_time_s": round(self.train_time_s, 4),
             "compute_s": round(self.compute_s, 4),
-            "examples_per_sec": round(self._examples_per_sec(), 1),
+            **self._rates(),
         }
 
     def _report_progress(self, loss: float) -> None:
@@ -254,13 +277,12 @@ class TrainerBase(ABC):
         self._progress_at = now
         scalar = getattr(self.task, "scalar", None)  # TensorBoard, with or without a Supervisor
         if scalar is not None and getattr(self.task, "logdir", None):
-            for name, value in (("loss", loss), ("examples_per_sec", self._examples_per_sec()), ("global_step", self.global_step)):
+            for name, value in (("loss", loss), ("examples_per_sec", self._examples_per_sec()),
+                                ("step_examples_per_sec", self._step_examples_per_sec()), ("global_step", self.global_step)):
                 scalar(f"progress/{name}", float(value), self.global_step)
         send = getattr(self.task, "report_progress", None)  # tasks without a launcher: a no-op there
         if send is not None:
-            # train_time_s travels too: the job's rate is computed from it (psflow.launch.metrics.job_rate)
-            send(global_step=self.global_step, local_step=self.local_step, examples=self.examples,
-                 train_time_s=round(self.train_time_s, 4), examples_per_sec=round(self._examples_per_sec(), 1),
+            send(global_step=self.global_step, local_step=self.local_step, examples=self.examples, **self._rates(),
                  loss=float(loss))
 
     # -- end -------------------------------------------------------------------------------
