@@ -11,12 +11,13 @@ Two parts, both set up by :func:`psflow.init` in every task:
   and crashed a busy ps with SIGSEGV (a clean-clone CI run, "dump all tasks" on a training job).
   faulthandler stays the fallback where the wakeup descriptor is not ours to take (called off the
   main thread, or another library holds it).
-- :class:`Heartbeat`: a daemon thread that sends ``{"attempt", "waiting"}`` every ``every_s`` through
-  the ``send`` it is given (the task's own connection to the launcher's coordinator), whatever the
-  main thread does. So a task whose heartbeats come but whose steps do not is *hung*, and one whose
+- :class:`Heartbeat`: a daemon thread that sends ``{"attempt", "waiting", "waiting_on"}`` every
+  ``every_s`` through the ``send`` it is given (the task's own connection to the launcher's
+  coordinator), whatever the main thread does. So a task whose heartbeats come but whose steps do not is *hung*, and one whose
   heartbeats stop is *frozen* or dead (see :mod:`psflow.launch.watchdog`). ``waiting`` names what
-  the main thread waits for when it waits for its peers (a sync step's quorum, the ssp bound): such a
-  task is not the one that holds the job up.
+  the main thread waits for when it waits for its peers (a sync step's quorum, the ssp bound);
+  ``waiting_on`` the task it is blocked on (``"ps:1"``: a reply, in any mode). Such a task is not the
+  one that holds the job up.
 
 States of a Heartbeat: ``new --start()--> beating --stop()--> stopped`` (stop is idempotent; a send
 that fails is retried at the next beat, never raised).

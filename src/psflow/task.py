@@ -14,7 +14,8 @@ Launcher mode: the launcher sets ``PSFLOW_TASK`` and ``PSFLOW_COORDINATOR``; the
 registers the address it got with the launcher's coordinator and receives the whole cluster once
 every task has registered. No free-port guessing, so no races. From then on it sends the launcher a
 heartbeat every ``heartbeat_every_s`` from a thread of its own (:mod:`psflow.heartbeat`), saying
-what its main thread waits for, if it waits for its peers (:meth:`Task.waiting`). Every task writes
+what its main thread waits for, if it waits for its peers (:meth:`Task.waiting`), and which ps it
+is blocked on, if it is (:meth:`Task.heartbeat_payload`). Every task writes
 all its threads' stacks into its log on SIGUSR1 (the launcher's watchdog asks so before it kills a
 hung task).
 """
@@ -275,8 +276,19 @@ class Task:
         """Send the launcher a heartbeat every ``every_s`` from a daemon thread (once; no-op without a launcher)."""
         if not self.coordinator or self._heartbeat is not None:
             return
-        self._heartbeat = Heartbeat(self._send_heartbeat, lambda: {"attempt": self.attempt, "waiting": self.waiting_for},
-                                    every_s=every_s, name=f"{self.task_id}-heartbeat").start()
+        self._heartbeat = Heartbeat(self._send_heartbeat, self.heartbeat_payload, every_s=every_s,
+                                    name=f"{self.task_id}-heartbeat").start()
+
+    def heartbeat_payload(self) -> dict[str, Any]:
+        """What a heartbeat says: the attempt, what the main thread waits for among its peers
+        (:meth:`waiting`), and the ps it is blocked on now (``"ps:1"``, marked by a trainer's client
+        in every mode), so that the watchdog blames a frozen ps, not its workers."""
+        on = None
+        for t in self.trainers:
+            on = getattr(getattr(t, "client", None), "awaiting", None)
+            if on is not None:
+                break
+        return {"attempt": self.attempt, "waiting": self.waiting_for, "waiting_on": on}
 
     def _send_heartbeat(self, beat: dict[str, Any]) -> bool:
         """One heartbeat on the heartbeat thread's own connection (dropped when a request fails)."""

@@ -11,7 +11,8 @@ free-port guessing); ``close()`` stops every server and closes every client it h
 wait has a deadline (``run_threads`` joins with a timeout and fails naming the threads still alive).
 
 :class:`CuttingProxy` is a TCP path in front of one server that can drop a connection at an exact
-point of an exchange (a network blip), for the client's reconnect-and-resend tests.
+point of an exchange (a network blip), for the client's reconnect-and-resend tests, or hold every
+reply back (a frozen server, as SIGSTOP makes it), for the waiting-on-a-ps test.
 
 Used by tests/component/test_sync_modes.py, test_rejoin.py and test_chief_restart.py; :func:`wait_until`, the
 component tests' one polling wait with a deadline, by test_ps_resync.py and the stack-dump tests too.
@@ -250,7 +251,8 @@ class CuttingProxy:
     reply to the request in flight, which the server received and carried out) instead of
     forwarding them; ``cut_next("request")`` drops the next bytes a client sends before the server
     gets them. Both sides of that connection are closed, as when a connection drops; later
-    connections pass untouched. ``cuts`` counts the connections it dropped.
+    connections pass untouched. ``cuts`` counts the connections it dropped. ``hold_replies()`` keeps
+    every byte from the server back, on every connection, until ``release_replies()``.
     """
 
     def __init__(self, target: str) -> None:
@@ -262,7 +264,15 @@ class CuttingProxy:
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self.cuts = 0
+        self._replies_flow = threading.Event()
+        self._replies_flow.set()
         threading.Thread(target=self._accept, name="cutting-proxy", daemon=True).start()
+
+    def hold_replies(self) -> None:
+        self._replies_flow.clear()
+
+    def release_replies(self) -> None:
+        self._replies_flow.set()
 
     def cut_next(self, direction: str) -> None:
         assert direction in ("request", "reply")
@@ -292,6 +302,8 @@ class CuttingProxy:
                         self.cuts += 1
                 if cut:
                     break
+                if direction == "reply":
+                    self._replies_flow.wait()
                 dst.sendall(data)
         except OSError:
             pass
@@ -303,6 +315,7 @@ class CuttingProxy:
             sock.close()
 
     def close(self) -> None:
+        self._replies_flow.set()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() waiting in its thread
         except OSError:

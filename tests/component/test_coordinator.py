@@ -8,6 +8,7 @@ one. Every wait has a deadline (futures and events with timeouts, socket timeout
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,9 @@ import torch
 
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.errors import RemoteError, TransportError
+from psflow.launch.controller import TaskHeartbeat
 from psflow.launch.coordinator import Coordinator
+from psflow.launch.runner import _to_store
 from psflow.ps.client import PsClient
 from psflow.server import Reply, Server
 from psflow.wire.conn import PeerLostError, connect
@@ -185,3 +188,19 @@ def test_the_coordinator_resolves_one_task_or_the_whole_book_and_names_what_it_d
 def test_resolving_a_task_that_has_not_registered_yet_is_refused_with_the_reason(run: Run) -> None:
     with pytest.raises(RemoteError, match="ps:0 has not registered with the launcher yet"):
         run.resolver()("ps:0")
+
+
+def test_a_heartbeat_naming_the_ps_its_task_is_blocked_on_reaches_the_watchdog_so(run: Run) -> None:
+    conn = connect(run.launcher.address, secret=SECRET, task="worker:0", peer="launcher", deadline_s=WAIT_S)
+    try:
+        beat = {"attempt": 2, "waiting": None, "waiting_on": "ps:1"}  # what Task.heartbeat_payload sends
+        conn.request(Op.CO_REPORT, {"task": "worker:0", "metrics": {"heartbeat": beat}}, timeout_s=WAIT_S)
+    finally:
+        conn.close()
+    [data] = [d for k, d in run.events if k == "heartbeat"]
+    assert data == {"task": "worker:0", "attempt": 2, "waiting": None, "waiting_on": "ps:1"}
+    signs: queue.Queue = queue.Queue()
+    _to_store(None, signs)("heartbeat", data)  # type: ignore[arg-type]  # a heartbeat never reaches the store
+    sign = signs.get_nowait()
+    assert isinstance(sign, TaskHeartbeat)
+    assert (sign.task, sign.attempt, sign.waiting, sign.waiting_on) == ("worker:0", 2, False, "ps:1")

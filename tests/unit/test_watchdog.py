@@ -43,14 +43,15 @@ def watched(policy: RestartPolicy | None = None, hangs: HangPolicy | None = None
 
 
 def beat(c: RunController, at: float, *, step: int | None = None, skip: tuple[str, ...] = (),
-         waiting: tuple[str, ...] = ()) -> list:
-    """A heartbeat from every task not in ``skip``; with ``step``, each trainer also reports it."""
+         waiting: tuple[str, ...] = (), waiting_on: dict[str, str] | None = None) -> list:
+    """A heartbeat from every task not in ``skip``; with ``step``, each trainer also reports it.
+    ``waiting``: tasks that wait for their peers; ``waiting_on``: task -> the task it is blocked on."""
     out = []
     for t in TASKS:
         if t in skip:
             continue
         attempt = c.records[t].attempt
-        out += c.handle(TaskHeartbeat(t, attempt, at, waiting=t in waiting))
+        out += c.handle(TaskHeartbeat(t, attempt, at, waiting=t in waiting, waiting_on=(waiting_on or {}).get(t)))
         if step is not None and t.startswith("worker"):
             out += c.handle(TaskProgressed(t, attempt, at, step))
     return out
@@ -151,6 +152,62 @@ def test_a_worker_waiting_for_its_peers_is_not_the_hung_one() -> None:
         out += beat(c, t, waiting=("worker:0",))
         out += c.handle(TimeAdvanced(t))
     assert [(d.task, type(d).__name__) for d in out] == [("worker:1", "DumpStacks")]
+
+
+def test_async_workers_blocked_on_a_frozen_ps_wait_and_the_ps_is_the_one_dumped_killed_and_restarted() -> None:
+    # async: ps:0 is SIGSTOPped after t=1. Each worker's main thread blocks on its push's reply, its
+    # heartbeats (a thread of their own) go on and say which ps it is blocked on; the ps sends none.
+    c = watched(RestartPolicy("on-failure", backoff_base_s=0.5))
+    on_ps = {"worker:0": "ps:0", "worker:1": "ps:0"}
+    out = []
+    for t in (2.0, 3.0, 4.0, 5.0):
+        out += beat(c, t, skip=("ps:0",), waiting_on=on_ps)
+        out += c.handle(TimeAdvanced(t))
+    assert out == [DumpStacks("ps:0", 0, "ps:0 (attempt 0) sent no heartbeat for 4.0 s (frozen; worker:0 and worker:1 "
+                                         "are blocked on it); dumping its stacks into its log")]
+    assert c.records["ps:0"].hang.awaited_by == ("worker:0", "worker:1")
+    c.handle(StacksDumped("ps:0", 0, 5.0, StackDump("runs/x/logs/ps-0.log", 3)))
+    out = beat(c, 6.0, skip=("ps:0",), waiting_on=on_ps)
+    [kill] = out + c.handle(TimeAdvanced(6.0))
+    assert kill.tasks == ("ps:0",)
+    [restart] = c.handle(TaskExited("ps:0", 0, -9, at=6.1))
+    assert restart == RestartTask("ps:0", 1, 0.5, "exit code -9 (SIGKILL)")
+    # The workers wait on through the ps's restart (blocked reconnecting), long past their progress deadline.
+    out = []
+    for t in (7.0, 8.0, 9.0, 10.0, 11.0):
+        out += beat(c, t, skip=("ps:0",), waiting_on=on_ps)
+        out += c.handle(TimeAdvanced(t))
+    assert out == [StartTask("ps:0", 1)]
+    assert [(r.task, r.attempt, len(r.exits)) for r in c.records.values()] == [
+        ("ps:0", 1, 1), ("worker:0", 0, 0), ("worker:1", 0, 0)]
+
+
+def test_a_worker_blocked_on_a_ps_is_watched_again_once_its_reply_came() -> None:
+    w = Watchdog(HangPolicy(hang_timeout_s=HANG_S), training={"worker:0"})
+    w.started("ps:0", 0)
+    w.started("worker:0", 0)
+    w.progressed("worker:0", 0, at=1.0, step=1)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        w.heartbeat("ps:0", 0, at=t)
+        w.heartbeat("worker:0", 0, at=t, waiting_on="ps:0")  # a slow reply: 5 s, past the 3 s deadline
+    assert w.overdue(now=6.5) == []
+    for t in (7.0, 8.0, 9.0, 10.0):
+        w.heartbeat("ps:0", 0, at=t)
+        w.heartbeat("worker:0", 0, at=t)  # the reply came; no step since: its own hang
+    [hang] = w.overdue(now=10.0)
+    assert (hang.task, hang.kind, hang.quiet_s, hang.awaited_by) == ("worker:0", "hung", 4.0, ())
+
+
+def test_only_the_tasks_still_heard_from_are_named_as_blocked_on_a_frozen_ps() -> None:
+    w = Watchdog(HangPolicy(hang_timeout_s=HANG_S), training={"worker:0", "worker:1"})
+    for t in ("ps:0", "worker:0", "worker:1"):
+        w.started(t, 0)
+        w.heartbeat(t, 0, at=1.0)
+    w.heartbeat("worker:1", 0, at=1.5, waiting_on="ps:0")  # then worker:1 froze too: its last word is stale
+    for t in (2.0, 3.0, 4.0, 5.0):
+        w.heartbeat("worker:0", 0, at=t, waiting_on="ps:0")
+    hangs = {h.task: h for h in w.overdue(now=5.0)}
+    assert (hangs["ps:0"].kind, hangs["ps:0"].awaited_by) == ("frozen", ("worker:0",))
 
 
 def test_deadlines_are_armed_by_the_first_sign_of_each_attempt_not_by_its_start() -> None:

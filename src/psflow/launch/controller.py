@@ -132,12 +132,14 @@ class HeartbeatMissed:
 
 @dataclass(frozen=True)
 class TaskHeartbeat:
-    """``task``'s attempt is alive; ``waiting``: its main thread waits for its peers (a sync quorum)."""
+    """``task``'s attempt is alive; ``waiting``: its main thread waits for its peers (a sync quorum);
+    ``waiting_on``: the task its main thread is blocked on (``"ps:1"``: a reply, a connection)."""
 
     task: str
     attempt: int
     at: float
     waiting: bool = False
+    waiting_on: str | None = None
 
 
 @dataclass(frozen=True)
@@ -389,7 +391,8 @@ class RunController:
             self.heartbeats_missed[event.task] = self.heartbeats_missed.get(event.task, 0) + 1
             out = self._on_heartbeat_missed(event)
         elif isinstance(event, TaskHeartbeat):
-            self.watchdog.heartbeat(event.task, event.attempt, event.at, waiting=event.waiting)
+            self.watchdog.heartbeat(event.task, event.attempt, event.at, waiting=event.waiting,
+                                    waiting_on=event.waiting_on)
             out = []
         elif isinstance(event, TaskProgressed):
             self.watchdog.progressed(event.task, event.attempt, event.at, event.step)
@@ -575,8 +578,14 @@ class RunController:
     def _dump(self, hang: Hang) -> DumpStacks:
         self.records[hang.task].hang = hang
         what = "made no progress" if hang.kind == "hung" else "sent no heartbeat"
+        blocked = ""
+        if hang.awaited_by:  # why the others make no progress either (a frozen ps stops its workers)
+            *rest, last = hang.awaited_by
+            names = f"{', '.join(rest)} and {last} are" if rest else f"{last} is"
+            blocked = f"; {names} blocked on it"
         return DumpStacks(hang.task, hang.attempt, f"{hang.task} (attempt {hang.attempt}) {what} for "
-                                                   f"{hang.quiet_s:.1f} s ({hang.kind}); dumping its stacks into its log")
+                                                   f"{hang.quiet_s:.1f} s ({hang.kind}{blocked}); dumping its stacks "
+                                                   "into its log")
 
     def _schedule_restart(self, rec: TaskRecord, exit_: ExitRecord) -> RestartTask | None:
         """A RestartTask if the budgets allow it; None when they are spent."""

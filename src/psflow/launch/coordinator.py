@@ -15,13 +15,13 @@ Requests:
         client whose connection to a peer dropped asks this); {} -> the whole book {version, tasks,
         members} (``members``: the training replicas now and at launch, what a ps counts: ``psflow scale``).
     CO_REPORT {task, metrics}. A report whose metrics
-        are ``{"heartbeat": {attempt, waiting}}`` is a task's heartbeat (:mod:`psflow.heartbeat`): it
+        are ``{"heartbeat": {attempt, waiting, waiting_on}}`` is a task's heartbeat (:mod:`psflow.heartbeat`): it
         is passed on as an event, not merged into the reports.
 
 Events (``on_event(kind, data)``, called outside the lock): ``registered`` {task, address} for
 every registration once it is answered (as before the book existed), ``reregistered`` {task,
 address, previous_address, attempt, version} as soon as a task registers again, ``report``, and
-``heartbeat`` {task, attempt, waiting}.
+``heartbeat`` {task, attempt, waiting, waiting_on}.
 
 State: the book; ``reports`` merged per task. Transitions: see the book (assembling -> complete;
 each registration replaces the task's entry and raises the version).
@@ -132,7 +132,8 @@ class Coordinator:
         metrics = req.meta.get("metrics") or {}
         beat = metrics.get("heartbeat") if isinstance(metrics, dict) else None
         if isinstance(beat, dict) and len(metrics) == 1:
-            self.on_event("heartbeat", {"task": task, "attempt": beat.get("attempt"), "waiting": beat.get("waiting")})
+            self.on_event("heartbeat", {"task": task, "attempt": beat.get("attempt"), "waiting": beat.get("waiting"),
+                                        "waiting_on": beat.get("waiting_on")})
             return Reply({})
         with self._cond:
             self.reports.setdefault(task, {}).update(metrics)

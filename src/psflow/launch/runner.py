@@ -425,7 +425,9 @@ def _to_store(store: RunStore, signs: queue.Queue[Event] | None = None) -> Calla
         task = str(data.get("task"))
         if kind == "heartbeat":
             if signs is not None:
-                signs.put(TaskHeartbeat(task, _int(data.get("attempt")), time.time(), waiting=bool(data.get("waiting"))))
+                on = data.get("waiting_on")
+                signs.put(TaskHeartbeat(task, _int(data.get("attempt")), time.time(), waiting=bool(data.get("waiting")),
+                                        waiting_on=on if isinstance(on, str) and on else None))
             return  # a sign of life, about once a second per task: not the run's history
         if kind == "registered":
             store.task_registered(task, str(data.get("address")))

@@ -9,9 +9,17 @@ also while its main thread is stuck; trainers report their progress after their 
   deadlock, a stalled data loader, a collective that never completes). A task whose heartbeat says it
   waits for its peers (a sync step's quorum, the ssp bound) is not hung itself: its progress clock
   restarts with each such heartbeat, so in a sync run only the task that holds the others up is caught.
+  Nor is one whose heartbeat names the task it is blocked on (``waiting_on``: a ps whose reply,
+  connection or transfer its main thread awaits, in any mode): a frozen ps stops every worker, and
+  the ps, not its workers, is the one to dump and restart.
 - **heartbeat** (``heartbeat_timeout_s``, default the same as ``hang_timeout_s``, every task): no
   heartbeat for longer than the deadline means the whole process is *frozen* (SIGSTOP, a C call that
-  holds the GIL, a swapped-out machine).
+  holds the GIL, a swapped-out machine). A frozen task's :class:`Hang` names the tasks still heard
+  from that are blocked on it (``awaited_by``).
+
+A task blocked on a ps whose heartbeats still come is not blamed on the ps either: the ps may be
+loading a checkpoint or re-syncing its backup for longer than the deadline (a restarted ps), and a
+ps has no steps to count. Such a wait ends by the client's own request deadline.
 
 Each deadline is armed by the attempt's first heartbeat or progress report, not by its start: a task
 that has not got that far (importing torch, waiting for the rendezvous or the chief) is covered by the
@@ -135,6 +143,7 @@ class Hang:
     stacks: StackDump | None = None
     unavailable: str | None = None
     killed: bool = False
+    awaited_by: tuple[str, ...] = ()  # the tasks blocked on this one when it was caught (a frozen ps's workers)
 
     @property
     def cause(self) -> str:
@@ -158,6 +167,7 @@ class _Books:
     progress_at: float | None = None  # its last progress (None: not armed)
     step: int | None = None  # the last step it reported
     reported: bool = False  # a deadline of this attempt was missed and reported
+    waiting_on: str | None = None  # the task its last heartbeat said it is blocked on
 
 
 @dataclass
@@ -183,13 +193,15 @@ class Watchdog:
         """The task exited: nothing to watch until it starts again."""
         self._books.pop(task, None)
 
-    def heartbeat(self, task: str, attempt: int, at: float, *, waiting: bool = False) -> None:
-        """A heartbeat of ``task``'s ``attempt``; ``waiting``: it waits for its peers (not hung itself)."""
+    def heartbeat(self, task: str, attempt: int, at: float, *, waiting: bool = False,
+                  waiting_on: str | None = None) -> None:
+        """A heartbeat of ``task``'s ``attempt``; ``waiting``: it waits for its peers, ``waiting_on``:
+        it is blocked on that task (``"ps:1"``). Either way it is not hung itself."""
         b = self._current(task, attempt)
         if b is None:
             return
-        b.heartbeat_at = at
-        if waiting and b.progress_at is not None:
+        b.heartbeat_at, b.waiting_on = at, waiting_on
+        if (waiting or waiting_on is not None) and b.progress_at is not None:
             b.progress_at = max(b.progress_at, at)
 
     def progressed(self, task: str, attempt: int, at: float, step: int | None) -> None:
@@ -214,8 +226,15 @@ class Watchdog:
             hang = self._check(task, b, now)
             if hang is not None:
                 b.reported = True
+                hang.awaited_by = self._blocked_on(task, now)
                 out.append(hang)
         return out
+
+    def _blocked_on(self, task: str, now: float) -> tuple[str, ...]:
+        """The tasks whose last heartbeat, recent enough to trust, said they are blocked on ``task``."""
+        deadline = self.policy.heartbeat_deadline_s or math.inf
+        return tuple(sorted(t for t, b in self._books.items() if t != task and b.waiting_on == task
+                            and b.heartbeat_at is not None and now - b.heartbeat_at <= deadline))
 
     def _check(self, task: str, b: _Books, now: float) -> Hang | None:
         hb_deadline, progress_deadline = self.policy.heartbeat_deadline_s, self.policy.hang_timeout_s

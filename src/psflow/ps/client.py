@@ -27,13 +27,18 @@ restarted and is re-syncing, or holds only the backup copy; a ps that restarted 
 ``failover_s`` is reconnected to) gets the request routed to the other ps of the pair and resent
 (nothing was decided), until ``connect_timeout_s`` has passed. Such a client reconnects with or
 without ``resolve``.
+
+Waits: while the caller is blocked on a ps (connecting, sending, awaiting a reply), ``awaiting``
+names it (``"ps:1"``); the task's heartbeats say so, in every mode, and the launcher's watchdog
+takes the task for waiting, not hung: a frozen ps is the one it dumps and restarts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -89,6 +94,7 @@ class PsClient:
         self.pull_dtype = compression.pull_dtype() if compress_pull else None
         self._retired_bytes = [0, 0]  # sent, received over connections closed since
         self.waiting_for = "ps reply"  # what a push's reply waits for, as the timeline names it (sync: the quorum)
+        self._awaited: int | None = None  # the shard the caller is blocked on now (see ``awaiting``)
         self.replicas = replicas  # 2: each shard has a backup on the next ps (failover)
         self.failover_s = failover_s  # replicas=2: how long a lost primary may not answer before its backup serves
         self.routes: dict[int, int] = {}  # shard -> the ps serving it in place of its dead primary
@@ -111,6 +117,21 @@ class PsClient:
             raise
 
     # -- connections -----------------------------------------------------------------------
+    @property
+    def awaiting(self) -> str | None:
+        """The ps the caller is blocked on now (``"ps:1"``: the ps serving that shard), None between
+        requests. Read by the task's heartbeat thread (:meth:`psflow.task.Task.heartbeat_payload`)."""
+        shard = self._awaited
+        return None if shard is None else f"ps:{self.routes.get(shard, shard)}"
+
+    @contextlib.contextmanager
+    def _awaiting(self, shard: int) -> Iterator[None]:
+        previous, self._awaited = self._awaited, shard
+        try:
+            yield
+        finally:
+            self._awaited = previous
+
     def traffic(self) -> tuple[int, int]:
         """Bytes sent and received to and from the ps over this client's life (frames, handshakes)."""
         live = [c for c in self.conns if c is not None]
@@ -261,13 +282,17 @@ class PsClient:
     ) -> list[Frame]:
         """One request to each of ``shards``, all sent before any reply is read."""
         timeout = self.request_timeout_s + wait_s + self.reply_margin_s
-        conns = [self._conn(i) for i in shards]  # reconnect lost shards before anything is sent
+        conns: list[Connection] = []
+        for i in shards:  # reconnect lost shards before anything is sent
+            with self._awaiting(i):
+                conns.append(self._conn(i))
         sent: list[int] = []
         lost: TransportError | None = None
         for j, i in enumerate(shards):
             try:
                 conns[j].set_timeout(timeout)
-                conns[j].send(op, self._routed(i, metas[j]), tensors[j] if tensors else ())
+                with self._awaiting(i):
+                    conns[j].send(op, self._routed(i, metas[j]), tensors[j] if tensors else ())
                 sent.append(j)
             except TransportError as e:
                 lost = self._on_error(i, e, lost)
@@ -276,7 +301,8 @@ class PsClient:
         for j in sent:
             i, dest = shards[j], dests[j] if dests else None
             try:
-                frame = conns[j].recv(alloc=(lambda spec, d=dest: d.get(spec.name)) if dest else None)
+                with self._awaiting(i):
+                    frame = conns[j].recv(alloc=(lambda spec, d=dest: d.get(spec.name)) if dest else None)
             except TransportError as e:
                 lost = self._on_error(i, e, lost)
                 continue
@@ -394,14 +420,15 @@ class PsClient:
                 raise  # not resendable: the caller learns of the loss now
 
     def _send_push_now(self, shard: int, meta: dict[str, Any], grads: Sequence[tuple[str, torch.Tensor]]) -> None:
-        conn = self._conn(shard)
-        conn.set_timeout(self.request_timeout_s + float(meta["timeout_s"]) + self.reply_margin_s)
-        try:
-            conn.send(Op.PS_PUSH, self._routed(shard, meta), grads)
-        except TransportError as e:
-            if not isinstance(e, PeerLostError):
-                self._on_error(shard, e, None)
-            raise
+        with self._awaiting(shard):
+            conn = self._conn(shard)
+            conn.set_timeout(self.request_timeout_s + float(meta["timeout_s"]) + self.reply_margin_s)
+            try:
+                conn.send(Op.PS_PUSH, self._routed(shard, meta), grads)
+            except TransportError as e:
+                if not isinstance(e, PeerLostError):
+                    self._on_error(shard, e, None)
+                raise
 
     def recv_push_replies(self, shards: Iterable[int], dests: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, Any]]:
         """Receive the replies of requests sent with :meth:`send_push`, values straight into ``dests``.
@@ -415,7 +442,8 @@ class PsClient:
             unanswered = self._unanswered.pop(shard, None)
             start = tl.now() if tl is not None else 0.0
             try:
-                frame = self._recv_push_reply(shard, dest, unanswered)
+                with self._awaiting(shard):
+                    frame = self._recv_push_reply(shard, dest, unanswered)
             except TransportError as e:
                 lost = self._on_error(shard, e, lost)
                 continue
