@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from psflow.chaos.harness import passed
 from psflow.chaos.report import build_report, fault_outcomes, ledger_rows, render, serving_shard_stats
 from psflow.ps.store import StoreStats
 from psflow.train.ledger import LedgerEntry, PushLedger, read_ledgers
@@ -59,17 +60,26 @@ def _summary(**extra) -> dict:
             {"task": "ps:1", "attempts": 1, "exits": [{"attempt": 0, "code": 0, "signal": None, "restarted": False}]},
             {"task": "worker:0", "attempts": 1, "exits": [{"attempt": 0, "code": 0, "signal": None, "restarted": False}]},
         ],
-        "reports": {
-            "ps:0": {"ps_stats": {"applied_updates": 1}, "shards": {"0": {"role": "backup", "applied_updates": 99}}},
-            "ps:1": {"shards": {"0": {"role": "serving", "applied_updates": 100, "duplicates": 2,
-                                      "applied_by": {"0": {"0": 100}}}}},
+        "reports": {  # 2 ps, 2 copies of each shard: ps:1 serves shard 0 (it took over), ps:0 serves shard 1
+            "ps:0": {"ps_stats": {"applied_updates": 1}, "shards": {"0": _copy("backup", 100, duplicates=2),
+                                                                    "1": _copy("serving", 100)}},
+            "ps:1": {"shards": {"0": _copy("serving", 100, duplicates=2), "1": _copy("backup", 100)}},
         },
         **extra,
     }
 
 
+def _copy(role: str, applied: int, *, duplicates: int = 0, version: int | None = None,
+          applied_by: dict | None = None) -> dict:
+    """One shard copy as ``PsService.copies_report`` writes it (worker 0's attempt 0 pushed them all)."""
+    return {"role": role, "version": applied if version is None else version, "applied_updates": applied,
+            "duplicates": duplicates, "applied_by": applied_by or {"0": {"0": applied}}}
+
+
 def test_the_serving_copy_of_shard_0_is_the_ledgers_ps_half() -> None:
-    assert serving_shard_stats(_summary())["applied_updates"] == 100
+    summary = _summary()
+    summary["reports"]["ps:0"]["shards"]["0"]["applied_updates"] = 99  # the backup's count is not the one read
+    assert serving_shard_stats(summary)["applied_updates"] == 100
     plain = {"reports": {"ps:0": {"ps_stats": {"applied_updates": 7}}}}
     assert serving_shard_stats(plain) == {"applied_updates": 7}
     assert serving_shard_stats({"reports": {}}) is None
@@ -99,8 +109,10 @@ def test_build_report_compares_with_the_baseline_and_renders_lost_zero() -> None
     assert r["visits_per_batch"] == "exactly once"
     assert r["accuracy_delta"] == pytest.approx(-0.005)
     assert r["goodput_ratio"] == pytest.approx(0.8)
+    assert r["findings"] == [] and [row["shard"] for row in r["shards"]] == [0, 1]
     text = render(r)
     assert "lost 0" in text and "LOST" not in text and "exactly once" in text and "ps:0 1" in text
+    assert "every shard and copy agree" in text and "serving ps:0: version 100, 100 applied" in text
 
 
 def test_a_lost_update_is_shouted() -> None:
@@ -116,3 +128,32 @@ def test_after_a_rollback_the_ledger_is_not_compared() -> None:
     r = build_report(faults=[], skipped=[], summary=summary, ledgers=[LedgerEntry("worker:0", 0, 0, 100, 100)], settings={})
     assert r["ledger"]["rolled_back"] == 1 and r["ledger"]["lost"] is None
     assert "not compared: the job rolled back to its newest checkpoint 1 time(s)" in render(r)
+
+
+def test_an_update_lost_on_shard_1_is_lost_although_shard_0_holds_every_one() -> None:
+    # The psflow chaos run of issue 22: shard 1 ended one update short (17,999 of 18,000). Shard 0's
+    # half of the ledger matches every worker's acknowledgements; only shard 1's counters show it.
+    summary = _summary()
+    summary["reports"]["ps:0"]["shards"] = {"0": _copy("backup", 18000), "1": _copy("serving", 17999)}
+    summary["reports"]["ps:1"]["shards"] = {"0": _copy("serving", 18000), "1": _copy("backup", 17999)}
+    r = build_report(faults=[], skipped=[], summary=summary, ledgers=[LedgerEntry("worker:0", 0, 0, 18000, 18000)],
+                     settings={})
+    assert r["ledger"]["lost"] == 1 and r["ledger"]["lost_on_other_shards"] == 1
+    assert [(f["shard"], f["kind"], f["task"], f["fails"]) for f in r["findings"]] == [(1, "shards_differ", "ps:0", True)]
+    text = render(r)
+    assert "lost 1 (1 on the other shards)  <-- LOST UPDATES" in text
+    assert "shard 1 applied 17999 updates (its serving copy, on ps:0), shard 0 applied 18000: 1 update lost" in text
+    assert "backup ps:1: version 17999, 17999 applied" in text
+    assert not passed(r)
+
+
+def test_copies_that_disagree_are_shouted_and_the_run_does_not_pass() -> None:
+    summary = _summary()
+    summary["reports"]["ps:1"]["shards"]["1"] = _copy("backup", 97)  # ps:0 serves 100; its backup holds 97
+    r = build_report(faults=[], skipped=[], summary=summary, ledgers=[LedgerEntry("worker:0", 0, 0, 100, 100)],
+                     settings={})
+    assert r["ledger"]["lost"] == 0 and [f["kind"] for f in r["findings"]] == ["copies_disagree"]
+    assert "shard 1's copies disagree" in render(r) and "<-- COPIES DISAGREE" in render(r)
+    assert not passed(r)
+    assert passed(build_report(faults=[], skipped=[], summary=_summary(), ledgers=[LedgerEntry("worker:0", 0, 0, 100, 100)],
+                               settings={}))

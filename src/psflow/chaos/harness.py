@@ -65,6 +65,7 @@ def run_chaos(plan: LaunchPlan, settings: ChaosSettings, *, make_backend: Callab
 
 
 def passed(report: dict[str, Any]) -> bool:
-    """The chaos run succeeded and lost no acknowledged update (none was compared after a rollback,
-    which redoes the updates after its checkpoint by design)."""
-    return report.get("status") == "succeeded" and report["ledger"]["lost"] in (0, None)
+    """The chaos run succeeded, lost no acknowledged update (none was compared after a rollback,
+    which redoes the updates after its checkpoint by design), and its shards and copies agree."""
+    return (report.get("status") == "succeeded" and report["ledger"]["lost"] in (0, None)
+            and not any(f["fails"] for f in report.get("findings") or []))

@@ -22,6 +22,10 @@ compared (``lost`` is None, ``rolled_back`` counts the rollbacks).
 Shard 0 is the ledger's shard: it records the data positions and receives each step's push last.
 ``batches applied`` (async): shard 0's updates; with a baseline, every batch was applied exactly once
 when they equal the fault-free run's (the same data, the same epochs).
+
+Every other shard, and every copy of each, is checked against it by :mod:`psflow.launch.copies` (the
+ledger the launcher also reads): a shard that applied fewer updates than shard 0 lost them (they count
+in ``lost``), copies of one shard that disagree are named. One row per shard shows each copy.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from psflow.launch.copies import SHARDS_DIFFER, check_copies, shard_copies
 from psflow.train.ledger import LedgerEntry
 
 
@@ -101,12 +106,19 @@ def build_report(
     restarts = {t["task"]: int(t["attempts"]) - 1 for t in summary.get("tasks", [])}
     replicated = any("shards" in r for t, r in (summary.get("reports") or {}).items() if t.startswith("ps:"))
     rollbacks = 0 if replicated else max((n for t, n in restarts.items() if t.startswith("ps:")), default=0)
+    findings = check_copies(summary)
+    # A shard short of shard 0's updates lost them, whatever shard 0's half of the ledger says (and
+    # after a rollback too: every shard rolled back together, so their counts still compare).
+    lost_elsewhere = sum(f.lost for f in findings if f.kind == SHARDS_DIFFER)
+    lost0 = None if rollbacks else sum(r["lost"] for r in rows)
     ledger = {
         "kept": bool(ledgers) and shard0 is not None,
         "rolled_back": rollbacks,
         "acknowledged": sum(r["acknowledged"] for r in rows),
         "applied": sum(r["applied"] for r in rows),
-        "lost": None if rollbacks else sum(r["lost"] for r in rows),
+        "lost": lost0 if not lost_elsewhere else (lost0 or 0) + lost_elsewhere,
+        "lost_on_other_shards": lost_elsewhere,
+        "applied_twice_on_other_shards": sum(f.extra for f in findings if f.kind == SHARDS_DIFFER),
         "unacknowledged": sum(r["unacknowledged"] for r in rows),
         "duplicates_refused": int((shard0 or {}).get("duplicates", 0)),
         "attempts": rows,
@@ -119,6 +131,8 @@ def build_report(
                    "skipped_slots": len(skipped), "list": outcomes},
         "restarts": restarts,
         "ledger": ledger,
+        "shards": [{"shard": sh, "copies": [c.row() for c in cs]} for sh, cs in shard_copies(summary.get("reports") or {}).items()],
+        "findings": [f.to_dict() for f in findings],
         "steps_redone": sum(r["redone"] for r in rows),
         "global_step": summary.get("global_step"),
         "batches_applied": (shard0 or {}).get("applied_updates"),
@@ -168,14 +182,17 @@ def render(report: Mapping[str, Any]) -> str:
         lines.append(f"  acknowledged updates not compared: the job rolled back to its newest checkpoint "
                      f"{led['rolled_back']} time(s) (one copy per ps shard: the updates after it were done again)")
     elif led["kept"]:
+        elsewhere = led.get("lost_on_other_shards") or 0
         lines.append(f"  acknowledged updates {led['acknowledged']} acknowledged, {led['applied']} applied on shard 0: "
-                     f"lost {led['lost']}" + ("" if led["lost"] == 0 else "  <-- LOST UPDATES"))
+                     f"lost {led['lost']}" + (f" ({elsewhere} on the other shards)" if elsewhere else "")
+                     + ("" if led["lost"] == 0 else "  <-- LOST UPDATES"))
         lines.append(f"  applied, not acked   {led['unacknowledged']} (the sender died before the reply; its batch "
                      f"is not taken again); {led['duplicates_refused']} resent push(es) recognised, not applied twice")
         lines.append(f"  steps redone         {report['steps_redone']} (computed, never applied: taken again from the "
                      "last applied data position)")
     else:
         lines.append("  acknowledged updates not checked (no push ledger or no ps counters in the summary)")
+    lines += _shard_lines(report)
     base = report.get("baseline")
     batches = report.get("batches_applied")
     if "visits_per_batch" in report:
@@ -193,6 +210,24 @@ def render(report: Mapping[str, Any]) -> str:
     elif acc is not None:
         lines.append(f"  test accuracy        {_num(acc)} (--baseline runs the job without faults to compare)")
     return "\n".join(lines)
+
+
+def _shard_lines(report: Mapping[str, Any]) -> list[str]:
+    """A row per shard (each copy: its ps, role, version, updates applied, duplicates refused), then
+    what the ledger over every shard and copy found."""
+    lines = []
+    for row in report.get("shards") or []:
+        copies = "; ".join(f"{c['role']} {c['task']}: version {c['version']}, {c['applied']} applied, "
+                           f"{c['duplicates']} duplicates" + (f" ({c['state']})" if c.get("state") else "")
+                           for c in row["copies"])
+        lines.append(f"  {'shard ' + str(row['shard']):<20} {copies}")
+    marks = {"two_serving": "  <-- TWO SERVING COPIES", "copies_disagree": "  <-- COPIES DISAGREE"}
+    for f in report.get("findings") or []:
+        mark = marks.get(f["kind"], "  <-- LOST UPDATES" if f.get("lost") else "  <-- APPLIED TWICE" if f.get("extra") else "")
+        lines.append(f"  ledger               {f['message']}" + (mark if f["fails"] else ""))
+    if report.get("shards") and not any(f["fails"] for f in report.get("findings") or []):
+        lines.append("  ledger               every shard and copy agree")
+    return lines
 
 
 def _num(v: Any) -> str:

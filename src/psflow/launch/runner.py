@@ -17,8 +17,9 @@ The I/O shell of :class:`psflow.launch.controller.RunController`. It
    ``dump_stacks`` (SIGUSR1), whose location goes back to the controller and into the run store;
 4. records it all in the run store (:mod:`psflow.launch.runstore`: ``status.json``,
    ``events.jsonl``, ``summary.json``, and the job store, :mod:`psflow.platform.jobstore`), and,
-   once the controller has finished the run, prints the root cause first, then what the other
-   failed tasks said.
+   once the controller has finished the run, reads the ledger over every ps shard copy
+   (:mod:`psflow.launch.copies`: copies or shards that disagree fail a run whose tasks all
+   succeeded), then prints the root cause first, then what the other failed tasks said.
 
 Signals: the first Ctrl-C or SIGTERM asks the run to stop (every task gets SIGTERM, then SIGKILL
 after the plan's ``grace_s``); a second one interrupts the launcher at once, and still nothing it
@@ -67,6 +68,7 @@ from psflow.launch.controller import (
     describe_exit,
 )
 from psflow.launch.coordinator import Coordinator
+from psflow.launch.copies import Finding, check_copies, verdict
 from psflow.launch.plan import LaunchPlan, TaskPlan, added_worker
 from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import CompositeRunStore, FileRunStore, RunStore
@@ -151,16 +153,23 @@ class Runner:
             self.backend.close()
             if server is not None:
                 server.stop()
+        tasks_done = finished
+        findings, finished = read_ledger(finished, coord.reports, self._scaling.plan)
         summary = build_summary(self._scaling.plan, coord.reports, coord.addresses, controller.records, time.time() - t0,
-                                finished.status, finished.root_cause)
+                                finished.status, finished.root_cause, findings)
         if plan.config.timeline:  # every task has exited: merge their spans into one trace
             write_trace(plan.logdir)
         store.summary(summary)
         store.finished(finished.status)
         self.console.final_table(store.snapshot())
         self._print_restarts(controller)
-        if finished.root_cause is not None:
-            self._print_root_cause(plan, controller, finished.root_cause)
+        if tasks_done.root_cause is not None:
+            self._print_root_cause(plan, controller, tasks_done.root_cause)
+        elif finished is not tasks_done:  # every task succeeded; the ledger over the shard copies did not
+            self.console.echo(click.style(f"psflow: the run failed. Root cause: {finished.root_cause}", fg="red", bold=True))
+        for f in findings:
+            if f.message != finished.root_cause:
+                self.console.warn(f"ledger: {f.message}")
         return RunResult(finished.exit_code, summary, finished.root_cause)
 
     def _recorded_store(self, plan: LaunchPlan) -> RunStore:
@@ -407,6 +416,21 @@ def _ended(task: str, x: ExitRecord) -> str:
     else:
         how = f"was {x.cause}" if x.cause.startswith("killed") else f"ended with {x.cause}"
     return f"{task} (attempt {x.attempt}) {how}" + (f" after {x.ran_s:.1f} s" if x.ran_s is not None else "")
+
+
+def read_ledger(finished: RunFinished, reports: Mapping[str, Mapping[str, Any]],
+                plan: LaunchPlan) -> tuple[list[Finding], RunFinished]:
+    """The ledger over every ps shard copy (:mod:`psflow.launch.copies`), and the run's verdict after
+    it: a run whose tasks all succeeded fails when its copies or shards disagree, with that finding as
+    its root cause (exit code 1)."""
+    num_ps = sum(1 for t in plan.task_names() if t.startswith("ps:"))
+    if not num_ps:
+        return [], finished
+    findings = check_copies({"mode": plan.config.mode, "reports": reports}, num_shards=num_ps)
+    status, root = verdict(finished.status, finished.root_cause, findings)
+    if status == finished.status:
+        return findings, finished
+    return findings, dataclasses.replace(finished, status=status, root_cause=root, exit_code=1)
 
 
 def write_secret(logdir: Path) -> Path:

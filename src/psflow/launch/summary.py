@@ -2,16 +2,18 @@
 
 Pure: built by the runner once every task has exited, from the coordinator's reports and addresses
 and the controller's task records; the rate and the script's metrics follow the one definition of
-:mod:`psflow.launch.metrics`.
+:mod:`psflow.launch.metrics`. ``ledger``: every ps shard copy's final counters and what
+:mod:`psflow.launch.copies` found comparing them (the runner has already failed a run they broke).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from psflow.launch.controller import TaskRecord, signal_name
+from psflow.launch.copies import Finding, shard_copies
 from psflow.launch.metrics import job_rate, run_metrics, task_metrics, trainer_figures
 from psflow.launch.plan import LaunchPlan
 from psflow.timeline import job_shares
@@ -20,6 +22,7 @@ from psflow.timeline import job_shares
 def build_summary(
     plan: LaunchPlan, reports: Mapping[str, Mapping[str, Any]], addresses: Mapping[str, str],
     records: Mapping[str, TaskRecord], wall_s: float, status: str, root_cause: str | None,
+    findings: Sequence[Finding] = (),
 ) -> dict[str, Any]:
     """The run's summary.json.
 
@@ -30,7 +33,8 @@ def build_summary(
         records: the controller's book on each task (attempts, exits).
         wall_s: the run's wall time.
         status: ``succeeded``, ``failed`` or ``stopped`` (the controller's verdict).
-        root_cause: the task that caused a failure, if any.
+        root_cause: the task that caused a failure, if any (or the ledger's finding that failed the run).
+        findings: the ledger's findings over the ps's shard copies (:func:`psflow.launch.copies.check_copies`).
     """
     # A task stopped or killed has no final report: its last live progress counts (see launch.metrics).
     figures = trainer_figures(reports)
@@ -62,6 +66,8 @@ def build_summary(
             "wait_s": round(sum(s.get("wait_s", 0.0) for s in ps_stats.values()), 3),
         },
         "restarts": sum(1 for r in records.values() for x in r.exits if x.restarted),
+        **({"ledger": {"copies": [c.row() for cs in copies.values() for c in cs], "findings": [f.to_dict() for f in findings],
+                       "agree": not any(f.fails for f in findings)}} if (copies := shard_copies(reports)) or findings else {}),
         "restart_policy": plan.restart.describe(tuple(dict.fromkeys(t.split(":")[0] for t in plan.task_names()))),
         "tasks": [task_entry(plan, r, addresses.get(t)) for t, r in records.items() if r.started],
         "reports": reports,
