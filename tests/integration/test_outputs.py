@@ -66,6 +66,8 @@ def test_summary_status_and_final_line_give_the_same_rate(regression_run):
     assert s["examples"] == 2 * 3 * 1000  # every example of both shards, 3 epochs
     assert s["examples_per_sec"] > 0 and status["examples_per_sec"] == s["examples_per_sec"]
     assert f"examples/sec={s['examples_per_sec']}" in r.stdout
+    # the headline is wall-clock, from the first step to the last: never above the rate inside the steps
+    assert s["examples_per_sec"] <= s["step_examples_per_sec"] == status["step_examples_per_sec"]
 
 
 def test_a_stopped_run_reports_the_rate_it_trained_at(tmp_path):
