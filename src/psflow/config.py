@@ -25,6 +25,8 @@ MODES = ("async", "sync", "ssp")
 STRATEGIES = ("ps", "allreduce")
 # psflow.ps.placement.STRATEGIES (not imported: this module stays free of torch); the first is the default.
 PLACEMENTS = ("balanced", "round_robin", "greedy", "contiguous")
+# What a ps does with a push holding NaN or inf (psflow.ps.finite): the first is the default.
+NONFINITE = ("refuse", "fail", "apply")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,12 @@ class TrainConfig:
     compress_pull: bool = False
     # Every task records where its time goes; the launcher merges it into LOGDIR/timeline.json (psflow.timeline)
     timeline: bool = False
+    # ps: a pushed gradient holding NaN or inf is "refuse"d (not applied; counted and logged per worker),
+    # makes the run "fail" (naming the worker and step), or is applied as any other ("apply": no check).
+    # The same check covers the chief's initial values (psflow.ps.finite).
+    nonfinite: str = "refuse"
+    # nonfinite="refuse": a worker whose pushes to a shard are refused this many times in a row fails the run
+    nonfinite_limit: int = 10
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -92,6 +100,12 @@ class TrainConfig:
         if self.compress != "none" and self.strategy != "ps":
             raise ConfigError(f"compress={self.compress!r} applies to --strategy ps (gradients pushed to parameter "
                               "servers); all-reduce sends them uncompressed. Drop --compress, or use --strategy ps.")
+        if self.nonfinite not in NONFINITE:
+            raise ConfigError(f"Unknown nonfinite {self.nonfinite!r}. Allowed: {', '.join(NONFINITE)} (refuse: a push "
+                              "holding NaN or inf is not applied; fail: it fails the run; apply: it is applied).")
+        if not isinstance(self.nonfinite_limit, int) or isinstance(self.nonfinite_limit, bool) or self.nonfinite_limit < 1:
+            raise ConfigError(f"nonfinite_limit must be an integer >= 1 (refused pushes of one worker in a row before "
+                              f"the run fails); received {self.nonfinite_limit!r}.")
         if not isinstance(self.staleness, int) or isinstance(self.staleness, bool) or self.staleness < 0:
             raise ConfigError(f"staleness must be an integer >= 0; received {self.staleness!r}.")
         if self.split_bytes is not None and (not isinstance(self.split_bytes, int) or self.split_bytes < 0):
@@ -168,6 +182,12 @@ def check_launch_settings(config: TrainConfig, given: set[str], *, num_replicas:
                f"this run has {num_ps} ps, and a shard's backup must live on another ps task")
         raise ConfigError(f"--ps-replicas 2: {why}. Use --ps 2 or more with --strategy ps, or drop --ps-replicas "
                           "(with one ps, a dead ps rolls back to the newest checkpoint).")
+    if "nonfinite" in given and config.strategy != "ps":
+        raise ConfigError(f"--nonfinite {config.nonfinite} applies to --strategy ps (the ps checks each pushed gradient); "
+                          "all-reduce has no ps. Drop --nonfinite, or use --strategy ps.")
+    if "nonfinite_limit" in given and config.nonfinite != "refuse":
+        raise ConfigError(f"--nonfinite-limit {config.nonfinite_limit} applies to --nonfinite refuse (refusals in a row); "
+                          f"this run is --nonfinite {config.nonfinite}. Drop --nonfinite-limit, or use --nonfinite refuse.")
     if "staleness" in given and config.mode != "ssp":
         raise ConfigError(f"--staleness {config.staleness} applies to --mode ssp only; this run is --mode {config.mode}. "
                           "Add --mode ssp, or drop --staleness.")

@@ -33,6 +33,11 @@ from psflow.launch.restart import JOBS, RestartPolicy
 @click.option("--sync-timeout", "sync_timeout_s", type=float, default=None, help="sync/ssp: longest wait for a step (s).")
 @click.option("--lost-worker-timeout", "lost_worker_timeout_s", type=float, default=None,
               help="ps: once the other workers are done, longest wait for a lost worker to reconnect (s).")
+@click.option("--nonfinite", type=click.Choice(["refuse", "fail", "apply"]), default=None,
+              help="ps: a pushed gradient holding NaN or inf is refused (default; counted and logged per worker), "
+                   "fails the run (naming the worker and step), or is applied as any other.")
+@click.option("--nonfinite-limit", "nonfinite_limit", type=click.IntRange(min=1), default=None,
+              help="With --nonfinite refuse: a worker refused this many times in a row fails the run (default 10).")
 @click.option("--ps-replicas", "ps_replicas", type=int, default=None,
               help="Copies of each ps shard: 2 keeps a backup on the next ps, which takes over if the primary dies.")
 @click.option("--placement", type=click.Choice(["balanced", "round_robin", "greedy", "contiguous"]), default=None,

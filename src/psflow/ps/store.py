@@ -16,6 +16,11 @@ bound); the store carries its decisions out:
   is forgotten with its gradient; SUPERSEDED: a request of that earlier attempt is refused with a
   TrainingError, and a clock wait of it still held ends with one.
 
+A push holding NaN or inf never reaches the rules (``TrainConfig.nonfinite``, :mod:`psflow.ps.finite`):
+checked before it is applied or held, outside the lock, it is refused (the reply says ``refused``)
+or fails the run; it is not recorded, so a backup never sees it. The chief's initial values are
+checked the same way.
+
 A sync pull of a newer version waits at most ``timeout_s`` (``sync_timeout_s``); the error names
 the workers still missing. ``version`` of shard 0 is the job's ``global_step``: every worker push
 reaches every shard. Exact stop and checkpoint steps, and the workers' data positions, are kept in
@@ -43,6 +48,7 @@ from psflow.checkpoint.keys import ema_key, opt_key_of
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
 from psflow.optim import MovingAverage, OptimizerSpec, Schedule, set_lr
+from psflow.ps.finite import NonfiniteBook, describe, nonfinite_keys
 from psflow.ps.progress import Progress, StepPlan
 from psflow.ps.rules import Act, Decision, Event, On, RuleSettings, ShardRules
 from psflow.ps.update import DirectStep
@@ -66,6 +72,8 @@ class StoreStats:
     # The ledger's ps side: worker -> attempt -> pushes of that attempt this shard applied (sync: held
     # gradients that went into a step). Compared by `psflow chaos` with what each attempt was acknowledged.
     applied_by: dict[int, dict[int, int]] = field(default_factory=dict)
+    # worker -> its pushes refused for holding NaN or inf (TrainConfig.nonfinite = refuse); never applied
+    nonfinite_by_worker: dict[int, int] = field(default_factory=dict)
 
     def count_applied(self, worker: int, attempt: int) -> None:
         by_attempt = self.applied_by.setdefault(worker, {})
@@ -83,6 +91,7 @@ class StoreStats:
             "init_requests": self.init_requests,
             "wait_s": round(self.wait_s, 3),
             "applied_by": {str(w): {str(a): n for a, n in sorted(by.items())} for w, by in sorted(self.applied_by.items())},
+            "nonfinite_by_worker": {str(k): v for k, v in sorted(self.nonfinite_by_worker.items())},
         }
 
     @classmethod
@@ -92,7 +101,8 @@ class StoreStats:
                    stale_by_worker={int(k): int(v) for k, v in d["stale_by_worker"].items()},
                    steps_without_all=int(d["steps_without_all"]), duplicates=int(d["duplicates"]),
                    superseded=int(d["superseded"]), init_requests=int(d.get("init_requests", 0)), wait_s=float(d["wait_s"]),
-                   applied_by={int(w): {int(a): int(n) for a, n in by.items()} for w, by in d.get("applied_by", {}).items()})
+                   applied_by={int(w): {int(a): int(n) for a, n in by.items()} for w, by in d.get("applied_by", {}).items()},
+                   nonfinite_by_worker={int(k): int(v) for k, v in d.get("nonfinite_by_worker", {}).items()})
 
 
 class ParameterStore:
@@ -123,6 +133,7 @@ class ParameterStore:
         self._ship_position: Mapping[str, Any] | None = None  # the data position of the push being decided
         self._ship_updates: dict[int, dict[str, torch.Tensor]] = {}  # APPLY's new version -> the update applied
         self._init_settings: dict[str, Any] = {}  # the PS_INIT's optimizer, schedule, ema_decay (a full state repeats them)
+        self._nonfinite = NonfiniteBook(shard)  # refused pushes in a row per worker; the failure they led to
 
     # -- the rules' state, read --------------------------------------------------------------
     @property
@@ -161,13 +172,27 @@ class ParameterStore:
         step_plan: StepPlan | None = None,
         data_positions: Mapping[str, Any] | None = None,
         forwarder: Forwarder | None = None,
+        check_values: bool = True,
     ) -> bool:
         """Set the shard's values once. Returns False (and changes nothing) if already initialized.
-        ``forwarder``: replicate to a backup from here on (started here, with the state after init)."""
+        ``forwarder``: replicate to a backup from here on (started here, with the state after init).
+        ``check_values``: refuse values holding NaN or inf unless ``config.nonfinite`` is ``apply``
+        (off for a copy of a serving shard's state, which is what it is).
+
+        Raises:
+            TrainingError: a value holds NaN or inf (names the keys); nothing is set.
+        """
         with self._cond:
             self.stats.init_requests += 1
             if self._initialized:
                 return False
+            if check_values and config.nonfinite != "apply":
+                bad = nonfinite_keys(values)
+                if bad:
+                    raise TrainingError(
+                        f"ps shard {self.shard} refused the initial values from the chief: NaN or inf in {describe(bad)} "
+                        f"(nonfinite = {config.nonfinite}). Check the model's initialization or the checkpoint it "
+                        "was restored from; nonfinite = apply takes them as they are.")
             self.values = {k: v.detach().clone().contiguous() for k, v in values.items()}
             self._keys = list(self.values)
             spec = OptimizerSpec.from_dict(optimizer)
@@ -186,6 +211,7 @@ class ParameterStore:
             self.placement_digest = placement_digest
             self.meta = dict(meta or {})
             self._init_settings = {"optimizer": optimizer, "schedule": schedule, "ema_decay": ema_decay}
+            self._nonfinite = NonfiniteBook(self.shard, config.nonfinite, config.nonfinite_limit)
             plan = step_plan or StepPlan()
             self.progress.configure(plan, data_positions)
             self._act(self.rules.configure(RuleSettings.of(config, plan.stop_at), version))
@@ -228,15 +254,36 @@ class ParameterStore:
         is recorded when the batch is consumed. Past the step plan's stop nothing is applied and the
         reply says ``stopped``. ``attempt`` and ``push_seq`` fence a restarted worker's earlier
         attempt (TrainingError) and make a resent push a ``duplicate`` (see :mod:`psflow.ps.rules`).
+        Gradients holding NaN or inf are refused (the reply says ``refused``) or fail the run, as
+        ``config.nonfinite`` says (:mod:`psflow.ps.finite`); the rules never see them.
+
+        Raises:
+            TrainingError: as above; or a non-finite push under ``nonfinite = fail``, or the
+                ``nonfinite_limit``-th refused push of the worker in a row (names the worker and step).
         """
         self._require_init()
         self._check_grads(grads)
+        # Outside the lock: the tensors are this connection's own, and the check is the push's only
+        # pass over them before the optimizer's (sync: before they are copied and summed).
+        bad = nonfinite_keys(grads) if self.config.nonfinite != "apply" else []
         with self._cond:
+            if bad:
+                return self._refuse(worker, version, attempt, bad)
+            self._nonfinite.accepted(worker)
             self._ship_position = position
             try:
                 return self._push(worker, version, grads, position, attempt, push_seq)
             finally:
                 self._ship()
+
+    def _refuse(self, worker: int, version: int, attempt: int, keys: list[str]) -> dict[str, Any]:
+        """A push holding NaN or inf in ``keys``: counted, never applied (under the lock)."""
+        by = self.stats.nonfinite_by_worker
+        by[worker] = by.get(worker, 0) + 1
+        failure = self._nonfinite.refused(worker, attempt, version, keys, first=by[worker] == 1)
+        if failure is not None:
+            raise TrainingError(failure)
+        return {"version": self.version, "applied": False, "refused": "nonfinite", "nonfinite_keys": keys[:5]}
 
     def _push(self, worker: int, version: int, grads: Mapping[str, torch.Tensor], position: Mapping[str, Any] | None,
               attempt: int, push_seq: int | None) -> dict[str, Any]:
@@ -436,9 +483,14 @@ class ParameterStore:
 
     def tick(self, now: float) -> list[Decision]:
         """Time passed (``now`` from ``time.monotonic()``): the lost-worker wait's WAIT_LOST and FAIL
-        decisions, for the caller to log or raise."""
+        decisions, for the caller to log or raise; and, once a non-finite push failed the run, a FAIL
+        with its reason (the store's own: not a record of the rules, so nothing is shipped for it)."""
         with self._cond, self._recorded():
-            return self.rules.tick(now)
+            decisions = list(self.rules.tick(now))
+            if self._nonfinite.failure is not None:
+                decisions.append(Decision(self.rules.seq, Act.FAIL, self.rules.seq, self.version,
+                                          reason=self._nonfinite.failure))
+            return decisions
 
     def all_done(self) -> bool:
         return len(self.done_workers) >= self.rules.num_workers
@@ -559,7 +611,8 @@ class ParameterStore:
                 placement_digest=str(meta.get("placement_digest", "")), version=int(meta["version"]),
                 schedule=meta.get("schedule"), ema_decay=meta.get("ema_decay"), meta=meta.get("meta"),
                 optimizer_state=opt_state or None, ema_state=ema_state or None,
-                step_plan=StepPlan.from_dict(meta.get("step_plan")), data_positions=meta.get("data_positions")):
+                step_plan=StepPlan.from_dict(meta.get("step_plan")), data_positions=meta.get("data_positions"),
+                check_values=False):
             raise TrainingError(f"ps shard {self.shard}'s copy here is initialized already: a full state is loaded only "
                                 "into the empty copy of a restarted ps.")
         with self._cond:

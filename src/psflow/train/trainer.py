@@ -32,6 +32,10 @@ leave (:mod:`psflow.wire.compress`; top-k keeps its residuals there) and asks fo
 precision; the values land in the model's float32 tensors. Timeline (``psflow run --timeline``):
 each phase of a step is a span of :mod:`psflow.timeline`; off, each hook is one ``if``.
 
+Non-finite gradients (``nonfinite``, :mod:`psflow.ps.finite`): a step whose gradient a shard refused
+(it held NaN or inf) is not counted as a step; the trainer logs the first and goes on with the next
+batch (sync: for the same step). The ps fails the run past ``nonfinite_limit`` in a row.
+
 Initialization: the chief sends the model's initial values (or restored ones, from the Supervisor)
 to every shard once; every other worker waits until the shards are ready. A chief that finds every
 shard initialized already (a restarted chief: the ps kept training while it was down) sends nothing
@@ -44,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -61,6 +66,8 @@ from psflow.train.base import TrainerBase
 from psflow.train.ledger import PushLedger
 from psflow.train.towers import Batch, run_step_closure
 from psflow.wire.compress import Compression
+
+log = logging.getLogger("psflow")
 
 
 class Trainer(TrainerBase):
@@ -132,6 +139,7 @@ class Trainer(TrainerBase):
         self._ledger = (PushLedger(task.logdir, str(task.task_id), self.worker, self.attempt)
                         if self.config.push_ledger and getattr(task, "logdir", None) else None)
         self.stale_pushes = 0
+        self.refused_pushes = 0  # steps whose gradient a shard refused for holding NaN or inf
         self._holds_averages = False  # pull(averages=True) put moving averages into the model
         self.step_plan = StepPlan()  # the chief sends it to the ps (Supervisor: max_steps, save_model_steps)
         self.data_source: Any = None  # an iterator with state_dict(): its position rides on each push (see _send_shard)
@@ -317,8 +325,25 @@ class Trainer(TrainerBase):
             return value
         if self._ledger is not None and replies[0].get("applied"):
             self._ledger.acknowledged_push()
+        refused = [(s, r) for s, r in enumerate(replies) if r.get("refused")]
+        if refused:
+            self._refused(refused)  # not a step the job applied: not counted as one
+            return value
         self._end_step(t0, value, batch_size, batch, batches)
         return value
+
+    def _refused(self, refused: list[tuple[int, Mapping[str, Any]]]) -> None:
+        """A shard refused this step's gradient (it held NaN or inf; nonfinite = refuse): count it,
+        say so once, go on with the next batch (sync: for the same step, which still waits for this
+        worker). The ps fails the run if it goes on for ``nonfinite_limit`` pushes in a row."""
+        self.refused_pushes += 1
+        if self.refused_pushes > 1:
+            return
+        shards = ", ".join(f"ps:{s} ({', '.join(map(str, r.get('nonfinite_keys', [])))})" for s, r in refused)
+        log.warning("%s: the gradient of step %d held NaN or inf, and the ps refused it (%s): not applied; training "
+                    "goes on with the next batch (nonfinite = refuse). Later refusals are counted (refused_pushes), not "
+                    "logged; %d in a row fail the run.", self.task.task_id, self.global_step, shards,
+                    self.config.nonfinite_limit)
 
     def _grads(self, shard: int) -> list[tuple[str, torch.Tensor]]:
         out = []
@@ -417,7 +442,8 @@ class Trainer(TrainerBase):
 
     def stats(self) -> dict[str, Any]:
         sent, received = self.client.traffic()
-        return {**super().stats(), "stale_pushes": self.stale_pushes, "early_pushes": self.early_pushes, "mode": self.config.mode,
+        return {**super().stats(), "stale_pushes": self.stale_pushes, "refused_pushes": self.refused_pushes,
+                "early_pushes": self.early_pushes, "mode": self.config.mode,
                 "compress": self.config.compress, "bytes_sent": sent, "bytes_received": received}
 
     def _release(self) -> None:
