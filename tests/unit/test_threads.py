@@ -16,6 +16,7 @@ from psflow import threads
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.threads import ThreadChoice, apply_threads, choose_threads, host_cores, tasks_on_host, threads_per_task
 
+WORKER_0 = TaskId("worker", 0)
 SPEC = ClusterSpec.from_dict({"ps": ["localhost:2222"], "worker": ["127.0.0.1:2223", "[::1]:2224", "Node-B:2225", "node-b.:2226"],
                               "evaluator": ["10.0.0.3:2227"]})
 
@@ -25,7 +26,7 @@ def nothing_written(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(threads, "_written", {})
 
 
-def choose(env: dict[str, str] | None = None, task: TaskId = TaskId("worker", 0), *, cluster: ClusterSpec | None = SPEC,
+def choose(env: dict[str, str] | None = None, task: TaskId = WORKER_0, *, cluster: ClusterSpec | None = SPEC,
            num_threads: int | None = None, launched: bool = False, cores: int = 8) -> ThreadChoice:
     return choose_threads(env or {}, task, cluster=cluster, num_threads=num_threads, launched=launched, cores=cores)
 

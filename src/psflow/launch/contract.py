@@ -45,7 +45,8 @@ ENV = {
     "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
     "PSFLOW_DATA_SHARDS": "the data shards: the training replicas at launch (set for a worker `psflow scale` added)",
     "PSFLOW_CLOCK_SKEW": "tests: the named tasks' timeline clocks run off by this many microseconds, e.g. ps:0=5e6,worker:1=-3e6 (hosts whose clocks disagree)",
-    "PSFLOW_NUM_THREADS": "torch threads of the task: set by the launcher (applied before its script runs, by its fork server or as OMP_NUM_THREADS); by hand, psflow.init() applies it instead of this host's share of the cores",
+    "PSFLOW_NUM_THREADS": "torch threads of the task: set by the launcher (applied before its script runs, by its fork server "
+                          "or as OMP_NUM_THREADS); by hand, psflow.init() applies it instead of this host's share of the cores",
     "PSFLOW_NUM_PS": "under Slurm: how many of the step's tasks are ps, the first ones (default 1; 0 with the all-reduce strategy)",
     "PSFLOW_BASE_PORT": "under Slurm: the step's task i (SLURM_PROCID) listens on this port + i (default 2222)",
     "TF_CONFIG": "Kubeflow TFJob's cluster and task JSON",
