@@ -34,7 +34,12 @@ class AuthError(TransportError):
 
 
 class RemoteError(ClusterError):
-    """A remote task refused or failed a request; the message is the remote's own."""
+    """A remote task refused or failed a request; the message is the remote's own, ``kind`` the
+    class name of its error (``"StaleTermError"``, ...), when it said."""
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class TaskFailedError(PsflowError):
@@ -51,6 +56,11 @@ class DataError(PsflowError):
 
 class TrainingError(PsflowError):
     """Training cannot go on (a NaN, a sync step that can never complete, ...)."""
+
+
+class StaleTermError(ClusterError):
+    """A ps copy refused a message of an older term than its view of the shard (or from a copy the
+    view does not name): the sender's view is out of date (``ps_replicas=2``, :mod:`psflow.ps.views`)."""
 
 
 class NotServingError(ClusterError):

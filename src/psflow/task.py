@@ -124,10 +124,14 @@ class Task:
         self.summary_flush_s = 2.0  # a killed task loses at most this much of its scalars
         if self.is_ps:
             from psflow.fault import crashing_save, parse_faults, ps_step_kill
+            from psflow.ps.authority import ViewClient
             from psflow.ps.service import PsService, default_save
 
+            # ps_replicas=2: the launcher's coordinator decides which copy of each shard serves (by hand there is none).
+            authority = ViewClient(coordinator, secret=secret, task=str(task_id)) if coordinator else None
             self.ps_service = PsService(server, task_id.index, cluster, resolve=self.resolve,
-                                        failover_s=config.backup_failover_s, attempt=attempt, replicas=config.ps_replicas)
+                                        failover_s=config.backup_failover_s, attempt=attempt, replicas=config.ps_replicas,
+                                        authority=authority)
             self.ps_service.on_save = crashing_save(default_save(self.ps_service), parse_faults(self.fail_at), str(task_id))
             self.ps_service.after_push = ps_step_kill(parse_faults(self.fail_at), str(task_id))
             if attempt >= 1 and config.ps_replicas == 2:

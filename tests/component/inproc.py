@@ -32,6 +32,7 @@ import torch
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
 from psflow.optim import OptimizerSpec
+from psflow.ps.authority import ViewAuthority, ViewClient
 from psflow.ps.client import PsClient
 from psflow.ps.service import PsService, default_save
 from psflow.server import Server
@@ -98,6 +99,7 @@ class InprocCluster:
         self.servers: dict[TaskId, Server] = {}
         self.services: list[PsService] = []
         self._clients: list[PsClient] = []
+        self.authority: ViewAuthority | None = None
         try:
             # The evaluator is the task that status and other side requests come from (a ps serves
             # only the cluster's own tasks).
@@ -111,9 +113,13 @@ class InprocCluster:
             for tid, server in self.servers.items():
                 addrs[tid.job].append(server.address)
             self.cluster = ClusterSpec.from_dict(addrs)
+            # ps_replicas=2: the authority over the shard copies, on a server of its own (the launcher's role).
+            if config.ps_replicas == 2:
+                self.launcher = Server("launcher", host="127.0.0.1", port=0, secret=SECRET, handshake_timeout_s=5.0)
+                self.authority = ViewAuthority(self.launcher, num_ps)
+                self.launcher.start()
             # Services register their routes before any task of the cluster can know the address.
-            self.services = [PsService(self.servers[TaskId("ps", i)], i, self.cluster, failover_s=config.backup_failover_s)
-                             for i in range(num_ps)]
+            self.services = [self._service(self.servers[TaskId("ps", i)], i) for i in range(num_ps)]
             for service in self.services:
                 service.on_save = default_save(service)  # each ps writes its own checkpoint shard, as a ps task does
         except BaseException:
@@ -137,10 +143,19 @@ class InprocCluster:
         self._clients.append(trainer.client)
         return trainer
 
-    def kill_ps(self, index: int) -> None:
-        """What SIGKILL does to a ps: its listener and every connection close at once."""
+    def _service(self, server: Server, index: int, attempt: int = 0) -> PsService:
+        authority = None if self.authority is None else ViewClient(self.launcher.address, secret=SECRET,
+                                                                    task=f"ps:{index}")
+        return PsService(server, index, self.cluster, failover_s=self.config.backup_failover_s, attempt=attempt,
+                         replicas=self.config.ps_replicas, authority=authority)
+
+    def kill_ps(self, index: int, *, report: bool = True) -> None:
+        """What SIGKILL does to a ps: its listener and every connection close at once; the launcher
+        then learns of the exit (``report``) and tells the authority, as the runner does."""
         self.servers[TaskId("ps", index)].stop()
         self.services[index].stop()
+        if report and self.authority is not None:
+            self.authority.ps_down(index, "killed by the test")
 
     def restart_ps(self, index: int, *, attempt: int = 1) -> PsService:
         """Start ``ps:index`` again where it listened (a new process of the same task: ``attempt``
@@ -148,8 +163,7 @@ class InprocCluster:
         tid = TaskId("ps", index)
         port = int(self.cluster.address(tid).rsplit(":", 1)[1])
         server = Server(str(tid), host="127.0.0.1", port=port, secret=SECRET, handshake_timeout_s=5.0)
-        service = PsService(server, index, self.cluster, failover_s=self.config.backup_failover_s, attempt=attempt,
-                            replicas=self.config.ps_replicas)
+        service = self._service(server, index, attempt)
         server.start()
         self.servers[tid], self.services[index] = server, service
         return service
@@ -171,8 +185,12 @@ class InprocCluster:
     def close(self) -> None:
         for c in self._clients:
             c.close()
+        for service in self.services:
+            service.stop()
         for server in self.servers.values():
             server.stop()
+        if self.authority is not None:
+            self.launcher.stop()
 
     def __enter__(self) -> InprocCluster:
         return self

@@ -9,7 +9,7 @@ drops, as SIGKILL does; its forwarder's connection too). What is proven, in asyn
 - a ledger: every push a worker had acknowledged as applied on shard 0 is applied exactly once on
   the surviving copy (acknowledged applied pushes == the survivor's applied updates == its version
   in async; in sync every step is acknowledged to its contributors);
-- the survivor serves both shards, and the dead primary's shard is no longer replicated (degraded).
+- the survivor serves both shards, each alone in a new term (the authority's views), and nothing forwards to the dead ps.
 """
 
 from __future__ import annotations
@@ -57,10 +57,11 @@ def test_a_dead_primary_loses_no_acknowledged_update(mode: str) -> None:
         survivor = c.services[1]
         copy = survivor.backups[0]
         status = survivor.store_of(0).version, copy.stats.applied_updates, sorted(survivor.serving)
-        degraded = survivor.store.forwarder.degraded if survivor.store.forwarder else None
+        degraded = [survivor.views[s].state.value for s in (0, 1)], [survivor.views[s].term for s in (0, 1)]
+        forwarding = survivor.store.forwarder
     assert killed, "the primary was never killed"
     version, applied_updates, serving = status
-    assert serving == [0] and degraded is not None
+    assert serving == [0] and degraded == (["alone", "alone"], [2, 2]) and forwarding is None
     assert version == MAX_STEPS
     for s in seen:
         assert s == sorted(s), f"the global step went back: {s}"

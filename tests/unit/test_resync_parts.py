@@ -12,7 +12,7 @@ import torch
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
 from psflow.ps.progress import StepPlan
-from psflow.ps.replication import Answer, Forwarder, Role, on_request, on_resync, pair_other, shards_held
+from psflow.ps.replication import Forwarder, pair_other, shards_held
 from psflow.ps.rules import RuleSettings, ShardRules
 from psflow.ps.store import ParameterStore
 
@@ -23,16 +23,6 @@ def test_a_shard_lives_on_its_primary_and_the_next_ps() -> None:
     assert shards_held(0, 3) == [0, 2] and shards_held(1, 2) == [0, 1]
     with pytest.raises(ConfigError, match="ps:1 holds no copy of shard 2"):
         pair_other(2, 1, 3)
-
-
-def test_only_a_serving_copy_serves_and_a_backup_takes_over_only_when_named() -> None:
-    assert on_request(Role.SERVING, False) is on_request(Role.SERVING, True) is Answer.SERVE
-    assert on_request(Role.BACKUP, True) is Answer.TAKE_OVER
-    assert on_request(Role.BACKUP, False) is Answer.REFUSE  # a client that did not fail over: route it away
-    assert on_request(Role.RESYNCING, True) is on_request(Role.RESYNCING, False) is Answer.REFUSE
-    assert on_resync(Role.SERVING) is Answer.SERVE
-    assert on_resync(Role.BACKUP) is Answer.TAKE_OVER  # the survivor stays primary
-    assert on_resync(Role.RESYNCING) is Answer.REFUSE
 
 
 def _busy_rules(mode: str) -> ShardRules:

@@ -33,6 +33,7 @@ from psflow.ps.views import (
     ViewBook,
     accepts_records,
     initial_views,
+    keeps_serving,
     pair_of,
     serves,
     takes_over,
@@ -129,7 +130,7 @@ class Sim:
             changed = []
             for s, v in sorted(book.views.items()):
                 if v.serving == ps and v.backup is not None:
-                    changed.append(book._set(ShardView(s, v.term + 1, v.backup, None, Sync.ALONE), cause))
+                    changed.append(book._set(ShardView(s, v.term + 1, v.backup, None, Sync.ALONE, v.term + 1), cause))
                 elif v.serving == ps or v.backup == ps:
                     changed += [x for x in ViewBook.ps_down(book, ps, cause) if x.shard == s]
             return changed
@@ -150,7 +151,7 @@ class Sim:
             return
         old_role = c.role
         if v.serving == p:
-            keeps = old_role == SERVING and c.view.serving == p
+            keeps = old_role == SERVING and keeps_serving(c.view, v, p)
             c.role = SERVING if keeps or takes_over(c.view, v, p, old_role == BACKUP) else EMPTY
         else:
             c.role = EMPTY  # a backup of a new term loads the state again; one the view does not name drops out
@@ -345,6 +346,9 @@ class Sim:
             if v.state is Sync.LOST or v.serving is None:
                 continue
             holder = self.ps[v.serving]
+            mine = holder.copies.get(s)
+            if holder.alive and mine is not None and mine.view == v and mine.role != SERVING:
+                raise Violation(f"shard {s}: ps:{v.serving} knows it serves term {v.term} but cannot ({mine.role})")
             log = set(holder.copies[s].log) if holder.alive and s in holder.copies else None
             if log is not None and not self.acked[s] <= log:
                 raise Violation(f"shard {s}: ps:{v.serving} serves it in term {v.term} without acknowledged updates "

@@ -34,50 +34,27 @@ refuses a batch that skips a number (:func:`check_next`: a gap means a lost batc
 past it would diverge in silence) and skips events it holds already (a batch resent after a
 reconnect).
 
-States of a forwarder (one per shard copy that has a backup: the primary's)::
+States of a forwarder (one per shard copy that has a backup: the serving copy's)::
 
-    starting --init (or full state) acked--> replicating --backup unreachable past backup_failover_s--> degraded
-    any --the shard's backup re-syncs: a new forwarder from a full state--> replaced
-    (degraded: the serving copy goes on alone and logs why; nothing is waited for or queued.
-     replaced: its waiters wait on the new forwarder, which starts from a state at least as new.)
+    starting --init (or full state) acked--> replicating
+    any --the view moved on (the authority dropped its backup, or a new term)--> dropped
+    (dropped: its waiters are released and see the new view; nothing is queued any more.)
 
-Failover. A worker's client (:class:`~psflow.ps.client.PsClient` with ``replicas=2``) that loses
-its connection to the ps serving shard s and cannot make it again within ``primary_failover_s``
-(TrainConfig) sends every later request for shard s to the other ps of the shard's pair
-(:func:`pair_other`: ps:s and ps:(s+1 mod P) hold shard s; whichever serves it, the other holds its
-copy), naming the shard. That copy takes over on the first such request (a recorded TAKEOVER,
-:meth:`ParameterStore.take_over`): it serves the shard from then on; its version never goes back (it
-holds every event the serving copy had acknowledged, and a pull was answered only with a state the
-copy held); the sync gradients held for the current step lived on the dead copy only, so they and
-their push numbers are forgotten and their resent pushes taken again; any other resent push it holds
-already is a DUPLICATE (by worker, attempt and push number), so nothing acknowledged is lost and
-nothing is applied twice. Until the dead ps is back and re-synced the shard has no backup.
-
-Re-sync. A ps started again (``attempt >= 1``, the launcher's PSFLOW_ATTEMPT) holds nothing: its
-process died with the copies it held. It must never serve its shard from scratch (a client that
-reconnects to it within ``primary_failover_s`` would otherwise find an empty shard). So it starts
-with both its copies *resyncing* and asks the other ps of each pair it belongs to (its own shard's
-survivor, and the primary of the shard before it; with P = 2 both are the other ps) to re-sync it
-(PS_REPLICATE ``resync``). That ps takes the shard over if it held only the copy (a TAKEOVER: no
-client had failed over yet), then, under the store's lock, captures the shard's full state at its
-sequence number N (values, optimizer slots, averages, the rules' bookkeeping, every worker's data
-position, the held snapshots and the counters: :meth:`ParameterStore.transfer_state`) and starts a
-new forwarder to the asker that ships that state first (``state``) and then every record after N.
-It answers the asker once the state is held. The restarted ps is then the *backup* of both shards:
-the survivor stays the primary of the shard it took over (no flip-flop: moving it back would be a
-second failover for nothing), and the backup of the survivor's own shard again. If the survivor
-dies next, clients fail over to the re-synced copy, which takes over with every acknowledged update.
+Every message a forwarder sends carries its term. A backup that knows a newer term refuses it
+(StaleTermError): the forwarder asks the authority for the views (``on_stale``). A backup that does
+not answer for ``failover_s`` (at once when nothing listens at its address: its process died) is
+reported to the authority (``on_unreachable``), which may record the shard alone; until it does,
+the forwarder keeps trying and the waiting replies wait: a copy never decides on its own to go on
+without its backup. Which copy serves, and when a copy is a backup, is the authority's alone
+(:mod:`psflow.ps.views`); the ps's service carries the views out.
 
 States of one shard's copy on a ps (:class:`Role`; the ps's service keeps one per shard it holds)::
 
-    attempt 0:   own shard   serving   (the chief's PS_INIT fills it; clients wait for readiness)
-                 shard s-1   backup    (its primary's forwarded init fills it)
-    attempt >=1: both        resyncing --full state received--> backup
-    backup    --a request naming the shard (a client failed over)----------> serving (TAKEOVER)
-    backup    --the other ps of the pair asks to re-sync-------------------> serving (TAKEOVER), asker = its backup
-    serving   --the other ps of the pair asks to re-sync-------------------> serving, forwarding to it anew
-    resyncing or backup --a request not naming the shard-----------------> refused: NotServingError
-    resyncing --any request (a re-sync request too)-----------------------> refused: NotServingError
+    serving    the view names this ps serving (attempt 0: its own shard; or it was the synced backup
+               of the term before, promoted)
+    backup     the view names it backup, and it holds the init or a full state of that term
+    resyncing  anything else: a restarted ps, a backup of a new term waiting for the state, a copy the
+               view no longer names; it refuses every request (the client routes to the other copy)
 
 A refusal is retryable (:class:`~psflow.errors.NotServingError`): the client routes the shard to the
 other ps of its pair and sends the request again (nothing was decided by the refusing ps).
@@ -95,7 +72,15 @@ from typing import Any
 
 import torch
 
-from psflow.errors import ConfigError, NotServingError, PeerGoneError, PsflowError, TrainingError, TransportError
+from psflow.errors import (
+    ConfigError,
+    NotServingError,
+    PeerGoneError,
+    PsflowError,
+    RemoteError,
+    TrainingError,
+    TransportError,
+)
 from psflow.ps.rules import Event, On
 
 log = logging.getLogger("psflow.ps")
@@ -137,31 +122,10 @@ class Role(enum.Enum):
     RESYNCING = "resyncing"  # a restarted ps waiting for the shard's state: refuses everything
 
 
-class Answer(enum.Enum):
-    SERVE = "serve"
-    TAKE_OVER = "take_over"
-    REFUSE = "refuse"
-
-
-def on_request(role: Role, names_shard: bool) -> Answer:
-    """A worker's request for a shard whose copy here has ``role``; ``names_shard``: the client
-    routed it here after the other copy did not answer (it names the shard)."""
-    if role is Role.SERVING:
-        return Answer.SERVE
-    if role is Role.BACKUP and names_shard:
-        return Answer.TAKE_OVER
-    return Answer.REFUSE
-
-
-def on_resync(role: Role) -> Answer:
-    """The other ps of the pair restarted and asks this copy for the shard's state."""
-    return {Role.SERVING: Answer.SERVE, Role.BACKUP: Answer.TAKE_OVER}.get(role, Answer.REFUSE)
-
-
-def not_serving(ps: int, shard: int, role: Role, num_ps: int) -> NotServingError:
-    other = pair_other(shard, ps, num_ps)
-    why = ("it restarted and is re-syncing the shard's state" if role is Role.RESYNCING
-           else "it holds the shard's backup copy")
+def not_serving(ps: int, shard: int, role: Role, num_ps: int, serving: int | None = None) -> NotServingError:
+    other = pair_other(shard, ps, num_ps) if serving is None else serving
+    why = ("it holds no synced copy of it (restarted, re-syncing, or left out by the shard's view)"
+           if role is Role.RESYNCING else "it holds the shard's backup copy")
     return NotServingError(f"ps:{ps} does not serve shard {shard} now: {why}; ps:{other} serves it. Retry there "
                            "(psflow's client routes there by itself).")
 
@@ -292,10 +256,13 @@ class Forwarder:
 
     def __init__(self, shard: int, backup: int, send: Send,
                  init: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]] | None = None,
-                 *, failover_s: float = 5.0, flush_s: float = 0.02) -> None:
-        self.shard, self.backup = shard, backup
+                 *, term: int = 1, failover_s: float = 5.0, flush_s: float = 0.02,
+                 on_unreachable: Callable[[str], None] | None = None, on_stale: Callable[[], None] | None = None) -> None:
+        self.shard, self.backup, self.term = shard, backup, term
         self.outbox = Outbox()
-        self.degraded: str | None = None  # why the primary goes on without its backup
+        self.degraded: str | None = None  # why the view moved on without this backup (set by drop)
+        self._on_unreachable = on_unreachable or (lambda why: None)
+        self._on_stale = on_stale or (lambda: None)
         self.replaced = False  # a re-sync started a new forwarder for this shard: this one is done
         self.batches_shipped = 0  # batches the backup confirmed (the init or state not counted)
         self._send, self._init, self._failover_s, self._flush_s = send, init, failover_s, flush_s
@@ -362,6 +329,12 @@ class Forwarder:
             self.outbox.queued = []
         self.close()
 
+    def drop(self, why: str) -> None:
+        """The view no longer has this backup (or this term): stop, and release the waiters."""
+        with self._cond:
+            self.degraded = self.degraded or why
+        self.replace()
+
     def close(self) -> None:
         with self._cond:
             self._stop = True
@@ -416,23 +389,30 @@ class Forwarder:
                     return
 
     def _ship(self, meta: dict[str, Any], tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Send until the backup answers; False (degraded) once it has not for ``failover_s``.
-        Called without the lock held."""
+        """Send until the backup answers; False once this forwarder is stopped (the view moved on).
+        A backup silent for ``failover_s`` (gone: at once) is reported to the authority, again every
+        ``failover_s`` while it stays so. Called without the lock held."""
+        meta = {**meta, "term": self.term}
         deadline = time.monotonic() + self._failover_s
-        while True:
+        while not self._stop:
             try:
                 self._send(meta, tensors)
                 return True
+            except RemoteError as e:
+                if e.kind == "StaleTermError":  # the backup knows a newer term: so must this copy
+                    self._on_stale()
+                elif time.monotonic() >= deadline:
+                    self._report(e)
+                    deadline = time.monotonic() + self._failover_s
             except (TransportError, PsflowError) as e:
-                if self._stop:
-                    return False
-                gone = isinstance(e, PeerGoneError)  # nothing listens there: its process died; no need to wait
-                if gone or time.monotonic() >= deadline:
-                    with self._cond:
-                        waited = "is gone" if gone else f"did not answer for {self._failover_s:g} s"
-                        self.degraded = f"its backup ps:{self.backup} {waited} ({e}); shard {self.shard} goes on without a copy"
-                        self.outbox.queued = []
-                        self._cond.notify_all()
-                    log.warning("shard %d: %s.", self.shard, self.degraded)
-                    return False
+                if isinstance(e, PeerGoneError) or time.monotonic() >= deadline:
+                    self._report(e)
+                    deadline = time.monotonic() + self._failover_s
+            if not self._stop:
                 time.sleep(0.05)
+        return False
+
+    def _report(self, e: Exception) -> None:
+        why = f"its backup ps:{self.backup} did not confirm shard {self.shard}'s records for {self._failover_s:g} s ({e})"
+        log.warning("shard %d: %s; asking the authority.", self.shard, why)
+        self._on_unreachable(why)

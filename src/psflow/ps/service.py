@@ -29,25 +29,15 @@ from psflow import timeline
 from psflow.checkpoint.keys import split_state
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
-from psflow.errors import ConfigError, PsflowError, RemoteError, TrainingError, TransportError
+from psflow.errors import ConfigError, NotServingError, PsflowError, RemoteError, StaleTermError, TrainingError, TransportError
 from psflow.ps import requests
+from psflow.ps.authority import ViewClient
 from psflow.ps.latency import LatencyBook
 from psflow.ps.progress import StepPlan
-from psflow.ps.replication import (
-    Answer,
-    Batch,
-    Forwarder,
-    Role,
-    Send,
-    backup_of,
-    not_serving,
-    on_request,
-    on_resync,
-    pair_other,
-    shards_held,
-)
+from psflow.ps.replication import Batch, Forwarder, Role, Send, backup_of, not_serving, pair_other, shards_held
 from psflow.ps.rules import Act
 from psflow.ps.store import ParameterStore
+from psflow.ps.views import Lease, ShardView, Sync, Verdict, accepts_records, initial_views, keeps_serving, takes_over
 from psflow.server import Reply, Request, Server
 from psflow.wire import compress
 from psflow.wire.conn import Connection, Resolve, connect
@@ -94,7 +84,8 @@ class PsService:
     """
 
     def __init__(self, server: Server, shard: int, cluster: ClusterSpec, *, default_wait_s: float = 60.0,
-                 resolve: Resolve | None = None, failover_s: float = 5.0, attempt: int = 0, replicas: int = 1) -> None:
+                 resolve: Resolve | None = None, failover_s: float = 5.0, attempt: int = 0, replicas: int = 1,
+                 authority: ViewClient | None = None, lease_s: float = 3.0) -> None:
         self.server = server
         self.resolve = resolve  # where the backup ps listens now (a launched task's address book)
         self.failover_s = failover_s  # replication: how long a backup may not answer before the serving copy goes on alone
@@ -102,7 +93,14 @@ class PsService:
         self.backups: dict[int, ParameterStore] = {}  # shard -> its copy here (the shard before this ps's own)
         self.roles: dict[int, Role] = {shard: Role.SERVING}  # shard -> what this ps does with its copy
         self._links: list[_Link] = []  # connections to other ps, one per forwarder
-        self._takeover_lock = threading.Lock()
+        self._takeover_lock = threading.RLock()  # roles and views change under it
+        self.authority = authority  # who decides which copy serves each shard (ps_replicas=2): the launcher
+        self.views: dict[int, ShardView] = {}  # shard -> the newest view of it this ps knows (replicated shards only)
+        self.waits: dict[int, bool] = {}  # a serving copy's replies wait for its backup (synced, or catch-up done)
+        self.lease = Lease(lease_s)  # acknowledgements need a recent word from the authority
+        self._ask_lock = threading.Lock()
+        self._asked_at = float("-inf")
+        self._fetching: set[int] = set()  # shards whose state this ps is asking the serving copy for
         self.resync_error: PsflowError | None = None  # why the re-sync failed (raised by watch_lost_workers)
         self.shard = shard
         self.cluster = cluster
@@ -115,13 +113,22 @@ class PsService:
         self._members_lock = threading.Lock()
         self._members_warned = False
         self.store = ParameterStore(shard, num_workers)
-        if replicas == 2 and attempt >= 1 and cluster.num_tasks("ps") >= 2:
-            # A restarted ps: its copies died with its last attempt; both come back from the other ps.
-            for s in shards_held(shard, cluster.num_tasks("ps")):
-                self.roles[s] = Role.RESYNCING
-                if s != shard:
-                    self.backups[s] = ParameterStore(s, num_workers)
         self._shutdown = threading.Event()
+        if replicas == 2 and cluster.num_tasks("ps") >= 2:
+            if authority is None:
+                raise ConfigError(f"ps:{shard} keeps a second copy of each shard (ps_replicas=2), which needs one authority "
+                                  "over the copies: the launcher's (psflow run --ps-replicas 2). A ps started by hand has "
+                                  "none; run by hand with ps_replicas=1, or launch the job with psflow run.")
+            views = initial_views(cluster.num_tasks("ps"))
+            for s in shards_held(shard, cluster.num_tasks("ps")):
+                self.views[s] = views[s]
+                if attempt >= 1:  # a restarted ps: its copies died with its last attempt; both come back from the other ps
+                    self.views[s] = ShardView(s, 0, None, None, Sync.LOST)
+                    self.roles[s] = Role.RESYNCING
+                    if s != shard:
+                        self.backups[s] = ParameterStore(s, num_workers)
+            self.waits = {s: attempt == 0 and s == shard for s in self.views}
+            threading.Thread(target=self._poll_views, name=f"psflow-views-{shard}", daemon=True).start()
         self.latency = LatencyBook(time.monotonic())  # push/pull durations per report window (read by Task.join)
         # Compressed pushes are decoded into dense buffers kept per (shard, worker, attempt): one
         # worker's pushes to a shard come one at a time, and the store copies or applies them before the reply.
@@ -262,8 +269,19 @@ class PsService:
         """replicas=2: each shard copy this ps holds, its role, version and counters (empty without replication)."""
         if not self.backups:
             return {}
-        return {str(s): {"role": self.roles.get(s, Role.BACKUP).value, "version": c.version, **c.stats.to_dict()}
-                for s, c in sorted(self._copies().items()) if c.initialized}
+        out = {}
+        for s, c in sorted(self._copies().items()):
+            if not c.initialized:
+                continue
+            v = self.views.get(s, _NO_VIEW)
+            row = {"role": self.roles.get(s, Role.BACKUP).value, "version": c.version, "term": v.term,
+                   "state": v.state.value, **c.stats.to_dict()}
+            if c.forwarder is not None and c.forwarder.degraded:
+                row["degraded"] = c.forwarder.degraded
+            elif self.roles.get(s) is Role.SERVING and v.state is not Sync.SYNCED:
+                row["degraded"] = f"term {v.term}: {v.state.value} (backup {_name(v.backup)})"
+            out[str(s)] = row
+        return out
 
     def _maybe_finished(self) -> None:
         """Every worker is done on each copy this ps serves (serving none: on each copy it holds)."""
@@ -297,41 +315,184 @@ class PsService:
             # a chief's (restarted chief's) initial values must not replace it.
             return Reply({"initialized": False, "version": self.store.version})
         config = TrainConfig.from_dict(req.meta["config"])
+        if config.ps_replicas == 2 and not self.views:
+            raise ConfigError(f"The chief asks for ps_replicas=2, but ps:{self.shard} was started with one copy per shard "
+                              "(its own ps_replicas is 1). Start every task with the same TrainConfig.")
         forwarder = None
-        if config.ps_replicas == 2 and not self.store.initialized:
-            backup = backup_of(self.shard, self.cluster.num_tasks("ps"))
-            forwarder = Forwarder(self.shard, backup, self._sender(backup),
-                                  ({**req.meta, "kind": "init", "shard": self.shard}, list(req.tensors.items())),
-                                  failover_s=self.failover_s)
+        view = self.views.get(self.shard)
+        if view is not None and view.backup is not None and view.state is Sync.SYNCED and not self.store.initialized:
+            forwarder = self._forwarder(self.shard, view.backup, view.term,
+                                        ({**req.meta, "kind": "init", "shard": self.shard}, list(req.tensors.items())))
         first = _initialize(self.store, req.meta, req.tensors, forwarder)
         self._acked()
         return Reply({"initialized": first, "version": self.store.version})
 
-    # -- replication -----------------------------------------------------------------------
+    # -- replication: the views ------------------------------------------------------------
+    def _forwarder(self, shard: int, backup: int, term: int,
+                   init: tuple[dict[str, Any], list[tuple[str, Any]]] | None = None) -> Forwarder:
+        return Forwarder(shard, backup, self._sender(backup), init, term=term, failover_s=self.failover_s,
+                         on_unreachable=lambda why: self._report_unreachable(shard, term, why),
+                         on_stale=lambda: self._ask_quietly("get"))
+
+    def _poll_views(self) -> None:
+        """Ask the authority for the views every quarter of the lease (the lease's renewal); a copy
+        the views leave out asks to be taken back (``up``)."""
+        while not self._shutdown.is_set():
+            kind = "up" if self._left_out() else "get"
+            self._ask_quietly(kind)
+            self._shutdown.wait(self.lease.lease_s / 4)
+
+    def _left_out(self) -> bool:
+        with self._takeover_lock:
+            return any(self.roles.get(s) is Role.RESYNCING and v.backup != self.shard and v.serving != self.shard
+                       for s, v in self.views.items())
+
+    def _ask(self, kind: str, **meta: Any) -> None:
+        """One question to the authority; then every view it answered is carried out here.
+
+        Raises:
+            PsflowError: the authority could not be asked (TransportError, RemoteError).
+        """
+        assert self.authority is not None
+        with self._ask_lock:
+            sent = time.monotonic()
+            views = self.authority.ask(kind, **meta)
+            self.lease.renewed(sent)  # from when it was asked: the authority's answer is at least that fresh
+            self._asked_at = sent
+        self._apply_views(views)
+
+    def _ask_quietly(self, kind: str, **meta: Any) -> bool:
+        try:
+            self._ask(kind, **meta)
+            return True
+        except (PsflowError, OSError) as e:
+            log.debug("ps:%d: could not ask the authority (%s): %s", self.shard, kind, e)
+            return False
+
+    def _report_unreachable(self, shard: int, term: int, why: str) -> None:
+        if not self._ask_quietly("unreachable", shard=shard, term=term, why=why):
+            log.warning("ps:%d: cannot tell the launcher that shard %d's backup does not answer: this copy acknowledges "
+                        "nothing until one of them answers.", self.shard, shard)
+
+    def _apply_views(self, views: dict[int, ShardView]) -> None:
+        fetch = []
+        with self._takeover_lock:
+            for s in sorted(self.views):
+                if s in views and self._apply_view(views[s]):
+                    fetch.append(s)
+        for s in fetch:
+            self._fetch_state(s)
+
+    def _apply_view(self, v: ShardView) -> bool:
+        """Under the takeover lock: carry out the view ``v`` of a shard this ps holds a copy of.
+        Returns True when this copy must ask the serving one for the shard's state."""
+        s, me = v.shard, self.shard
+        known, role = self.views[s], self.roles.get(s, Role.BACKUP)
+        if v.term < known.term:
+            return False
+        self.views[s] = v
+        if v.term == known.term:
+            if v.state is Sync.SYNCED and role is Role.SERVING:
+                self.waits[s] = True
+            return False
+        store = self._copies().get(s)
+        if v.serving == me:
+            if role is Role.SERVING and keeps_serving(known, v, me):
+                if store is not None and store.forwarder is not None and store.forwarder.backup != v.backup:
+                    store.stop_forwarding(f"term {v.term}: shard {s}'s backup is {_name(v.backup)} now ({v.state.value})")
+            elif store is not None and store.initialized and takes_over(known, v, me, role is Role.BACKUP):
+                store.take_over()
+                role = Role.SERVING
+                log.warning("ps:%d: takes over shard %d at step %d (term %d): the launcher recorded ps:%d down.",
+                            me, s, store.version, v.term, known.serving)
+            else:
+                role = Role.RESYNCING
+                log.error("ps:%d: the launcher names it serving shard %d in term %d (since term %d), but its copy is not "
+                          "the synced backup it promoted (it knew term %d): it cannot serve the shard.", me, s, v.term,
+                          v.since, known.term)
+            self.waits[s] = v.state is Sync.SYNCED
+            self.roles[s] = role
+            return False
+        if role is Role.SERVING and store is not None:
+            store.stop_forwarding(f"term {v.term}: ps:{me} no longer serves shard {s}")
+            log.warning("ps:%d: stops serving shard %d: term %d names %s serving.", me, s, v.term, _name(v.serving))
+        self.roles[s] = Role.RESYNCING
+        self.waits[s] = False
+        return v.backup == me
+
+    def _fetch_state(self, shard: int) -> None:
+        """Ask the serving copy for the shard's state, on a thread of its own (once per shard at a time)."""
+        with self._takeover_lock:
+            if shard in self._fetching:
+                return
+            self._fetching.add(shard)
+        threading.Thread(target=self._fetch_loop, args=(shard,), name=f"psflow-fetch-{shard}", daemon=True).start()
+
+    def _fetch_loop(self, shard: int) -> None:
+        last: Exception | None = None
+        try:
+            while not self._shutdown.is_set():
+                with self._takeover_lock:
+                    v, role = self.views[shard], self.roles.get(shard)
+                if v.backup != self.shard or v.serving is None or role is not Role.RESYNCING:
+                    return
+                try:
+                    link = _Link(self, v.serving)
+                    try:
+                        link.send({"kind": "resync", "shard": shard, "term": v.term}, [], timeout_s=self.failover_s + 60.0)
+                    finally:
+                        link.close()
+                except (TransportError, RemoteError) as e:
+                    if str(e) != str(last):
+                        log.warning("ps:%d: cannot load shard %d's state from ps:%d yet (%s); asking again.",
+                                    self.shard, shard, v.serving, e)
+                    last = e
+                    self._shutdown.wait(0.2)
+        finally:
+            with self._takeover_lock:
+                self._fetching.discard(shard)
+
     def _acked(self, store: ParameterStore | None = None) -> None:
-        """A copy with a backup: return once the backup holds the state this shard is in now (a
-        forwarder replaced by a re-sync: the new one, whose full state is at least as new)."""
+        """Return once this reply may be sent: the backup holds the state this shard is in now
+        (when acknowledgements wait for it), and this copy still serves the shard under a fresh lease.
+
+        Raises:
+            NotServingError: the view moved on, or the authority could not confirm it within the
+                lease: nothing is acknowledged (the client sends the request again).
+        """
         store = store or self.store
+        if not self.views:
+            return
+        s = store.shard
         seq = store.seq
-        while True:
+        while self.waits.get(s):
             forwarder = store.forwarder
             if forwarder is None:
-                return
+                break
             forwarder.wait_acked(seq, self.failover_s + 60.0)
             if not forwarder.replaced:
-                return
+                break
+        if not self.lease.valid(time.monotonic()):
+            self._ask_quietly("get")
+        if self.roles.get(s) is not Role.SERVING or self._copies().get(s) is not store:
+            raise not_serving(self.shard, s, self.roles.get(s, Role.RESYNCING), self.cluster.num_tasks("ps"),
+                              self.views[s].serving)
+        if not self.lease.valid(time.monotonic()):
+            raise NotServingError(f"ps:{self.shard} could not confirm with the launcher within {self.lease.lease_s:g} s "
+                                  f"that it still serves shard {s}: nothing is acknowledged until it can (the client "
+                                  "sends the request again).")
 
     def _store_for(self, req: Request) -> ParameterStore:
         return self.store_of(req.meta.get("shard"))
 
     def store_of(self, shard: Any) -> ParameterStore:
-        """The copy serving ``shard`` here (None: this ps's own). A backup copy takes over on a
-        request that names its shard (sent once the other ps of the pair did not answer); a copy
-        that does not serve refuses with a NotServingError (the client routes to the other ps).
+        """The copy serving ``shard`` here (None: this ps's own). A copy that does not serve asks the
+        authority first (the view may have moved: a client failed over here), then refuses with a
+        NotServingError (the client routes to the other ps).
 
         Raises:
             ConfigError: this ps holds no copy of ``shard``.
-            NotServingError: its copy is re-syncing, or a backup the request did not name.
+            NotServingError: the views do not name this ps serving the shard.
         """
         s = self.shard if shard is None else shard
         store = self._copies().get(s) if isinstance(s, int) else None
@@ -340,22 +501,14 @@ class PsService:
                               f"shard {self.shard} and the backups of {sorted(self.backups)}). Is the job running with "
                               "ps_replicas=2 on every task?")
         if self.roles.get(s) is Role.SERVING:
-            return store  # the hot path: a serving copy never stops serving, so no lock is needed to read it
-        with self._takeover_lock:
-            role = self.roles.get(s, Role.BACKUP)
-            answer = on_request(role, shard is not None)
-            if answer is Answer.REFUSE:
-                raise not_serving(self.shard, s, role, self.cluster.num_tasks("ps"))
-            if answer is Answer.TAKE_OVER:
-                other = pair_other(s, self.shard, self.cluster.num_tasks("ps"))
-                self._take_over(s, store, f"a worker could not reach ps:{other}, which served it")
+            return store  # the hot path; a view change is caught before the reply (_acked)
+        if self.views and time.monotonic() - self._asked_at > 0.05:
+            self._ask_quietly("get")
+        store = self._copies()[s]
+        role = self.roles.get(s, Role.BACKUP)
+        if role is not Role.SERVING:
+            raise not_serving(self.shard, s, role, self.cluster.num_tasks("ps"), self.views.get(s, _NO_VIEW).serving)
         return store
-
-    def _take_over(self, shard: int, store: ParameterStore, why: str) -> None:
-        """Under the takeover lock: this ps's backup copy of ``shard`` serves it from now on."""
-        store.take_over()
-        self.roles[shard] = Role.SERVING
-        log.warning("ps:%d: takes over shard %d at step %d: %s.", self.shard, shard, store.version, why)
 
     def _sender(self, target: int) -> Send:
         """One PS_REPLICATE request to ps ``target`` on a connection of this forwarder's own (made
@@ -364,29 +517,39 @@ class PsService:
         self._links.append(link)
         return link.send
 
+    # -- replication: PS_REPLICATE -----------------------------------------------------------
     def _replicate(self, req: Request) -> Reply:
         """PS_REPLICATE: a serving copy's init, full state or records for this ps's copy of the
-        shard (``init``, ``state``, ``batch``), or a restarted ps asking for the shard (``resync``)."""
+        shard (``init``, ``state``, ``batch``), or a backup asking for the shard's state (``resync``),
+        each of the term it names, checked against this ps's view of the shard."""
         shard, kind = int(req.meta["shard"]), req.meta["kind"]
         num_ps = self.cluster.num_tasks("ps")
-        held = shard < num_ps and shard in shards_held(self.shard, num_ps)
+        held = shard < num_ps and shard in shards_held(self.shard, num_ps) and shard in self.views
         other = pair_other(shard, self.shard, num_ps) if held else None
         if other is None or req.peer != f"ps:{other}" or (kind == "init" and backup_of(shard, num_ps) != self.shard):
             raise ConfigError(f"PS_REPLICATE {kind!r} from {req.peer} for shard {shard} refused: ps:{self.shard} holds "
                               f"copies of shards {shards_held(self.shard, num_ps)} only, each shared with the other ps "
                               "of its pair, and only that ps sends its records.")
+        term = int(req.meta.get("term", 0))
         if kind == "resync":
-            return self._resync_peer(shard, other)
-        role = self.roles.get(shard)
-        if role is Role.SERVING:
-            raise TrainingError(f"ps:{self.shard} serves shard {shard} and refuses ps:{other}'s {kind}: two copies "
-                                f"would serve it. ps:{other} must re-sync from this one.")
-        if kind == "init":
-            return self._backup_init(shard, req)
-        if kind == "state":
-            return self._load_state(shard, other, req)
+            return self._resync_peer(shard, other, term)
+        verdict = accepts_records(self.views[shard], self.shard, other, term)
+        if verdict is Verdict.ASK:
+            self._ask_quietly("get")
+            verdict = accepts_records(self.views[shard], self.shard, other, term)
+        if verdict is not Verdict.ACCEPT:
+            v = self.views[shard]
+            raise StaleTermError(f"ps:{self.shard} refuses ps:{other}'s {kind} of shard {shard} in term {term}: its view "
+                                 f"of the shard is term {v.term}, serving {_name(v.serving)}, backup {_name(v.backup)}. "
+                                 f"ps:{other} must ask the launcher for the shard's view.")
+        with self._takeover_lock:
+            role = self.roles.get(shard)
+            if kind == "init":
+                return self._backup_init(shard, req)
+            if kind == "state":
+                return self._load_state(shard, other, req)
         store = self.backups.get(shard) if shard != self.shard else self.store
-        if store is None or not store.initialized or role is Role.RESYNCING:
+        if store is None or not store.initialized or role is not Role.BACKUP:
             raise TrainingError(f"ps:{self.shard} received records of shard {shard} before its init or state: the "
                                 "serving copy must send that first (it re-syncs this backup).")
         seq = store.follow(Batch.from_wire(req.meta, req.tensors))
@@ -405,73 +568,80 @@ class PsService:
         return Reply({"seq": store.seq})
 
     def _load_state(self, shard: int, source: int, req: Request) -> Reply:
-        """A full state of the shard (a re-sync): this ps's copy becomes it, as a backup."""
+        """A full state of the shard, of the view's term: this ps's copy becomes it, as the backup."""
         store = self._copies().get(shard)
-        state_seq = int(req.meta["rules"]["seq"])
-        if store is not None and store.initialized and store.seq >= state_seq:
+        if self.roles.get(shard) is Role.BACKUP and store is not None and store.initialized:
             return Reply({"seq": store.seq})  # the same state again (its reply was lost): held already
-        if store is None or store.initialized:
-            store = ParameterStore(shard, self.store.num_workers, launch_workers=self.store.rules.launch_workers)
+        store = ParameterStore(shard, self.store.num_workers, launch_workers=self.store.rules.launch_workers)
         store.load_state(req.meta, req.tensors)
         if shard == self.shard:
             self.store = store
         else:
             self.backups[shard] = store
         self.roles[shard] = Role.BACKUP
-        log.warning("ps:%d: re-synced shard %d from ps:%d at step %d (record %d); holds its backup.", self.shard, shard,
-                    source, store.version, store.seq)
+        log.warning("ps:%d: loaded shard %d's state from ps:%d at step %d (record %d, term %d); holds its backup.",
+                    self.shard, shard, source, store.version, store.seq, self.views[shard].term)
         return Reply({"seq": store.seq})
 
-    def _resync_peer(self, shard: int, asker: int) -> Reply:
-        """ps ``asker`` restarted and asks for ``shard``: serve it here (taking it over if this held
-        the backup), and forward to the asker from the shard's full state; answered once it holds it."""
+    def _resync_peer(self, shard: int, asker: int, term: int) -> Reply:
+        """The view's backup ``asker`` asks for ``shard``'s state: forward to it from a full state,
+        acknowledging alone meanwhile (catching-up); once it holds the state and the records since,
+        replies wait for it again and the authority is told (synced). Answered once it holds the state."""
+        if term > self.views[shard].term:
+            self._ask_quietly("get")
         store = self._copies()[shard]
         with self._takeover_lock:
-            role = self.roles.get(shard, Role.RESYNCING)
-            answer = on_resync(role)
-            if answer is Answer.REFUSE or not store.initialized:
-                raise not_serving(self.shard, shard, Role.RESYNCING, self.cluster.num_tasks("ps"))
-            if answer is Answer.TAKE_OVER:
-                self._take_over(shard, store, f"ps:{asker} restarted and re-syncs from this copy")
-        forwarder = Forwarder(shard, asker, self._sender(asker), failover_s=self.failover_s)
-        seq = store.replicate_to(forwarder, {"kind": "state", "shard": shard})
+            v = self.views[shard]
+            if v.term != term or v.serving != self.shard or v.backup != asker or self.roles.get(shard) is not Role.SERVING:
+                raise StaleTermError(f"ps:{self.shard} does not send shard {shard}'s state to ps:{asker} in term {term}: its "
+                                     f"view is term {v.term}, serving {_name(v.serving)}, backup {_name(v.backup)}.")
+            if not store.initialized:
+                raise not_serving(self.shard, shard, Role.RESYNCING, self.cluster.num_tasks("ps"), v.serving)
+            forwarder = self._forwarder(shard, asker, term)
+            seq = store.replicate_to(forwarder, {"kind": "state", "shard": shard})
         forwarder.wait_acked(seq, self.failover_s + 60.0)
-        if forwarder.degraded is not None:
-            raise TrainingError(f"ps:{self.shard} could not re-sync ps:{asker} with shard {shard}: {forwarder.degraded}.")
-        log.warning("ps:%d: ps:%d holds shard %d's backup again (re-synced at step %d, record %d).", self.shard, asker,
-                    shard, store.version, seq)
+        if forwarder.replaced:
+            raise TrainingError(f"ps:{self.shard} could not send shard {shard}'s state to ps:{asker}: "
+                                f"{forwarder.degraded or 'the view moved on'}.")
+        with self._takeover_lock:
+            if self.views[shard].term != term:
+                raise StaleTermError(f"shard {shard}'s view moved past term {term} while ps:{asker} loaded its state.")
+            self.waits[shard] = True  # from here on replies wait for the backup; what was acknowledged alone reaches it first
+            caught = store.seq
+        forwarder.wait_acked(caught, self.failover_s + 60.0)
+        if not forwarder.replaced:
+            self._ask_quietly("caught_up", shard=shard, term=term)
+            log.warning("ps:%d: ps:%d holds shard %d's backup again (state at step %d, record %d; caught up at record %d, "
+                        "term %d).", self.shard, asker, shard, store.version, seq, caught, term)
         return Reply({"seq": seq, "version": store.version})
 
     def resync(self, timeout_s: float) -> None:
-        """A restarted ps (``attempt >= 1``, replicas=2): ask the other ps of each pair this ps
-        belongs to for the shard's state, one shard after the other; each copy here turns from
-        resyncing to backup when its state arrives (see :mod:`psflow.ps.replication`).
+        """A restarted ps (``attempt >= 1``, replicas=2): tell the authority it is up (it becomes the
+        backup of each shard of its pairs that is alone), load each shard's state from its serving copy,
+        and return once every copy here is a backup again (see :mod:`psflow.ps.views`).
 
         Raises:
-            TrainingError: a shard could not be re-synced within ``timeout_s`` (its other ps is down
-                too, or refuses); names the shard, the ps and the last error.
+            TrainingError: a shard was lost (both copies died) or could not be loaded within ``timeout_s``.
         """
-        num_ps = self.cluster.num_tasks("ps")
         deadline = time.monotonic() + timeout_s
-        for shard in shards_held(self.shard, num_ps):
-            source = pair_other(shard, self.shard, num_ps)
-            last: Exception | None = None
-            while self.roles.get(shard) is Role.RESYNCING and not self._shutdown.is_set():
-                if time.monotonic() >= deadline:
-                    raise TrainingError(
-                        f"ps:{self.shard} (attempt {self.attempt}) could not re-sync shard {shard} from ps:{source} "
-                        f"within {timeout_s:g} s (last error: {last}). Both copies of the shard are gone or ps:{source} "
-                        "refuses; the job cannot go on without losing acknowledged updates. Raise ready_timeout_s if "
-                        f"ps:{source} is only slow.")
-                try:
-                    link = _Link(self, source, deadline_s=max(0.1, deadline - time.monotonic()))
-                    try:
-                        link.send({"kind": "resync", "shard": shard}, [], timeout_s=self.failover_s + 60.0)
-                    finally:
-                        link.close()
-                except (TransportError, RemoteError) as e:
-                    last = e
-                    time.sleep(0.2)
+        while not self._shutdown.is_set():
+            asked = self._ask_quietly("up") if self._left_out() else self._ask_quietly("get")
+            with self._takeover_lock:
+                lost = [s for s, v in self.views.items() if v.state is Sync.LOST and v.term > 0]
+                waiting = [s for s in self.views if self.roles.get(s) is Role.RESYNCING]
+            if lost:
+                raise TrainingError(
+                    f"ps:{self.shard} (attempt {self.attempt}) cannot re-sync shard {lost[0]}: the launcher recorded it "
+                    "lost (its serving copy died while no synced copy existed), so its acknowledged updates are gone. "
+                    "Restart the run from its newest checkpoint (psflow restart).")
+            if not waiting:
+                return
+            if time.monotonic() >= deadline:
+                raise TrainingError(
+                    f"ps:{self.shard} (attempt {self.attempt}) could not re-sync shards {waiting} within {timeout_s:g} s "
+                    f"({'their serving copies did not send the state' if asked else 'the launcher did not answer'}). "
+                    "Raise ready_timeout_s if the serving ps is only slow.")
+            self._shutdown.wait(0.1)
 
     def start_resync(self, timeout_s: float) -> threading.Thread:
         """:meth:`resync` on a thread of its own (the server answers meanwhile: refusals, and the
@@ -605,6 +775,7 @@ class PsService:
                 "roles": {str(k): r.value for k, r in sorted(self.roles.items())},
                 "acked_seq": fwd.outbox.acked_seq if fwd else None, "seq": s.seq,
                 "degraded": fwd.degraded if fwd else None,
+                "views": {str(k): v.to_dict() for k, v in sorted(self.views.items())},
                 "backups": {str(k): {"version": b.version, "seq": b.seq, "applied_updates": b.stats.applied_updates}
                             for k, b in sorted(self.backups.items())},
                 "serving": sorted(self.serving),
@@ -619,6 +790,13 @@ class PsService:
         if self.on_save is None:
             raise ConfigError(f"ps:{self.shard} cannot save checkpoints: no checkpoint writer is attached.")
         return Reply(self.on_save(req.meta))
+
+
+_NO_VIEW = ShardView(-1, 0, None, None, Sync.LOST)
+
+
+def _name(ps: int | None) -> str:
+    return "none" if ps is None else f"ps:{ps}"
 
 
 class _Link:

@@ -595,6 +595,17 @@ class ParameterStore:
             self._cond.notify_all()
             return self.rules.seq
 
+    def stop_forwarding(self, why: str) -> None:
+        """The shard's view no longer has the backup this copy forwards to: stop forwarding (its
+        waiters are released and see the new view); records are kept no more."""
+        with self._cond:
+            forwarder, self._forwarder = self._forwarder, None
+            self.rules.log = None
+            self._ship_updates = {}
+            self._cond.notify_all()
+        if forwarder is not None:
+            forwarder.drop(why)
+
     def load_state(self, meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
         """A re-syncing backup: become the copy :meth:`transfer_state` captured (this store must be
         new: a restarted ps's). Then :meth:`follow` the records after it.

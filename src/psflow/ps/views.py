@@ -57,23 +57,26 @@ class Sync(enum.Enum):
 
 @dataclass(frozen=True)
 class ShardView:
-    """One shard's view: ``serving`` and ``backup`` are ps indexes (None: none)."""
+    """One shard's view: ``serving`` and ``backup`` are ps indexes (None: none); ``since``: the
+    term in which the serving copy began to serve (a copy that missed terms tells from it whether it
+    is the one promoted, or has served throughout)."""
 
     shard: int
     term: int
     serving: int | None
     backup: int | None
     state: Sync
+    since: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {"shard": self.shard, "term": self.term, "serving": self.serving, "backup": self.backup,
-                "state": self.state.value}
+                "state": self.state.value, "since": self.since}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ShardView:
         try:
             return cls(int(d["shard"]), int(d["term"]), _opt_int(d.get("serving")), _opt_int(d.get("backup")),
-                       Sync(d["state"]))
+                       Sync(d["state"]), int(d.get("since", 1)))
         except (KeyError, TypeError, ValueError) as e:
             raise PsflowError(f"A shard view is malformed ({e!r}); received {dict(d)!r}. Every task must run the "
                               "same psflow version.") from None
@@ -124,9 +127,9 @@ class ViewBook:
         for s, v in sorted(self.views.items()):
             if v.serving == ps:
                 if v.backup is not None and v.state is Sync.SYNCED:
-                    new = ShardView(s, v.term + 1, v.backup, None, Sync.ALONE)
+                    new = ShardView(s, v.term + 1, v.backup, None, Sync.ALONE, since=v.term + 1)
                 else:
-                    new = ShardView(s, v.term + 1, None, None, Sync.LOST)
+                    new = ShardView(s, v.term + 1, None, None, Sync.LOST, since=v.term + 1)
             elif v.backup == ps:
                 new = replace(v, term=v.term + 1, backup=None, state=Sync.ALONE)
             else:
@@ -182,10 +185,15 @@ def serves(view: ShardView, me: int, request_term: int | None) -> Verdict:
 
 def takes_over(known: ShardView, new: ShardView, me: int, role_is_backup: bool) -> bool:
     """Whether the copy on ps ``me`` (a backup that knew ``known``) may serve in ``new``: only the
-    synced backup of the term just before, the one the authority promoted. Any other copy named
-    serving misses records (it skipped a term in which it would have had to load the state again)."""
-    return (role_is_backup and new.serving == me and new.term == known.term + 1 and known.backup == me
-            and known.state is Sync.SYNCED)
+    backup of the term the promotion came from (``new.since - 1``: a copy may learn of it terms
+    later), which the authority promotes only when synced (a backup need not have heard that its
+    view became synced: it holds that term's records either way). Any other copy named serving misses records."""
+    return role_is_backup and new.serving == me and new.since == known.term + 1 and known.backup == me
+
+
+def keeps_serving(known: ShardView, new: ShardView, me: int) -> bool:
+    """Whether a copy that served in ``known`` has served throughout, up to ``new``."""
+    return known.serving == me and new.serving == me and new.since <= known.term
 
 
 class Lease:
@@ -200,7 +208,3 @@ class Lease:
 
     def valid(self, now: float) -> bool:
         return now < self.until
-
-
-class StaleTermError(PsflowError):
-    """A copy refused a message of an older term (or from a copy the view does not name)."""

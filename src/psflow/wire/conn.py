@@ -304,7 +304,9 @@ class Connection:
         self.send(op, meta, tensors)
         reply = self.recv(alloc)
         if reply.op == _ERROR:
-            raise RemoteError(f"{self.peer}: {reply.meta.get('error', 'unknown error')}")
+            kind = reply.meta.get("kind")
+            raise RemoteError(f"{self.peer}: {reply.meta.get('error', 'unknown error')}",
+                              kind if isinstance(kind, str) else None)
         return reply
 
     def close(self) -> None:

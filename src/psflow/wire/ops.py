@@ -30,3 +30,4 @@ class Op(enum.IntEnum):
     CO_REPORT = 41    # task -> launcher: metrics / final results
     # 42 was CO_STATUS (nothing asked for it; CO_RESOLVE without a task returns the whole book)
     CO_RESOLVE = 43   # task -> launcher: where a task listens now (or the whole address book, with its version)
+    CO_VIEW = 44      # ps -> launcher: the shard views (who serves each shard, in which term), and reports that change them
