@@ -27,6 +27,9 @@ Invariants:
   their state at each multiple, so checkpoints fall on multiples however async workers race.
 - Each checkpoint holds every worker's data position as ps shard 0 last recorded it (see
   :mod:`psflow.ps.progress`); each worker loads its own from the readiness reply.
+- A chief started by hand holds its logdir's lock while it runs (``LOGDIR/.psflow.lock``,
+  :mod:`psflow.launch.logdirlock`), as a launcher does for its run: a second job into that logdir is
+  refused at once, naming the first. Under a launcher the launcher holds it.
 - A run continues the checkpoints in its logdir only deliberately (a named logdir, ``resume=True``
   or ``PSFLOW_RESUME=1``), and never starts over at step 0 when every checkpoint there is corrupt.
 
@@ -69,6 +72,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -295,6 +299,7 @@ class Supervisor:
         # All-reduce: the data position after the last step every rank applied (a failed step's batch
         # was taken from the iterator but not applied: a checkpoint written then must not skip it).
         self._applied_position: dict[str, Any] | None = None
+        self._held = contextlib.ExitStack()  # a chief by hand: its logdir's lock, from __enter__ to __exit__
 
     # -- properties ------------------------------------------------------------------------
     is_chief = property(lambda self: bool(self.task.is_chief))
@@ -308,12 +313,26 @@ class Supervisor:
     def __enter__(self) -> Self:
         self._install_sigterm()
         try:
+            self._hold_logdir()
             self._start()
         except BaseException:
             self._restore_sigterm()
+            self._held.close()
             raise
         self._entered = True
         return self
+
+    def _hold_logdir(self) -> None:
+        """A chief started by hand holds its logdir while it runs, as a launcher does for its run
+        (:mod:`psflow.launch.logdirlock`): a second job writing there is refused. Under a launcher the
+        launcher holds it."""
+        if not self.is_chief or getattr(self.task, "coordinator", None):
+            return
+        from psflow.launch.logdirlock import BY_HAND, LOCK_FILE, hold
+
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self._held.enter_context(hold(self.logdir / LOCK_FILE, str(self.task.task_id), where=str(self.logdir),
+                                      role=BY_HAND, say=lambda m: self._say(f"note: {m}")))
 
     def _start(self) -> None:
         t0 = time.monotonic()
@@ -601,6 +620,7 @@ class Supervisor:
             self._restore_sigterm()
             if self._writer is not None:
                 self._quietly(True, "closing the summary writer", self._writer.close)
+            self._held.close()  # the logdir's lock (a chief by hand): nothing more is written there
             self._quietly(failing, "closing the trainer", self.trainer.close)
 
     def _end(self, failing: bool, exc_type: type[BaseException] | None) -> None:

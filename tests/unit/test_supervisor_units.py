@@ -541,3 +541,28 @@ def test_a_step_the_ps_refused_at_the_jobs_stop_ends_the_loop_of_a_worker_withou
         sv.step(lambda: torch.tensor(0.5), batch_size=10)
         assert sv.should_stop() and "stop step" in sv.stop_reason
         assert sv.examples == 0 and sv.last_loss is None  # a refused batch is not counted
+
+
+def test_a_chief_started_by_hand_holds_its_logdir_and_a_second_one_is_refused(tmp_path):
+    from psflow.launch.logdirlock import LOCK_FILE, Holder, LogdirInUseError, LogdirLock, this_holder
+
+    lock = tmp_path / LOCK_FILE
+    with Supervisor(chief_task(str(tmp_path)), save_model_secs=None, summary_every_steps=None):
+        holder = Holder.from_text(lock.read_text())
+        assert (holder.run_id, holder.pid, holder.role) == ("worker:0", os.getpid(), "chief started by hand")
+        with pytest.raises(LogdirInUseError, match=r"in use by a chief started by hand \(worker:0; pid"):
+            LogdirLock(lock, this_holder("run-2"), where=str(tmp_path)).acquire()
+    assert lock.read_text() == ""  # given up at the end
+    other = LogdirLock(lock, this_holder("run-2"), where=str(tmp_path))
+    other.acquire()
+    try:
+        with pytest.raises(LogdirInUseError, match=f"{tmp_path} is in use by run run-2"), \
+                Supervisor(chief_task(str(tmp_path)), save_model_secs=None, summary_every_steps=None):
+            pass
+    finally:
+        other.release()
+    # under a launcher the launcher holds the logdir, not its chief
+    task = chief_task(str(tmp_path / "launched"))
+    task.coordinator = "127.0.0.1:1"
+    with Supervisor(task, save_model_secs=None, summary_every_steps=None):
+        assert not (tmp_path / "launched" / LOCK_FILE).exists()

@@ -152,15 +152,18 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None) -> None
     directory, so training resumes from the newest checkpoint (what Kubeflow users do by deleting and
     re-creating a TFJob). Script, arguments, cluster shape, mode and policies are the recorded ones;
     fault injection (--fail-at) is not repeated. The new run names the old one (restarted_from)."""
+    from psflow.launch.logdirlock import run_lock
     from psflow.launch.metrics import final_line
     from psflow.platform import views
     from psflow.platform.jobstore import JobStore
-    from psflow.platform.launching import run_here, spec_of_run, start_detached
+    from psflow.platform.launching import queue_restart, run_here, spec_of_run, start_detached
     from psflow.platform.runcontrol import ask_stop, wait_until_over
 
     with _store_errors():
         ref = _stored_run(views.find(run), "restart")
         spec = spec_of_run(ref.run)
+        # refused before the run is asked to stop: a run other than it holds the logdir, or another restart waits
+        run_lock(str(spec.logdir), spec.logdir_url, str(spec.run_id)).check(after_run=spec.restarted_from)
         with JobStore(ref.db_path) as db:
             asked = ask_stop(db, ref.run["id"], source="cli")
         if asked.request_id is not None:
@@ -173,10 +176,16 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None) -> None
             click.echo(f"psflow: run {plan.run_id} restarts {asked.run_id} (launcher pid {proc.pid}); "
                        f"logs in {plan.logdir}, launcher output in {plan.logdir}/launcher.log")
             return
-        if asked.request_id is not None:
-            wait_until_over(ref.db_path, asked.run_id, timeout_s=timeout_s, request_id=asked.request_id)
-        click.echo(f"psflow: run {spec.run_id} restarts {asked.run_id}; logs in {spec.logdir}")
-        plan, result = run_here(spec, live=live)
+        queued = None
+        try:
+            if asked.request_id is not None:  # waits in the logdir's queue place: a second restart is refused
+                queued = queue_restart(dataclasses.replace(spec, after_run=asked.run_id))
+                wait_until_over(ref.db_path, asked.run_id, timeout_s=timeout_s, request_id=asked.request_id)
+            click.echo(f"psflow: run {spec.run_id} restarts {asked.run_id}; logs in {spec.logdir}")
+            plan, result = run_here(dataclasses.replace(spec, after_timeout_s=timeout_s), live=live, queued=queued)
+        finally:
+            if queued is not None:
+                queued.release_queue_place()
     click.echo(final_line(result.summary))
     sys.exit(result.exit_code)
 

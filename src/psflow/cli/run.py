@@ -147,6 +147,12 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         except PsflowError as e:  # what the rendering checks (k8s: a claim, or checkpoints on a URL)
             raise click.UsageError(str(e)) from e
         return
+    from psflow.launch.logdirlock import hold_run
+
+    try:  # one live run per logdir: refused here, before anything is said or started; held until the command ends
+        click.get_current_context().with_resource(hold_run(plan.logdir, logdir_url, plan.run_id))
+    except PsflowError as e:
+        raise click.ClickException(str(e)) from e
     jobs = tuple(dict.fromkeys(t.split(":")[0] for t in plan.task_names()))
     restarts = f"restart={policy.describe(jobs)}; " if policy.describe(jobs) != "never" else ""
     watchdog = f"watchdog: {hangs.describe()}; " if hangs.enabled else ""

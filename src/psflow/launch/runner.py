@@ -69,6 +69,7 @@ from psflow.launch.controller import (
 )
 from psflow.launch.coordinator import Coordinator
 from psflow.launch.copies import Finding, check_copies, verdict
+from psflow.launch.logdirlock import hold_run
 from psflow.launch.plan import LaunchPlan, TaskPlan, added_worker
 from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import CompositeRunStore, FileRunStore, RunStore
@@ -124,7 +125,16 @@ class Runner:
         self.on_tick = on_tick
 
     def run(self, plan: LaunchPlan) -> RunResult:
-        """Run ``plan`` to its end; return its exit code (0, 1 failed, 130 stopped), summary and root cause."""
+        """Run ``plan`` to its end; return its exit code (0, 1 failed, 130 stopped), summary and root cause.
+        The run holds its logdir throughout (:mod:`psflow.launch.logdirlock`).
+
+        Raises:
+            LogdirInUseError: another live run holds the plan's logdir; nothing was started.
+        """
+        with hold_run(plan.logdir, plan.logdir_url, plan.run_id, say=lambda m: self.console.echo(f"psflow: note: {m}")):
+            return self._run(plan)
+
+    def _run(self, plan: LaunchPlan) -> RunResult:
         logdir = Path(plan.logdir)
         logdir.mkdir(parents=True, exist_ok=True)
         t0 = time.time()

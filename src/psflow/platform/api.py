@@ -381,6 +381,7 @@ def create_app(settings: UiSettings) -> FastAPI:
 
     @app.post("/api/runs/{run_id}/restart", status_code=202, dependencies=[Depends(need_token)])
     def restart_run(run_id: str, db: Db) -> dict[str, Any]:
+        from psflow.launch.logdirlock import run_lock
         from psflow.platform.launching import plan_of, spec_of_run, start_detached
         from psflow.platform.runcontrol import ask_stop
 
@@ -388,6 +389,8 @@ def create_app(settings: UiSettings) -> FastAPI:
         try:
             spec = spec_of_run(run)
             plan_of(spec)  # refused now, not in the background, if it cannot start again
+            # ... or if another run holds its logdir, or another restart of it waits (one logdir, one live run)
+            run_lock(str(spec.logdir), spec.logdir_url, str(spec.run_id)).check(after_run=run_id)
         except ConfigError as e:
             raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
         # The stop is asked here; the new run's launcher, a process of its own session, waits for the
@@ -396,7 +399,10 @@ def create_app(settings: UiSettings) -> FastAPI:
         if asked.request_id is not None:
             spec = dataclasses.replace(spec, after_run=run_id, after_request=asked.request_id,
                                        after_timeout_s=settings.stop_wait_s)
-        plan, proc = start_detached(spec, env=_launcher_env(settings))
+        try:
+            plan, proc = start_detached(spec, env=_launcher_env(settings))
+        except ConfigError as e:  # another restart got there between the look above and now
+            raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
         _reap(proc, launchers)
         return {"run_id": plan.run_id, "restarts": run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
 

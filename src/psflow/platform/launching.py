@@ -16,7 +16,9 @@ and re-create the TFJob) and Ray (resubmit the job) do by hand: stop the run if 
 launch the same plan again (:func:`spec_of_run`: from what the job store recorded) as a new run, in
 the same log directory, so the chief restores the newest checkpoint and training goes on from
 there. The new run names the old one (``restarted_from``). Fault injection (``--fail-at``) is not
-part of the plan that is restarted: it tested the run it was given to.
+part of the plan that is restarted: it tested the run it was given to. One logdir, one live run
+(:mod:`psflow.launch.logdirlock`): a restart holds the logdir's queue place while the old run stops,
+then its lock, so of two quick restarts of one run the second is refused.
 
 "Restore here" (``POST /api/runs/{id}/checkpoints/{name}/restore``) launches the same plan as a new
 run in a new log directory seeded with that one checkpoint (:func:`restore_spec`,
@@ -41,6 +43,7 @@ from typing import Any
 
 from psflow.errors import ConfigError, PsflowError
 from psflow.launch.backend import RunResult
+from psflow.launch.logdirlock import LogdirLock
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.restart import RestartPolicy
 
@@ -226,17 +229,43 @@ def _policy_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     return dict(d)
 
 
-def run_here(spec: LaunchSpec, *, live: bool | None = None, runs_root: Path | None = None) -> tuple[LaunchPlan, RunResult]:
-    """Run ``spec`` in this process, to its end (the foreground ``psflow restart``)."""
-    plan = plan_of(spec, runs_root=runs_root)
-    if plan.logdir_url is None:
-        return plan, _runner(spec, live=live).run(plan)
-    from psflow.launch.urllogdir import LogdirSyncer, check_url
+def run_here(spec: LaunchSpec, *, live: bool | None = None, runs_root: Path | None = None,
+             queued: LogdirLock | None = None) -> tuple[LaunchPlan, RunResult]:
+    """Run ``spec`` in this process, to its end (the foreground ``psflow restart``), holding its logdir
+    (:mod:`psflow.launch.logdirlock`). A restart waits up to ``after_timeout_s`` for the run it
+    restarts to let the logdir go; ``queued``: the lock that held the queue place meanwhile.
 
-    check_url(plan.logdir_url)  # before any task starts
-    Path(plan.logdir).mkdir(parents=True, exist_ok=True)
-    with LogdirSyncer(Path(plan.logdir), plan.logdir_url, warn=lambda m: print(f"psflow: warning: {m}", file=sys.stderr)):
-        return plan, _runner(spec, live=live).run(plan)
+    Raises:
+        LogdirInUseError: another live run holds the logdir; nothing was started.
+    """
+    from psflow.launch.logdirlock import hold_run
+
+    plan = plan_of(spec, runs_root=runs_root)
+    with hold_run(plan.logdir, plan.logdir_url, plan.run_id, wait_for_run=spec.restarted_from,
+                  wait_s=spec.after_timeout_s if spec.restarted_from else 0.0, queued=queued):
+        if plan.logdir_url is None:
+            return plan, _runner(spec, live=live).run(plan)
+        from psflow.launch.urllogdir import LogdirSyncer, check_url
+
+        check_url(plan.logdir_url)  # before any task starts
+        Path(plan.logdir).mkdir(parents=True, exist_ok=True)
+        with LogdirSyncer(Path(plan.logdir), plan.logdir_url, warn=lambda m: print(f"psflow: warning: {m}", file=sys.stderr)):
+            return plan, _runner(spec, live=live).run(plan)
+
+
+def queue_restart(spec: LaunchSpec) -> LogdirLock:
+    """A restart's claim on its logdir while the run it restarts (``spec.after_run``) stops: the queue
+    place (:meth:`LogdirLock.queue_behind`), handed to :func:`run_here`.
+
+    Raises:
+        LogdirInUseError: another restart of the logdir waits already, or another run holds it.
+    """
+    from psflow.launch.logdirlock import run_lock
+
+    assert spec.after_run is not None and spec.run_id is not None and spec.logdir is not None
+    lock = run_lock(spec.logdir, spec.logdir_url, spec.run_id)
+    lock.queue_behind(spec.after_run)
+    return lock
 
 
 def _runner(spec: LaunchSpec, *, live: bool | None) -> Any:
@@ -271,9 +300,13 @@ def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapp
     Raises:
         ConfigError: a spec :func:`plan_of` refuses (nothing is started).
     """
+    from psflow.launch.logdirlock import run_lock
+
     plan = plan_of(spec, runs_root=runs_root)
     fixed = dataclasses.replace(spec, run_id=plan.run_id, logdir=os.path.abspath(plan.logdir))
     Path(fixed.logdir or ".").mkdir(parents=True, exist_ok=True)
+    # Refused here, not in the background where only launcher.log would say so (the launcher checks again).
+    run_lock(str(fixed.logdir), fixed.logdir_url, str(fixed.run_id)).check(after_run=fixed.restarted_from)
     with open(Path(fixed.logdir or ".") / LAUNCHER_LOG, "ab") as out:
         proc = subprocess.Popen([python, "-m", "psflow.platform.launching", fixed.to_json()], stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -298,13 +331,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m psflow.platform.launching SPEC_JSON (a LaunchSpec as JSON)", file=sys.stderr)
         return 2
     spec = LaunchSpec.from_json(args[0])
+    queued = None
     try:
         if spec.after_run is not None:
+            queued = queue_restart(spec)  # a second restart of this logdir is refused meanwhile
             _wait_for_stop(spec)
-        plan, result = run_here(spec, live=False)
+        plan, result = run_here(spec, live=False, queued=queued)
     except PsflowError as e:
         print(f"psflow: {e}", file=sys.stderr)
         return 2
+    finally:
+        if queued is not None:
+            queued.release_queue_place()
     print(f"psflow: run {plan.run_id} ended with exit code {result.exit_code}", flush=True)
     return result.exit_code
 
