@@ -245,6 +245,23 @@ def test_the_openapi_schema_is_served_and_describes_the_api(dashboard):
     assert body == {"$ref": "#/components/schemas/StartRun"}
 
 
+def test_a_request_naming_another_host_is_refused_on_every_route_dns_rebinding(tmp_path):
+    ui = start_dashboard(tmp_path / "home", tmp_path / "runs", extra=("--allowed-host", "dash.example"))
+    try:
+        with ui.client() as api:  # the token is no way around it
+            for path in ("/api/runs", "/api/health", "/", "/metrics", "/api/runs/r/checkpoints/c/export", "/openapi.json"):
+                r = api.get(path, headers={"Host": "evil.example"})
+                assert r.status_code == 400, (path, r.status_code)
+                detail = r.json()["detail"]
+                assert "does not answer to Host 'evil.example'" in detail and "DNS rebinding" in detail
+                assert "localhost, 127.0.0.1, [::1]" in detail and "--allowed-host NAME" in detail
+            port = ui.url.rstrip("/").rsplit(":", 1)[1]
+            for host in (f"127.0.0.1:{port}", f"localhost:{port}", "dash.example", f"DASH.example:{port}"):
+                assert api.get("/api/runs", headers={"Host": host}).status_code == 200, host
+    finally:
+        ui.stop()
+
+
 def test_a_dashboard_off_loopback_needs_an_explicit_flag_and_a_token(tmp_path):
     env = task_env(PSFLOW_HOME=str(tmp_path))
     env.pop("PSFLOW_UI_TOKEN", None)

@@ -1,7 +1,9 @@
 """The dashboard's pure parts: reading a log's tail and following it, the run-directory guard, the
-bind rules of psflow ui, and a page of runs from a real SQLite store."""
+bind rules of psflow ui, the Host names it answers to, and a page of runs from a real SQLite store."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 
@@ -333,8 +335,56 @@ def test_with_reads_behind_the_token_the_live_stream_needs_it_too(tmp_path):
               "mode": "async", "strategy": "ps", "backend": "local", "restart_policy": {}, "launcher": None,
               "created_unix": 1.0}
     SqliteRunStore(tmp_path / "jobs.db", record, ["worker:0"], warn=print).finished("failed")
-    client = TestClient(create_app(UiSettings(home=tmp_path, token="chosen-token", auth_reads=True)))
+    client = TestClient(create_app(UiSettings(home=tmp_path, token="chosen-token", auth_reads=True)),
+                        base_url="http://127.0.0.1")
     refused = client.get("/api/runs/run-x/stream")
     assert refused.status_code == 401 and "needs the dashboard's token" in refused.json()["detail"]
     ok = client.get("/api/runs/run-x/stream", headers={"Authorization": "Bearer chosen-token"})
     assert ok.status_code == 200 and ok.text.endswith('event: end\ndata: {"state":"failed"}\n\n'), ok.text[-300:]
+
+
+def test_the_host_header_is_read_and_matched_as_starlette_does():
+    from psflow.platform.hosts import check_patterns, host_of, is_allowed
+
+    assert host_of("127.0.0.1:8265") == "127.0.0.1" and host_of("LocalHost") == "localhost"
+    assert host_of("[::1]:8265") == "[::1]" and host_of("[::1]") == "[::1]"
+    for bad in (None, "", "a b", "[zz::1]", "evil.example:port", "user@evil.example", "x/y"):
+        assert host_of(bad) is None, bad
+    allowed = ("localhost", "127.0.0.1", "[::1]", "*.corp.example")
+    assert all(is_allowed(h, allowed) for h in ("localhost", "[::1]", "dash.corp.example"))
+    assert not any(is_allowed(h, allowed) for h in ("evil.example", "corp.example", "127.0.0.1.evil.example", None))
+    assert is_allowed("anything", ("*",))
+    assert check_patterns(["Dash.Example", "::1", "*.corp.example", "10.0.0.5"]) == (
+        "dash.example", "[::1]", "*.corp.example", "10.0.0.5")
+    for bad in ("http://dash.example", "dash.example:8265", "dash.example/x", "a*.example", ""):
+        with pytest.raises(ConfigError, match="is not a host name"):
+            check_patterns([bad])
+
+
+def test_the_dashboard_answers_its_own_names_only(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from psflow.platform.api import create_app
+
+    local = settings_for("127.0.0.1", allow_remote=False, env={"PSFLOW_HOME": str(tmp_path)},
+                         allowed_hosts=("dash.example",))
+    assert local.allowed_hosts == ("localhost", "127.0.0.1", "[::1]", "dash.example")
+    assert settings_for("::1", allow_remote=False, env={"PSFLOW_HOME": str(tmp_path)}).allowed_hosts[:3] == (
+        "localhost", "127.0.0.1", "[::1]")
+    remote = settings_for("0.0.0.0", allow_remote=True, env={"PSFLOW_UI_TOKEN": "t" * 32, "PSFLOW_HOME": str(tmp_path)})
+    assert "0.0.0.0" not in remote.allowed_hosts and socket.gethostname().lower() in remote.allowed_hosts
+    bound = settings_for("10.1.2.3", allow_remote=True, env={"PSFLOW_UI_TOKEN": "t" * 32, "PSFLOW_HOME": str(tmp_path)})
+    assert "10.1.2.3" in bound.allowed_hosts
+    with pytest.raises(ConfigError, match="--allowed-host 'http://x' is not a host name"):
+        settings_for("127.0.0.1", allow_remote=False, env={}, allowed_hosts=("http://x",))
+
+    client = TestClient(create_app(local), base_url="http://127.0.0.1:8265")
+    for path in ("/api/runs", "/api/health", "/", "/api/runs/r/checkpoints/c/export"):
+        refused = client.get(path, headers={"Host": "evil.example"})
+        assert refused.status_code == 400, path
+        assert refused.json()["detail"].startswith("This dashboard does not answer to Host 'evil.example'; it answers "
+                                                   "to localhost, 127.0.0.1, [::1], dash.example.")
+    assert client.post("/api/runs", json={}, headers={"Host": "evil.example:8265"}).status_code == 400
+    assert client.get("/api/health").status_code == 200
+    for host in ("localhost:8265", "[::1]:8265", "dash.example"):
+        assert client.get("/api/health", headers={"Host": host}).status_code == 200, host

@@ -202,15 +202,18 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None) -> None
               help="POST a JSON alert (with a 'text' line) here when a run fails, stalls or has a task restarted.")
 @click.option("--alert-stall", "alert_stall_s", type=float, default=300.0, show_default=True,
               help="With --alert-webhook: seconds without a new global step before a running run counts as stalled.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A name requests may reach the dashboard by, besides localhost, 127.0.0.1, [::1] and the bound "
+                   "address (repeatable; *.example.org: its subdomains). Others get a 400 (DNS rebinding).")
 def ui(host: str, port: int, allow_remote: bool, scripts: tuple[Path, ...], runs_dir: Path | None,
-       alert_webhook: str | None, alert_stall_s: float) -> None:
+       alert_webhook: str | None, alert_stall_s: float, allowed_hosts: tuple[str, ...]) -> None:
     """Serve the dashboard and its HTTP API over the job store: runs, tasks, live charts and logs; start,
     stop and restart runs. Runs go on when it stops: it only reads the store and writes requests."""
     from psflow.platform.uiserver import serve, settings_for
 
     try:
         settings = settings_for(host, allow_remote=allow_remote, scripts=scripts, runs_dir=runs_dir,
-                                alert_webhook=alert_webhook, alert_stall_s=alert_stall_s)
+                                alert_webhook=alert_webhook, alert_stall_s=alert_stall_s, allowed_hosts=allowed_hosts)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     serve(settings, host, port, echo=click.echo)

@@ -23,11 +23,14 @@ Routes (``{run}`` is a run id):
 - ``POST /api/runs/{run}/checkpoints/{name}/restore``: the plan again as a new run from that checkpoint;
 - ``POST /api/runs/{run}/dump``: every task's stacks into its log; ``GET /api/runs/{run}/stacks``: them, grouped.
 
-Security: every POST needs the token (``Authorization: Bearer TOKEN`` or ``X-Psflow-Token``),
-compared with :func:`hmac.compare_digest`; with ``auth_reads`` (a non-loopback bind) every
-``/api`` and ``/metrics`` request needs it too. A started run's script must be a ``.py`` file under
-one of ``script_roots``; its arguments are a list handed to the launcher as argv (no shell). Files
-are served through :mod:`psflow.platform.runfiles` only: nothing outside a run's log directory.
+Security: every request, reads included, must name the dashboard by a name it answers to in its
+``Host`` header (:mod:`psflow.platform.hosts`: loopback names, the bound address,
+``--allowed-host``), or it gets a 400: a page of another site cannot read it through DNS rebinding.
+Every POST needs the token (``Authorization: Bearer TOKEN`` or ``X-Psflow-Token``), compared with
+:func:`hmac.compare_digest`; with ``auth_reads`` (a non-loopback bind) every ``/api`` and
+``/metrics`` request needs it too. A started run's script must be a ``.py`` file under one of
+``script_roots``; its arguments are a list handed to the launcher as argv (no shell). Files are
+served through :mod:`psflow.platform.runfiles` only: nothing outside a run's log directory.
 
 The API only reads the store and writes control requests; the runs it starts are launcher processes
 of their own session (:func:`psflow.platform.launching.start_detached`), so they outlive it.
@@ -56,6 +59,7 @@ from starlette.background import BackgroundTask
 
 from psflow.errors import ConfigError, PsflowError
 from psflow.platform.home import ALERT_WEBHOOK_ENV, HOME_ENV, JOBS_DB, UI_TOKEN_ENV
+from psflow.platform.hosts import LOOPBACK_NAMES, HostAllowlist
 from psflow.platform.jobstore import RUN_STATES, JobStore, JobStoreError
 from psflow.platform.runfiles import RunFileError, checkpoint_path, checkpoints, log_path, read_log
 
@@ -78,6 +82,7 @@ class UiSettings:
         alert_webhook: where alerts go (failed, stalled, restarted; :mod:`psflow.platform.alerts`), if anywhere.
         alert_stall_s: how long a running run's global step may stand still before it is a stall.
         stream_poll_s: how often an open live stream (``/api/runs/{run}/stream``) reads the store.
+        allowed_hosts: the names a request's ``Host`` header may give (:func:`psflow.platform.hosts.allowed_hosts`).
     """
 
     home: Path
@@ -90,6 +95,7 @@ class UiSettings:
     alert_webhook: str | None = None
     alert_stall_s: float = 300.0
     stream_poll_s: float = 1.0
+    allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES
 
     @property
     def db_path(self) -> Path:
@@ -152,6 +158,7 @@ def create_app(settings: UiSettings) -> FastAPI:
     # no /docs or /redoc: FastAPI's pages load their scripts from a CDN, and nothing here may
     app = FastAPI(title="psflow", summary="Runs, tasks, metrics and logs of psflow's job store; start, stop, restart.",
                   version="1", docs_url=None, redoc_url=None)
+    app.add_middleware(HostAllowlist, allowed=settings.allowed_hosts)  # before any route, reads included
     launchers: list[Any] = []
 
     def authorized(request: Request) -> bool:

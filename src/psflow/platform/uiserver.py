@@ -5,6 +5,9 @@ Binds 127.0.0.1 by default. Any other address is refused unless the user says so
 request, reads included, needs the token. On loopback a fresh token is made when none is set, and
 printed with the URL (in its ``#token=`` fragment, which browsers never send to the server).
 
+Every request, reads included, must give a ``Host`` the dashboard answers to (loopback names, the
+bound address, ``--allowed-host`` names; :mod:`psflow.platform.hosts`): DNS rebinding cannot reach it.
+
 While it serves, ``$PSFLOW_HOME/ui.json`` says where (url, pid), so ``psflow run`` can print where
 the dashboard is (:mod:`psflow.platform.uifile`); it is removed at exit, and one whose pid is gone is ignored.
 
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow.errors import ConfigError
+from psflow.platform import hosts
 from psflow.platform.alerts import AlertBook, AlertWatcher, check_webhook
 from psflow.platform.api import UiSettings, create_app
 from psflow.platform.home import UI_TOKEN_ENV, psflow_home, ui_token
@@ -41,11 +45,13 @@ def is_loopback(host: str) -> bool:
 
 def settings_for(host: str, *, allow_remote: bool, scripts: tuple[Path, ...] = (), runs_dir: Path | None = None,
                  env: dict[str, str] | None = None, alert_webhook: str | None = None,
-                 alert_stall_s: float = 300.0) -> UiSettings:
-    """The dashboard's settings for a bind to ``host``.
+                 alert_stall_s: float = 300.0, allowed_hosts: tuple[str, ...] = ()) -> UiSettings:
+    """The dashboard's settings for a bind to ``host``; ``allowed_hosts``: more names its requests'
+    ``Host`` may give (``--allowed-host``).
 
     Raises:
-        ConfigError: a non-loopback ``host`` without ``allow_remote``, or without a token of the user's own.
+        ConfigError: a non-loopback ``host`` without ``allow_remote``, or without a token of the user's own;
+            an ``allowed_hosts`` entry that is not a host name.
     """
     token = ui_token(env)
     remote = not is_loopback(host)
@@ -65,7 +71,8 @@ def settings_for(host: str, *, allow_remote: bool, scripts: tuple[Path, ...] = (
     return UiSettings(home=psflow_home(env), token=token or secrets.token_urlsafe(24),
                       script_roots=tuple(d.resolve() for d in scripts) or (Path.cwd(),),
                       runs_root=runs_dir.resolve() if runs_dir else None, auth_reads=remote,
-                      alert_webhook=alert_webhook, alert_stall_s=alert_stall_s)
+                      alert_webhook=alert_webhook, alert_stall_s=alert_stall_s,
+                      allowed_hosts=hosts.allowed_hosts(host, allowed_hosts, loopback=not remote))
 
 
 def serve(settings: UiSettings, host: str = "127.0.0.1", port: int = 8265, *,
