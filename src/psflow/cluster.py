@@ -461,6 +461,9 @@ _SLURM_VARS = {  # the first one set wins: a step's own view comes before its al
     "nodelist": ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
     "per_node": ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
 }
+# What to do where psflow cannot derive every task's node from the environment.
+_PASS_THE_CLUSTER = ("Pass the cluster yourself, in task order: --ps_hosts/--worker_hosts with --job_name/--task_index "
+                     "(or PSFLOW_CLUSTER with PSFLOW_TASK), or run the step with srun -m block or -m cyclic.")
 
 
 def in_slurm_step(env: Mapping[str, str]) -> bool:
@@ -468,19 +471,42 @@ def in_slurm_step(env: Mapping[str, str]) -> bool:
     return bool(env.get("SLURM_PROCID", "").strip())
 
 
-def cluster_from_slurm_env(
-    env: Mapping[str, str], *, num_ps: int, base_port: int, require_ps: bool = True
-) -> tuple[ClusterSpec, TaskId]:
-    """Builds the cluster of a Slurm step and this process's task: tasks ``0..num_ps-1`` are ps, the rest workers.
+def slurm_task_nodes(nodes: Sequence[str], counts: Sequence[int], distribution: str) -> list[str]:
+    """The node of every task of a Slurm step (index = ``SLURM_PROCID``), as srun laid them out.
 
-    Reads SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, SLURM_NODELIST) and
-    SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE) from ``env``. Tasks lie on nodes in Slurm's
-    block order; task i listens on ``base_port + i``, so tasks sharing a node never share a port.
-    ``num_ps=0`` needs ``require_ps=False`` (all-reduce).
+    A task sees only its own node (``SLURMD_NODENAME``); the others follow from the step's node list,
+    its tasks per node and the distribution's node level (``SLURM_DISTRIBUTION``: ``block``,
+    ``cyclic``, ``block:cyclic``, ...; empty or ``*`` is srun's default, block). Block gives each node
+    its tasks in one run of ranks; cyclic deals ranks out one per node, in the node list's order,
+    round after round, skipping a node once it has its count (Slurm's ``_task_layout_cyclic``).
+
+    Args:
+        nodes: the step's nodes in Slurm's order (:func:`expand_slurm_nodelist`).
+        counts: tasks on each node (:func:`expand_slurm_tasks_per_node`), same length.
+        distribution: ``SLURM_DISTRIBUTION`` as set ("" if unset).
 
     Raises:
-        ConfigError: missing (named) or malformed variables, counts that disagree, ports past 65535.
+        ConfigError: a distribution whose layout the environment does not tell (arbitrary: the user's
+            host file; plane; anything unknown), naming what to pass instead.
+
+    Example:
+        >>> slurm_task_nodes(["a", "b"], [2, 1], "cyclic")
+        ['a', 'b', 'a']
     """
+    level = re.split(r"[:,]", distribution.strip(), maxsplit=1)[0].strip().lower()
+    if level in ("", "*", "block"):
+        return [node for node, count in zip(nodes, counts) for _ in range(count)]
+    if level == "cyclic":
+        return [node for rnd in range(max(counts, default=0)) for node, count in zip(nodes, counts) if rnd < count]
+    if level == "arbitrary":
+        raise ConfigError("SLURM_DISTRIBUTION=arbitrary: srun placed the tasks by its host file (SLURM_HOSTFILE), "
+                          f"which a task's environment does not list. {_PASS_THE_CLUSTER}")
+    raise ConfigError(f"SLURM_DISTRIBUTION={distribution!r}: psflow derives the tasks' nodes for block and cyclic "
+                      f"only. {_PASS_THE_CLUSTER}")
+
+
+def _read_slurm_step(env: Mapping[str, str]) -> tuple[int, int, list[str], list[int]]:
+    """SLURM_PROCID, SLURM_NTASKS, the step's nodes and its tasks per node, checked against each other."""
     found = {k: next((env[n].strip() for n in names if env.get(n, "").strip()), "") for k, names in _SLURM_VARS.items()}
     missing = [" or ".join(_SLURM_VARS[k]) for k, v in found.items() if not v]
     if missing:
@@ -501,13 +527,43 @@ def cluster_from_slurm_env(
         )
     if procid >= ntasks:
         raise ConfigError(f"SLURM_PROCID={procid} is out of range for SLURM_NTASKS={ntasks}.")
+    return procid, ntasks, nodes, counts
+
+
+def cluster_from_slurm_env(
+    env: Mapping[str, str], *, num_ps: int, base_port: int, require_ps: bool = True
+) -> tuple[ClusterSpec, TaskId]:
+    """Builds the cluster of a Slurm step and this process's task: tasks ``0..num_ps-1`` are ps, the rest workers.
+
+    Reads SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, SLURM_NODELIST),
+    SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE), SLURM_DISTRIBUTION and SLURMD_NODENAME from
+    ``env``. Every task's node follows from the distribution (:func:`slurm_task_nodes`); this task's
+    must be the node it runs on (``SLURMD_NODENAME``), or it refuses: as every task checks its own,
+    a layout derived wrongly stops the step at the tasks it misplaces instead of building a wrong
+    cluster. Task i listens on ``base_port + i``, so tasks sharing a node never share a port.
+    ``num_ps=0`` needs ``require_ps=False`` (all-reduce).
+
+    Raises:
+        ConfigError: missing (named) or malformed variables, counts that disagree, a distribution
+            whose layout is not derivable (arbitrary, plane), this task placed on another node than
+            SLURMD_NODENAME, ports past 65535.
+    """
+    procid, ntasks, nodes, counts = _read_slurm_step(env)
     if isinstance(num_ps, bool) or not isinstance(num_ps, int) or not 0 <= num_ps < ntasks:
         raise ConfigError(f"num_ps={num_ps!r} must be in 0..{ntasks - 1} so that SLURM_NTASKS={ntasks} has a worker "
                           "(psflow.init reads it from PSFLOW_NUM_PS).")
     if base_port < 1 or base_port + ntasks - 1 > 65535:
         raise ConfigError(f"base_port={base_port} gives ports {base_port}..{base_port + ntasks - 1}; use 1..65535 "
                           "(psflow.init reads it from PSFLOW_BASE_PORT).")
-    hosts = [node for node, count in zip(nodes, counts) for _ in range(count)]
+    distribution = env.get("SLURM_DISTRIBUTION", "")
+    hosts = slurm_task_nodes(nodes, counts, distribution)
+    here = env.get("SLURMD_NODENAME", "").strip()
+    if here and hosts[procid] != here:
+        raise ConfigError(
+            f"Slurm task {procid} runs on {here!r} (SLURMD_NODENAME) but the step's layout puts it on "
+            f"{hosts[procid]!r} (SLURM_DISTRIBUTION={distribution!r}, nodes {nodes}, tasks per node {counts}). "
+            f"{_PASS_THE_CLUSTER}"
+        )
     addrs = [f"{host}:{base_port + i}" for i, host in enumerate(hosts)]
     jobs = {"ps": addrs[:num_ps], "worker": addrs[num_ps:]} if num_ps else {"worker": addrs}
     task = TaskId("ps", procid) if procid < num_ps else TaskId("worker", procid - num_ps)

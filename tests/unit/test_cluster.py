@@ -19,6 +19,7 @@ from psflow.cluster import (
     is_loopback_host,
     parse_address,
     parse_cluster_flags,
+    slurm_task_nodes,
 )
 from psflow.errors import ConfigError
 
@@ -530,6 +531,52 @@ def test_slurm_num_ps_must_leave_a_worker(num_ps: int) -> None:
 def test_slurm_ports_must_fit(base_port: int) -> None:
     with pytest.raises(ConfigError, match=f"base_port={base_port} gives ports"):
         cluster_from_slurm_env(slurm_env(), num_ps=1, base_port=base_port)
+
+
+# srun -N3 -n5 on n[1-2],gpu5 (tasks per node 2,2,1), as `srun -l hostname` prints each layout.
+STEP = {"SLURM_NTASKS": "5", "SLURM_STEP_NODELIST": "n[1-2],gpu5", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
+        "SLURM_JOB_NODELIST": "n[1-3],gpu5", "SLURM_TASKS_PER_NODE": "2(x3),1"}
+LAYOUTS = {
+    "block": ["n1", "n1", "n2", "n2", "gpu5"],
+    "cyclic": ["n1", "n2", "gpu5", "n1", "n2"],
+    "cyclic:block": ["n1", "n2", "gpu5", "n1", "n2"],  # the node level is the first field
+    "block:cyclic,Pack": ["n1", "n1", "n2", "n2", "gpu5"],
+    "": ["n1", "n1", "n2", "n2", "gpu5"],  # unset: srun's default, block
+}
+
+
+@pytest.mark.parametrize("distribution", LAYOUTS)
+def test_slurm_every_task_lands_on_the_node_it_runs_on(distribution: str) -> None:
+    nodes = LAYOUTS[distribution]
+    for procid, node in enumerate(nodes):
+        env = {**STEP, "SLURM_PROCID": str(procid), "SLURMD_NODENAME": node, "SLURM_DISTRIBUTION": distribution}
+        s, task = cluster_from_slurm_env(env, num_ps=1, base_port=7000)
+        assert [a.rsplit(":", 1)[0] for a in (*s.jobs["ps"], *s.jobs["worker"])] == nodes
+        assert s.address(task) == f"{node}:{7000 + procid}"
+
+
+def test_slurm_cyclic_procid_1_runs_on_node_2_and_block_would_list_it_on_node_1() -> None:
+    env = {**STEP, "SLURM_PROCID": "1", "SLURMD_NODENAME": "n2", "SLURM_DISTRIBUTION": "cyclic"}
+    s, task = cluster_from_slurm_env(env, num_ps=1, base_port=7000)
+    assert task == TaskId("worker", 0) and s.address(task) == "n2:7001"
+    with pytest.raises(ConfigError, match=r"Slurm task 1 runs on 'n2' \(SLURMD_NODENAME\) but the step's layout puts "
+                                          r"it on 'n1' \(SLURM_DISTRIBUTION='block'.*--ps_hosts/--worker_hosts"):
+        cluster_from_slurm_env({**env, "SLURM_DISTRIBUTION": "block"}, num_ps=1, base_port=7000)
+
+
+def test_slurm_a_layout_the_environment_does_not_tell_is_refused_saying_what_to_pass() -> None:
+    env = {**STEP, "SLURM_PROCID": "0", "SLURMD_NODENAME": "n1"}
+    with pytest.raises(ConfigError, match=r"SLURM_DISTRIBUTION=arbitrary: .*SLURM_HOSTFILE.*--ps_hosts/--worker_hosts "
+                                          r"with --job_name/--task_index \(or PSFLOW_CLUSTER with PSFLOW_TASK\)"):
+        cluster_from_slurm_env({**env, "SLURM_DISTRIBUTION": "arbitrary"}, num_ps=1, base_port=7000)
+    with pytest.raises(ConfigError, match=r"SLURM_DISTRIBUTION='plane': psflow derives .* block and cyclic only"):
+        cluster_from_slurm_env({**env, "SLURM_DISTRIBUTION": "plane"}, num_ps=1, base_port=7000)
+
+
+def test_slurm_cyclic_skips_a_node_once_it_has_its_count() -> None:
+    assert slurm_task_nodes(["a", "b", "c"], [3, 1, 2], "cyclic") == ["a", "b", "c", "a", "c", "a"]
+    assert slurm_task_nodes(["a", "b", "c"], [3, 1, 2], "block") == ["a", "a", "a", "b", "c", "c"]
+    assert slurm_task_nodes(["a"], [3], "CYCLIC") == ["a", "a", "a"]
 
 
 @pytest.mark.parametrize(
