@@ -48,6 +48,7 @@ from psflow.cluster import (
     parse_cluster_flags,
 )
 from psflow.config import TrainConfig
+from psflow.cpulimit import container_cpus
 from psflow.errors import ConfigError, PsflowError
 from psflow.fault import for_attempt
 from psflow.heartbeat import Heartbeat, install_stack_dumps
@@ -584,9 +585,9 @@ def init(
 def _set_threads(env: dict[str, str], tenv: TaskEnv, spec: ClusterSpec | None, task_id: TaskId, *, launched: bool) -> None:
     """This task's torch threads (:mod:`psflow.threads`): a task started by hand gets its share of
     this host's cores unless the user chose, and says so in its first line (on stderr); a launched
-    task keeps the launcher's share (the run's header prints it)."""
+    task keeps the launcher's share (the run's header prints it), capped to its container's CPU limit."""
     choice = choose_threads(env, task_id, cluster=spec, num_threads=tenv.num_threads, launched=launched,
-                            cores=host_cores())
+                            cores=host_cores(), cpu_limit=container_cpus())
     apply_threads(choice)
     if launched:
         log.debug(choice.describe(task_id))

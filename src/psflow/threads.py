@@ -15,7 +15,13 @@ host's cores are shared out evenly among the job's tasks on it (:func:`threads_p
 The user's own setting wins: OMP_NUM_THREADS already in the environment, ``PSFLOW_NUM_THREADS``,
 and a ``torch.set_num_threads`` the script calls after ``psflow.init()``.
 
-Pure apart from :func:`host_cores` (reads the CPU affinity) and :func:`apply_threads`.
+A host's cores are where the task runs, not where it was launched from: the process's CPU affinity,
+capped by its container's CPU limit (:mod:`psflow.cpulimit`: Kubernetes' ``limits.cpu``, a cgroup
+quota the affinity does not show; a launched task's share is capped by it too). Under Slurm the
+task's own CPUs (``SLURM_CPUS_PER_TASK``) are its share; without them the CPUs the job holds on this
+node (``SLURM_CPUS_ON_NODE``) are shared among the step's tasks on it.
+
+Pure apart from :func:`host_cores` (reads the CPU affinity and the cgroup) and :func:`apply_threads`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from psflow.cluster import ClusterSpec, TaskId, address_key, is_loopback_host, parse_address
+from psflow.cpulimit import container_cpus
 
 # What the user sets to choose the threads themselves (psflow reads it, never overrides it).
 _USER_VARIABLE = "OMP_NUM_THREADS"
@@ -54,11 +61,14 @@ class ThreadChoice:
 
 
 def host_cores() -> int:
-    """The cores this process may run on (its CPU affinity, which a container or taskset narrows)."""
+    """The cores this process may run on: its CPU affinity (which a cpuset, taskset or srun's binding
+    narrows), capped by its container's CPU limit (:func:`psflow.cpulimit.container_cpus`)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    limit = container_cpus()
+    return cores if limit is None else min(cores, limit)
 
 
 def threads_per_task(num_tasks: int, cores: int) -> int:
@@ -99,6 +109,7 @@ def choose_threads(
     num_threads: int | None,
     launched: bool,
     cores: int,
+    cpu_limit: int | None = None,
 ) -> ThreadChoice:
     """The torch threads of ``task``, in this order: the launcher's, the user's, this host's share.
 
@@ -109,6 +120,8 @@ def choose_threads(
         num_threads: ``PSFLOW_NUM_THREADS`` as :class:`psflow.launch.contract.TaskEnv` parsed it.
         launched: started by ``psflow run`` (``PSFLOW_COORDINATOR`` is set).
         cores: this process's cores (:func:`host_cores`).
+        cpu_limit: its container's CPU limit in whole CPUs (:func:`psflow.cpulimit.container_cpus`),
+            None if none: a launched task's share above it is capped to it.
 
     Returns:
         A :class:`ThreadChoice`; its ``threads`` is None where nothing is to be changed.
@@ -119,19 +132,47 @@ def choose_threads(
         2
     """
     if launched:
+        if num_threads and cpu_limit is not None and num_threads > cpu_limit:
+            # The launcher shared out the cores of the host it ran on; this container may use fewer.
+            return ThreadChoice(cpu_limit, f"the launcher's share {num_threads}, capped to this container's "
+                                f"CPU limit ({cpu_limit})")
         return ThreadChoice(None, f"the launcher's share: {num_threads}" if num_threads else "the launcher's")
     if num_threads is not None:
         return ThreadChoice(num_threads, "PSFLOW_NUM_THREADS")
     omp = env.get(_USER_VARIABLE, "").strip()
     if omp and omp != _written.get(_USER_VARIABLE):
         return ThreadChoice(None, f"{_USER_VARIABLE}={omp}, yours")
-    slurm_cpus = env.get("SLURM_CPUS_PER_TASK", "").strip()
-    if slurm_cpus.isdigit() and int(slurm_cpus) > 0 and env.get("SLURM_PROCID", "").strip():
-        # srun binds each task to its own CPUs: they are its share already.
-        return ThreadChoice(int(slurm_cpus), "SLURM_CPUS_PER_TASK, the task's own CPUs")
     n = tasks_on_host(cluster, task) if cluster is not None else 1
+    slurm = _slurm_threads(env, n, cores)
+    if slurm is not None:
+        return slurm
     return ThreadChoice(threads_per_task(n, cores), f"{cores} core{'s' * (cores != 1)} / {n} task{'s' * (n != 1)} on "
                         f"this host; set {_USER_VARIABLE} or PSFLOW_NUM_THREADS to change it")
+
+
+def _positive(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def _slurm_threads(env: Mapping[str, str], n: int, cores: int) -> ThreadChoice | None:
+    """A Slurm task's threads from what Slurm gave it (None outside a Slurm step, or without the variables).
+
+    The job's CPUs on this node are its share whatever the node has; srun may also have bound each
+    task to fewer (its affinity, ``cores``), which then caps the share.
+    """
+    if not env.get("SLURM_PROCID", "").strip():
+        return None
+    per_task = _positive(env, "SLURM_CPUS_PER_TASK")
+    if per_task is not None:
+        # srun binds each task to its own CPUs: they are its share already.
+        return ThreadChoice(per_task, "SLURM_CPUS_PER_TASK, the task's own CPUs")
+    on_node = _positive(env, "SLURM_CPUS_ON_NODE")
+    if on_node is None:
+        return None
+    threads = max(1, min(cores, on_node // n))
+    return ThreadChoice(threads, f"{on_node} CPUs of the job on this node (SLURM_CPUS_ON_NODE) / {n} "
+                        f"task{'s' * (n != 1)} on it; set {_USER_VARIABLE} or PSFLOW_NUM_THREADS to change it")
 
 
 def apply_threads(choice: ThreadChoice, environ: MutableMapping[str, str] | None = None) -> None:

@@ -27,8 +27,10 @@ def nothing_written(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def choose(env: dict[str, str] | None = None, task: TaskId = WORKER_0, *, cluster: ClusterSpec | None = SPEC,
-           num_threads: int | None = None, launched: bool = False, cores: int = 8) -> ThreadChoice:
-    return choose_threads(env or {}, task, cluster=cluster, num_threads=num_threads, launched=launched, cores=cores)
+           num_threads: int | None = None, launched: bool = False, cores: int = 8,
+           cpu_limit: int | None = None) -> ThreadChoice:
+    return choose_threads(env or {}, task, cluster=cluster, num_threads=num_threads, launched=launched, cores=cores,
+                          cpu_limit=cpu_limit)
 
 
 def test_every_loopback_name_is_this_host_and_other_hosts_count_by_their_canonical_name() -> None:
@@ -55,7 +57,38 @@ def test_a_slurm_task_takes_its_own_cpus_as_its_share() -> None:
     slurm = {"SLURM_PROCID": "1", "SLURM_CPUS_PER_TASK": "4"}
     assert choose(slurm) == ThreadChoice(4, "SLURM_CPUS_PER_TASK, the task's own CPUs")
     assert choose({**slurm, "OMP_NUM_THREADS": "1"}).threads is None
-    assert choose({"SLURM_PROCID": "1"}).threads == 2  # no --cpus-per-task: the host's share
+    assert choose({"SLURM_PROCID": "1"}).threads == 2  # no --cpus-per-task, no SLURM_CPUS_ON_NODE: the host's share
+
+
+def test_a_slurm_task_without_cpus_per_task_shares_the_jobs_cpus_on_its_node() -> None:
+    # 3 of SPEC's tasks on this host, 6 of the node's CPUs for the job, 64 cores in the affinity: 2 each.
+    on_node = {"SLURM_PROCID": "1", "SLURM_CPUS_ON_NODE": "6"}
+    c = choose(on_node, cores=64)
+    assert c.threads == 2 and c.reason.startswith("6 CPUs of the job on this node (SLURM_CPUS_ON_NODE) / 3 tasks on it")
+    assert choose(on_node, cores=1).threads == 1  # srun bound the task to one CPU: that caps it
+    assert choose({**on_node, "SLURM_CPUS_ON_NODE": "2"}, cores=64).threads == 1  # fewer CPUs than tasks: one each
+    assert choose({**on_node, "SLURM_CPUS_PER_TASK": "4"}, cores=64).threads == 4  # the task's own CPUs first
+    assert choose({"SLURM_CPUS_ON_NODE": "6"}, cores=64).threads == 21  # not a Slurm step: the host's share
+
+
+def test_a_launched_tasks_share_is_capped_by_its_containers_cpu_limit() -> None:
+    capped = choose(cluster=None, num_threads=8, launched=True, cpu_limit=2)
+    assert capped == ThreadChoice(2, "the launcher's share 8, capped to this container's CPU limit (2)")
+    assert choose(cluster=None, num_threads=2, launched=True, cpu_limit=4).threads is None
+    assert choose(cluster=None, num_threads=8, launched=True).threads is None  # no limit
+
+
+def test_host_cores_are_capped_by_the_container_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    affinity = host_cores_unlimited(monkeypatch)
+    monkeypatch.setattr(threads, "container_cpus", lambda: 1)
+    assert host_cores() == 1
+    monkeypatch.setattr(threads, "container_cpus", lambda: affinity + 5)
+    assert host_cores() == affinity
+
+
+def host_cores_unlimited(monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setattr(threads, "container_cpus", lambda: None)
+    return host_cores()
 
 
 def test_apply_sets_torch_and_the_environment_where_the_user_set_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
