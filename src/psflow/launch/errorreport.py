@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -76,6 +77,57 @@ def read(path_or_dir: str | os.PathLike[str], task: str | None = None) -> dict[s
     except (OSError, ValueError):
         return None
     return report if isinstance(report, dict) else None
+
+
+def traceback_tail(text: str, frames: int = 3, max_chars: int = 4000) -> str:
+    """The end of a formatted traceback: its last ``frames`` frames and the exception line(s) under them.
+
+    The innermost frames say where it failed; the outer ones (the launcher's, the script's entry)
+    rarely do. A chained exception's last traceback is the one shown. At most ``max_chars``, its end kept.
+
+    Example:
+        >>> traceback_tail('Traceback (most recent call last):\\n  File "a.py", line 1, in <module>\\n    f()\\n'
+        ...                '  File "a.py", line 3, in f\\n    1 / 0\\nZeroDivisionError: division by zero\\n', frames=1)
+        '  File "a.py", line 3, in f\\n    1 / 0\\nZeroDivisionError: division by zero'
+    """
+    lines = str(text).rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if starts:
+        lines = lines[starts[-min(frames, len(starts))]:]
+    tail = "\n".join(lines)
+    return tail if len(tail) <= max_chars else "..." + tail[-max_chars:]
+
+
+def describe_root_cause(root_cause: str | None, report: Mapping[str, Any] | None = None,
+                        exit_cause: str | None = None) -> dict[str, Any] | None:
+    """A failed run's root cause in words, for a person: what the run page, an alert and ``psflow status`` show.
+
+    Args:
+        root_cause: the run's root cause: a task (``worker:1``), or a finding that failed the run
+            (a sentence, :mod:`psflow.launch.copies`); None: the run did not fail.
+        report: that task's error report (:func:`read`), if it left one.
+        exit_cause: how that task's last attempt ended (``killed (SIGKILL)``): said where it left no report.
+
+    Returns:
+        None without a root cause; else ``{task, exception, message, traceback_tail, text}``: ``task``
+        None for a finding; ``exception`` None without a report; ``text`` the one line to show
+        (``worker:1: ValueError: loss is nan``).
+    """
+    if not root_cause:
+        return None
+    is_task = ":" in root_cause and " " not in root_cause
+    if not is_task:
+        return {"task": None, "exception": None, "message": root_cause, "traceback_tail": "", "text": root_cause}
+    if report:
+        exception, message = str(report.get("exception") or "Exception"), str(report.get("message") or "")
+        tail = traceback_tail(str(report.get("traceback") or ""))
+        first = message.strip().splitlines()[0] if message.strip() else ""
+        text = f"{root_cause}: {exception}" + (f": {first[:300]}" if first else "")
+        return {"task": root_cause, "exception": exception, "message": message, "traceback_tail": tail, "text": text}
+    how = f"{exit_cause}; " if exit_cause else ""
+    message = f"{how}it left no error report (killed, or it died before psflow could write one): its log says more"
+    return {"task": root_cause, "exception": None, "message": message, "traceback_tail": "",
+            "text": f"{root_cause}: {message}"}
 
 
 def ignore_stop_requests() -> None:

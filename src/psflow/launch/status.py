@@ -204,7 +204,9 @@ def read_status(logdir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def render(state: dict[str, Any]) -> Any:
-    """A rich Table of the run: one row per task, the headline in the title."""
+    """A rich Table of the run: one row per task, the headline in the title; under it, a failed run's
+    root cause in words (``state["failure"]``: :func:`psflow.launch.errorreport.describe_root_cause`)."""
+    from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
@@ -235,7 +237,20 @@ def render(state: dict[str, Any]) -> Any:
             f"{p['examples_per_sec']:,.0f}" if "examples_per_sec" in p else "",
             f"{p['loss']:.4g}" if isinstance(p.get("loss"), (int, float)) else "",
         )
-    return table
+    failure = state.get("failure")
+    return Group(table, _failure_text(failure)) if isinstance(failure, dict) else table
+
+
+def _failure_text(failure: dict[str, Any]) -> Any:
+    """``root cause: worker:1: ValueError: loss is nan``, then the traceback's tail, indented."""
+    from rich.text import Text
+
+    text = Text("root cause: ", style="bold red")
+    text.append(str(failure.get("text", "")))
+    tail = str(failure.get("traceback_tail") or "")
+    if tail:
+        text.append("\n  " + tail.replace("\n", "\n  "))
+    return text
 
 
 def _state_cell(t: dict[str, Any]) -> str:

@@ -60,8 +60,11 @@ class AlertBook:
     stall_s: float = 300.0
     _steps: dict[str, tuple[int, float, bool]] = field(default_factory=dict)  # run -> (step, since, told)
 
-    def on_events(self, events: Iterable[Mapping[str, Any]], root_causes: Mapping[str, str | None]) -> list[Alert]:
-        """Alerts for run events (``restart``, ``run_finished``), oldest first; ``root_causes``: run -> its root cause."""
+    def on_events(self, events: Iterable[Mapping[str, Any]],
+                  root_causes: Mapping[str, str | Mapping[str, Any] | None]) -> list[Alert]:
+        """Alerts for run events (``restart``, ``run_finished``), oldest first; ``root_causes``: run ->
+        its root cause, in words where known (:func:`psflow.launch.errorreport.describe_root_cause`:
+        the alert then says the exception and message, and carries the traceback's tail) or its task."""
         out = []
         for e in events:
             data = e.get("data") or {}
@@ -71,9 +74,7 @@ class AlertBook:
                 out.append(Alert("restarted", run_id, f"psflow: run {run_id}: {task} restarted as attempt "
                                  f"{data.get('attempt')} ({data.get('reason')})", task, dict(data)))
             elif e.get("kind") == "run_finished" and data.get("status") == "failed":
-                cause = root_causes.get(run_id)
-                out.append(Alert("failed", run_id, f"psflow: run {run_id} failed" + (f"; root cause: {cause}" if cause else ""),
-                                 cause, {"root_cause": cause}))
+                out.append(_failed(run_id, root_causes.get(run_id)))
         return out
 
     def on_look(self, steps: Mapping[str, int], now: float) -> list[Alert]:
@@ -94,6 +95,16 @@ class AlertBook:
                 out.append(Alert("stalled", run_id, f"psflow: run {run_id} stalled: global step {step} has not moved "
                                  f"for {now - since:.0f} s", None, {"global_step": step, "stalled_s": round(now - since, 1)}))
         return out
+
+
+def _failed(run_id: str, cause: str | Mapping[str, Any] | None) -> Alert:
+    """``psflow: run r2 failed; root cause: worker:1: ValueError: loss is nan`` (its traceback's tail in the detail)."""
+    if not isinstance(cause, Mapping):
+        return Alert("failed", run_id, f"psflow: run {run_id} failed" + (f"; root cause: {cause}" if cause else ""),
+                     cause, {"root_cause": cause})
+    task = cause.get("task")
+    detail = {"root_cause": task or cause.get("message"), **{k: cause.get(k) for k in ("exception", "message", "traceback_tail")}}
+    return Alert("failed", run_id, f"psflow: run {run_id} failed; root cause: {cause.get('text')}", task, detail)
 
 
 def alert_key(alert: Alert) -> str:
@@ -169,8 +180,10 @@ class AlertWatcher:
         events = db.events_since(self._cursor, EVENT_KINDS)
         if events:
             self._cursor = events[-1]["id"]
+        from psflow.platform.runfiles import root_cause_of
+
         failed = {e["run_id"] for e in events if e["kind"] == "run_finished"}
-        causes = {r: (db.run(r, metrics=False) or {}).get("root_cause") for r in failed}
+        causes = {r: root_cause_of(run) if (run := db.run(r, metrics=False)) else None for r in failed}
         live, _ = db.run_page(state="running", limit=1000)
         steps = {r["id"]: int(r.get("global_step") or 0) for r in live if r["state"] == "running"}
         return self.book.on_events(events, causes) + self.book.on_look(steps, time.time())

@@ -5,7 +5,8 @@ load scripts from a CDN).
 Routes (``{run}`` is a run id):
 
 - ``GET /api/runs?state=&q=&limit=&offset=``: a page of runs, newest first, with the total;
-- ``GET /api/runs/{run}``: the run, its tasks (state, attempts, exits, latest metrics), its
+- ``GET /api/runs/{run}``: the run, its tasks (state, attempts, exits, latest metrics), its root
+  cause in words once it failed (``failure``: exception, message, traceback's tail), its
   attempts, events (``?after=`` an event id, for polling) and control requests;
 - ``GET /api/runs/{run}/metrics?name=&task=&after=&max_points=``: metric series per task;
 - ``GET /api/runs/{run}/stragglers``: each worker's speed, the slowest, persistent or transient;
@@ -213,7 +214,7 @@ def create_app(settings: UiSettings) -> FastAPI:
     def get_run(run_id: str, db: Db, after: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
         run = the_run(db, run_id, metrics=True)
         events = db.events(run_id, after_id=after)
-        return {"run": _shown(run), "attempts": db.attempts(run_id), "events": events[-2000:],
+        return {"run": _on_page(run), "attempts": db.attempts(run_id), "events": events[-2000:],
                 "controls": db.controls(run_id)}
 
     @app.get("/api/runs/{run_id}/metrics", dependencies=reads)
@@ -432,7 +433,7 @@ def create_app(settings: UiSettings) -> FastAPI:
                 run = store.run(run_id, metrics=True)
                 if run is None:
                     return None, []
-                page = {"run": _shown(run), "attempts": store.attempts(run_id),
+                page = {"run": _on_page(run), "attempts": store.attempts(run_id),
                         "events": store.events(run_id)[-2000:], "controls": store.controls(run_id)}
                 return page, store.metrics(run_id, after_unix=since, names=name)
 
@@ -514,6 +515,14 @@ def _thin(points: list[list[Any]], max_points: int) -> list[list[Any]]:
 
 def _shown(run: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in run.items() if k not in _HIDDEN}
+
+
+def _on_page(run: dict[str, Any]) -> dict[str, Any]:
+    """A run as its page shows it: its record, and its root cause in words once it failed (``failure``:
+    :func:`psflow.platform.runfiles.root_cause_of`)."""
+    from psflow.platform.runfiles import root_cause_of
+
+    return {**_shown(run), "failure": root_cause_of(run)}
 
 
 def _row(run: dict[str, Any]) -> dict[str, Any]:

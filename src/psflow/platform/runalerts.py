@@ -4,7 +4,8 @@ a task, whether or not a dashboard runs (``psflow run --alert-webhook URL`` or `
 :class:`AlertingRunStore` is one more copy in the launcher's :class:`~psflow.launch.runstore.CompositeRunStore`:
 it sees what the runner records as it happens and decides with the dashboard's rules
 (:class:`psflow.platform.alerts.AlertBook`): a restart decided (``task_restarting``), the run
-finished ``failed`` (with the summary's root cause), the global step standing still for ``stall_s``
+finished ``failed`` (with the summary's root cause in words: the exception, its message and its
+traceback's tail, read from the root task's error report), the global step standing still for ``stall_s``
 (looked at on the runner's ticks, about once a second). Alerts go out from a thread of its own, so the
 run loop never waits on the network; at the run's end the queue is given ``flush_s`` to drain.
 
@@ -53,7 +54,7 @@ class AlertingRunStore(RunStore):
         self.warn, self.send, self.flush_s = warn, send or post_json, flush_s
         self.sent = 0
         self._step = 0
-        self._root_cause: str | None = None
+        self._root_cause: dict[str, Any] | None = None
         self._last_look = -float("inf")
         self._queue: queue.Queue[Alert | None] = queue.Queue()
         self._thread = threading.Thread(target=self._send_loop, name=f"psflow-alerts-{run_id}", daemon=True)
@@ -78,7 +79,7 @@ class AlertingRunStore(RunStore):
         self._queue_all(self.book.on_look({self.run_id: self._step}, now))
 
     def summary(self, summary: dict[str, Any]) -> None:
-        self._root_cause = summary.get("root_cause")
+        self._root_cause = root_cause_in_summary(summary)
 
     def finished(self, status: str) -> None:
         event = {"kind": "run_finished", "run_id": self.run_id, "data": {"status": status}}
@@ -135,6 +136,20 @@ class AlertingRunStore(RunStore):
         except (JobStoreError, sqlite3.Error) as e:
             self.warn(f"psflow: alerts: cannot claim {alert.kind} in the job store ({e}); telling it anyway")
             return True
+
+
+def root_cause_in_summary(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The root cause in words (:func:`psflow.launch.errorreport.describe_root_cause`) from a run's
+    summary: the root task's entry names its log (``LOGDIR/logs/worker-1.log``), so its error report
+    lies in ``LOGDIR/errors``, and its last exit's cause."""
+    from psflow.launch import errorreport
+
+    root = summary.get("root_cause")
+    entry = next((t for t in summary.get("tasks") or [] if isinstance(t, dict) and t.get("task") == root), None)
+    if not isinstance(root, str) or entry is None or not entry.get("log"):
+        return errorreport.describe_root_cause(root if isinstance(root, str) else None)
+    report = errorreport.read(Path(str(entry["log"])).parent.parent / "errors", root)
+    return errorreport.describe_root_cause(root, report, entry.get("cause"))
 
 
 def alerting_store(run_id: str, *, warn: Callable[[str], None], env: dict[str, str] | None = None,

@@ -1,5 +1,6 @@
 """A run's own files as the HTTP API serves them: task logs (tail, and from an offset to follow),
-the list of checkpoints, and a checkpoint's export, never anything outside the run's log directory.
+the list of checkpoints, a checkpoint's export and the root cause's error report, never anything
+outside the run's log directory.
 
 Every path is built from the run's record (its ``logdir``) and a name checked against what the run
 has: a task must be one of the run's tasks, a checkpoint name must be ``ckpt-<digits>``; the resolved
@@ -129,3 +130,21 @@ def dump_lines(run: dict[str, Any], log: str, line: int, *, max_lines: int = 500
             return list(itertools.islice(f, max(0, line - 1), max(0, line - 1) + max_lines))
     except FileNotFoundError:
         return []
+
+
+def root_cause_of(run: dict[str, Any]) -> dict[str, Any] | None:
+    """A failed run's root cause in words (:func:`psflow.launch.errorreport.describe_root_cause`): the
+    root task's error report (``LOGDIR/errors/worker-1.json``, inside the run's directory only), or
+    how it ended where it left none; None while the run has no root cause."""
+    from psflow.launch import errorreport
+
+    root = run.get("root_cause")
+    tasks = run.get("tasks") or {}
+    if not root or root not in tasks:  # none yet, or a finding (a sentence), not a task
+        return errorreport.describe_root_cause(root)
+    logdir = Path(run["logdir"])
+    try:
+        report = errorreport.read(inside(logdir, errorreport.path_for(logdir / "errors", root)))
+    except RunFileError:
+        report = None
+    return errorreport.describe_root_cause(root, report, (tasks.get(root) or {}).get("exit_cause"))

@@ -24,6 +24,7 @@ from psflow.launch.liveness import assess
 from psflow.launch.status import STATUS_FILE, headline, read_status
 from psflow.platform.home import jobs_db_path
 from psflow.platform.jobstore import FINAL_STATES, JobStore, JobStoreError
+from psflow.platform.runfiles import root_cause_of
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,33 @@ def status_of(ref: RunRef) -> dict[str, Any]:
         ConfigError: a logdir without a readable ``status.json``.
     """
     if ref.run is not None:
-        return {**ref.run, "run_id": ref.run["id"]}
+        return {**ref.run, "run_id": ref.run["id"], "failure": root_cause_of(ref.run)}
     try:
         state = read_status(ref.logdir)
     except (OSError, ValueError) as e:
         raise ConfigError(f"Cannot read {ref.logdir / STATUS_FILE}: {e}. Give the --logdir of a `psflow run` "
                           f"(it writes that file) or a run id (`psflow runs` lists them).") from e
     state.update(headline(state))
+    state["failure"] = _logdir_failure(ref.logdir, state)
     return assess(state, now_unix=time.time())
+
+
+def _logdir_failure(logdir: Path, state: dict[str, Any]) -> dict[str, Any] | None:
+    """The root cause in words of a run read from its logdir: ``summary.json`` names it once the run ended."""
+    import json
+
+    from psflow.launch import errorreport
+
+    try:
+        root = json.loads((logdir / "summary.json").read_text()).get("root_cause")
+    except (OSError, ValueError, AttributeError):
+        return None
+    task = (state.get("tasks") or {}).get(root) if isinstance(root, str) else None
+    if task is None:
+        return errorreport.describe_root_cause(root if isinstance(root, str) else None)
+    exits = task.get("exits") or []
+    return errorreport.describe_root_cause(root, errorreport.read(logdir / "errors", root),
+                                           exits[-1].get("cause") if exits else None)
 
 
 def runs_table(runs: Sequence[dict[str, Any]]) -> Any:

@@ -275,15 +275,42 @@ async function showRun(runId, page, withMetrics) {
     `${esc(run.script)} ${esc((run.args || []).join(" "))} · ${esc(run.mode)} · ${esc(run.strategy)} · ${esc(run.backend)}` +
     ` · step ${num(run.global_step)} · ${num(run.examples_per_sec)} examples/s` +
     (run.restarted_from ? ` · restarts <a href="#/run/${encodeURIComponent(run.restarted_from)}">${esc(run.restarted_from)}</a>` : "") +
-    (run.note ? `<div>${esc(run.note)}</div>` : "") + (run.root_cause ? `<div>root cause: ${esc(run.root_cause)}</div>` : "");
+    (run.note ? `<div>${esc(run.note)}</div>` : "") + rootCause(run);
+  for (const a of document.querySelectorAll("#run-headline a.root-task")) a.onclick = ev => { ev.preventDefault(); openLog(a.dataset.task); };
   storeSummary();
+  const shown = logTaskOf(run);
+  if (shown !== view.logTask) { view.logTask = shown; view.logOffset = null; view.logText = ""; }
   drawCluster(run);
   drawTimeline(run, page.attempts);
   drawEvents(page.events);
   drawSummary(run);
-  if (!view.logTask) { view.logTask = Object.keys(run.tasks).find(t => t.startsWith("worker")) || Object.keys(run.tasks)[0]; }
   await Promise.all([withMetrics ? refreshMetrics(runId) : null, refreshLog(runId), refreshCheckpoints(runId, run), refreshStragglers(runId, run),
     refreshPs(runId)]);
+}
+
+// A failed run's root cause in words (run.failure: the exception, its message, its traceback's tail);
+// its task is a link that opens its log.
+function rootCause(run) {
+  const f = run.failure;
+  if (!f) return run.root_cause ? `<div id="root-cause" class="errors">root cause: ${esc(run.root_cause)}</div>` : "";
+  const what = f.exception ? `<b>${esc(f.exception)}</b>: ${esc(f.message)}` : esc(f.message);
+  return `<div id="root-cause" class="root-cause" data-task="${esc(f.task || "")}"><span class="errors">root cause:</span> ` +
+    (f.task ? `<a href="#" class="root-task" data-task="${esc(f.task)}">${esc(f.task)}</a>: ` : "") + what +
+    (f.traceback_tail ? `<pre class="log traceback">${esc(f.traceback_tail)}</pre>` : "") + `</div>`;
+}
+
+// The task whose log the panel shows: the one the user clicked; else a failed run's root cause; else the first worker.
+function logTaskOf(run) {
+  const names = Object.keys(run.tasks);
+  if (view.logChosen && names.includes(view.logTask)) return view.logTask;
+  const root = run.failure && run.failure.task;
+  return names.includes(root) ? root : names.find(t => t.startsWith("worker")) || names[0];
+}
+
+function openLog(task) {
+  view.logTask = task; view.logChosen = true; view.logOffset = null; view.logText = "";
+  refreshLog(view.runId);
+  for (const b of document.querySelectorAll("#cluster .task")) b.classList.toggle("selected", b.dataset.task === task);
 }
 
 function drawCluster(run) {
@@ -299,7 +326,7 @@ function drawCluster(run) {
           ${t.exit_cause ? esc(t.exit_cause) : ""}</div>
       </button>`).join("")}</div></div>`).join("");
   for (const b of document.querySelectorAll("#cluster .task")) {
-    b.onclick = () => { view.logTask = b.dataset.task; view.logOffset = null; view.logText = ""; refreshLog(view.runId); drawCluster(run); };
+    b.onclick = () => { view.logTask = b.dataset.task; view.logChosen = true; view.logOffset = null; view.logText = ""; refreshLog(view.runId); drawCluster(run); };
   }
 }
 
