@@ -369,7 +369,7 @@ def create_app(settings: UiSettings) -> FastAPI:
     @app.get("/api/runs/{run_id}/stacks", dependencies=reads)
     def get_stacks(run_id: str, db: Db, request: Annotated[int | None, Query(ge=1)] = None) -> dict[str, Any]:
         from psflow.platform.runfiles import dump_lines
-        from psflow.platform.stacks import group_stacks, main_stack, parse_dump
+        from psflow.platform.stacks import PROGRESS_NAMES, group_stacks, main_stack, making_progress, parse_dump
 
         run = the_run(db, run_id)
         asked = [c for c in db.controls(run_id) if c["kind"] == "dump" and (request is None or c["id"] == request)]
@@ -378,12 +378,17 @@ def create_app(settings: UiSettings) -> FastAPI:
                                             f"POST /api/runs/{run_id}/dump asks for one.")
         control = asked[-1]
         tasks: dict[str, Any] = {}
+        at: dict[str, float] = {}  # when each task's stacks were dumped: its progress then
         for e in db.events(run_id):
             data = e["data"]
             if e["kind"] == "stacks_dumped" and data.get("request") == control["id"]:
                 threads = parse_dump(dump_lines(run, str(data["log"]), int(data["line"])))
                 tasks[str(data["task"])] = {"attempt": data.get("attempt"), "line": data["line"], "threads": threads}
-        grouped = group_stacks({t: main_stack(v["threads"]) for t, v in tasks.items() if v["threads"]})
+                at[str(data["task"])] = float(e["time_unix"])
+        since = min(at.values(), default=control["requested_unix"]) - 60.0  # enough to tell moving, standing, unknown
+        reported = [t for t, v in run["tasks"].items() if set(v.get("progress") or {}) & set(PROGRESS_NAMES)]
+        moving = making_progress(db.metrics(run_id, names=PROGRESS_NAMES, after_unix=since), at, reported=reported)
+        grouped = group_stacks({t: main_stack(v["threads"]) for t, v in tasks.items() if v["threads"]}, moving)
         return {"run_id": run_id, "request_id": control["id"], "state": control["state"], "answer": control["answer"],
                 "tasks": tasks, "waiting_for": sorted(t for t, v in tasks.items() if not v["threads"]), **grouped}
 

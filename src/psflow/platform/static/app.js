@@ -459,7 +459,9 @@ function drawStacks(s) {
   const el = document.getElementById("stacks");
   el.dataset.request = String(s.request_id);
   el.dataset.tasks = String(Object.values(s.tasks).filter(t => t.threads.length).length);
-  const odd = s.odd_ones_out.map(o => `<p class="errors odd-one">${esc(o.task)}: ${esc(o.why)}</p>`).join("");
+  // red only for a task blamed (odd, and not making progress); one that moves is said, in grey
+  const odd = s.odd_ones_out.map(o => `<p class="${o.blamed ? "errors" : "muted"} odd-one" data-task="${esc(o.task)}"
+    data-blamed="${o.blamed ? "1" : "0"}">${esc(o.task)}: ${esc(o.why)}</p>`).join("");
   el.innerHTML = `<p class="muted">request ${esc(s.request_id)}: ${esc(s.answer || s.state)}${s.waiting_for.length ?
       "; not in the logs yet: " + esc(s.waiting_for.join(", ")) : ""}</p>${odd}` +
     s.groups.map(g => `<div class="stack-group" data-tasks="${esc(g.tasks.join(","))}"><h2>${esc(g.tasks.join(", "))}
@@ -509,9 +511,11 @@ async function refreshStragglers(runId, run) {
   try { s = await api(`/api/runs/${encodeURIComponent(runId)}/stragglers`); } catch (e) { el.textContent = e.message; return; }
   const rows = Object.entries(s.workers);
   el.dataset.slowest = s.slowest || "";
-  el.innerHTML = `<p class="${s.kind ? "errors" : "muted"}" id="straggler-verdict">${esc(s.verdict)}</p>` + (rows.length ? `
+  el.dataset.kind = s.kind || "";
+  const red = s.kind === "persistent";  // a warning only for a worker clearly and lastingly slower
+  el.innerHTML = `<p class="${red ? "errors" : "muted"}" id="straggler-verdict">${esc(s.verdict)}</p>` + (rows.length ? `
     <table><thead><tr><th>worker</th><th class="num">steps/s</th><th class="num">step time</th><th class="num">vs median</th><th class="num">slow windows</th></tr></thead>
-    <tbody>${rows.map(([w, r]) => `<tr${w === s.slowest ? ' class="errors"' : ""}><td>${esc(w)}</td><td class="num">${num(r.steps_per_sec, 1)}</td>
+    <tbody>${rows.map(([w, r]) => `<tr data-worker="${esc(w)}"${red && w === s.slowest ? ' class="errors"' : ""}><td>${esc(w)}</td><td class="num">${num(r.steps_per_sec, 1)}</td>
       <td class="num">${r.step_time_s === null ? "" : num(r.step_time_s * 1000, 1) + " ms"}</td><td class="num">${num(r.vs_median, 2)}x</td>
       <td class="num">${r.slow_windows} / ${r.windows}</td></tr>`).join("")}</tbody></table>` : "");
 }
