@@ -527,6 +527,10 @@ def init(
         raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index "
                           "(or TF_CONFIG's task, or PSFLOW_TASK with PSFLOW_CLUSTER).")
     _set_threads(env, tenv, spec, task_id, launched=bool(coordinator))
+    if tenv.checkpoint_dir and "://" in tenv.checkpoint_dir and (task_id.job != "worker" or task_id.index == 0):
+        from psflow.checkpoint import remote
+
+        remote.warm_up(tenv.checkpoint_dir)  # a ps writes its shard there, the chief commits, the evaluator reads
     if cfg.timeline:
         timeline.start(str(task_id), tenv.attempt, skew_us=clock_skew_us(tenv.clock_skew, task_id))  # before any connection
     if task_id.job == "ps":

@@ -142,3 +142,47 @@ def test_psflow_checkpoints_lists_and_verifies_the_checkpoints_of_a_url(root):
     lines = listed.output.splitlines()
     assert lines[0].startswith("ckpt-0000000200  CORRUPT:") and "shard-00001-of-00002.safetensors" in lines[0]
     assert lines[1] == "ckpt-0000000100  step=100  shards=2  0.00 MB  ok"
+
+
+def test_psflow_checkpoints_and_export_take_a_url_logdir_as_they_take_a_local_one(root, tmp_path):
+    from click.testing import CliRunner
+
+    from psflow.cli import main
+
+    logdir = root.removesuffix("/checkpoints")  # psflow run --logdir s3://.../run saves under run/checkpoints
+    save(root, 100)
+    for where in (logdir, logdir + "/", root):
+        listed = CliRunner().invoke(main, ["checkpoints", where])
+        assert listed.exit_code == 0 and listed.output == "ckpt-0000000100  step=100  shards=2  0.00 MB  ok\n", listed.output
+    assert checkpoint.checkpoint_root(logdir) == root and checkpoint.checkpoint_root(root) == root
+    exported = CliRunner().invoke(main, ["export", logdir, str(tmp_path / "model.safetensors")])
+    # It found the checkpoint (saved here without a run's meta, which export then names), not "No whole checkpoint".
+    assert "ckpt-0000000100 has no placement in its manifest meta" in exported.output, exported.output
+    empty = CliRunner().invoke(main, ["checkpoints", logdir.rsplit("/", 1)[0] + "/elsewhere"])
+    assert empty.exit_code == 0 and empty.output.startswith("psflow: no checkpoints under s3://"), empty.output
+
+
+def test_a_1mb_checkpoint_saves_in_under_half_a_second_with_one_client_per_process(root, monkeypatch):
+    import statistics
+    import time
+
+    import fsspec
+
+    from psflow.checkpoint import remote
+
+    made: list[str] = []
+    real = fsspec.core.url_to_fs
+    monkeypatch.setattr(fsspec.core, "url_to_fs", lambda url, **kw: made.append(url) or real(url, **kw))
+    monkeypatch.setattr(remote, "_clients", {})
+    tensors = {"w": torch.zeros(256 * 1024)}  # 1 MB
+    took = []
+    for step in range(1, 6):
+        t0 = time.perf_counter()
+        checkpoint.commit(root, step, [checkpoint.write_shard(root, step, 0, 1, tensors)], meta={}, keep=3)
+        took.append(time.perf_counter() - t0)
+    assert len(made) == 1, made  # the per-save setup (a new s3fs client per call, 5-7 a save) is gone
+    assert statistics.median(took) < 0.5, took
+    assert [u.name for u in checkpoint.list_checkpoints(root)] == [f"ckpt-000000000{s}" for s in (5, 4, 3)]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "psflow-test-2")  # a changed environment: a new client
+    checkpoint.list_checkpoints(root)
+    assert len(made) == 2 and len(remote._clients) == 1

@@ -94,6 +94,10 @@ def test_a_run_with_its_logdir_on_s3_puts_every_file_there_and_a_second_run_rest
     assert st.returncode == 0 and "succeeded" in st.stdout and "worker:1" in st.stdout, st.stdout + st.stderr
     lg = psflow(["logs", URL, "--task", "worker:0"], s3_env, timeout_s=60)
     assert lg.returncode == 0 and "final accuracy" in lg.stdout, lg.stdout + lg.stderr
+    ck = psflow(["checkpoints", URL], s3_env, timeout_s=60)  # a URL logdir, as a local one: its checkpoints/
+    assert ck.returncode == 0 and re.match(r"ckpt-0000000200  step=200  shards=1 .* ok$", ck.stdout), ck.stdout + ck.stderr
+    ex = psflow(["export", URL, str(Path(staging) / "model.safetensors")], s3_env, timeout_s=60)
+    assert ex.returncode == 0 and "of step 200 from" in ex.stdout, ex.stdout + ex.stderr
     runs = json.loads(psflow(["runs", "--json"], s3_env, timeout_s=60).stdout)
     assert any((run.get("launch") or {}).get("logdir_url") == URL and run["logdir"] == staging for run in runs), runs
 

@@ -7,7 +7,7 @@ writes a checkpoint's tensors as stored, optionally renamed or filtered.
 Invariant: an exported file is written to a tmp name, fsynced and renamed, then its directory is
 fsynced: ``out`` is never half-written and no tmp file is left, even on failure.
 
-Callers: ``psflow export`` (cli/files.py), scripts that want a checkpoint's tensors in one file, the
+Callers: ``psflow export`` and ``psflow checkpoints`` (cli/files.py, :func:`checkpoint_root`), scripts that want a checkpoint's tensors in one file, the
 evaluator (:func:`find_checkpoint`'s layout, ``CHECKPOINTS_DIR``).
 """
 
@@ -64,26 +64,45 @@ def write_tensors_file(
     return path
 
 
+def checkpoint_root(path: str | os.PathLike[str]) -> Path | str:
+    """The checkpoint root that ``path`` names, local or a URL alike: a logdir's ``checkpoints/``
+    where it has one, else ``path`` itself (a checkpoint root, such as a ``--checkpoint-dir`` URL).
+
+    Raises:
+        CheckpointError: a URL that cannot be listed.
+
+    Example:
+        >>> checkpoint_root("s3://bucket/mnist")  # doctest: +SKIP
+        's3://bucket/mnist/checkpoints'
+    """
+    if is_url(path):
+        from psflow.checkpoint import remote
+
+        return remote.root_of(str(path), CHECKPOINTS_DIR)
+    p = Path(path)
+    return p / CHECKPOINTS_DIR if (p / CHECKPOINTS_DIR).is_dir() else p
+
+
 def find_checkpoint(path: str | os.PathLike[str], *, warn: Callable[[str], None] | None = None) -> Checkpoint:
     """The checkpoint that ``path`` names: a checkpoint directory, a checkpoint root, or a logdir
-    (its ``checkpoints/``); for a root or logdir the newest whole one.
+    (its ``checkpoints/``), each local or a URL; for a root or logdir the newest whole one.
 
     Raises:
         CheckpointError: there is no whole checkpoint there.
     """
-    if is_url(path):  # a checkpoint's URL, or a root URL (--checkpoint-dir s3://...)
+    if is_url(path):  # a checkpoint's URL, a root URL (--checkpoint-dir s3://...) or a URL logdir
         url = str(path).rstrip("/")
         if FINAL_RE.fullmatch(url.rsplit("/", 1)[-1]):
             return read_checkpoint(url)
-        found = latest_checkpoint(url, warn=warn, strict=True)
+        found = latest_checkpoint(checkpoint_root(url), warn=warn, strict=True)
         if found is None:
-            raise CheckpointError(f"No whole checkpoint under {url}. Received: {str(path)!r}. Pass the --checkpoint-dir "
-                                  "URL of a run that saved at least once, or one of its ckpt-<step> URLs.")
+            raise CheckpointError(f"No whole checkpoint under {url}. Received: {str(path)!r}. Pass a URL logdir, the "
+                                  "--checkpoint-dir URL of a run that saved at least once, or one of its ckpt-<step> URLs.")
         return found
     p = Path(path)
     if (p / MANIFEST_NAME).is_file():
         return read_checkpoint(p)
-    root = p / CHECKPOINTS_DIR if (p / CHECKPOINTS_DIR).is_dir() else p
+    root = checkpoint_root(p)
     ckpt = latest_checkpoint(root, warn=warn, strict=True)
     if ckpt is None:
         raise CheckpointError(

@@ -51,18 +51,52 @@ class UrlPath(str):
         return UrlPath(f"{self.rstrip('/')}/{other}")
 
 
+# This process's filesystems, by scheme, process and environment. A new s3fs client costs far more
+# than a 1 MB upload (a botocore session loads its service models; the first request opens its
+# connections): a fresh one per call made a save of a few KB take seconds, 5-7 clients a save.
+# fsspec's own cache keys on arguments only, not on the environment (AWS_ENDPOINT_URL, credentials)
+# that s3fs reads, so the key holds the environment: one that changed gets a new client. The process
+# id is in it because a forked child must not share its parent's event loop and connections.
+_clients: dict[tuple[str, int, int], Any] = {}
+
+
 def _fs(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of ``url`` and the path inside it."""
+    """The fsspec filesystem of ``url`` (this process's, for this environment) and the path inside it."""
     import fsspec
 
+    key = (url.split("://", 1)[0], os.getpid(), hash(frozenset(os.environ.items())))
+    fs = _clients.get(key)
     try:
-        # A fresh instance: fsspec's cache keys on arguments, not on the environment (AWS_ENDPOINT_URL,
-        # credentials) that s3fs reads; checkpoints are rare enough that a new client costs nothing.
-        fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True)
+        if fs is None:
+            fs, _ = fsspec.core.url_to_fs(url, skip_instance_cache=True)
+            for old in [k for k in _clients if k[1:] != key[1:]]:
+                del _clients[old]  # an older environment's or a parent's: never used again
+            _clients[key] = fs
+        path = fs._strip_protocol(url)
     except (ImportError, ValueError) as e:
         raise ConfigError(f"Cannot use the checkpoint root {url!r}: {e}. For s3:// install s3fs (pip install s3fs); "
                           "other schemes need their fsspec package.") from e
     return fs, path.rstrip("/")
+
+
+def warm_up(root: str) -> None:
+    """Start, in a daemon thread, what a task's first save under ``root`` would otherwise wait for:
+    importing the filesystem's package (s3fs, botocore) and opening its client's connection (about
+    1 s of a 0.03 MB checkpoint's first save took that; the later ones, 0.05 s). Failures are left
+    to the save itself to report."""
+
+    def connect() -> None:
+        try:
+            fs, path = _fs(root)
+            fs.exists(path)
+        except Exception as e:  # noqa: BLE001 (a warm-up only)
+            import logging
+
+            logging.getLogger("psflow.checkpoint").debug("warm-up of %s failed: %r", root, e)
+
+    import threading
+
+    threading.Thread(target=connect, name="psflow-checkpoint-warm-up", daemon=True).start()
 
 
 def _join(url: str, *names: str) -> str:
@@ -136,6 +170,19 @@ def list_checkpoints(root: str) -> list[UrlPath]:
         if match:
             found.append((int(match.group(1)), UrlPath(_join(root, name))))
     return [url for _, url in sorted(found, reverse=True)]
+
+
+def root_of(url: str, subdir: str) -> str:
+    """The checkpoint root that ``url`` names: a URL logdir's ``subdir`` (``psflow run --logdir
+    s3://...`` saves under ``<url>/checkpoints``) where that holds objects, else ``url`` itself (a
+    ``--checkpoint-dir`` URL)."""
+    fs, path = _fs(url)
+    fs.invalidate_cache()
+    try:
+        return _join(url, subdir) if fs.isdir(f"{path}/{subdir}") else url.rstrip("/")
+    except Exception as e:  # noqa: BLE001 (each filesystem raises its own errors: botocore's, OSError, ...)
+        raise CheckpointError(f"Could not list {url}: {type(e).__name__}: {e}. Check the URL, the credentials "
+                              "and that the bucket exists.") from e
 
 
 def _prune(root: str, keep: int) -> None:

@@ -82,7 +82,7 @@ def _no_summary(path: Path, why: str) -> None:
 
 
 class _LogdirOrUrl(click.Path):
-    """An existing directory, or a URL (``s3://bucket/run``: checkpoints written with --checkpoint-dir)."""
+    """An existing directory, or a URL (``s3://bucket/run``: a URL logdir, or a --checkpoint-dir)."""
 
     def __init__(self) -> None:
         super().__init__(exists=True, file_okay=False)
@@ -101,7 +101,8 @@ class _LogdirOrUrl(click.Path):
 def export(logdir: str, out: str, averages: bool | None) -> None:
     """Write the newest checkpoint of LOGDIR as OUT.safetensors: a plain PyTorch state dict.
 
-    LOGDIR may also be a checkpoints/ directory or one ckpt-<step> directory. Load it with
+    LOGDIR may be local or a URL (s3://bucket/run: a URL logdir or a --checkpoint-dir), and also a
+    checkpoints/ directory or one ckpt-<step> directory. Load it with
     torch + safetensors alone: model.load_state_dict(safetensors.torch.load_file(OUT)).
     """
     from psflow.checkpoint import export_checkpoint
@@ -119,16 +120,14 @@ def export(logdir: str, out: str, averages: bool | None) -> None:
 @main.command()
 @click.argument("logdir", type=_LogdirOrUrl())
 def checkpoints(logdir: str) -> None:
-    """List the checkpoints of LOGDIR (or of a checkpoints/ directory, or a --checkpoint-dir URL), newest
-    first, verified."""
-    from pathlib import Path
-
+    """List the checkpoints of LOGDIR (a local or URL logdir, a checkpoints/ directory, or a
+    --checkpoint-dir URL), newest first, verified."""
     from psflow import checkpoint
 
-    if "://" in logdir:
-        root: Any = logdir
-    else:
-        root = Path(logdir) / "checkpoints" if (Path(logdir) / "checkpoints").is_dir() else Path(logdir)
+    try:
+        root = checkpoint.checkpoint_root(logdir)
+    except PsflowError as e:
+        raise click.ClickException(str(e)) from e
     found = checkpoint.list_checkpoints(root)
     if not found:
         click.echo(f"psflow: no checkpoints under {root}")
