@@ -515,7 +515,13 @@ class PsService:
         again where the target listens now after a loss). Called by that forwarder's thread only."""
         link = _Link(self, target)
         self._links.append(link)
-        return link.send
+
+        def send(meta: dict[str, Any], tensors: Any) -> dict[str, Any]:
+            # A batch unanswered for failover_s is a backup to report; a whole state may take longer to cross.
+            whole = meta.get("kind") in ("init", "state")
+            return link.send(meta, tensors, timeout_s=self.failover_s + 60.0 if whole else self.failover_s)
+
+        return send
 
     # -- replication: PS_REPLICATE -----------------------------------------------------------
     def _replicate(self, req: Request) -> Reply:
@@ -542,12 +548,12 @@ class PsService:
             raise StaleTermError(f"ps:{self.shard} refuses ps:{other}'s {kind} of shard {shard} in term {term}: its view "
                                  f"of the shard is term {v.term}, serving {_name(v.serving)}, backup {_name(v.backup)}. "
                                  f"ps:{other} must ask the launcher for the shard's view.")
-        with self._takeover_lock:
-            role = self.roles.get(shard)
-            if kind == "init":
+        if kind == "init":
+            with self._takeover_lock:
                 return self._backup_init(shard, req)
-            if kind == "state":
-                return self._load_state(shard, other, req)
+        if kind == "state":
+            return self._load_state(shard, other, term, req)
+        role = self.roles.get(shard)
         store = self.backups.get(shard) if shard != self.shard else self.store
         if store is None or not store.initialized or role is not Role.BACKUP:
             raise TrainingError(f"ps:{self.shard} received records of shard {shard} before its init or state: the "
@@ -567,20 +573,26 @@ class PsService:
             log.info("ps:%d: holds the backup of shard %d (from step %d).", self.shard, shard, store.version)
         return Reply({"seq": store.seq})
 
-    def _load_state(self, shard: int, source: int, req: Request) -> Reply:
-        """A full state of the shard, of the view's term: this ps's copy becomes it, as the backup."""
+    def _load_state(self, shard: int, source: int, term: int, req: Request) -> Reply:
+        """A full state of the shard, of the view's term: this ps's copy becomes it, as the backup.
+        Built outside the takeover lock (a big state takes a while; the other shard's records must
+        not wait for it), swapped in under it if the view is still the one the state was sent in."""
         store = self._copies().get(shard)
         if self.roles.get(shard) is Role.BACKUP and store is not None and store.initialized:
             return Reply({"seq": store.seq})  # the same state again (its reply was lost): held already
         store = ParameterStore(shard, self.store.num_workers, launch_workers=self.store.rules.launch_workers)
         store.load_state(req.meta, req.tensors)
-        if shard == self.shard:
-            self.store = store
-        else:
-            self.backups[shard] = store
-        self.roles[shard] = Role.BACKUP
+        with self._takeover_lock:
+            if self.views[shard].term != term or self.roles.get(shard) is not Role.RESYNCING:
+                raise StaleTermError(f"ps:{self.shard} refuses shard {shard}'s state of term {term}: its view moved on "
+                                     f"(term {self.views[shard].term}, role {self.roles.get(shard, Role.RESYNCING).value}).")
+            if shard == self.shard:
+                self.store = store
+            else:
+                self.backups[shard] = store
+            self.roles[shard] = Role.BACKUP
         log.warning("ps:%d: loaded shard %d's state from ps:%d at step %d (record %d, term %d); holds its backup.",
-                    self.shard, shard, source, store.version, store.seq, self.views[shard].term)
+                    self.shard, shard, source, store.version, store.seq, term)
         return Reply({"seq": store.seq})
 
     def _resync_peer(self, shard: int, asker: int, term: int) -> Reply:

@@ -1,0 +1,158 @@
+"""Component tests: the shard views hold under the faults that split a shard before (issue 22).
+
+An in-process cluster (tests/component/inproc.py) with two ps, each the backup of the other's shard,
+and the authority over the views on a server of its own (the launcher's role). Each test injects the
+fault that broke the guarantee, and checks what must hold:
+
+- a request that names a shard at its backup (a worker that failed over, or resent a refused push)
+  never moves the shard while its serving copy lives;
+- a serving copy cut off from its backup goes on alone only at the authority's word (a new term);
+  the cut-off backup never serves, comes back as the backup of a later term and ends in the
+  serving copy's exact state; nothing acknowledged is lost;
+- while a replaced backup loads the state, the serving copy keeps acknowledging (no stall).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from inproc import SECRET, InprocCluster, run_threads, wait_until
+from replicated import Ledger, make_model, train
+
+from psflow import optim
+from psflow.cluster import TaskId
+from psflow.config import TrainConfig
+from psflow.errors import RemoteError
+from psflow.ps.replication import Role
+from psflow.ps.store import ParameterStore
+from psflow.train.trainer import Trainer
+from psflow.wire.conn import connect
+from psflow.wire.ops import Op
+
+pytestmark = pytest.mark.timeout(150)
+torch.set_num_threads(1)
+
+WAIT_S = 90.0
+MAX_STEPS = 30
+FAST = {"primary_failover_s": 1.0, "backup_failover_s": 1.0}
+
+
+def start(c: InprocCluster, steps: int = MAX_STEPS) -> tuple[list[Trainer], list[torch.nn.Module], list[Ledger]]:
+    models = [make_model() for _ in range(2)]
+    trainers = [c.trainer(w, models[w], optim.SGD(lr=0.1)) for w in range(2)]
+    trainers[0].plan_steps(stop_at=steps)
+    for t in trainers:
+        t.prepare()
+    return trainers, models, [Ledger(t) for t in trainers]
+
+
+def same_copies(a: ParameterStore, b: ParameterStore) -> None:
+    assert a.version == b.version and a.stats.applied_updates == b.stats.applied_updates
+    for k in a.values:
+        assert torch.equal(a.values[k], b.values[k]), f"shard {a.shard}: {k} differs between the copies"
+
+
+def test_a_request_naming_the_shard_at_its_backup_never_moves_it() -> None:
+    with InprocCluster(2, 2, TrainConfig(mode="async", ps_replicas=2, **FAST)) as c:
+        trainers, models, ledgers = start(c)
+        asked: list[str] = []
+
+        def ask_the_backup(t: Trainer) -> None:
+            if not asked and t.global_step >= 5:  # what a worker whose push ps:0 refused once would send next
+                conn = connect(c.cluster.address(TaskId("ps", 1)), secret=SECRET, task="worker:1", peer="ps:1")
+                try:
+                    conn.request(Op.PS_PULL, {"shard": 0, "timeout_s": 1.0}, timeout_s=5.0)
+                    asked.append("served")
+                except RemoteError as e:
+                    asked.append(e.kind or str(e))
+                finally:
+                    conn.close()
+
+        run_threads([lambda: train(trainers[0], models[0], 0, max_steps=MAX_STEPS, on_step=ask_the_backup),
+                     lambda: train(trainers[1], models[1], 1, max_steps=MAX_STEPS)], timeout_s=WAIT_S)
+        primary, backup = c.services
+        assert asked == ["NotServingError"]
+        assert backup.roles[0] is Role.BACKUP and primary.roles[0] is Role.SERVING
+        assert c.authority is not None and c.authority.book.views[0].term == 1  # no view changed
+        same_copies(primary.store, backup.backups[0])
+        assert ledgers[0].applied(0) + ledgers[1].applied(0) == primary.store.stats.applied_updates == MAX_STEPS
+
+
+def test_a_serving_copy_cut_off_from_its_backup_goes_on_alone_only_at_the_authoritys_word() -> None:
+    with InprocCluster(2, 2, TrainConfig(mode="async", ps_replicas=2, **FAST)) as c:
+        trainers, models, ledgers = start(c)
+        primary, backup = c.services
+        healed = threading.Event()
+        serving_seen: list[tuple[int, ...]] = []
+        cut: list[int] = []
+        back: list[int] = []
+        assert c.authority is not None
+
+        def partition(t: Trainer) -> None:
+            # From step 5 ps:1 takes shard 0's records and never answers (a partition one way), until healed.
+            if not cut and t.global_step >= 5:
+                cut.append(t.global_step)
+                copy = backup.backups[0]
+                follow = copy.follow
+                copy.follow = lambda batch: (healed.wait(30.0), follow(batch))[1]  # type: ignore[method-assign]
+            serving_seen.append(tuple(p.shard for p in c.services if p.roles.get(0) is Role.SERVING))
+            if cut and not healed.is_set() and t.global_step >= 12:
+                healed.set()
+            if healed.is_set() and t.global_step >= 20 and not back:  # the job goes on once ps:1 is back
+                wait_until(lambda: c.authority.book.views[0].state.value == "synced" and backup.roles[0] is Role.BACKUP,
+                           30.0, "ps:1 back as shard 0's synced backup")
+                back.append(t.global_step)
+
+        run_threads([lambda: train(trainers[0], models[0], 0, max_steps=MAX_STEPS, on_step=partition),
+                     lambda: train(trainers[1], models[1], 1, max_steps=MAX_STEPS)], timeout_s=WAIT_S)
+        assert back, "ps:1 never came back"
+        story = [cause for cause, v in c.authority.book.story if v.shard == 0]
+        assert any("cannot reach its backup ps:1" in cause for cause in story), story
+        assert all(s == (0,) for s in serving_seen), "another copy served shard 0"
+        assert c.authority.book.views[0].serving == 0 and c.authority.book.views[0].term >= 3
+        assert ledgers[0].applied(0) + ledgers[1].applied(0) == primary.store.stats.applied_updates == MAX_STEPS
+        wait_until(lambda: backup.backups[0].version == primary.store.version, 10.0, "the backup's last records")
+        same_copies(primary.store, backup.backups[0])
+
+
+def test_the_serving_copy_acknowledges_while_a_replaced_backup_loads_the_state(monkeypatch) -> None:  # noqa: ANN001
+    steps = 4000  # a few seconds of training: longer than the loads below
+    with InprocCluster(2, 2, TrainConfig(mode="async", ps_replicas=2, **FAST)) as c:
+        trainers, models, ledgers = start(c, steps)
+        loads: list[tuple[float, float]] = []  # when each state load ran (the backup's side)
+        load_state = ParameterStore.load_state
+
+        def slow_load(self, meta, tensors):  # noqa: ANN001, ANN202
+            began = time.monotonic()
+            time.sleep(1.0)  # a big model's state crossing: the serving copy must not wait for it
+            loads.append((began, time.monotonic()))
+            return load_state(self, meta, tensors)
+
+        monkeypatch.setattr(ParameterStore, "load_state", slow_load)
+        steps_at: list[float] = []
+        killed: list[int] = []
+
+        def replace_backup(t: Trainer) -> None:
+            steps_at.append(time.monotonic())
+            if not killed and t.global_step >= 5:
+                killed.append(t.global_step)
+                c.kill_ps(1)
+                c.restart_ps(1).start_resync(30.0)
+
+        run_threads([lambda: train(trainers[0], models[0], 0, max_steps=steps, on_step=replace_backup),
+                     lambda: train(trainers[1], models[1], 1, max_steps=steps,
+                                   on_step=lambda t: steps_at.append(time.monotonic()))], timeout_s=WAIT_S)
+        survivor, restarted = c.services
+        wait_until(lambda: all(restarted.roles.get(s) is Role.BACKUP for s in (0, 1)), 30.0, "ps:1's re-sync")
+        assert len(loads) == 2 and max(end for _, end in loads) < steps_at[-1], "the job ended before the loads"
+        for began, ended in loads:  # steps went on (the serving copy acknowledged alone) while each state loaded
+            during = sum(1 for t in steps_at if began + 0.2 < t < ended)
+            assert during >= 3, f"training stalled while the backup loaded a state: {during} steps in {ended - began:.1f} s"
+        for shard in (0, 1):
+            copy = restarted.store if shard == 1 else restarted.backups[0]
+            wait_until(lambda c=copy, s=shard: c.version == survivor.store_of(s).version, 10.0, "the backup's last records")
+            same_copies(survivor.store_of(shard), copy)
+            assert ledgers[0].applied(shard) + ledgers[1].applied(shard) == steps
