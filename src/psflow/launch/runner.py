@@ -74,6 +74,8 @@ from psflow.launch.plan import LaunchPlan, TaskPlan, added_worker
 from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import CompositeRunStore, FileRunStore, RunStore
 from psflow.launch.summary import build_summary
+from psflow.ps.authority import ViewAuthority
+from psflow.ps.views import ShardView
 from psflow.server import Server
 from psflow.timeline import write_trace
 
@@ -122,6 +124,7 @@ class Runner:
         self.policy = policy
         self.make_store = store
         self.tick_s = tick_s
+        self._views: ViewAuthority | None = None  # ps_replicas=2: the authority over the shard copies (a run's)
         self.on_tick = on_tick
 
     def run(self, plan: LaunchPlan) -> RunResult:
@@ -151,6 +154,10 @@ class Runner:
             rounds = group.members if group is not None and plan.config.strategy == "allreduce" else ()
             coord = Coordinator(server, plan.task_names(), register_timeout_s=self.register_timeout_s,
                                 require_ps=plan.config.strategy == "ps", on_event=_to_store(store, signs), rounds=rounds)
+            # ps_replicas=2: this launcher is the one authority over which copy of each shard serves.
+            num_ps = sum(1 for t in plan.task_names() if t.startswith("ps:"))
+            self._views = (ViewAuthority(server, num_ps, on_change=_view_event(store))
+                           if plan.config.strategy == "ps" and plan.config.ps_replicas == 2 and num_ps >= 2 else None)
             address = server.start()
             controller = RunController(plan.task_names(), grace_s=plan.grace_s, ps_exit_timeout_s=plan.ps_exit_timeout_s,
                                        policy=self.policy or plan.restart, hangs=plan.hangs, group=group)
@@ -342,6 +349,8 @@ class Runner:
             report = self.backend.error_report(e.task)
             if report is not None:
                 out += controller.handle(TaskReported(e.task, e.attempt, report, e.at))
+        if self._views is not None and e.task.startswith("ps:"):  # its copies died with it: the views move on at once
+            self._views.ps_down(int(e.task.split(":")[1]), f"attempt {e.attempt} exited with code {e.code}")
         hang = controller.killed_hang(e.task, e.attempt)
         store.task_exited(e.task, e.attempt, e.code, e.at, oom_killed=e.oom_killed,
                           hang=None if hang is None else hang.to_dict())
@@ -449,6 +458,13 @@ def write_secret(logdir: Path) -> Path:
     secret_file.touch(mode=0o600)
     secret_file.write_bytes(secrets.token_hex(32).encode())
     return secret_file
+
+
+def _view_event(store: RunStore) -> Callable[[str, ShardView], None]:
+    """A change of a shard's view, into the run's history (the story of its copies)."""
+    def on_change(cause: str, view: ShardView) -> None:
+        store.event("view", **view.to_dict(), cause=cause)
+    return on_change
 
 
 def _to_store(store: RunStore, signs: queue.Queue[Event] | None = None) -> Callable[[str, dict[str, Any]], None]:
