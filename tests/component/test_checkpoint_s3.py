@@ -154,7 +154,7 @@ def test_psflow_checkpoints_and_export_take_a_url_logdir_as_they_take_a_local_on
     for where in (logdir, logdir + "/", root):
         listed = CliRunner().invoke(main, ["checkpoints", where])
         assert listed.exit_code == 0 and listed.output == "ckpt-0000000100  step=100  shards=2  0.00 MB  ok\n", listed.output
-    assert checkpoint.checkpoint_root(logdir) == root and checkpoint.checkpoint_root(root) == root
+    assert checkpoint.find_root(logdir) == root and checkpoint.find_root(root) == root
     exported = CliRunner().invoke(main, ["export", logdir, str(tmp_path / "model.safetensors")])
     # It found the checkpoint (saved here without a run's meta, which export then names), not "No whole checkpoint".
     assert "ckpt-0000000100 has no placement in its manifest meta" in exported.output, exported.output

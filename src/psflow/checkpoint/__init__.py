@@ -50,10 +50,10 @@ from psflow.checkpoint.assembly import (
 )
 from psflow.checkpoint.export import (
     CHECKPOINTS_DIR,
-    checkpoint_root,
     export_checkpoint,
     export_state_dict,
     find_checkpoint,
+    find_root,
     write_tensors_file,
 )
 from psflow.checkpoint.format import (
@@ -77,9 +77,8 @@ from psflow.checkpoint.writer import commit, write_shard
 
 __all__ = [
     "CHECKPOINTS_DIR", "CHECKSUM_KEY", "FORMAT", "MANIFEST_NAME", "VERSION",
-    "Checkpoint", "NoWholeCheckpointError", "ShardRecord", "UrlPath", "assemble_pieces", "checkpoint_root", "commit",
-    "is_url",
-    "export_checkpoint", "export_state_dict", "find_checkpoint", "latest_checkpoint", "list_checkpoints",
+    "Checkpoint", "NoWholeCheckpointError", "ShardRecord", "UrlPath", "assemble_pieces", "commit", "is_url",
+    "export_checkpoint", "export_state_dict", "find_checkpoint", "find_root", "latest_checkpoint", "list_checkpoints",
     "load_whole_tensors", "manifest_checksum", "read_checkpoint", "run_meta", "state_dict_from",
     "write_shard", "write_tensors_file",
 ]

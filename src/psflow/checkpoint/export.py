@@ -7,8 +7,8 @@ writes a checkpoint's tensors as stored, optionally renamed or filtered.
 Invariant: an exported file is written to a tmp name, fsynced and renamed, then its directory is
 fsynced: ``out`` is never half-written and no tmp file is left, even on failure.
 
-Callers: ``psflow export`` and ``psflow checkpoints`` (cli/files.py, :func:`checkpoint_root`), scripts that want a checkpoint's tensors in one file, the
-evaluator (:func:`find_checkpoint`'s layout, ``CHECKPOINTS_DIR``).
+Callers: ``psflow export`` and ``psflow checkpoints`` (cli/files.py, :func:`find_root`), scripts that
+want a checkpoint's tensors in one file, the evaluator (:func:`find_checkpoint`'s layout, ``CHECKPOINTS_DIR``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def write_tensors_file(
     return path
 
 
-def checkpoint_root(path: str | os.PathLike[str]) -> Path | str:
+def find_root(path: str | os.PathLike[str]) -> Path | str:
     """The checkpoint root that ``path`` names, local or a URL alike: a logdir's ``checkpoints/``
     where it has one, else ``path`` itself (a checkpoint root, such as a ``--checkpoint-dir`` URL).
 
@@ -72,7 +72,7 @@ def checkpoint_root(path: str | os.PathLike[str]) -> Path | str:
         CheckpointError: a URL that cannot be listed.
 
     Example:
-        >>> checkpoint_root("s3://bucket/mnist")  # doctest: +SKIP
+        >>> find_root("s3://bucket/mnist")  # doctest: +SKIP
         's3://bucket/mnist/checkpoints'
     """
     if is_url(path):
@@ -94,7 +94,7 @@ def find_checkpoint(path: str | os.PathLike[str], *, warn: Callable[[str], None]
         url = str(path).rstrip("/")
         if FINAL_RE.fullmatch(url.rsplit("/", 1)[-1]):
             return read_checkpoint(url)
-        found = latest_checkpoint(checkpoint_root(url), warn=warn, strict=True)
+        found = latest_checkpoint(find_root(url), warn=warn, strict=True)
         if found is None:
             raise CheckpointError(f"No whole checkpoint under {url}. Received: {str(path)!r}. Pass a URL logdir, the "
                                   "--checkpoint-dir URL of a run that saved at least once, or one of its ckpt-<step> URLs.")
@@ -102,7 +102,7 @@ def find_checkpoint(path: str | os.PathLike[str], *, warn: Callable[[str], None]
     p = Path(path)
     if (p / MANIFEST_NAME).is_file():
         return read_checkpoint(p)
-    root = checkpoint_root(p)
+    root = find_root(p)
     ckpt = latest_checkpoint(root, warn=warn, strict=True)
     if ckpt is None:
         raise CheckpointError(

@@ -125,7 +125,7 @@ def checkpoints(logdir: str) -> None:
     from psflow import checkpoint
 
     try:
-        root = checkpoint.checkpoint_root(logdir)
+        root = checkpoint.find_root(logdir)
     except PsflowError as e:
         raise click.ClickException(str(e)) from e
     found = checkpoint.list_checkpoints(root)
