@@ -349,7 +349,7 @@ class Runner:
             report = self.backend.error_report(e.task)
             if report is not None:
                 out += controller.handle(TaskReported(e.task, e.attempt, report, e.at))
-        if self._views is not None and e.task.startswith("ps:"):  # its copies died with it: the views move on at once
+        if self._views is not None and e.task.startswith("ps:") and e.code != 0:  # its copies died with it: the views move on
             self._views.ps_down(int(e.task.split(":")[1]), f"attempt {e.attempt} exited with code {e.code}")
         hang = controller.killed_hang(e.task, e.attempt)
         store.task_exited(e.task, e.attempt, e.code, e.at, oom_killed=e.oom_killed,
