@@ -463,7 +463,7 @@ _SLURM_VARS = {  # the first one set wins: a step's own view comes before its al
 }
 # What to do where psflow cannot derive every task's node from the environment.
 _PASS_THE_CLUSTER = ("Pass the cluster yourself, in task order: --ps_hosts/--worker_hosts with --job_name/--task_index "
-                     "(or PSFLOW_CLUSTER with PSFLOW_TASK), or run the step with srun -m block or -m cyclic.")
+                     "(or PSFLOW_CLUSTER with PSFLOW_TASK), or run the step with srun -m block, cyclic or plane=N.")
 
 
 def in_slurm_step(env: Mapping[str, str]) -> bool:
@@ -471,23 +471,40 @@ def in_slurm_step(env: Mapping[str, str]) -> bool:
     return bool(env.get("SLURM_PROCID", "").strip())
 
 
-def slurm_task_nodes(nodes: Sequence[str], counts: Sequence[int], distribution: str) -> list[str]:
+def _dealt(nodes: Sequence[str], counts: Sequence[int], size: int) -> list[str]:
+    """Ranks dealt out ``size`` at a time per node, in the node list's order, round after round, each
+    node skipped once it has its count (Slurm's cyclic layout: size 1; plane: the plane size)."""
+    placed: list[str] = []
+    given = [0] * len(nodes)
+    while len(placed) < sum(counts):
+        for i, node in enumerate(nodes):
+            take = min(size, counts[i] - given[i])
+            placed.extend([node] * take)
+            given[i] += take
+    return placed
+
+
+def slurm_task_nodes(nodes: Sequence[str], counts: Sequence[int], distribution: str,
+                     plane_size: int | None = None) -> list[str]:
     """The node of every task of a Slurm step (index = ``SLURM_PROCID``), as srun laid them out.
 
     A task sees only its own node (``SLURMD_NODENAME``); the others follow from the step's node list,
     its tasks per node and the distribution's node level (``SLURM_DISTRIBUTION``: ``block``,
     ``cyclic``, ``block:cyclic``, ...; empty or ``*`` is srun's default, block). Block gives each node
     its tasks in one run of ranks; cyclic deals ranks out one per node, in the node list's order,
-    round after round, skipping a node once it has its count (Slurm's ``_task_layout_cyclic``).
+    round after round, skipping a node once it has its count (Slurm's ``_task_layout_cyclic``);
+    plane deals them ``plane_size`` at a time (``SLURM_DIST_PLANESIZE``). Checked against srun
+    22.05's own layouts (``srun -l``) for uneven counts.
 
     Args:
         nodes: the step's nodes in Slurm's order (:func:`expand_slurm_nodelist`).
         counts: tasks on each node (:func:`expand_slurm_tasks_per_node`), same length.
         distribution: ``SLURM_DISTRIBUTION`` as set ("" if unset).
+        plane_size: ``SLURM_DIST_PLANESIZE`` for ``plane``.
 
     Raises:
         ConfigError: a distribution whose layout the environment does not tell (arbitrary: the user's
-            host file; plane; anything unknown), naming what to pass instead.
+            host file; plane without its size; anything unknown), naming what to pass instead.
 
     Example:
         >>> slurm_task_nodes(["a", "b"], [2, 1], "cyclic")
@@ -497,12 +514,14 @@ def slurm_task_nodes(nodes: Sequence[str], counts: Sequence[int], distribution: 
     if level in ("", "*", "block"):
         return [node for node, count in zip(nodes, counts) for _ in range(count)]
     if level == "cyclic":
-        return [node for rnd in range(max(counts, default=0)) for node, count in zip(nodes, counts) if rnd < count]
+        return _dealt(nodes, counts, 1)
+    if level == "plane" and plane_size is not None and plane_size > 0:
+        return _dealt(nodes, counts, plane_size)
     if level == "arbitrary":
         raise ConfigError("SLURM_DISTRIBUTION=arbitrary: srun placed the tasks by its host file (SLURM_HOSTFILE), "
                           f"which a task's environment does not list. {_PASS_THE_CLUSTER}")
-    raise ConfigError(f"SLURM_DISTRIBUTION={distribution!r}: psflow derives the tasks' nodes for block and cyclic "
-                      f"only. {_PASS_THE_CLUSTER}")
+    raise ConfigError(f"SLURM_DISTRIBUTION={distribution!r}: psflow derives the tasks' nodes for block, cyclic and "
+                      f"plane (with SLURM_DIST_PLANESIZE) only. {_PASS_THE_CLUSTER}")
 
 
 def _read_slurm_step(env: Mapping[str, str]) -> tuple[int, int, list[str], list[int]]:
@@ -537,7 +556,8 @@ def cluster_from_slurm_env(
 
     Reads SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST, SLURM_NODELIST),
     SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE), SLURM_DISTRIBUTION and SLURMD_NODENAME from
-    ``env``. Every task's node follows from the distribution (:func:`slurm_task_nodes`); this task's
+    ``env`` (and SLURM_DIST_PLANESIZE for ``-m plane``). Every task's node follows from the distribution
+    (:func:`slurm_task_nodes`); this task's
     must be the node it runs on (``SLURMD_NODENAME``), or it refuses: as every task checks its own,
     a layout derived wrongly stops the step at the tasks it misplaces instead of building a wrong
     cluster. Task i listens on ``base_port + i``, so tasks sharing a node never share a port.
@@ -545,7 +565,7 @@ def cluster_from_slurm_env(
 
     Raises:
         ConfigError: missing (named) or malformed variables, counts that disagree, a distribution
-            whose layout is not derivable (arbitrary, plane), this task placed on another node than
+            whose layout is not derivable (arbitrary), this task placed on another node than
             SLURMD_NODENAME, ports past 65535.
     """
     procid, ntasks, nodes, counts = _read_slurm_step(env)
@@ -556,7 +576,8 @@ def cluster_from_slurm_env(
         raise ConfigError(f"base_port={base_port} gives ports {base_port}..{base_port + ntasks - 1}; use 1..65535 "
                           "(psflow.init reads it from PSFLOW_BASE_PORT).")
     distribution = env.get("SLURM_DISTRIBUTION", "")
-    hosts = slurm_task_nodes(nodes, counts, distribution)
+    plane = env.get("SLURM_DIST_PLANESIZE", "").strip()
+    hosts = slurm_task_nodes(nodes, counts, distribution, int(plane) if plane.isdigit() else None)
     here = env.get("SLURMD_NODENAME", "").strip()
     if here and hosts[procid] != here:
         raise ConfigError(

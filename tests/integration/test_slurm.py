@@ -237,6 +237,46 @@ def test_a_psflow_script_under_the_users_own_srun_needs_no_launcher(slurm_conf, 
     assert (tmp_path / "byhand" / "checkpoints").is_dir(), "the chief (worker:0) saved no checkpoint"
 
 
+# Each task prints what pf.init() builds from srun's environment: its rank, the node it runs on, the cluster.
+_SHOW_CLUSTER = ("import json, os; from psflow.cluster import cluster_from_slurm_env as f; "
+                 "s, t = f(os.environ, num_ps=1, base_port=int(os.environ['PSFLOW_BASE_PORT'])); "
+                 "print(json.dumps([int(os.environ['SLURM_PROCID']), os.environ['SLURMD_NODENAME'], s.to_dict()]))")
+
+
+@pytest.mark.parametrize("distribution", ["block", "cyclic", "plane=2"])
+def test_under_the_users_srun_every_task_is_put_on_the_node_it_runs_on(slurm_conf, distribution):
+    base = free_base(5)
+    r = subprocess.run(["srun", "--nodes=3", "--ntasks=5", "-m", distribution, str(Path(PSFLOW).parent / "python"),
+                        "-c", _SHOW_CLUSTER], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=slurm_env(slurm_conf, PSFLOW_BASE_PORT=str(base)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    seen = sorted(json.loads(line) for line in r.stdout.splitlines())
+    clusters = {json.dumps(c) for _, _, c in seen}
+    assert [rank for rank, _, _ in seen] == list(range(5)) and len(clusters) == 1, seen  # every task sees one cluster
+    addresses = [*seen[0][2]["ps"], *seen[0][2]["worker"]]  # rank order
+    assert addresses == [f"{node}:{base + rank}" for rank, node, _ in seen], (distribution, seen)
+
+
+def test_under_srun_m_cyclic_uneven_the_by_hand_run_trains(slurm_conf, tmp_path):
+    base = free_base(4)  # 4 tasks on 3 nodes: 127.0.0.1 holds ranks 0 and 3, not 0 and 1
+    r = subprocess.run(["srun", "--nodes=3", "--ntasks=4", "-m", "cyclic", "--unbuffered", str(Path(PSFLOW).parent / "python"),
+                        "-u", SOFTMAX, "--epochs", "1", "--init", "zeros", "--logdir", str(tmp_path / "cyclic")],
+                       capture_output=True, text=True, timeout=90, cwd=ROOT,
+                       env=slurm_env(slurm_conf, PSFLOW_BASE_PORT=str(base), PSFLOW_CONNECT_TIMEOUT_S="30"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert all(f"worker={i}, final accuracy = " in r.stdout for i in range(3)), r.stdout[-3000:]
+
+
+def test_under_srun_m_arbitrary_a_task_refuses_saying_what_to_pass(slurm_conf, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("127.0.0.2\n127.0.0.1\n")
+    r = subprocess.run(["srun", "--ntasks=2", "-m", "arbitrary", str(Path(PSFLOW).parent / "python"), "-c", _SHOW_CLUSTER],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=slurm_env(slurm_conf, PSFLOW_BASE_PORT="2222", SLURM_HOSTFILE=str(hostfile)))
+    assert r.returncode != 0 and "SLURM_DISTRIBUTION=arbitrary" in r.stderr and "--ps_hosts/--worker_hosts" in r.stderr, \
+        r.stdout[-2000:] + r.stderr[-2000:]
+
+
 def _pid_of(task: str, job_id: str, deadline_s: float = 30) -> int:
     """The pid of the psflow process running ``task`` in Slurm job ``job_id`` on this host (every
     node of the test cluster is this host): the one whose environment names both."""

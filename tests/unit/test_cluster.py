@@ -569,8 +569,26 @@ def test_slurm_a_layout_the_environment_does_not_tell_is_refused_saying_what_to_
     with pytest.raises(ConfigError, match=r"SLURM_DISTRIBUTION=arbitrary: .*SLURM_HOSTFILE.*--ps_hosts/--worker_hosts "
                                           r"with --job_name/--task_index \(or PSFLOW_CLUSTER with PSFLOW_TASK\)"):
         cluster_from_slurm_env({**env, "SLURM_DISTRIBUTION": "arbitrary"}, num_ps=1, base_port=7000)
-    with pytest.raises(ConfigError, match=r"SLURM_DISTRIBUTION='plane': psflow derives .* block and cyclic only"):
-        cluster_from_slurm_env({**env, "SLURM_DISTRIBUTION": "plane"}, num_ps=1, base_port=7000)
+    with pytest.raises(ConfigError, match=r"SLURM_DISTRIBUTION='plane': psflow derives .* block, cyclic and plane "
+                                          r"\(with SLURM_DIST_PLANESIZE\) only"):
+        cluster_from_slurm_env({**env, "SLURM_DISTRIBUTION": "plane"}, num_ps=1, base_port=7000)  # no plane size
+    with pytest.raises(ConfigError, match=r"SLURM_DISTRIBUTION='spiral'"):
+        cluster_from_slurm_env({**env, "SLURM_DISTRIBUTION": "spiral"}, num_ps=1, base_port=7000)
+
+
+# What srun 22.05 (Debian 12) did with --nodes=3 --ntasks=5 on 127.0.0.[1-3], tasks per node 3,1(x2):
+# `srun -m M bash -c 'echo $SLURM_PROCID $SLURMD_NODENAME'`, sorted by rank.
+SRUN_2205 = {
+    "block": ["127.0.0.1", "127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.3"],
+    "cyclic:block": ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.1", "127.0.0.1"],
+    "plane": ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.1"],  # -m plane=2
+}
+
+
+@pytest.mark.parametrize("distribution", SRUN_2205)
+def test_slurm_layouts_match_what_srun_did(distribution: str) -> None:
+    nodes = expand_slurm_nodelist("127.0.0.[1-3]")
+    assert slurm_task_nodes(nodes, expand_slurm_tasks_per_node("3,1(x2)"), distribution, 2) == SRUN_2205[distribution]
 
 
 def test_slurm_cyclic_skips_a_node_once_it_has_its_count() -> None:
