@@ -111,6 +111,7 @@ class Task:
         self.trainers: list[Any] = []
         self.reports: dict[str, Any] = {}
         self._finished = False
+        self.failure: str | None = None  # the uncaught error this task stops on (set by its error report hook)
         self._co_conn = None
         self._co_lock = threading.Lock()
         self._hb_conn: Any = None  # the heartbeat thread's own connection: a report in flight never delays a beat
@@ -137,6 +138,8 @@ class Task:
             self.ps_service.after_push = ps_step_kill(parse_faults(self.fail_at), str(task_id))
             if attempt >= 1 and config.ps_replicas == 2:
                 self.ps_service.start_resync(config.ready_timeout_s)  # serves nothing until its copies are back
+            # Until the chief's PS_INIT: its own lost_worker_timeout_s; by hand, nobody restarts a failed worker.
+            self.ps_service.store.expect(config, by_hand=not coordinator)
             if coordinator:  # a ps started after a scale request counts the job's replicas as they are now
                 self.ps_service.refresh_members()
 
@@ -388,7 +391,7 @@ class Task:
         self._finished = True
         for t in self.trainers:
             try:
-                t.close()
+                t.close(failed=self.failure)  # the ps learn it stopped on an error, not that it finished
             except PsflowError as e:
                 log.warning("%s: closing the trainer failed: %s", self.task_id, e)
         if self.trainers:
@@ -579,6 +582,9 @@ def init(
         checkpoint_dir=tenv.checkpoint_dir,
     )
     server.routes_ready()  # a ps: its service's routes are registered
+    if tenv.chaos and task.ps_service is not None and threading.current_thread() is threading.main_thread():
+        service = task.ps_service  # psflow chaos: SIGUSR2 cuts (and the next heals) its links to the other ps
+        signal.signal(signal.SIGUSR2, lambda signum, frame: service.partition())
     _install_error_report(task, tenv.error_file)
     atexit.register(task.finish)
     task.start_heartbeat(cfg.heartbeat_every_s)
@@ -678,6 +684,7 @@ def _install_error_report(task: Task, path: str | None) -> None:
 
     def hook(exc_type, exc, tb):  # type: ignore[no-untyped-def]
         errorreport.ignore_stop_requests()  # failing: it ends by itself, with its own exit code (1)
+        task.failure = errorreport.one_line(exc)  # before atexit's finish(): its PS_DONE says so
         if path:
             errorreport.write(path, str(task.task_id), exc, tb)
         if issubclass(exc_type, PsflowError):

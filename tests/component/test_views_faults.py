@@ -6,15 +6,14 @@ fault that broke the guarantee, and checks what must hold:
 
 - a request that names a shard at its backup (a worker that failed over, or resent a refused push)
   never moves the shard while its serving copy lives;
-- a serving copy cut off from its backup goes on alone only at the authority's word (a new term);
-  the cut-off backup never serves, comes back as the backup of a later term and ends in the
-  serving copy's exact state; nothing acknowledged is lost;
+- copies cut off from each other (psflow chaos's partition) go on alone only at the authority's
+  word (a new term); a cut-off backup never serves, comes back as the backup of a later term and
+  ends in the serving copy's exact state; nothing acknowledged is lost;
 - while a replaced backup loads the state, the serving copy keeps acknowledging (no stall).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -81,41 +80,45 @@ def test_a_request_naming_the_shard_at_its_backup_never_moves_it() -> None:
         assert ledgers[0].applied(0) + ledgers[1].applied(0) == primary.store.stats.applied_updates == MAX_STEPS
 
 
-def test_a_serving_copy_cut_off_from_its_backup_goes_on_alone_only_at_the_authoritys_word() -> None:
+def test_copies_partitioned_from_each_other_go_on_alone_only_at_the_authoritys_word() -> None:
     with InprocCluster(2, 2, TrainConfig(mode="async", ps_replicas=2, **FAST)) as c:
         trainers, models, ledgers = start(c)
-        primary, backup = c.services
-        healed = threading.Event()
-        serving_seen: list[tuple[int, ...]] = []
-        cut: list[int] = []
-        back: list[int] = []
         assert c.authority is not None
+        book = c.authority.book
+        serving_seen: list[tuple[tuple[int, ...], ...]] = []
+        events: list[str] = []
+
+        def synced() -> bool:
+            return all(book.views[s].state.value == "synced" for s in (0, 1)) and \
+                all(c.services[(s + 1) % 2].roles.get(s) is Role.BACKUP for s in (0, 1))
 
         def partition(t: Trainer) -> None:
-            # From step 5 ps:1 takes shard 0's records and never answers (a partition one way), until healed.
-            if not cut and t.global_step >= 5:
-                cut.append(t.global_step)
-                copy = backup.backups[0]
-                follow = copy.follow
-                copy.follow = lambda batch: (healed.wait(30.0), follow(batch))[1]  # type: ignore[method-assign]
-            serving_seen.append(tuple(p.shard for p in c.services if p.roles.get(0) is Role.SERVING))
-            if cut and not healed.is_set() and t.global_step >= 12:
-                healed.set()
-            if healed.is_set() and t.global_step >= 20 and not back:  # the job goes on once ps:1 is back
-                wait_until(lambda: c.authority.book.views[0].state.value == "synced" and backup.roles[0] is Role.BACKUP,
-                           30.0, "ps:1 back as shard 0's synced backup")
-                back.append(t.global_step)
+            # psflow chaos's partition: ps:1's links to ps:0 cut both ways (the workers and the launcher still reach both).
+            if not events and t.global_step >= 5:
+                events.append("cut")
+                c.services[1].partition()
+            serving_seen.append(tuple(tuple(p.shard for p in c.services if p.roles.get(s) is Role.SERVING) for s in (0, 1)))
+            if events == ["cut"] and t.global_step >= 12:
+                assert all(book.views[s].state.value == "alone" for s in (0, 1)), book.snapshot()
+                events.append("healed")
+                c.services[1].partition()
+            if events == ["cut", "healed"] and t.global_step >= 20:  # the job goes on once both are synced again
+                wait_until(synced, 30.0, "both shards synced again")
+                events.append("synced")
 
         run_threads([lambda: train(trainers[0], models[0], 0, max_steps=MAX_STEPS, on_step=partition),
                      lambda: train(trainers[1], models[1], 1, max_steps=MAX_STEPS)], timeout_s=WAIT_S)
-        assert back, "ps:1 never came back"
-        story = [cause for cause, v in c.authority.book.story if v.shard == 0]
-        assert any("cannot reach its backup ps:1" in cause for cause in story), story
-        assert all(s == (0,) for s in serving_seen), "another copy served shard 0"
-        assert c.authority.book.views[0].serving == 0 and c.authority.book.views[0].term >= 3
-        assert ledgers[0].applied(0) + ledgers[1].applied(0) == primary.store.stats.applied_updates == MAX_STEPS
-        wait_until(lambda: backup.backups[0].version == primary.store.version, 10.0, "the backup's last records")
-        same_copies(primary.store, backup.backups[0])
+        assert events == ["cut", "healed", "synced"]
+        for s in (0, 1):
+            story = [cause for cause, v in book.story if v.shard == s]
+            assert any("cannot reach its backup" in cause for cause in story), story
+            assert book.views[s].serving == s and book.views[s].term >= 3
+        assert all(seen == ((0,), (1,)) for seen in serving_seen), "another copy served a shard"
+        for s, (serving, backup) in enumerate([(c.services[0].store, c.services[1].backups[0]),
+                                                (c.services[1].store, c.services[0].backups[1])]):
+            assert ledgers[0].applied(s) + ledgers[1].applied(s) == serving.stats.applied_updates == MAX_STEPS
+            wait_until(lambda b=backup, p=serving: b.version == p.version, 10.0, "the backup's last records")
+            same_copies(serving, backup)
 
 
 def test_the_serving_copy_acknowledges_while_a_replaced_backup_loads_the_state(monkeypatch) -> None:  # noqa: ANN001

@@ -27,10 +27,10 @@ EPOCHS = 8
 STEPS_PER_EPOCH = 600  # 60,000 examples in batches of 100, over both workers' shards
 
 
-def chaos(logdir: Path, *args: str) -> tuple[object, str]:
+def chaos(logdir: Path, *args: str, epochs: int = EPOCHS) -> tuple[object, str]:
     r = run_psflow(["chaos", "--ps", "2", "--ps-replicas", "2", "--workers", "2", "--every", "1.5", "--for", "40",
                     "--logdir", str(logdir), "--no-live", *args, SOFTMAX, "--",
-                    "--epochs", str(EPOCHS), "--init", "zeros", "--print_every", "1"], timeout_s=200)
+                    "--epochs", str(epochs), "--init", "zeros", "--print_every", "1"], timeout_s=200)
     return r, f"{r.stdout[-5000:]}\n{r.stderr[-2000:]}\n{log_tails(logdir, 30)}"
 
 
@@ -75,3 +75,25 @@ def test_stopped_tasks_go_on_where_they_stopped_with_nothing_restarted_or_lost(t
     assert set(report["restarts"].values()) == {0}, report["restarts"]
     assert report["ledger"]["lost"] == 0 and report["ledger"]["unacknowledged"] == 0, report["ledger"]
     assert report["batches_applied"] == EPOCHS * STEPS_PER_EPOCH, report
+
+
+def test_partitions_and_long_stalls_of_ps_copies_trip_failover_and_lose_nothing(tmp_path: Path) -> None:
+    """The faults that split a shard before: the copies of a shard cut off from each other, and a ps
+    stopped past backup_failover_s (5 s). Every copy of every shard must end equal, nothing lost."""
+    logdir = tmp_path / "partitions"
+    epochs = 30
+    r, context = chaos(logdir, "--kinds", "partition=2,stop=1", "--targets", "ps", "--stall", "6", "--max-faults", "2",
+                       "--seed", "1", epochs=epochs)
+    assert r.returncode == 0, context
+    report = json.loads((logdir / "chaos.json").read_text())
+    faults = report["faults"]
+    assert faults["injected"] >= 1 and faults["survived"] == faults["injected"], faults
+    assert "partition" in faults["by_kind"], faults
+    assert "cannot reach its backup" in context, context  # a serving copy went on alone, at the launcher's word
+    ledger = report["ledger"]
+    assert ledger["lost"] == 0 and ledger["applied"] == epochs * STEPS_PER_EPOCH, ledger
+    summary = read_summary(logdir)
+    assert summary["ledger"]["agree"], summary["ledger"]
+    copies = summary["ledger"]["copies"]
+    assert sorted((c["shard"], c["role"]) for c in copies) == [(0, "backup"), (0, "serving"), (1, "backup"), (1, "serving")]
+    assert {c["version"] for c in copies} == {c["applied"] for c in copies} == {epochs * STEPS_PER_EPOCH}, copies

@@ -21,7 +21,7 @@ EVERY_FIELD = TaskEnv(
     checkpoint_dir="s3://bucket/run", error_file="runs/a/errors/worker-1.json", data_dir="/data", fail_at="worker:1@step=3",
     clock_skew="ps:0=5e6", resume=False, num_threads=3,
     bind_host="0.0.0.0", connect_timeout_s=1.5, handshake_timeout_s=0.25, max_handshaking=7, allow_unauthenticated_allreduce=True,
-    num_ps=0, base_port=3000, data_shards=2,
+    num_ps=0, base_port=3000, data_shards=2, chaos=True,
 )
 
 

@@ -10,6 +10,7 @@ workers' push ledgers, printed, and written to ``LOGDIR/chaos.json``. Called by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -45,6 +46,9 @@ def run_chaos(plan: LaunchPlan, settings: ChaosSettings, *, make_backend: Callab
     echo(f"psflow chaos: run {plan.run_id}: up to {len(schedule.slots())} faults, one every {settings.every_s:g} s for "
          f"{settings.duration_s:g} s (seed {settings.seed}; {', '.join(f'{k}={w:g}' for k, w in settings.kinds)}; "
          f"targets {', '.join(settings.targets)}); logs in {plan.logdir}")
+    if any(k == "partition" for k, _ in settings.kinds):  # the ps cut their links on SIGUSR2 (and only then)
+        plan = dataclasses.replace(plan, tasks=tuple(
+            dataclasses.replace(tp, env=(*tp.env, ("PSFLOW_CHAOS", "1"))) if tp.job == "ps" else tp for tp in plan.tasks))
     backend = make_backend()
     injector = ChaosInjector(schedule, backend, echo=echo)
     try:

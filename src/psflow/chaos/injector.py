@@ -6,7 +6,8 @@ the run is still running), the run store and the time. It
 
 - takes the slot that is due, asks the schedule which task it hits, and sends the signal through
   :meth:`psflow.launch.backend.Backend.send_signal` (SIGKILL; or SIGSTOP, and SIGCONT ``stall_s``
-  later): the run's restart policy, not the injector, brings a killed task back;
+  later; or, for a partition of a ps from the other ps, SIGUSR2 and SIGUSR2 again ``stall_s`` later):
+  the run's restart policy, not the injector, brings a killed task back;
 - records every fault (time, task, attempt, kind) in :attr:`ChaosInjector.faults`, in the run's
   history (``chaos_fault`` events) and on the console;
 - continues every stopped task once the run stops running (a stopped task cannot exit), and in
@@ -100,16 +101,17 @@ class ChaosInjector:
         self.schedule.taken(slot)
         attempt = controller.records[task].attempt
         fault = InjectedFault(slot.index, round(elapsed, 3), task, attempt, slot.kind,
-                              self.settings.stall_s if slot.kind == "stop" else None)
-        sig = signal.SIGKILL if slot.kind == "kill" else signal.SIGSTOP
+                              None if slot.kind == "kill" else self.settings.stall_s)
+        sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "partition": signal.SIGUSR2}[slot.kind]
         fault.time_unix = round(time.time(), 6)
         if not self.backend.send_signal(task, sig):
             self.skipped.append(slot.index)  # it ended between the controller's view and the signal
             return
         self.faults.append(fault)
-        if slot.kind == "stop":
+        if slot.kind != "kill":
             self._stopped[task] = (now + self.settings.stall_s, fault)
-        what = "SIGKILL" if slot.kind == "kill" else f"SIGSTOP for {self.settings.stall_s:g} s"
+        what = {"kill": "SIGKILL", "stop": f"SIGSTOP for {self.settings.stall_s:g} s",
+                "partition": f"a partition from the other ps for {self.settings.stall_s:g} s"}[slot.kind]
         self.echo(f"psflow chaos: fault {len(self.faults)}: {what} to {task} (attempt {attempt}) at {elapsed:.1f} s")
         store.event("chaos_fault", **{("fault" if k == "kind" else k): v for k, v in fault.to_dict().items()})
 
@@ -118,7 +120,7 @@ class ChaosInjector:
         self._continue_due(float("inf"), everything=True)
 
     def _continue_due(self, now: float, *, everything: bool) -> None:
-        for task, (due, _fault) in list(self._stopped.items()):
+        for task, (due, fault) in list(self._stopped.items()):
             if everything or now >= due:
                 del self._stopped[task]
-                self.backend.send_signal(task, signal.SIGCONT)
+                self.backend.send_signal(task, signal.SIGUSR2 if fault.kind == "partition" else signal.SIGCONT)

@@ -73,8 +73,8 @@ def ledger_rows(ledgers: Sequence[LedgerEntry], applied_by: Mapping[str, Mapping
 
 def fault_outcomes(faults: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Each fault with ``survived`` and ``outcome``: a kill survived when the attempt it hit ended by
-    SIGKILL and was restarted; a stop when the attempt it hit went on (it ended cleanly, or a later
-    fault's restart replaced it)."""
+    SIGKILL and was restarted; a stop or a partition when the attempt it hit went on (it ended
+    cleanly, or a later fault's restart replaced it)."""
     exits = {(t["task"], x["attempt"]): x for t in summary.get("tasks", []) for x in t.get("exits", [])}
     out = []
     for f in faults:
@@ -174,7 +174,8 @@ def render(report: Mapping[str, Any]) -> str:
         + (f"; {f['skipped_slots']} slot(s) skipped, no task eligible" if f["skipped_slots"] else ""),
     ]
     for o in f["list"]:
-        what = "SIGKILL" if o["kind"] == "kill" else f"SIGSTOP {o.get('stall_s', 0):g} s"
+        what = {"kill": "SIGKILL", "partition": f"partition {o.get('stall_s', 0):g} s"}.get(
+            o["kind"], f"SIGSTOP {o.get('stall_s', 0):g} s")
         lines.append(f"    {o['at_s']:7.1f} s  {what:<14} {o['task']} (attempt {o['attempt']}): {o['outcome']}")
     restarted = {t: n for t, n in report["restarts"].items() if n}
     lines.append("  restarts per task    " + (", ".join(f"{t} {n}" for t, n in restarted.items()) or "none"))

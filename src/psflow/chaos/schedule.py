@@ -2,7 +2,8 @@
 
 ``psflow chaos`` injects a fault every ``every_s`` seconds for ``duration_s`` seconds of a run, counted
 from the job's first training step (a slow start takes nothing from the schedule). The
-times, the kinds (``kill``: SIGKILL, ``stop``: SIGSTOP for ``stall_s`` then SIGCONT) and a draw in
+times, the kinds (``kill``: SIGKILL, ``stop``: SIGSTOP for ``stall_s`` then SIGCONT, ``partition``: a ps's
+links to the other ps cut for ``stall_s``, through SIGUSR2 under ``PSFLOW_CHAOS``) and a draw in
 [0, 1) per fault are fixed by the seed before the run starts (:meth:`ChaosSchedule.slots`); the task
 a fault hits is chosen when it falls due, among the tasks eligible then (:func:`eligible`), by its
 draw (:func:`pick`): the same seed on the same course of a run hits the same tasks.
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 from psflow.errors import ConfigError
 
-KINDS = ("kill", "stop")
+KINDS = ("kill", "stop", "partition")
 JOBS = ("chief", "worker", "ps")
 
 
@@ -199,13 +200,14 @@ def eligible(tasks: Mapping[str, TaskView], now: float, settings: ChaosSettings,
 
 
 def pick(slot: Slot, candidates: Sequence[str]) -> str | None:
-    """The task ``slot`` hits among ``candidates`` (by its draw), or None if there is none.
+    """The task ``slot`` hits among ``candidates`` (by its draw), or None if there is none; a
+    ``partition`` hits a ps only (it cuts the links between shard copies).
 
     Example:
         >>> pick(Slot(0, 5.0, "kill", 0.6), ["worker:0", "worker:1"])
         'worker:1'
     """
-    ordered = sorted(candidates)
+    ordered = sorted(t for t in candidates if slot.kind != "partition" or t.split(":")[0] == "ps")
     if not ordered:
         return None
     return ordered[min(len(ordered) - 1, int(slot.draw * len(ordered)))]

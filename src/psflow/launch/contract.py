@@ -43,6 +43,7 @@ ENV = {
     "PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE": "1: let the all-reduce strategy run off loopback, where its traffic is unauthenticated",
     "PSFLOW_CONNECT_TIMEOUT_S": "how long to retry reaching another task (default 60)",
     "PSFLOW_FAIL_AT": "fault injection, e.g. worker:1@step=30 (tests)",
+    "PSFLOW_CHAOS": "1: psflow chaos runs this task: on SIGUSR2 a ps cuts its links to the other ps (a partition between shard copies) until the next SIGUSR2",
     "PSFLOW_DATA_SHARDS": "the data shards: the training replicas at launch (set for a worker `psflow scale` added)",
     "PSFLOW_CLOCK_SKEW": "tests: the named tasks' timeline clocks run off by this many microseconds, e.g. ps:0=5e6,worker:1=-3e6 (hosts whose clocks disagree)",
     "PSFLOW_NUM_THREADS": "torch threads of the task: set by the launcher (applied before its script runs, by its fork server "
@@ -163,6 +164,7 @@ class TaskEnv:
     num_ps: int | None = _var("PSFLOW_NUM_PS", lambda n, r: _count(n, r, least=0), default=None)  # Slurm only
     base_port: int = _var("PSFLOW_BASE_PORT", _port, default=2222)  # Slurm only
     data_shards: int | None = _var("PSFLOW_DATA_SHARDS", _count, default=None)  # a scaled job's launch replicas
+    chaos: bool = _var("PSFLOW_CHAOS", _flag, _render_flag, default=False)  # psflow chaos: SIGUSR2 partitions a ps
 
     @classmethod
     def parse(cls, env: Mapping[str, str]) -> TaskEnv:

@@ -101,6 +101,7 @@ class PsService:
         self._ask_lock = threading.Lock()
         self._asked_at = float("-inf")
         self._fetching: set[int] = set()  # shards whose state this ps is asking the serving copy for
+        self.partitioned = False  # psflow chaos: this ps's links to the other ps are cut (see partition())
         self.resync_error: PsflowError | None = None  # why the re-sync failed (raised by watch_lost_workers)
         self.shard = shard
         self.cluster = cluster
@@ -524,10 +525,20 @@ class PsService:
         return send
 
     # -- replication: PS_REPLICATE -----------------------------------------------------------
+    def partition(self) -> bool:
+        """psflow chaos (PSFLOW_CHAOS, on SIGUSR2): cut this ps's links to the other ps, or heal them.
+        While cut, nothing it sends to a ps leaves and nothing a ps sends it is answered: a partition
+        between shard copies, with the workers and the launcher still reachable. Returns the new state."""
+        self.partitioned = not self.partitioned
+        log.warning("ps:%d: psflow chaos: links to the other ps %s.", self.shard, "cut" if self.partitioned else "healed")
+        return self.partitioned
+
     def _replicate(self, req: Request) -> Reply:
         """PS_REPLICATE: a serving copy's init, full state or records for this ps's copy of the
         shard (``init``, ``state``, ``batch``), or a backup asking for the shard's state (``resync``),
         each of the term it names, checked against this ps's view of the shard."""
+        while self.partitioned and not self._shutdown.is_set():  # psflow chaos: a cut link answers nothing
+            time.sleep(0.05)
         shard, kind = int(req.meta["shard"]), req.meta["kind"]
         num_ps = self.cluster.num_tasks("ps")
         held = shard < num_ps and shard in shards_held(self.shard, num_ps) and shard in self.views
@@ -763,7 +774,7 @@ class PsService:
 
     def _done(self, req: Request) -> Reply:
         store = self._store_for(req)
-        store.worker_done(int(req.meta["worker"]), int(req.meta.get("attempt", 0)))
+        store.worker_done(int(req.meta["worker"]), int(req.meta.get("attempt", 0)), failed=req.meta.get("failed"))
         self._acked(store)
         self._maybe_finished()
         return Reply({"done": sorted(store.done_workers)})
@@ -822,6 +833,11 @@ class _Link:
 
     def send(self, meta: dict[str, Any], tensors: Any, *, timeout_s: float | None = None) -> dict[str, Any]:
         svc = self.service
+        if svc.partitioned:  # psflow chaos: nothing leaves for the other ps while cut
+            self.close()
+            time.sleep(min(1.0, svc.failover_s if timeout_s is None else timeout_s))
+            raise TransportError(f"ps:{svc.shard} cannot reach ps:{self.target}: its links to the other ps are cut "
+                                 "(psflow chaos partition).")
         if self.conn is None:
             address = svc.cluster.address(TaskId("ps", self.target))
             self.conn = connect(address, secret=svc.server.secret, task=f"ps:{svc.shard}", peer=f"ps:{self.target}",
