@@ -159,3 +159,24 @@ def test_the_serving_copy_acknowledges_while_a_replaced_backup_loads_the_state(m
             wait_until(lambda c=copy, s=shard: c.version == survivor.store_of(s).version, 10.0, "the backup's last records")
             same_copies(survivor.store_of(shard), copy)
             assert ledgers[0].applied(shard) + ledgers[1].applied(shard) == steps
+
+
+def test_a_request_with_a_newer_term_makes_the_copy_ask_the_authority_first() -> None:
+    with InprocCluster(2, 2, TrainConfig(mode="async", ps_replicas=2, **FAST)) as c:
+        trainers, models, ledgers = start(c)
+        run_threads([lambda: train(trainers[0], models[0], 0, max_steps=MAX_STEPS),
+                     lambda: train(trainers[1], models[1], 1, max_steps=MAX_STEPS)], timeout_s=WAIT_S)
+        assert trainers[0].client.terms == {0: 1, 1: 1}  # every reply showed its term; the client sends it on
+        primary = c.services[0]
+        primary.lease.lease_s = 400.0  # its own poll now comes every 100 s: only the request can tell it
+        primary._ask("get")
+        assert c.authority is not None
+        c.authority._change(lambda: c.authority.book.unreachable(0, 0, 1, "a test's report"))
+        assert primary.views[0].term == 1  # it does not know yet
+        conn = connect(c.cluster.address(TaskId("ps", 0)), secret=SECRET, task="worker:1", peer="ps:0")
+        try:
+            reply = conn.request(Op.PS_PULL, {"term": 2, "timeout_s": 1.0}, timeout_s=5.0)
+        finally:
+            conn.close()
+        assert primary.views[0].term == 2 and primary.views[0].state.value == "alone"
+        assert reply.meta["term"] == 2

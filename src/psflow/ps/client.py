@@ -98,6 +98,7 @@ class PsClient:
         self.replicas = replicas  # 2: each shard has a backup on the next ps (failover)
         self.failover_s = failover_s  # replicas=2: how long a lost primary may not answer before its backup serves
         self.routes: dict[int, int] = {}  # shard -> the ps serving it in place of its dead primary
+        self.terms: dict[int, int] = {}  # replicas=2: shard -> the newest term a reply showed (sent on: a fence)
         self.num_shards = cluster.num_tasks("ps")
         self.request_timeout_s = request_timeout_s
         self.reply_margin_s = reply_margin_s
@@ -212,8 +213,16 @@ class PsClient:
         return self.replicas == 2 and frame.op == Op.ERROR and frame.meta.get("kind") == _NOT_SERVING
 
     def _routed(self, shard: int, meta: dict[str, Any]) -> dict[str, Any]:
-        """A request's meta, naming the shard where its backup serves it."""
+        """A request's meta, naming the shard where its backup serves it, and the newest term of the
+        shard's view a reply showed (a copy that knows an older one asks the launcher before serving)."""
+        if shard in self.terms:
+            meta = {**meta, "term": self.terms[shard]}
         return {**meta, "shard": shard} if shard in self.routes else meta
+
+    def _saw(self, shard: int, frame_meta: Mapping[str, Any]) -> None:
+        term = frame_meta.get("term")
+        if isinstance(term, int) and term > self.terms.get(shard, 0):
+            self.terms[shard] = term
 
     def _lost(self, shard: int, error: TransportError) -> None:
         """Forget the shard's connection (it is out of step or dead): the next request reconnects."""
@@ -308,6 +317,8 @@ class PsClient:
                 continue
             if frame.op == Op.ERROR and first_error is None and not self._refused(frame):
                 first_error = RemoteError(f"ps:{i}: {frame.meta.get('error', 'unknown error')}")
+            if self.replicas == 2:
+                self._saw(i, frame.meta)
             frames.append(frame)
         if lost is not None:
             raise lost
@@ -455,6 +466,8 @@ class PsClient:
             if frame.op == Op.ERROR and first_error is None:
                 first_error = RemoteError(f"ps:{shard}: {frame.meta.get('error', 'unknown error')}")
             _land([frame], [dest])
+            if self.replicas == 2:
+                self._saw(shard, frame.meta)
             metas.append(frame.meta)
         if lost is not None:
             raise lost
@@ -503,8 +516,12 @@ class PsClient:
         meta = {"worker": worker, "clock": clock, "timeout_s": timeout_s, "attempt": attempt}
         return int(self._all(Op.PS_CLOCK, [meta], wait_s=timeout_s, shards=[0])[0].meta["slowest"])
 
-    def done(self, worker: int, *, attempt: int = 0) -> None:
-        self._all(Op.PS_DONE, [{"worker": worker, "attempt": attempt}] * self.num_shards)
+    def done(self, worker: int, *, attempt: int = 0, failed: str | None = None) -> None:
+        """PS_DONE: this worker finished; with ``failed`` (its error), it stopped without finishing."""
+        meta: dict[str, Any] = {"worker": worker, "attempt": attempt}
+        if failed is not None:
+            meta["failed"] = failed
+        self._all(Op.PS_DONE, [meta] * self.num_shards)
 
     def status(self, *, clock_log: bool = False) -> list[dict[str, Any]]:
         return [f.meta for f in self._all(Op.PS_STATUS, [{"clock_log": clock_log}] * self.num_shards)]

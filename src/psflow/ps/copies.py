@@ -241,7 +241,14 @@ class ShardCopies:
                                   "sends the request again).")
 
     def _store_for(self, req: Request) -> ParameterStore:
+        term = req.meta.get("term")
+        if isinstance(term, int) and self.views and term > self.views.get(self._shard_of(req), NO_VIEW).term:
+            self._ask_quietly("get")  # the worker saw a newer term than this copy knows: its view may have moved
         return self.store_of(req.meta.get("shard"))
+
+    def _shard_of(self, req: Request) -> int:
+        shard = req.meta.get("shard")
+        return shard if isinstance(shard, int) else self.shard
 
     def store_of(self, shard: Any) -> ParameterStore:
         """The copy serving ``shard`` here (None: this ps's own). A copy that does not serve asks the

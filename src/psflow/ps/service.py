@@ -139,7 +139,12 @@ class PsService(ShardCopies):
             worker = self._worker_of(req.peer)
             if worker is not None and op in _ROUTED and self._store_for(req).worker_back(worker):
                 log.warning("ps:%d: worker:%d is back (it sent %s); waiting for it as before.", self.shard, worker, op.name)
-            return handler(req)
+            reply = handler(req)
+            if self.views and op in _ROUTED:  # the term this copy served in: the client sends it on (a fence)
+                view = self.views.get(req.meta.get("shard", self.shard))
+                if view is not None:
+                    reply.meta["term"] = view.term
+            return reply
 
         timed = _TIMED.get(op)
         if timed is None:
