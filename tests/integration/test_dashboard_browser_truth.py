@@ -101,3 +101,65 @@ def test_the_run_page_says_the_root_cause_in_words_and_warns_only_of_a_real_stra
         assert page.locator('#stragglers tr.errors[data-worker="worker:2"]').count() == 1
     finally:
         ui.stop()
+
+
+def _run_with_own_metrics(db_path: Path) -> None:
+    """A run whose two workers reported loss (from 2.0 down), their own lr and, every 10 steps, an
+    evaluation metric, at global steps 10, 20, ... (reports once a second)."""
+    from psflow.platform.jobstore import JobStore
+
+    start = time.time() - 200
+    with JobStore(db_path) as db, db.transaction():
+        db.add_run(_record("run-charts", db_path.parent / "run-charts"), TASKS)
+        for i in range(1, 61):
+            for k, w in enumerate(("worker:0", "worker:1")):
+                step = 10 * i + k  # the workers' steps differ by one: x by step has both
+                points = [("loss", 2.0 / i + (0.3 if i % 2 else 0.0), step), ("global_step", float(step), step),
+                          ("lr", 0.1 * 0.95 ** i, step)]
+                points += [("eval/accuracy", 0.5 + i / 200, step)] if i % 10 == 0 else []
+                db.task_progress("run-charts", w, {"global_step": step}, start + i + k / 10, points)
+        db.finish_run("run-charts", "succeeded", start + 100)
+
+
+def test_every_metric_a_task_reports_is_charted_by_time_or_step_smoothed_and_on_a_log_scale(tmp_path, browser, artifacts):  # noqa: F811
+    home = tmp_path / "home"
+    home.mkdir()
+    _run_with_own_metrics(home / "jobs.db")
+    ui = start_dashboard(home, tmp_path / "runs")
+    try:
+        page = desktop_page(browser, f"{ui.url}#token={TOKEN}")
+        page.goto(f"{ui.url}#/run/run-charts")
+        for name in ("loss", "lr", "eval/accuracy"):  # the script's own and its evaluation metric, drawn unasked
+            page.wait_for_selector(f'[id="chart-{name}"] canvas')
+        assert page.get_attribute('[id="chart-eval/accuracy"]', "data-points") == "12"
+        assert page.is_checked('#metric-picker input[data-metric="lr"]')
+        assert not page.is_checked('#metric-picker input[data-metric="global_step"]')  # offered, not drawn
+
+        page.select_option("#chart-x", "step")
+        page.wait_for_selector('#chart-loss[data-x="step"] canvas')
+        xs = page.evaluate("view.charts.loss.data[0]")
+        assert xs[:4] == [10, 11, 20, 21] and xs[-1] == 601
+        page.check("#chart-log")
+        assert page.evaluate("view.charts.loss.scales.y.distr") == 3
+        page.fill("#chart-smoothing", "0.9")
+        page.dispatch_event("#chart-smoothing", "input")
+        page.wait_for_selector('#chart-loss[data-smoothing="0.9"]')
+        data = page.evaluate("view.charts.loss.data")
+        assert len(data) == 1 + 2 * 2  # each worker: its raw line and its smoothed one
+        raw = [v for v in data[1] if v is not None]
+        smoothed = [v for v in data[2] if v is not None]
+        assert len(smoothed) == len(raw) == 60 and max(smoothed) - min(smoothed) < max(raw) - min(raw)
+        assert page.evaluate("smooth([1, 1, 1], 0.9)") == [1, 1, 1]  # debiased: no pull towards 0
+        assert page.evaluate("smooth([0, 10, null], 0.5)") == [0, 20 / 3, None]
+        page.screenshot(path=str(artifacts / "22-charts.png"), full_page=True)
+
+        page.check('#metric-picker input[data-metric="global_step"]')  # asked for: drawn, its points fetched
+        page.wait_for_function("Number(document.getElementById('chart-global_step')?.dataset.points) === 120")
+        page.uncheck('#metric-picker input[data-metric="lr"]')
+        page.wait_for_selector('[id="chart-lr"]', state="detached")
+
+        page.reload()  # the settings are kept
+        page.wait_for_selector('#chart-loss[data-x="step"][data-log="1"] canvas')
+        assert page.input_value("#chart-x") == "step" and page.is_checked("#chart-log")
+    finally:
+        ui.stop()

@@ -162,7 +162,8 @@ function runRow(r) {
 
 // -- one run -----------------------------------------------------------------------------------------
 function runPage(runId) {
-  view = {runId, series: {}, after: 0, charts: {}, logTask: null, logOffset: null, logText: "", lastEvent: 0};
+  view = {runId, series: {}, after: 0, charts: {}, logTask: null, logOffset: null, logText: "", lastEvent: 0,
+          metrics: CHARTS.map(([key]) => key), known: new Set(), touched: new Set(), chartSettings: chartSettings()};
   app.innerHTML = `
     <div class="toolbar">
       <h1 id="run-title" style="margin:0">${esc(runId)}</h1> <span id="run-state"></span>
@@ -176,7 +177,13 @@ function runPage(runId) {
     <div class="grid">
       <section class="card"><h2>Cluster</h2><div id="cluster"></div></section>
       <section class="card"><h2>Attempts and restarts</h2><div id="timeline" class="timeline"></div></section>
-      ${CHARTS.map(([key, label]) => `<section class="card"><h2>${esc(label)}</h2><div id="chart-${key}" class="chart" data-points="0"></div></section>`).join("")}
+      <section class="card wide"><h2>Metrics</h2><div class="toolbar" id="chart-controls">
+        <label>x <select id="chart-x"><option value="time">time</option><option value="step">step</option></select></label>
+        <label>smoothing <input id="chart-smoothing" type="range" min="0" max="0.99" step="0.01"></label>
+        <span id="chart-smoothing-value" class="muted"></span>
+        <label><input type="checkbox" id="chart-log"> log y</label></div>
+        <div id="metric-picker" class="toolbar picker"></div></section>
+      <div id="charts" class="grid wide"></div>
       <section class="card"><h2>Summary</h2><div id="summary"></div></section>
       <section class="card"><h2>Stragglers</h2><div id="stragglers"></div></section>
       <section class="card wide"><h2>Stacks</h2><div class="toolbar"><button id="dump-btn">Dump all tasks</button>
@@ -195,6 +202,61 @@ function runPage(runId) {
   document.getElementById("restart-btn").onclick = () => control(runId, "restart");
   document.getElementById("dump-btn").onclick = () => dumpAll(runId);
   document.getElementById("scale-btn").onclick = () => scaleRun(runId);
+  chartControls();
+  drawCharts();
+  liveRun(runId);
+}
+
+// The charts' settings (x, smoothing, log y): every chart is redrawn from the points it has.
+function chartControls() {
+  const s = view.chartSettings;
+  const x = document.getElementById("chart-x"), sm = document.getElementById("chart-smoothing");
+  const log = document.getElementById("chart-log"), shown = document.getElementById("chart-smoothing-value");
+  x.value = s.x; sm.value = String(s.smoothing); log.checked = s.log; shown.textContent = s.smoothing.toFixed(2);
+  const changed = () => {
+    view.chartSettings = {x: x.value, smoothing: Number(sm.value), log: log.checked};
+    shown.textContent = view.chartSettings.smoothing.toFixed(2);
+    saveChartSettings(view.chartSettings);
+    drawCharts();
+  };
+  x.onchange = changed; sm.oninput = changed; log.onchange = changed;
+}
+
+// Every metric the run's tasks report (their latest metrics name them), offered in the picker; one
+// not seen before is drawn if it is the script's own (or the basics). A change of the drawn set
+// reopens the live stream for those names (its first message carries their history).
+function learnMetrics(runId, run) {
+  const names = new Set(Object.values(run.tasks).flatMap(t => Object.keys(t.metrics || {})));
+  const fresh = [...names].filter(n => !view.known.has(n));
+  if (!fresh.length) return;
+  for (const n of fresh) view.known.add(n);
+  const added = fresh.filter(n => drawnByDefault(n) && !view.touched.has(n) && !view.metrics.includes(n));
+  view.metrics = view.metrics.concat(added);
+  drawPicker(runId);
+  if (added.length) relive(runId);
+}
+
+function drawPicker(runId) {
+  const names = [...new Set([...view.known, ...view.metrics])].sort((a, b) => (COUNTERS.includes(a) - COUNTERS.includes(b)) || a.localeCompare(b));
+  const el = document.getElementById("metric-picker");
+  el.innerHTML = names.map(n => `<label><input type="checkbox" data-metric="${esc(n)}" ${view.metrics.includes(n) ? "checked" : ""}>
+    ${esc(metricLabel(n))}</label>`).join("");
+  for (const box of el.querySelectorAll("input[data-metric]")) {
+    box.onchange = () => {
+      const n = box.dataset.metric;
+      view.touched.add(n);
+      view.metrics = box.checked ? view.metrics.concat([n]) : view.metrics.filter(m => m !== n);
+      relive(runId);
+    };
+  }
+}
+
+// The live updates again, for the metrics now drawn (their points from the start).
+function relive(runId) {
+  if (stream) { stream.close(); stream = null; }
+  clearInterval(timer); timer = null;
+  view.series = {}; view.after = 0;
+  drawCharts();
   liveRun(runId);
 }
 
@@ -205,7 +267,7 @@ function liveRun(runId) {
   const poll = () => { document.body.dataset.live = "poll"; every(() => refreshRun(runId)); };
   if (!window.EventSource) return poll();
   const q = new URLSearchParams();
-  for (const [key] of CHARTS) q.append("name", key);
+  for (const key of view.metrics) q.append("name", key);
   const es = new EventSource(`/api/runs/${encodeURIComponent(runId)}/stream?${q}`);
   stream = es;
   let opened = false;
@@ -223,7 +285,7 @@ function liveRun(runId) {
   es.addEventListener("metrics", ev => {
     if (!mine()) return;
     addPoints(JSON.parse(ev.data).series);
-    for (const [key, label] of CHARTS) drawChart(key, label);
+    drawCharts();
   });
   es.addEventListener("end", () => { es.close(); if (stream === es) stream = null; });
   es.onerror = () => {
@@ -278,6 +340,7 @@ async function showRun(runId, page, withMetrics) {
     (run.note ? `<div>${esc(run.note)}</div>` : "") + rootCause(run);
   for (const a of document.querySelectorAll("#run-headline a.root-task")) a.onclick = ev => { ev.preventDefault(); openLog(a.dataset.task); };
   storeSummary();
+  learnMetrics(runId, run);
   const shown = logTaskOf(run);
   if (shown !== view.logTask) { view.logTask = shown; view.logOffset = null; view.logText = ""; }
   drawCluster(run);
@@ -372,11 +435,11 @@ function drawSummary(run) {
 
 async function refreshMetrics(runId) {
   const q = new URLSearchParams({after: String(view.after)});
-  for (const [key] of CHARTS) q.append("name", key);
+  for (const key of view.metrics) q.append("name", key);
   let m;
   try { m = await api(`/api/runs/${encodeURIComponent(runId)}/metrics?${q}`); } catch (e) { return; }
   addPoints(m.series);
-  for (const [key, label] of CHARTS) drawChart(key, label);
+  drawCharts();
 }
 
 function addPoints(series) {
@@ -388,33 +451,29 @@ function addPoints(series) {
   }
 }
 
-function drawChart(key, label) {
-  const el = document.getElementById("chart-" + key);
-  const per = view.series[key] || {};
-  const tasks = Object.keys(per).sort();
-  const total = tasks.reduce((n, t) => n + per[t].length, 0);
-  el.dataset.points = String(total);
-  if (!total) { el.innerHTML = `<p class="muted">No ${esc(label)} reported yet.</p>`; return; }
-  const times = [...new Set(tasks.flatMap(t => per[t].map(p => p[0])))].sort((a, b) => a - b);
-  const index = new Map(times.map((t, i) => [t, i]));
-  const data = [times].concat(tasks.map(t => {
-    const ys = new Array(times.length).fill(null);
-    for (const p of per[t]) ys[index.get(p[0])] = p[2];
-    return ys;
-  }));
-  const width = Math.max(240, el.clientWidth || 400);
-  const key2 = tasks.join(",");
-  let chart = view.charts[key];
-  if (chart && chart._tasks === key2 && Math.abs(chart.width - width) < 2) { chart.setData(data); return; }
-  if (chart) chart.destroy();
-  el.innerHTML = "";
-  const colors = ["#1f7ae0", "#d0312d", "#1a9a4b", "#e07b1f", "#7a3fb0", "#008b8b", "#8a6d00", "#c2185b"];
-  chart = new uPlot({width, height: 220, legend: {show: true},
-    scales: {x: {time: true}}, axes: [{}, {size: 60}],
-    series: [{}].concat(tasks.map((t, i) => ({label: t, stroke: colors[i % colors.length], width: 1.5, spanGaps: true})))},
-    data, el);
-  chart._tasks = key2;
-  view.charts[key] = chart;
+// A card per drawn metric (in the order drawn), each chart redrawn from view.series.
+function drawCharts() {
+  const box = document.getElementById("charts");
+  if (!box) return;
+  const want = view.metrics;
+  for (const card of [...box.children]) {
+    if (!want.includes(card.dataset.metric)) {
+      if (view.charts[card.dataset.metric]) { view.charts[card.dataset.metric].destroy(); delete view.charts[card.dataset.metric]; }
+      card.remove();
+    }
+  }
+  for (const key of want) {
+    let card = [...box.children].find(c => c.dataset.metric === key);
+    if (!card) {
+      card = document.createElement("section");
+      card.className = "card";
+      card.dataset.metric = key;
+      card.innerHTML = `<h2>${esc(metricLabel(key))}</h2><div class="chart" data-points="0"></div>`;
+      card.querySelector(".chart").id = "chart-" + key;
+      box.appendChild(card);
+    }
+    view.charts[key] = drawMetricChart(card.querySelector(".chart"), key, view.series[key], view.chartSettings, view.charts[key]);
+  }
 }
 
 async function refreshLog(runId) {
