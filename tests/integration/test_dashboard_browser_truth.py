@@ -4,7 +4,9 @@ real `psflow ui` and a job store written as launchers write it (no training: the
 - a failed run's page says its root cause in words (worker:1: ValueError, the message, the
   traceback's tail) and its log panel opens worker:1, the failed task, not worker:0 (issue 25 item 2);
 - a worker a little below the median, with a noisy window now and then, is no straggler, and
-  nothing on its card is red; a worker clearly and lastingly slower is one, in red (item 3).
+  nothing on its card is red; a worker clearly and lastingly slower is one, in red (item 3);
+- every metric the tasks report is charted (the script's own and its eval/ ones unasked, counters on
+  request), by time or step, smoothed, on a log scale, the settings kept (item 4).
 
 Screenshots go to test-artifacts/dashboard/ (or $PSFLOW_TEST_ARTIFACTS)."""
 
