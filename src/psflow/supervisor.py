@@ -97,6 +97,7 @@ from psflow.checkpoint import (
 )
 from psflow.config import check_logdir
 from psflow.errors import CheckpointError, ConfigError, PsflowError, TrainingError
+from psflow.launch import errorreport
 from psflow.summary import EventWriter
 
 if TYPE_CHECKING:
@@ -621,7 +622,9 @@ class Supervisor:
             if self._writer is not None:
                 self._quietly(True, "closing the summary writer", self._writer.close)
             self._held.close()  # the logdir's lock (a chief by hand): nothing more is written there
-            self._quietly(failing, "closing the trainer", self.trainer.close)
+            # its PS_DONE says why it stops: a failing task is waited for (a restart), not counted finished
+            failed = None if exc is None else errorreport.one_line(exc)
+            self._quietly(failing, "closing the trainer", lambda: self.trainer.close(failed=failed))
 
     def _end(self, failing: bool, exc_type: type[BaseException] | None) -> None:
         for hook in self.hooks:

@@ -196,7 +196,7 @@ def test_by_hand_supervised_job_with_a_killed_worker_ends_with_the_ps_naming_it(
     ps_out = ps.communicate(timeout=60)[0]
     assert ps.returncode == 1, ps_out[-2000:]
     assert re.search(r"ps:0: waiting for worker:1 to finish .*global step \d+", ps_out), ps_out
-    assert re.search(r"ps:0 waited 2 s for worker:1 to come back", ps_out), ps_out
+    assert re.search(r"ps:0 waited 2\.\d s for worker:1 to come back", ps_out), ps_out
     assert "Traceback" not in ps_out, ps_out
 
 

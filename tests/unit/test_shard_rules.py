@@ -136,10 +136,11 @@ def test_only_lost_workers_left_start_a_wait_that_fails_at_its_deadline() -> Non
     r.worker_done(0)
     (wait,) = r.tick(200.0)
     assert wait.act is Act.WAIT_LOST and wait.workers == (1,)
-    assert "waiting for worker:1 to finish (connection closed without PS_DONE: worker:1 at global step 1)" in wait.reason
+    assert ("waiting for worker:1 to finish (worker:1 at global step 1: its connection closed without PS_DONE: "
+            "killed or crashed?)") in wait.reason
     assert r.tick(209.9) == []
     (fail,) = r.tick(210.0)
-    assert fail.act is Act.FAIL and fail.reason.startswith("ps:0 waited 10 s for worker:1 to come back")
+    assert fail.act is Act.FAIL and fail.reason.startswith("ps:0 waited 10.0 s for worker:1 to come back")
 
 
 def test_a_lost_worker_back_before_the_deadline_resets_the_wait() -> None:

@@ -47,6 +47,17 @@ def build(task: str, exc: BaseException, tb: TracebackType | None = None) -> dic
     }
 
 
+def one_line(exc: BaseException, max_chars: int = 400) -> str:
+    """``exc`` as one short line: what a task that stops on it tells the ps (PS_DONE), which name it.
+
+    Example:
+        >>> one_line(ValueError("bad batch in shard 3"))
+        'ValueError: bad batch in shard 3'
+    """
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= max_chars else text[:max_chars - 1] + "…"
+
+
 def write(path: str | os.PathLike[str], task: str, exc: BaseException, tb: TracebackType | None = None) -> bool:
     """Write ``exc``'s report for ``task`` to ``path`` atomically (temporary file + rename).
 

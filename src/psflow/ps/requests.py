@@ -66,7 +66,8 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
         Field("worker", REPLICA, required=True), Field("clock", INT, required=True), Field("timeout_s", SECONDS),
         Field("attempt", INT),
     ),
-    Op.PS_DONE: (Field("worker", REPLICA, required=True), Field("attempt", INT)),
+    # failed: the worker stopped on this error without finishing (it is lost, not done: it may be restarted)
+    Op.PS_DONE: (Field("worker", REPLICA, required=True), Field("attempt", INT), Field("failed", STR, nullable=True)),
     Op.PS_STATUS: (Field("clock_log", BOOL),),
     Op.PS_SHUTDOWN: (),
     # From a shard's primary ps to its backup (psflow.ps.replication); the service checks the sender.

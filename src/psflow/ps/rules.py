@@ -13,7 +13,9 @@ Events (``ShardRules`` methods; each records an :class:`Event`)::
     clock(worker, clock, attempt)  ssp: ``worker`` starts clock ``clock`` (once per local step)
     clock_expired(worker, clock, waited_s)   ssp: a held worker's wait ran out
     worker_done(worker, attempt)   PS_DONE: the worker finished
+    worker_failed(worker, attempt, why)   PS_DONE naming an error: the worker stopped without finishing
     worker_lost(worker)            the worker's connections closed without PS_DONE
+    never_connected(worker, waited_s)   the worker sent nothing for lost_worker_timeout_s since the ps started
     worker_back(worker)            a lost worker sent a request again
     join(worker, attempt)          PS_READY of a training replica: ``attempt`` is its restart count
     tick(now)                      time passed (``now``: monotonic seconds): the lost-worker deadline
@@ -44,7 +46,7 @@ Decisions (:class:`Act`), in the order the store must carry them out::
 States of a worker, seen by this shard::
 
     live --worker_done--> done                     (final: worker_lost after it changes nothing)
-    live --worker_lost--> lost --worker_back / push / join--> live
+    live --worker_lost / worker_failed / never_connected--> lost --worker_back / push / join--> live
     live or lost --join/push/clock of a newer attempt--> live (REJOINED; the older attempt: SUPERSEDED)
     live --clock too far ahead--> held --slowest clocks, others done or lost--> live (RELEASE)
                                         --clock_expired--> live (FAIL to that worker)
@@ -98,9 +100,19 @@ from its dead attempt (the store compares the push's data position with the one 
 worker killed between its shards' pushes redoes a batch shard 0 had not recorded): DUPLICATE
 with ``outcome`` APPLY, nothing applied, and its number is recorded like an applied push's.
 
+Failed and never-connected workers are lost workers with a known cause (recorded as LOST events
+whose ``value`` says it: :data:`FAILED`, :data:`NEVER_CONNECTED`, so a backup copy follows them as it
+follows any loss). A worker that stopped on an error is not done: a launcher may restart it, and the
+shard waits for it as for one whose connection closed (``worker_failed``; its ``why`` is named in
+the shard's messages). A worker that never sent a request is counted lost once the shard has waited
+``lost_worker_timeout_s`` from its start (the store decides when: ``never_connected``).
+
 The lost-worker deadline: once every worker is done or lost and some are lost, the first ``tick``
-starts the wait (WAIT_LOST); a tick ``lost_worker_timeout_s`` later fails (FAIL); a tick that finds
-the wait over (a worker back) resets it.
+starts the wait (WAIT_LOST); a tick ``lost_worker_timeout_s`` later fails (FAIL), naming how long it
+waited; a tick that finds the wait over (a worker back) resets it. The wait is skipped (FAIL at the
+first tick) when it cannot end well: every lost worker never connected (it was waited for from the
+shard's start already), or, by hand (``by_hand``: nobody restarts a failed worker), no worker
+finished and every one stopped on an error or never connected.
 
 Sequence numbers: every recorded event and decision takes the next number of the shard's sequence,
 the event first, then its decisions. An event that changes nothing (``worker_back`` of a worker
@@ -137,6 +149,11 @@ class On(enum.Enum):
     TICK = "tick"
     TAKEOVER = "takeover"
     RESIZE = "resize"
+
+
+# The ``value`` of a LOST event: why the worker is lost (None: its connections closed without PS_DONE).
+FAILED = 1  # its PS_DONE said it stopped on an error
+NEVER_CONNECTED = 2  # it sent nothing within lost_worker_timeout_s of the shard's start
 
 
 class Act(enum.Enum):
@@ -187,6 +204,9 @@ class Event:
     attempt: int = 0  # PUSH, CLOCK, DONE, JOIN: the sender's attempt (its restart count)
     push_seq: int | None = None  # PUSH: the sender's push number within its attempt (None: no dedup)
     redone: bool = False  # PUSH (async, ssp): a batch this shard applied already (see "Duplicate pushes")
+    # LOST of a failed worker: its error, for messages only (decisions never depend on it; a backup copy,
+    # whose records carry no text, says "see its log" instead)
+    note: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +268,12 @@ class ShardRules:
         self.attempts: dict[int, int] = {}  # worker -> its newest attempt seen (absent: 0)
         self.last_push: dict[int, tuple[int, int, Act]] = {}  # worker -> (attempt, push_seq, outcome) of its last push
         self.lost_wait_since: float | None = None  # when only lost workers were left (tick time)
+        self.failed: set[int] = set()  # lost workers whose PS_DONE said they stopped on an error
+        self.never: set[int] = set()  # lost workers that never sent a request (never_connected)
+        self.why: dict[int, str] = {}  # failed worker -> its error, as it said (messages only)
+        self.by_hand = False  # no launcher restarts a failed worker (see "The lost-worker deadline")
+        # Workers that sent anything (not state: a copy that took over knows those of the records it followed)
+        self.heard: set[int] = set()
         self.seq = 0  # the last sequence number taken
         self.log: list[Record] | None = [] if keep_log else None
 
@@ -351,7 +377,33 @@ class ShardRules:
         it comes back)."""
         if worker in self.done or worker >= self.num_workers or worker in self.joining:
             return []  # finished, retired, or never joined: nobody waits for it
-        ev = self._event(On.LOST, worker)
+        return self._lose(self._event(On.LOST, worker))
+
+    def worker_failed(self, worker: int, attempt: int = 0, why: str = "") -> list[Decision]:
+        """PS_DONE of a worker that stopped on an error (``why``): it did not finish, so it is lost,
+        not done (a launcher may restart it; a done worker is never waited for again). An older
+        attempt's is SUPERSEDED."""
+        if worker in self.done or worker >= self.num_workers or worker in self.joining:
+            return []
+        ev = self._event(On.LOST, worker, FAILED, attempt=attempt, note=why)
+        superseded = self._superseded(ev, worker, attempt, "PS_DONE")
+        if superseded is not None:
+            return self._decided(ev, [superseded])
+        self.attempts[worker] = max(attempt, self.attempts.get(worker, 0))
+        self.failed.add(worker)
+        self.why[worker] = why
+        return self._lose(ev)
+
+    def never_connected(self, worker: int, waited_s: float) -> list[Decision]:
+        """``worker`` sent nothing in the ``waited_s`` since the shard started: count it lost."""
+        if worker in self.done or worker in self.lost or worker >= self.num_workers or worker in self.joining:
+            return []
+        ev = self._event(On.LOST, worker, NEVER_CONNECTED, seconds=waited_s)
+        self.never.add(worker)
+        return self._lose(ev)
+
+    def _lose(self, ev: Event) -> list[Decision]:
+        worker = _int(ev.worker)
         self.lost.add(worker)
         self.lost_at.setdefault(worker, self.version)
         if worker in self.clocks:
@@ -372,6 +424,7 @@ class ShardRules:
         but bringing a lost worker back."""
         known = self.attempts.get(worker, 0)
         if attempt == known and worker not in self.lost and worker not in self.joining and worker < self.num_workers:
+            self.heard.add(worker)
             return []
         ev = self._event(On.JOIN, worker, attempt=attempt)
         refused = self._retired(ev, worker, "readiness request") or self._superseded(ev, worker, attempt, "readiness request")
@@ -401,23 +454,58 @@ class ShardRules:
             ev = self._event(On.TICK, seconds=now)
             self.lost_wait_since = None
             return self._decided(ev, [])
+        hopeless = self._hopeless(lost)
+        if hopeless is not None:
+            ev = self._event(On.TICK, seconds=now)
+            return self._decided(ev, [self._decide(ev, Act.FAIL, workers=tuple(lost), reason=hopeless)])
         names = ", ".join(f"worker:{w}" for w in lost)
-        steps = ", ".join(f"worker:{w} at global step {step}" for w, step in lost.items())
         if self.lost_wait_since is None:
             ev = self._event(On.TICK, seconds=now)
             self.lost_wait_since = now
             return self._decided(ev, [self._decide(ev, Act.WAIT_LOST, workers=tuple(lost), reason=(
-                f"waiting for {names} to finish (connection closed without PS_DONE: {steps}); every other worker has "
-                f"sent PS_DONE (finished, or stopped on an error: see its log). Giving up in {timeout_s:g} s unless it "
-                "reconnects (lost_worker_timeout_s)."))])
-        if now - self.lost_wait_since < timeout_s:
+                f"waiting for {names} to finish ({self._why_lost(lost)}){self._others_finished()}. "
+                f"Giving up in {timeout_s:g} s unless it reconnects (lost_worker_timeout_s)."))])
+        waited_s = now - self.lost_wait_since
+        if waited_s < timeout_s:
             return []
         ev = self._event(On.TICK, seconds=now)
         return self._decided(ev, [self._decide(ev, Act.FAIL, workers=tuple(lost), reason=(
-            f"ps:{self.shard} waited {timeout_s:g} s for {names} to come back (connection closed without PS_DONE: "
-            f"{steps}; killed or crashed?); every other worker has sent PS_DONE (finished, or stopped on an error). "
-            "Restart the lost worker within lost_worker_timeout_s (--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG "
-            "by hand), or see its log for why it died."))])
+            f"ps:{self.shard} waited {waited_s:.1f} s for {names} to come back ({self._why_lost(lost)})"
+            f"{self._others_finished()}. Restart a lost worker within lost_worker_timeout_s ({timeout_s:g} s; "
+            "--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG by hand), or see its log for why it stopped."))])
+
+    def _why_lost(self, lost: dict[int, int]) -> str:
+        """Each lost worker, where it was lost and why, for the lost-worker messages."""
+        return "; ".join(f"worker:{w} at global step {step}: {self._cause(w)}" for w, step in lost.items())
+
+    def _others_finished(self, sep: str = "; ") -> str:
+        """"every other worker has finished", where one did (with only lost workers, nobody did)."""
+        return f"{sep}every other worker has finished" if self.done - self.lost else ""
+
+    def _cause(self, worker: int, closed: str = "its connection closed without PS_DONE: killed or crashed?") -> str:
+        """What this shard knows of why lost ``worker`` is lost (``closed``: what it says of a closed connection)."""
+        if worker in self.never:
+            return "never connected"
+        if worker in self.failed:
+            return f"stopped on an error: {self.why.get(worker) or 'see its log'}"
+        return closed
+
+    def _hopeless(self, lost: dict[int, int]) -> str | None:
+        """Why waiting for the ``lost`` workers cannot end well, or None (see "The lost-worker deadline")."""
+        timeout_s = self.settings.lost_worker_timeout_s
+        if all(w in self.never for w in lost):
+            names = ", ".join(f"worker:{w}" for w in lost)
+            return (f"ps:{self.shard} gave up on {names}: never connected within lost_worker_timeout_s "
+                    f"({timeout_s:g} s) of the ps's start{self._others_finished(', and ')}. Start it with the "
+                    "same cluster flags (is its host or port right?), or raise lost_worker_timeout_s "
+                    "(--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG by hand).")
+        if self.by_hand and not self.done and all(w in self.failed | self.never for w in lost):
+            first = next((w for w in self.why if w in lost), None)  # the first to fail: its error is the root cause
+            root = f" The first, worker:{first}: {self.why[first] or 'see its log'}." if first is not None else ""
+            return (f"ps:{self.shard} has no worker left to serve: every one stopped without finishing "
+                    f"({self._why_lost(lost)}), and no launcher restarts them.{root} Fix the cause, then start "
+                    "the job again.")
+        return None
 
     def take_over(self) -> list[Decision]:
         """A backup serves the shard now (its primary died): the sync gradients held for the step
@@ -472,6 +560,10 @@ class ShardRules:
             return self.clock_expired(_int(w), _int(v), event.seconds or 0.0)
         if on is On.DONE:
             return self.worker_done(_int(w), event.attempt)
+        if on is On.LOST and v == FAILED:
+            return self.worker_failed(_int(w), event.attempt, event.note)
+        if on is On.LOST and v == NEVER_CONNECTED:
+            return self.never_connected(_int(w), event.seconds or 0.0)
         if on is On.LOST:
             return self.worker_lost(_int(w))
         if on is On.BACK:
@@ -533,9 +625,10 @@ class ShardRules:
         if self.settings.mode != "sync" or not self.lost or self.has_backups():
             return None
         names = ", ".join(f"worker:{w}" for w in sorted(self.lost))
+        causes = "; ".join(self._cause(w, closed="killed or crashed?") for w in sorted(self.lost))
         n = self.quorum()[0]
         return (
-            f"{names} lost its connection to ps shard {self.shard} without finishing (killed or crashed?), and sync "
+            f"{names} lost its connection to ps shard {self.shard} without finishing ({causes}), and sync "
             f"training without backup workers (replicas_to_aggregate = total_num_replicas = {n}) cannot take a step "
             f"without it: step {self.version} was held {waited_s:.1f} s (sync_timeout_s) for it to come back. Restart "
             "lost workers (psflow run --restart on-failure), or give the job backup workers (total_num_replicas > "
@@ -574,6 +667,11 @@ class ShardRules:
             return {}
         return {w: self.lost_at.get(w, self.version) for w in sorted(self.lost)}
 
+    def unheard(self) -> list[int]:
+        """Members that never sent anything and are neither done, lost nor joining (a resize's)."""
+        gone = self.heard | self.done | self.lost | self.joining
+        return [w for w in range(self.num_workers) if w not in gone]
+
     def is_held(self, worker: int, clock: int) -> bool:
         return (worker, clock) in self.held
 
@@ -587,6 +685,7 @@ class ShardRules:
             "lost_clocks": dict(sorted(self.lost_clocks.items())), "attempts": dict(sorted(self.attempts.items())),
             "last_push": dict(sorted(self.last_push.items())),
             "num_workers": self.num_workers, "launch_workers": self.launch_workers, "joining": sorted(self.joining),
+            "failed": sorted(self.failed), "never": sorted(self.never),
         }
 
     def export(self) -> dict[str, Any]:
@@ -614,6 +713,7 @@ class ShardRules:
         rules.num_workers = int(data.get("num_workers", num_workers))
         rules.launch_workers = int(data.get("launch_workers", rules.launch_workers))
         rules.joining = {int(w) for w in data.get("joining", ())}
+        rules.failed, rules.never = ({int(w) for w in data.get(k, ())} for k in ("failed", "never"))
         rules.last_push = {int(w): (int(a), int(s), Act(act)) for w, (a, s, act) in data["last_push"].items()}
         since = data["lost_wait_since"]
         rules.lost_wait_since = None if since is None else float(since)
@@ -650,6 +750,9 @@ class ShardRules:
 
     def _bring_back(self, worker: int) -> None:
         self.lost.discard(worker)
+        self.failed.discard(worker)
+        self.never.discard(worker)
+        self.why.pop(worker, None)
         self.lost_at.pop(worker, None)
         if worker in self.lost_clocks:  # ssp: back at the clock it had, not at 0
             self.clocks[worker] = self.lost_clocks.pop(worker)
@@ -716,9 +819,11 @@ class ShardRules:
 
     def _event(self, on: On, worker: int | None = None, value: int | None = None, *, seconds: float | None = None,
                settings: RuleSettings | None = None, attempt: int = 0, push_seq: int | None = None,
-               redone: bool = False) -> Event:
+               redone: bool = False, note: str = "") -> Event:
         self.seq += 1
-        return Event(self.seq, on, worker, value, seconds, settings, attempt, push_seq, redone)
+        if worker is not None and not (on is On.LOST and value == NEVER_CONNECTED):
+            self.heard.add(worker)
+        return Event(self.seq, on, worker, value, seconds, settings, attempt, push_seq, redone, note)
 
     def _decide(self, ev: Event, act: Act, **fields: Any) -> Decision:
         self.seq += 1

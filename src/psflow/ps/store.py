@@ -35,6 +35,8 @@ and carries the decisions out with the shipped update. Without replication nothi
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -55,6 +57,8 @@ from psflow.ps.update import DirectStep
 
 if TYPE_CHECKING:
     from psflow.ps.replication import Batch, Forwarder
+
+log = logging.getLogger("psflow.ps")
 
 
 @dataclass
@@ -134,6 +138,7 @@ class ParameterStore:
         self._ship_updates: dict[int, dict[str, torch.Tensor]] = {}  # APPLY's new version -> the update applied
         self._init_settings: dict[str, Any] = {}  # the PS_INIT's optimizer, schedule, ema_decay (a full state repeats them)
         self._nonfinite = NonfiniteBook(shard)  # refused pushes in a row per worker; the failure they led to
+        self._started_at: float | None = None  # the first tick's time: never-connected workers are counted from it
 
     # -- the rules' state, read --------------------------------------------------------------
     @property
@@ -143,7 +148,9 @@ class ParameterStore:
 
     @property
     def done_workers(self) -> set[int]:
-        return self.rules.done
+        """Workers that sent PS_DONE: finished, or stopped on an error (those are lost too, see
+        :meth:`worker_done`): a closed connection of theirs is no news."""
+        return self.rules.done | self.rules.failed
 
     @property
     def lost_workers(self) -> set[int]:
@@ -415,8 +422,31 @@ class ParameterStore:
             return slowest
 
     # -- lifecycle -------------------------------------------------------------------------
-    def worker_done(self, worker: int, attempt: int = 0) -> None:
+    def expect(self, config: TrainConfig, *, by_hand: bool) -> None:
+        """Before the chief's PS_INIT (which brings the job's settings): wait for lost and
+        never-connected workers as the ps's own ``config`` says (``lost_worker_timeout_s``), and
+        know whether a launcher restarts failed workers (``by_hand``: none does)."""
+        with self._cond:
+            self.rules.by_hand = by_hand
+            if not self.rules.configured:
+                self.rules.settings = dataclasses.replace(self.rules.settings,
+                                                          lost_worker_timeout_s=config.lost_worker_timeout_s)
+
+    def worker_done(self, worker: int, attempt: int = 0, *, failed: str | None = None) -> None:
+        """PS_DONE of ``worker``: it finished; or, with ``failed`` (its error), it stopped without
+        finishing, and is lost, not done (a launcher may restart it: see :meth:`ShardRules.worker_failed`)."""
         with self._cond, self._recorded():
+            if failed is not None:
+                held = worker in self.rules.pending
+                decisions = self.rules.worker_failed(worker, attempt, failed)
+                if held and worker not in self.rules.pending:
+                    self.progress.discard_pending(worker)
+                self._raise_superseded(decisions)
+                self._act(decisions)
+                if worker in self.rules.failed:
+                    log.warning("ps shard %d: worker:%d stopped on an error at global step %d: %s", self.shard, worker,
+                                self.version, failed)
+                return
             decisions = self.rules.worker_done(worker, attempt)
             self._raise_superseded(decisions)
             self._act(decisions)
@@ -486,14 +516,33 @@ class ParameterStore:
         decisions, for the caller to log or raise; and, once a non-finite push failed the run, a FAIL
         with its reason (the store's own: not a record of the rules, so nothing is shipped for it)."""
         with self._cond, self._recorded():
-            decisions = list(self.rules.tick(now))
+            decisions = self._never_connected(now) + list(self.rules.tick(now))
             if self._nonfinite.failure is not None:
                 decisions.append(Decision(self.rules.seq, Act.FAIL, self.rules.seq, self.version,
                                           reason=self._nonfinite.failure))
             return decisions
 
+    def _never_connected(self, now: float) -> list[Decision]:
+        """Members that sent nothing in ``lost_worker_timeout_s`` since the first tick (the ps's
+        start) are lost from now on (under the lock). Their decisions are carried out here."""
+        if self._started_at is None:
+            self._started_at = now
+        waited_s = now - self._started_at
+        if waited_s < self.rules.settings.lost_worker_timeout_s:
+            return []
+        out: list[Decision] = []
+        for worker in self.rules.unheard():
+            decisions = self.rules.never_connected(worker, waited_s)
+            self._act(decisions)
+            out += decisions
+            log.warning("ps shard %d: worker:%d has sent nothing in the %.1f s since the ps started "
+                        "(lost_worker_timeout_s=%g): counted lost (never connected).", self.shard, worker, waited_s,
+                        self.rules.settings.lost_worker_timeout_s)
+        return out
+
     def all_done(self) -> bool:
-        return len(self.done_workers) >= self.rules.num_workers
+        """Every worker finished (a worker that stopped on an error is not done: see :meth:`worker_done`)."""
+        return len(self.rules.done) >= self.rules.num_workers
 
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """A consistent copy of values, optimizer state (``opt/...``) and averages (``ema/...``)."""

@@ -13,6 +13,9 @@ States and transitions::
     built --prepare() (or the first step/pull)--> ready --close()--> closed
     built --close()--> closed            (close runs once; later calls do nothing)
 
+``close(failed=...)`` says the task stopped on that error without finishing (the ps count it lost,
+not done, so they wait for its restart; :mod:`psflow.ps.rules`).
+
 Invariants: ``global_step`` is the job's step as of this task's last step, pull or prepare;
 ``local_step`` and ``examples`` count only the steps this task took that the job applied;
 ``train_time_s`` is the time inside those steps (getting ready excluded), ``wall_time_s`` the time
@@ -40,6 +43,7 @@ from psflow import timeline
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
 from psflow.fault import inject, parse_faults
+from psflow.launch import errorreport
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.train.towers import Batch, Towers, batch_examples, run_step_closure
 
@@ -115,6 +119,7 @@ class TrainerBase(ABC):
         self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._ready = False
         self._closed = False
+        self.failure: str | None = None  # the error this task stopped on, if it did (close(failed=...))
         self._faults = parse_faults(getattr(task, "fail_at", None))
         if getattr(task, "logdir", None):
             # The progress scalars' writer imports tensorboard (~0.4 s): do it while the cluster gets ready.
@@ -286,11 +291,13 @@ class TrainerBase(ABC):
                  loss=float(loss))
 
     # -- end -------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Release what the strategy holds (once; later calls do nothing)."""
+    def close(self, failed: str | None = None) -> None:
+        """Release what the strategy holds (once; later calls do nothing). ``failed``: the error the
+        task stopped on (:func:`psflow.launch.errorreport.one_line`), said to the ps instead of "finished"."""
         if self._closed:
             return
         self._closed = True
+        self.failure = failed
         # Training is over: from now on the heartbeats say so, and the launcher's watchdog does not take
         # what the script does after its loop (an evaluation, the exit) for a hang of its training.
         if hasattr(self.task, "waiting_for"):
@@ -304,5 +311,6 @@ class TrainerBase(ABC):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self.close(failed=None if exc is None else errorreport.one_line(exc))
+

@@ -449,8 +449,10 @@ class Trainer(TrainerBase):
     def _release(self) -> None:
         """Tell the ps this worker is done (they exit when every worker is) and disconnect."""
         try:
-            if self._ready or not self.task.is_chief:
-                self.client.done(self.worker, attempt=self.attempt)
+            # A chief that never initialized the ps says nothing when it ends normally (nothing trained);
+            # one that stopped on an error says so: the ps then wait for it (a restart) or give up naming it.
+            if self._ready or not self.task.is_chief or self.failure is not None:
+                self.client.done(self.worker, attempt=self.attempt, failed=self.failure)
         finally:
             self.client.close()
             if self._ledger is not None:

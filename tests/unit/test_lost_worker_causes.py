@@ -1,0 +1,187 @@
+"""Why a worker is lost, as a ps shard knows it (issue 23, items 7 and 8): a worker whose PS_DONE says
+it stopped on an error is waited for like a lost one (a launcher may restart it), not counted
+finished; a worker that never sends anything is counted lost ``lost_worker_timeout_s`` after the
+shard started; and the lost-worker messages say what happened and how long the shard really waited.
+
+Rules stepped by hand (no threads, no clocks), then the store that drives them with a clock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from psflow import optim
+from psflow.config import TrainConfig
+from psflow.errors import TrainingError
+from psflow.ps.rules import FAILED, NEVER_CONNECTED, Act, Decision, On, RuleSettings, ShardRules
+from psflow.ps.store import ParameterStore
+
+
+def rules(mode: str = "async", workers: int = 2, *, n: int | None = None, m: int | None = None,
+          lost_worker_timeout_s: float = 10.0, by_hand: bool = False) -> ShardRules:
+    r = ShardRules(0, workers, keep_log=True)
+    r.by_hand = by_hand
+    r.configure(RuleSettings(mode, n, m, lost_worker_timeout_s=lost_worker_timeout_s), 0)
+    return r
+
+
+def acts(decisions: list[Decision]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(d.act.name, d.workers) for d in decisions]
+
+
+# -- a worker that stopped on an error ---------------------------------------------------------------
+
+
+def test_a_worker_that_stopped_on_an_error_is_lost_not_done_and_its_restart_is_waited_for() -> None:
+    """The README's restart example: worker:1 fails (--fail-at), worker:0 finishes before the launcher
+    has it back. A failed worker counted done would let the shard end with worker:1 still to come."""
+    r = rules()
+    r.join(0), r.join(1)
+    r.push(0, 0), r.push(1, 1)
+    r.worker_failed(1, 0, "TrainingError: injected fault at step 200")
+    r.worker_done(0)
+    assert r.done == {0} and r.lost == {1} and r.failed == {1}
+    (wait,) = r.tick(100.0)
+    assert wait.act is Act.WAIT_LOST and wait.workers == (1,)
+    assert "worker:1 at global step 2: stopped on an error: TrainingError: injected fault at step 200" in wait.reason
+    assert acts(r.join(1, 1)) == [("REJOINED", (1,)), ("BACK", (1,))]  # its restart: waited for as before
+    assert r.failed == set() and r.why == {} and r.lost == set()
+    assert r.tick(105.0) == [] and r.lost_wait_since is None
+    r.worker_done(1, 1)
+    assert r.done == {0, 1}
+
+
+def test_a_failed_done_of_an_older_attempt_is_refused() -> None:
+    r = rules()
+    r.join(1, 1)
+    (refused,) = r.worker_failed(1, 0, "ValueError: late")
+    assert refused.act is Act.SUPERSEDED and r.lost == set()
+
+
+def test_sync_without_backups_holds_the_step_for_a_failed_worker_and_names_its_error() -> None:
+    r = rules("sync")
+    r.push(0, 0)
+    r.worker_failed(1, 0, "RuntimeError: CUDA out of memory")
+    assert r.version == 0 and r.pending == {0}  # not done: the step still needs it (or its restart)
+    message = r.lost_hold_message(2.0)
+    assert message is not None and message.startswith(
+        "worker:1 lost its connection to ps shard 0 without finishing (stopped on an error: RuntimeError: CUDA out of "
+        "memory), and sync training without backup workers")
+
+
+def test_by_hand_every_worker_stopped_on_an_error_fails_at_once_naming_the_first() -> None:
+    """By hand nobody restarts them: waiting lost_worker_timeout_s would only delay the same end."""
+    r = rules(by_hand=True)
+    r.worker_failed(1, 0, "ConfigError: runs/default holds checkpoints")
+    r.worker_failed(0, 0, "ConfigError: runs/default holds checkpoints (chief)")
+    (fail,) = r.tick(3.0)
+    assert fail.act is Act.FAIL and fail.workers == (0, 1)
+    assert fail.reason.startswith("ps:0 has no worker left to serve: every one stopped without finishing")
+    assert "The first, worker:1: ConfigError: runs/default holds checkpoints." in fail.reason
+
+
+def test_under_a_launcher_every_worker_failing_is_waited_for() -> None:
+    r = rules(by_hand=False)
+    r.worker_failed(0, 0, "ValueError: a"), r.worker_failed(1, 0, "ValueError: b")
+    assert acts(r.tick(3.0)) == [("WAIT_LOST", (0, 1))]  # the launcher restarts them, or stops the run
+
+
+def test_by_hand_a_failed_worker_beside_a_finished_one_is_waited_for() -> None:
+    r = rules(by_hand=True)
+    r.worker_done(0)
+    r.worker_failed(1, 0, "ValueError: a")
+    assert acts(r.tick(3.0)) == [("WAIT_LOST", (1,))]  # it may be started again by hand
+
+
+# -- a worker that never connects --------------------------------------------------------------------
+
+
+def test_a_never_connected_worker_lost_with_every_other_done_fails_at_once() -> None:
+    r = rules()
+    r.join(0), r.push(0, 0)
+    assert r.unheard() == [1]
+    assert r.never_connected(1, 10.0) == [] and r.lost == {1} and r.never == {1}
+    assert r.unheard() == []
+    assert r.tick(11.0) == []  # worker:0 still trains
+    r.worker_done(0)
+    (fail,) = r.tick(12.0)
+    assert fail.act is Act.FAIL and fail.workers == (1,)
+    assert fail.reason.startswith("ps:0 gave up on worker:1: never connected within lost_worker_timeout_s (10 s) of "
+                                  "the ps's start, and every other worker has finished.")
+
+
+def test_a_never_connected_worker_that_comes_after_all_is_back() -> None:
+    r = rules()
+    r.never_connected(1, 10.0)
+    assert acts(r.join(1)) == [("BACK", (1,))] and r.never == set() and r.unheard() == [0]
+
+
+def test_sync_with_a_backup_goes_on_once_a_never_connected_worker_is_counted_lost() -> None:
+    r = rules("sync", workers=3, n=2, m=3)
+    r.push(0, 0)
+    assert r.version == 0
+    assert acts(r.never_connected(2, 10.0)) == []
+    r.push(1, 0)
+    assert r.version == 1
+
+
+def test_the_wait_for_lost_workers_says_how_long_it_really_waited() -> None:
+    r = rules(lost_worker_timeout_s=30.0)
+    r.worker_done(0)
+    r.worker_lost(1)
+    r.tick(100.0)
+    (fail,) = r.tick(136.25)
+    assert fail.reason.startswith("ps:0 waited 36.2 s for worker:1 to come back"), fail.reason
+
+
+def test_failed_and_never_connected_losses_replay_and_restore_to_the_same_state() -> None:
+    r = rules("sync", workers=3, n=2, m=3)
+    r.push(0, 0)
+    r.worker_failed(1, 0, "ValueError: x")
+    r.never_connected(2, 12.5)
+    lost_events = [e for e in r.log or [] if getattr(e, "on", None) is On.LOST]
+    assert [(e.worker, e.value) for e in lost_events] == [(1, FAILED), (2, NEVER_CONNECTED)]
+    assert ShardRules.replay(0, 3, r.log or []).state() == r.state()
+    assert ShardRules.restore(0, 3, json.loads(json.dumps(r.export()))).state() == r.state()
+
+
+# -- the store: its clock, PS_DONE that says why ------------------------------------------------------
+
+
+def _store(workers: int = 2, timeout_s: float = 5.0) -> ParameterStore:
+    store = ParameterStore(0, workers)
+    store.initialize({"w": torch.zeros(2)}, optimizer=optim.SGD(lr=0.1).to_dict(),
+                     config=TrainConfig(lost_worker_timeout_s=timeout_s), placement_digest="d")
+    return store
+
+
+def test_the_store_counts_a_silent_worker_lost_after_the_timeout_from_its_first_tick() -> None:
+    store = _store()
+    store.join(0)
+    assert store.tick(1000.0) == []  # the clock starts here (the ps's start)
+    assert store.tick(1004.9) == [] and store.lost_workers == set()
+    store.tick(1005.0)
+    assert store.lost_workers == {1} and store.rules.never == {1}
+    store.worker_done(0)
+    (fail,) = [d for d in store.tick(1006.0) if d.act is Act.FAIL]
+    assert "gave up on worker:1: never connected" in fail.reason
+
+
+def test_the_store_takes_the_ps_own_timeout_before_the_chief_initializes_it() -> None:
+    store = ParameterStore(0, 2)
+    store.expect(TrainConfig(lost_worker_timeout_s=2.0), by_hand=True)
+    store.worker_done(1, 0, failed="ConfigError: bad flag")
+    assert store.done_workers == {1} and not store.all_done()  # said PS_DONE, did not finish
+    store.tick(0.0)
+    store.worker_lost(0)  # the chief's connection closed before it initialized anything
+    (wait,) = store.tick(1.0)
+    assert wait.act is Act.WAIT_LOST and "Giving up in 2 s" in wait.reason
+
+
+def test_a_failed_done_to_the_store_raises_for_an_older_attempt() -> None:
+    store = _store()
+    store.join(1, 1)
+    with pytest.raises(TrainingError, match="attempt 1 of worker:1 has joined since"):
+        store.worker_done(1, 0, failed="ValueError: late")
