@@ -73,9 +73,12 @@ def test_a_push_is_acknowledged_only_once_the_backup_holds_it() -> None:
         x, y = batch_for(0)
         for step in range(1, 6):
             t.step(lambda: F.cross_entropy(model(x), y))
-            # The reply came: both backups hold this push already (no wait needed to see it).
-            assert c.services[1].backups[0].version == step
-            assert c.services[0].backups[1].version == step
+            # The reply came: both backups hold this push already (in memory; applied on their own thread).
+            assert c.services[1].holds(0) == c.services[0].store.seq
+            assert c.services[0].holds(1) == c.services[1].store.seq
+            c.services[1]._drain(0, 10.0)
+            c.services[0]._drain(1, 10.0)
+            assert c.services[1].backups[0].version == c.services[0].backups[1].version == step
         t.close()
 
 

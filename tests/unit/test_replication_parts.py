@@ -9,7 +9,7 @@ import torch
 
 from psflow.config import TrainConfig, check_launch_settings
 from psflow.errors import ConfigError, PsflowError, TrainingError
-from psflow.ps.replication import Batch, Outbox, backup_of, check_next, event_from_dict, event_to_dict
+from psflow.ps.replication import Applier, Batch, Outbox, backup_of, check_next, event_from_dict, event_to_dict
 from psflow.ps.rules import Event, On, RuleSettings, ShardRules
 from psflow.ps.store import ParameterStore
 
@@ -151,3 +151,38 @@ def test_a_backup_store_that_takes_over_forgets_the_held_positions() -> None:
     backup.take_over()
     reply = backup.push(0, 0, {"w": torch.ones(3)}, position={"batch": 7}, push_seq=1)
     assert reply["applied"] and "duplicate" not in reply
+
+
+def test_an_applier_holds_batches_in_order_applies_them_on_its_thread_and_keeps_a_failure() -> None:
+    cap = Capture()
+    primary, backup = _store("async", cap), _store("async")
+    batches = []
+    for step in range(4):
+        primary.push(0, primary.version, {"w": torch.full((3,), 1.0 + step)}, push_seq=step + 1)
+        batches.append(cap.outbox.take())
+    applier = Applier(0, backup.follow, backup.seq)
+    try:
+        assert applier.hold(batches[0]) == batches[0].last_seq
+        with pytest.raises(TrainingError, match="missing"):  # a gap is refused when it arrives, not when applied
+            applier.hold(batches[2])
+        assert applier.hold(batches[0]) == batches[0].last_seq  # resent: held already, queued once
+        for b in batches[1:]:
+            applier.hold(b)
+        assert applier.held_seq == primary.seq
+        applier.drain(10.0)
+        assert backup.version == primary.version and torch.equal(backup.values["w"], primary.values["w"])
+    finally:
+        applier.close()
+
+    def diverged(batch: Batch) -> int:
+        raise TrainingError("the copies diverged")
+
+    broken = Applier(0, diverged, 1)
+    try:
+        broken.hold(batches[0])
+        with pytest.raises(TrainingError, match="diverged"):
+            broken.drain(10.0)
+        with pytest.raises(TrainingError, match="diverged"):  # every later batch is refused: the serving copy drops it
+            broken.hold(batches[1])
+    finally:
+        broken.close()

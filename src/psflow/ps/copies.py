@@ -28,7 +28,7 @@ from psflow.config import TrainConfig
 from psflow.errors import ConfigError, NotServingError, PsflowError, RemoteError, StaleTermError, TrainingError, TransportError
 from psflow.ps.authority import ViewClient
 from psflow.ps.progress import StepPlan
-from psflow.ps.replication import Batch, Forwarder, Role, Send, backup_of, not_serving, pair_other, shards_held
+from psflow.ps.replication import Applier, Batch, Forwarder, Role, Send, backup_of, not_serving, pair_other, shards_held
 from psflow.ps.store import ParameterStore
 from psflow.ps.views import Lease, ShardView, Sync, Verdict, accepts_records, initial_views, keeps_serving, takes_over
 from psflow.server import Reply, Request, Server
@@ -64,6 +64,7 @@ class ShardCopies:
         self._ask_lock = threading.Lock()
         self._asked_at = float("-inf")
         self._fetching: set[int] = set()  # shards whose state this ps is asking the serving copy for
+        self._appliers: dict[int, Applier] = {}  # shard -> the thread applying this backup copy's held records
         self.partitioned = False  # psflow chaos: this ps's links to the other ps are cut (see partition())
         self.resync_error: PsflowError | None = None  # why the re-sync failed (raised by watch_lost_workers)
         if replicas != 2 or cluster.num_tasks("ps") < 2:
@@ -158,7 +159,8 @@ class ShardCopies:
             if role is Role.SERVING and keeps_serving(known, v, me):
                 if store is not None and store.forwarder is not None and store.forwarder.backup != v.backup:
                     store.stop_forwarding(f"term {v.term}: shard {s}'s backup is {ps_name(v.backup)} now ({v.state.value})")
-            elif store is not None and store.initialized and takes_over(known, v, me, role is Role.BACKUP):
+            elif store is not None and store.initialized and takes_over(known, v, me, role is Role.BACKUP) \
+                    and self._drained(s):
                 store.take_over()
                 role = Role.SERVING
                 log.warning("ps:%d: takes over shard %d at step %d (term %d): the launcher recorded ps:%d down.",
@@ -177,6 +179,15 @@ class ShardCopies:
         self.roles[s] = Role.RESYNCING
         self.waits[s] = False
         return v.backup == me
+
+    def _drained(self, shard: int) -> bool:
+        """A takeover first applies every record the backup holds; False: it could not (the copies diverged)."""
+        try:
+            self._drain(shard)
+            return True
+        except PsflowError as e:
+            log.error("ps:%d: cannot serve shard %d: %s", self.shard, shard, e)
+            return False
 
     def _fetch_state(self, shard: int) -> None:
         """Ask the serving copy for the shard's state, on a thread of its own (once per shard at a time)."""
@@ -328,14 +339,40 @@ class ShardCopies:
                 return self._backup_init(shard, req)
         if kind == "state":
             return self._load_state(shard, other, term, req)
-        role = self.roles.get(shard)
-        store = self.backups.get(shard) if shard != self.shard else self.store
-        if store is None or not store.initialized or role is not Role.BACKUP:
-            raise TrainingError(f"ps:{self.shard} received records of shard {shard} before its init or state: the "
-                                "serving copy must send that first (it re-syncs this backup).")
-        seq = store.follow(Batch.from_wire(req.meta, req.tensors))
-        self._maybe_finished()
-        return Reply({"seq": seq})
+        batch = Batch.from_wire(req.meta, req.tensors)
+        with self._takeover_lock:  # held with the view: a takeover drains every batch held before it
+            if accepts_records(self.views[shard], self.shard, other, term) is not Verdict.ACCEPT:
+                raise StaleTermError(f"ps:{self.shard} refuses ps:{other}'s records of shard {shard} in term {term}: its "
+                                     f"view moved to term {self.views[shard].term} meanwhile.")
+            role = self.roles.get(shard)
+            store = self.backups.get(shard) if shard != self.shard else self.store
+            if store is None or not store.initialized or role is not Role.BACKUP:
+                raise TrainingError(f"ps:{self.shard} received records of shard {shard} before its init or state: the "
+                                    "serving copy must send that first (it re-syncs this backup).")
+            return Reply({"seq": self._applier(shard, store).hold(batch)})
+
+    def _applier(self, shard: int, store: ParameterStore) -> Applier:
+        """The thread that applies ``store``'s held records (one per copy: a loaded state starts a new one)."""
+        with self._takeover_lock:
+            applier = self._appliers.get(shard)
+            if applier is None or applier.store is not store:
+                if applier is not None:
+                    applier.close()
+                applier = self._appliers[shard] = Applier(shard, store.follow, store.seq, self._maybe_finished)
+                applier.store = store
+            return applier
+
+    def holds(self, shard: int) -> int:
+        """The last record of ``shard`` this ps's copy holds (applied, or held to be applied)."""
+        applier = self._appliers.get(shard)
+        store = self._copies()[shard]
+        return applier.held_seq if applier is not None and applier.store is store else store.seq
+
+    def _drain(self, shard: int, timeout_s: float = 60.0) -> None:
+        """Every record this backup copy holds, applied (before it serves, or reports its counters)."""
+        applier = self._appliers.get(shard)
+        if applier is not None and applier.store is self._copies().get(shard):
+            applier.drain(timeout_s)
 
     def _backup_init(self, shard: int, req: Request) -> Reply:
         """The primary's forwarded PS_INIT: this ps holds the shard's backup from its start."""

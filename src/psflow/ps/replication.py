@@ -416,3 +416,86 @@ class Forwarder:
         why = f"its backup ps:{self.backup} did not confirm shard {self.shard}'s records for {self._failover_s:g} s ({e})"
         log.warning("shard %d: %s; asking the authority.", self.shard, why)
         self._on_unreachable(why)
+
+
+class Applier:
+    """A backup copy's records, held in order and applied on a thread of its own: the backup
+    acknowledges a batch once it holds it (in memory, as the serving copy does), so the serving copy's
+    reply does not wait for the backup's optimizer step. :meth:`drain` before anything reads the
+    copy as a whole (a takeover, the final report): it returns once every held batch is applied.
+
+    A batch that skips a number is refused when it arrives (:func:`check_next`'s rule); an apply that
+    fails (the copies diverged) is kept, refused to every later batch (the serving copy reports this
+    backup unreachable, and the launcher drops it) and raised by :meth:`drain`.
+    """
+
+    def __init__(self, shard: int, follow: Callable[[Batch], int], held_seq: int,
+                 on_applied: Callable[[], None] | None = None) -> None:
+        self.shard, self._follow = shard, follow
+        self.store: Any = None  # the copy it applies to (a loaded state makes a new copy, and a new applier)
+        self.held_seq = held_seq  # the last record held (applied or queued)
+        self.error: PsflowError | None = None
+        self._on_applied = on_applied or (lambda: None)
+        self._queue: list[Batch] = []
+        self._busy = False
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"psflow-apply-{shard}", daemon=True)
+        self._thread.start()
+
+    def hold(self, batch: Batch) -> int:
+        """Queue ``batch`` (records it holds already are skipped when applied). Returns the last
+        record held.
+
+        Raises:
+            TrainingError: the batch skips a number, or an earlier apply failed.
+        """
+        with self._cond:
+            if self.error is not None:
+                raise self.error
+            if batch.events and batch.events[0].seq > self.held_seq + 1:
+                check_next(self.shard, batch.events[0].seq, self.held_seq)  # raises: records are missing
+            if batch.last_seq > self.held_seq:
+                self._queue.append(batch)
+                self.held_seq = batch.last_seq
+                self._cond.notify_all()
+            return self.held_seq
+
+    def drain(self, timeout_s: float) -> None:
+        """Return once every held batch is applied.
+
+        Raises:
+            TrainingError: an apply failed, or they were not all applied within ``timeout_s``.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.error is not None or (not self._queue and not self._busy),
+                                       timeout=timeout_s):
+                raise TrainingError(f"The backup of ps shard {self.shard} did not apply the records it holds within "
+                                    f"{timeout_s:g} s.")
+            if self.error is not None:
+                raise self.error
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._queue = []
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or bool(self._queue))
+                if self._stop:
+                    return
+                batch, self._busy = self._queue.pop(0), True
+            try:
+                self._follow(batch)
+            except PsflowError as e:
+                log.error("shard %d: the backup could not apply records up to %d: %s", self.shard, batch.last_seq, e)
+                with self._cond:
+                    self.error, self._queue = e, []
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+            self._on_applied()

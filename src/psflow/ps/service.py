@@ -228,6 +228,8 @@ class PsService(ShardCopies):
                 store.forwarder.close()
         for link in self._links:
             link.close()
+        for applier in self._appliers.values():
+            applier.close()
 
     @property
     def serving(self) -> dict[int, ParameterStore]:
@@ -245,6 +247,11 @@ class PsService(ShardCopies):
         for s, c in sorted(self._copies().items()):
             if not c.initialized:
                 continue
+            if self.roles.get(s) is Role.BACKUP:
+                try:
+                    self._drain(s, timeout_s=10.0)  # the counters of every record it holds
+                except PsflowError as e:
+                    log.error("ps:%d: shard %d's backup copy: %s", self.shard, s, e)
             v = self.views.get(s, NO_VIEW)
             row = {"role": self.roles.get(s, Role.BACKUP).value, "version": c.version, "term": v.term,
                    "state": v.state.value, **c.stats.to_dict()}
@@ -392,7 +399,8 @@ class PsService(ShardCopies):
 
     def _done(self, req: Request) -> Reply:
         store = self._store_for(req)
-        store.worker_done(int(req.meta["worker"]), int(req.meta.get("attempt", 0)), failed=req.meta.get("failed"))
+        store.worker_done(int(req.meta["worker"]), int(req.meta.get("attempt", 0)), failed=req.meta.get("failed"),
+                          stays=bool(req.meta.get("stays", False)))
         self._acked(store)
         self._maybe_finished()
         return Reply({"done": sorted(store.done_workers)})
