@@ -117,3 +117,24 @@ def test_is_ready_reads_the_current_attempts_progress() -> None:
     assert not is_ready("ps:1", {"progress": {"global_step": 5, "time_unix": 1.5, "resyncing": True}}, started_at=1.0)
     assert is_ready("ps:1", {"progress": {"global_step": 5, "time_unix": 1.5, "resyncing": False}}, started_at=1.0)
     assert not is_ready("ps:1", {"progress": {"global_step": 5, "time_unix": 1.5}}, started_at=None)
+
+
+def test_a_stall_range_draws_each_faults_length_from_the_seed() -> None:
+    from psflow.chaos.schedule import parse_stall
+
+    assert parse_stall("3") == (3.0, None) and parse_stall("2-9") == (2.0, 9.0)
+    for bad in ("0", "-1", "9-2", "x", "2-"):
+        with pytest.raises(ConfigError, match="--stall"):
+            parse_stall(bad)
+    settings = ChaosSettings(every_s=1, duration_s=50, seed=4, kinds=(("stop", 1.0), ("partition", 1.0)),
+                             stall_s=2.0, stall_max_s=9.0)
+    stalls = [s.stall_s for s in ChaosSchedule(settings).slots()]
+    assert all(2.0 <= x <= 9.0 for x in stalls) and len(set(stalls)) > 10  # drawn, not one value
+    assert stalls == [s.stall_s for s in ChaosSchedule(settings).slots()]  # the same seed, the same lengths
+    assert {s.stall_s for s in ChaosSchedule(ChaosSettings(every_s=1, duration_s=5, stall_s=3.0)).slots()} == {3.0}
+
+
+def test_a_partition_hits_a_ps_only() -> None:
+    slot = Slot(0, 1.0, "partition", 0.0)
+    assert pick(slot, ["ps:1", "worker:0", "chief:0"]) == "ps:1"
+    assert pick(slot, ["worker:0"]) is None

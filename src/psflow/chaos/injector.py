@@ -101,7 +101,7 @@ class ChaosInjector:
         self.schedule.taken(slot)
         attempt = controller.records[task].attempt
         fault = InjectedFault(slot.index, round(elapsed, 3), task, attempt, slot.kind,
-                              None if slot.kind == "kill" else self.settings.stall_s)
+                              None if slot.kind == "kill" else slot.stall_s)
         sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "partition": signal.SIGUSR2}[slot.kind]
         fault.time_unix = round(time.time(), 6)
         if not self.backend.send_signal(task, sig):
@@ -109,9 +109,9 @@ class ChaosInjector:
             return
         self.faults.append(fault)
         if slot.kind != "kill":
-            self._stopped[task] = (now + self.settings.stall_s, fault)
-        what = {"kill": "SIGKILL", "stop": f"SIGSTOP for {self.settings.stall_s:g} s",
-                "partition": f"a partition from the other ps for {self.settings.stall_s:g} s"}[slot.kind]
+            self._stopped[task] = (now + slot.stall_s, fault)
+        what = {"kill": "SIGKILL", "stop": f"SIGSTOP for {slot.stall_s:g} s",
+                "partition": f"a partition from the other ps for {slot.stall_s:g} s"}[slot.kind]
         self.echo(f"psflow chaos: fault {len(self.faults)}: {what} to {task} (attempt {attempt}) at {elapsed:.1f} s")
         store.event("chaos_fault", **{("fault" if k == "kind" else k): v for k, v in fault.to_dict().items()})
 

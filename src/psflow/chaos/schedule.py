@@ -50,7 +50,9 @@ class ChaosSettings:
         seed: fixes the times' kinds and draws.
         kinds: each kind with its weight, e.g. ``(("kill", 3.0), ("stop", 1.0))``.
         targets: the jobs whose tasks may be hit.
-        stall_s: how long a ``stop`` keeps a task stopped.
+        stall_s: how long a ``stop`` keeps a task stopped (a ``partition`` lasts): the shortest, when
+            ``stall_max_s`` is set, each fault's length then drawn by the seed in [stall_s, stall_max_s].
+        stall_max_s: the longest (None: every fault lasts ``stall_s``).
         min_up_s: a task is hit only once its current attempt has run this long.
         settle_s: a ps is hit only once every ps has run this long (the re-sync of the last one hit).
         max_faults: at most this many faults (None: as many as the slots).
@@ -62,6 +64,7 @@ class ChaosSettings:
     kinds: tuple[tuple[str, float], ...] = (("kill", 3.0), ("stop", 1.0))
     targets: tuple[str, ...] = ("chief", "worker")
     stall_s: float = 1.0
+    stall_max_s: float | None = None
     min_up_s: float = 2.0
     settle_s: float = 4.0
     max_faults: int | None = None
@@ -80,6 +83,9 @@ class ChaosSettings:
                               f"(kill,stop or kill=3,stop=1); received {self.kinds!r}.")
         if not self.targets or any(t not in JOBS for t in self.targets):
             raise ConfigError(f"psflow chaos --targets: jobs among {', '.join(JOBS)}; received {self.targets!r}.")
+        if self.stall_max_s is not None and not (math.isfinite(self.stall_max_s) and self.stall_max_s >= self.stall_s):
+            raise ConfigError(f"psflow chaos --stall A-B: B must be a number of seconds >= A; received {self.stall_s:g}-"
+                              f"{self.stall_max_s!r}.")
         if self.max_faults is not None and self.max_faults < 1:
             raise ConfigError(f"psflow chaos --max-faults must be at least 1; received {self.max_faults!r}.")
 
@@ -108,6 +114,22 @@ def parse_kinds(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+def parse_stall(text: str) -> tuple[float, float | None]:
+    """``"3"`` -> ``(3.0, None)``; ``"2-9"`` -> ``(2.0, 9.0)`` (each fault's length drawn between).
+
+    Raises:
+        ConfigError: not S or A-B with 0 < A <= B (names the value and the syntax).
+    """
+    low, sep, high = text.strip().partition("-")
+    try:
+        a, b = float(low), (float(high) if sep else None)
+    except ValueError:
+        a, b = -1.0, None
+    if not (a > 0 and math.isfinite(a)) or (b is not None and not (math.isfinite(b) and b >= a)):
+        raise ConfigError(f"psflow chaos --stall {text!r}: give seconds, S or A-B with 0 < A <= B, e.g. 3 or 2-9.")
+    return a, b
+
+
 @dataclass(frozen=True)
 class Slot:
     """A fault planned at ``at_s`` seconds into the run: its ``kind`` and ``draw`` (picks the task)."""
@@ -116,6 +138,7 @@ class Slot:
     at_s: float
     kind: str
     draw: float
+    stall_s: float = 1.0  # how long a stop or a partition lasts
 
 
 @dataclass(frozen=True)
@@ -150,8 +173,12 @@ class ChaosSchedule:
         count = int(settings.duration_s // settings.every_s)
         if settings.max_faults is not None:
             count = min(count, settings.max_faults)
-        self._slots = [Slot(i, (i + 1) * float(settings.every_s), rng.choices(kinds, weights)[0], rng.random())
-                       for i in range(count)]
+        self._slots = []
+        for i in range(count):
+            kind, draw = rng.choices(kinds, weights)[0], rng.random()
+            stall = settings.stall_s if settings.stall_max_s is None else round(
+                rng.uniform(settings.stall_s, settings.stall_max_s), 2)
+            self._slots.append(Slot(i, (i + 1) * float(settings.every_s), kind, draw, stall))
         self._next = 0  # the first slot not taken yet
 
     def slots(self) -> list[Slot]:

@@ -20,15 +20,16 @@ from psflow.errors import ConfigError, PsflowError
               help="How long faults are injected, from the job's first step: 90, 90s, 5m.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Fixes the faults' times, kinds and targets.")
 @click.option("--kinds", "kinds_text", default="kill=3,stop=1", show_default=True,
-              help="Fault kinds and weights: kill (SIGKILL), stop (SIGSTOP, SIGCONT --stall seconds later).")
+              help="Fault kinds and weights: kill (SIGKILL), stop (SIGSTOP, SIGCONT --stall seconds later), "
+                   "partition (a ps cut off from the other ps for --stall seconds).")
 @click.option("--targets", default=None, metavar="JOB,...",
               help="Jobs whose tasks are hit (default chief,worker, and ps with --ps-replicas 2).")
-@click.option("--stall", "stall_s", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="Seconds a stopped task stays stopped.")
+@click.option("--stall", "stall_text", default="1", show_default=True, metavar="S|A-B",
+              help="Seconds a stopped task stays stopped (and a partition lasts); A-B: each fault's drawn between A and B.")
 @click.option("--max-faults", type=click.IntRange(min=1), default=None, help="At most this many faults.")
 @click.option("--baseline/--no-baseline", default=False,
               help="First run the same job without faults (into LOGDIR-baseline) and compare accuracy, batches and goodput.")
-def chaos(every_s: float, duration: str, seed: int, kinds_text: str, targets: str | None, stall_s: float,
+def chaos(every_s: float, duration: str, seed: int, kinds_text: str, targets: str | None, stall_text: str,
           max_faults: int | None, baseline: bool, **opts: Any) -> None:
     """Run SCRIPT while killing and stopping random tasks; report what it survived and lost:
     psflow chaos --ps 2 --ps-replicas 2 --workers 2 --every 5 --for 60 --baseline train.py -- --epochs 5
@@ -40,7 +41,7 @@ def chaos(every_s: float, duration: str, seed: int, kinds_text: str, targets: st
     from dataclasses import replace
 
     from psflow.chaos.harness import passed, run_chaos
-    from psflow.chaos.schedule import ChaosSchedule, ChaosSettings, parse_kinds
+    from psflow.chaos.schedule import ChaosSchedule, ChaosSettings, parse_kinds, parse_stall
     from psflow.launch import LocalBackend
 
     ctx = click.get_current_context()
@@ -52,8 +53,9 @@ def chaos(every_s: float, duration: str, seed: int, kinds_text: str, targets: st
         ps_replicas = opts.get("ps_replicas") or 1
         jobs = tuple(j.strip() for j in targets.split(",")) if targets else (
             ("chief", "worker", "ps") if ps_replicas == 2 else ("chief", "worker"))
+        stall_s, stall_max_s = parse_stall(stall_text)
         settings = ChaosSettings(every_s=every_s, duration_s=duration_s, seed=seed, kinds=parse_kinds(kinds_text),
-                                 targets=jobs, stall_s=stall_s, max_faults=max_faults)
+                                 targets=jobs, stall_s=stall_s, stall_max_s=stall_max_s, max_faults=max_faults)
         faults = len(ChaosSchedule(settings).slots())
         run_opts["restart"] = run_opts["restart"] or "on-failure"
         run_opts["max_restarts"] = run_opts["max_restarts"] if run_opts["max_restarts"] is not None else max(3, faults)
