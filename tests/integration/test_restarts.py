@@ -175,6 +175,26 @@ def test_sync_without_backups_finishes_when_a_killed_worker_is_restarted(tmp_pat
     assert s["mode"] == "sync" and s["test_accuracy"] > 0.8, out
 
 
+def test_a_worker_that_raised_is_restarted_after_the_others_finished_and_the_ps_waits_for_it(tmp_path: Path) -> None:
+    """The README's restart example as a busy machine runs it (issue 23 item 8): worker:1 raises
+    (--fail-at's default action) and its restart comes back only after worker:0 has finished (a long
+    backoff makes that certain). The ps used to count the failed worker done and end with worker:0,
+    and the restart failed with TransportError after 60 s; now it waits, and every batch is applied."""
+    logdir = tmp_path / "raised"
+    out, s = launch(logdir, "--restart", "on-failure", "--max-restarts", "3", "--restart-backoff", "8",
+                    "--fail-at", "worker:1@step=20")
+    assert s["status"] == "succeeded", out
+    w1 = tasks(s)["worker:1"]
+    assert [(x["attempt"], x["code"], x["restarted"]) for x in w1["exits"]] == [(0, 1, True), (1, 0, False)], w1
+    w0, restart = tasks(s)["worker:0"]["exits"][-1], w1["exits"][1]
+    assert w0["code"] == 0 and w0["time_unix"] < restart["time_unix"] - restart["ran_s"], (w0, w1)  # gone first
+    ps_log = (logdir / "logs" / "ps-0.log").read_text()
+    assert "worker:1 stopped on an error at global step" in ps_log, ps_log[-3000:]
+    assert "waiting for worker:1 to finish" in ps_log, ps_log[-3000:]
+    ps = s["reports"]["ps:0"]["ps_stats"]
+    assert s["global_step"] == ps["applied_updates"] == STEPS_PER_EPOCH, ps  # the failed batch is redone, once
+
+
 def test_a_worker_that_keeps_dying_fails_the_run_once_its_budget_is_spent(tmp_path: Path) -> None:
     # Killed on its first attempt (step 5) and on its restart (step 8, from its resumed batch 5):
     # with one restart allowed, the second death fails the run, and says why it was not restarted.
