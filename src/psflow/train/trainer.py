@@ -1,51 +1,34 @@
 """The worker's training step (between-graph replication): pull -> forward/backward -> push.
 
-Every worker holds the whole model. Each step it pulls the parameters from the ps shards straight
-into the model's own tensors, runs the user's closure (forward + loss) and autograd's backward, and
-pushes the gradients straight from ``param.grad`` to the shards that own them. The ps applies the
-optimizer. The update rule (async / sync N-of-M / ssp) is the ps's; the trainer only follows its
-protocol:
+Every worker holds the whole model. Each step it runs the user's closure (forward + loss) and
+autograd's backward, and pushes the gradients straight from ``param.grad`` to the shards that own
+them; the reply brings the values after the update straight into the model's own tensors (one round
+trip per shard, push-pull as ps-lite does; the first values come from a pull in ``prepare()``). The
+ps apply the optimizer and the update rule; the trainer follows the rule's protocol by asking its
+mode (:mod:`psflow.train.modes`: async, sync, ssp), never its name.
 
-- async: compute, then push the gradients and receive the updated values in the same round trip.
-- sync:  the push is tagged with the version the gradients were computed from; the reply comes once
-         that step is applied (N gradients averaged) and carries the next version's values.
-- ssp:   before computing step c, report clock c, wait until the slowest worker is within s, then
-         pull (the push-pull reply of step c - 1 predates the wait, so it may be staler than s).
+Restarts: a trainer names its task's ``attempt`` (PSFLOW_ATTEMPT) at readiness and on every push,
+clock and PS_DONE, and numbers its pushes (``seq``), so a restarted worker takes over from its dead
+attempt on every shard and resumes at the data position (and ssp clock) of its last applied batch.
+Every shard records each push's data position; shard 0's is the one resumed from, and it gets each
+step's push last, so a batch it recorded reached every other shard before (a batch redone after a
+kill between two shards' pushes is applied once on each: a shard that took it answers a duplicate).
+With a resolver (a launched task), a dropped shard connection is made again: pulls and waits are
+repeated, a push whose reply was lost is resent (the ps recognise its number), and a failed step
+leaves the other connections in step.
 
-The first values come from an explicit pull in ``prepare()``; after that every step is one round
-trip per shard (push-pull, as ps-lite does), which halves the latency of a pull then a push.
+Compression (``compress``, ``compress_pull``, :mod:`psflow.wire.compress`) is the client's. With
+``psflow run --timeline`` each phase of a step is a span of :mod:`psflow.timeline`; off, one ``if``.
+A step whose gradient a shard refused (NaN or inf, :mod:`psflow.ps.finite`) is not counted; the
+first is logged (sync: the next batch is for the same step).
 
-Restarts: a trainer names its task's ``attempt`` (the launcher's PSFLOW_ATTEMPT; 0 on the first
-start) at readiness and on every push, clock and PS_DONE, and numbers its pushes (``seq``). A
-restarted worker so takes over from its dead attempt on every shard (which drops that attempt's
-late pushes), gets the data position of its last applied batch and (ssp) the clock it resumes at
-in the readiness reply. Shard 0's data positions are the ones resumed from, and it receives each
-step's push last: a batch whose position it recorded was sent to every other shard before. Every
-shard records the positions too, so a batch redone after a kill between two shards' pushes is
-applied once on each (a shard that took it already answers it as a duplicate). With a resolver (a launched
-task), a shard connection that drops is made again: pulls and waits are repeated, and a push whose
-reply was lost is resent (the ps recognises it by its number and does not apply it twice); a failed
-step leaves the other connections in step instead of closing the client.
-
-Compression (``compress``, ``compress_pull``): the client encodes each shard's gradients as they
-leave (:mod:`psflow.wire.compress`; top-k keeps its residuals there) and asks for values in half
-precision; the values land in the model's float32 tensors. Timeline (``psflow run --timeline``):
-each phase of a step is a span of :mod:`psflow.timeline`; off, each hook is one ``if``.
-
-Non-finite gradients (``nonfinite``, :mod:`psflow.ps.finite`): a step whose gradient a shard refused
-(it held NaN or inf) is not counted as a step; the trainer logs the first and goes on with the next
-batch (sync: for the same step). The ps fails the run past ``nonfinite_limit`` in a row.
-
-Initialization: the chief sends the model's initial values (or restored ones, from the Supervisor)
-to every shard once; every other worker waits until the shards are ready. A chief that finds every
-shard initialized already (a restarted chief: the ps kept training while it was down) sends nothing
-and takes the ps's step, values and its own data position, like any restarted worker; a shard
-initializes only once in any case (a late PS_INIT is answered ``initialized: False``).
+Initialization: the chief sends the initial (or restored) values to every shard once; the others
+wait until the shards are ready. A chief that finds every shard initialized (restarted while the ps
+trained on) sends nothing and resumes like any restarted worker; a late PS_INIT changes nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -64,6 +47,7 @@ from psflow.ps.placement import ParamInfo, Placement, place, split_tensor
 from psflow.ps.progress import StepPlan
 from psflow.train.base import TrainerBase
 from psflow.train.ledger import PushLedger
+from psflow.train.modes import UpdateMode, mode_of
 from psflow.train.towers import Batch, run_step_closure
 from psflow.wire.compress import Compression
 
@@ -130,7 +114,8 @@ class Trainer(TrainerBase):
                                resolve=task.resolve, replicas=self.config.ps_replicas,
                                failover_s=self.config.primary_failover_s,
                                compression=Compression.parse(self.config.compress), compress_pull=self.config.compress_pull)
-        self.client.waiting_for = "sync quorum" if self.config.mode == "sync" else "ps reply"
+        self.mode: UpdateMode = mode_of(self.config)
+        self.client.waiting_for = self.mode.reply_waits_for
         self.versions = [0] * task.num_ps
         self.attempt = int(getattr(task, "attempt", 0) or 0)  # the launcher's restart count (PSFLOW_ATTEMPT)
         self.clock_base = 0  # ssp: the clock this attempt starts at (from readiness: a restarted worker resumes)
@@ -264,31 +249,42 @@ class Trainer(TrainerBase):
         Returns the loss as a float. Afterwards the model holds the newest values from the ps.
         """
         t0 = self._begin_step()
-        tl = timeline.ACTIVE  # None unless psflow run --timeline: then each phase below is a span
+        tl = timeline.ACTIVE  # None unless psflow run --timeline: then each phase is a span
         ts = tl.now() if tl is not None else 0.0
-        cfg = self.config
-        if cfg.mode == "ssp":
-            with self.waiting("the ssp staleness bound"):
-                self.client.clock(self.worker, self.clock_base + self.local_step, cfg.sync_timeout_s, attempt=self.attempt)
-            if tl is not None:
-                tl.add("wait", "wait (ssp bound)", ts, tl.now())
-        # ssp: the values from the last push-pull predate the clock wait, and ssp bounds the staleness
-        # of the values a step computes from. After pull(averages=True) the model holds averages.
-        if (cfg.mode == "ssp" and self.local_step > 0) or self._holds_averages:
-            tp = tl.now() if tl is not None else 0.0
-            self.versions = self.client.pull(self._dests)
-            self._holds_averages = False
-            if tl is not None:
-                tl.add("pull", "pull", tp, tl.now())
+        # After pull(averages=True) the model holds averages, not values to compute from.
+        if self.mode.before_compute(self) or self._holds_averages:
+            self._pull_values(tl)
+        value, sent = self._compute_and_push(closure, batch, batches, tl)
+        with self.mode.awaiting_replies(self):
+            replies = self.client.recv_push_replies(range(self.task.num_ps), self._dests)
+        applied = self._settle(replies, sent)
+        if tl is not None:
+            tl.add("step", f"step {self.local_step}", ts, tl.now(), global_step=self.global_step)
+        if applied:
+            self._end_step(t0, value, batch_size, batch, batches)
+        return value
+
+    def _pull_values(self, tl: timeline.Timeline | None) -> None:
+        start = tl.now() if tl is not None else 0.0
+        self.versions = self.client.pull(self._dests)
+        self._holds_averages = False
+        if tl is not None:
+            tl.add("pull", "pull", start, tl.now())
+
+    def _compute_and_push(self, closure: Callable[..., torch.Tensor], batch: Batch | torch.Tensor | None,
+                          batches: Sequence[Batch | torch.Tensor] | None,
+                          tl: timeline.Timeline | None) -> tuple[float, set[int]]:
+        """Forward and backward, and the gradients' half of the step's one round trip per shard.
+        Returns the loss and the shards sent to.
+
+        A shard's gradients leave as soon as backward has produced all of them (see _on_grad), so
+        the transfer to one shard overlaps the backward pass of the layers that live on the others.
+        """
         t1 = time.perf_counter()
         for p in self.params.values():
             p.grad = None
         if self.towers is not None:
             self.towers.refresh()  # the replicas compute from the values the model holds now
-        # One round trip per shard: the gradients go out, the values after the update come back
-        # straight into the model (in sync mode, once the step they belong to is applied). A shard's
-        # gradients leave as soon as backward has produced all of them (see _on_grad), so the
-        # transfer to one shard overlaps the backward pass of the layers that live on the others.
         self._sent = set()
         self._remaining = {s: set(names) for s, names in self._shard_params.items()}
         self._push_seq += 1
@@ -308,29 +304,28 @@ class Trainer(TrainerBase):
             self._drain_sent()
             raise
         sent, self._sent = self._sent, None
-        # sync: the ps answers once the step is applied, i.e. once the other workers' gradients are in
-        with self.waiting("the sync step's quorum") if cfg.mode == "sync" else contextlib.nullcontext():
-            replies = self.client.recv_push_replies(range(self.task.num_ps), self._dests)
+        return value, sent
+
+    def _settle(self, replies: Sequence[Mapping[str, Any]], sent: set[int]) -> bool:
+        """Take in the step's replies (the values are in the model already). Returns whether the
+        job applied the step, so that it counts as one."""
         self.early_pushes += len(sent) - len(self._late)
         self._late.clear()
         self.versions = [int(r["version"]) for r in replies]
         if replies[0].get("stale"):
             self.stale_pushes += 1
         self.global_step = self.versions[0]
-        if tl is not None:
-            tl.add("step", f"step {self.local_step}", ts, tl.now(), global_step=self.global_step)
         if replies[0].get("stopped"):
             # The job reached its stop step before this batch: nothing of it was applied or counted.
             self.stopped = True
-            return value
+            return False
         if self._ledger is not None and replies[0].get("applied"):
             self._ledger.acknowledged_push()
         refused = [(s, r) for s, r in enumerate(replies) if r.get("refused")]
         if refused:
             self._refused(refused)  # not a step the job applied: not counted as one
-            return value
-        self._end_step(t0, value, batch_size, batch, batches)
-        return value
+            return False
+        return True
 
     def _refused(self, refused: list[tuple[int, Mapping[str, Any]]]) -> None:
         """A shard refused this step's gradient (it held NaN or inf; nonfinite = refuse): count it,
@@ -443,8 +438,9 @@ class Trainer(TrainerBase):
     def stats(self) -> dict[str, Any]:
         sent, received = self.client.traffic()
         return {**super().stats(), "stale_pushes": self.stale_pushes, "refused_pushes": self.refused_pushes,
-                "early_pushes": self.early_pushes, "mode": self.config.mode,
+                "early_pushes": self.early_pushes, "mode": self.mode.name,
                 "compress": self.config.compress, "bytes_sent": sent, "bytes_received": received}
+
 
     def _release(self) -> None:
         """Tell the ps this worker is done (they exit when every worker is) and disconnect."""

@@ -1,0 +1,106 @@
+"""The update modes (async, sync, ssp) as strategy objects: what a worker's step does per mode.
+
+The ps apply the update rule (:mod:`psflow.ps.rules`); a worker only follows its protocol. The
+trainer (:class:`psflow.train.trainer.Trainer`) asks the run's mode at the points where the modes
+differ and never tests its name, as Flower's server loop asks its ``Strategy``:
+
+- async: compute, then push the gradients and receive the updated values in the same round trip.
+- sync:  the push is tagged with the version the gradients were computed from; the reply comes once
+         that step is applied (N gradients averaged) and carries the next version's values.
+- ssp:   before computing step c, report clock c, wait until the slowest worker is within s, then
+         pull (the push-pull reply of step c - 1 predates the wait, so it may be staler than s).
+
+Each mode is one stateless object, shared by every trainer; :func:`mode_of` picks it by
+``TrainConfig.mode`` (validated there). This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from psflow import timeline
+from psflow.config import TrainConfig
+
+if TYPE_CHECKING:
+    from psflow.ps.client import PsClient
+
+
+class ModeHost(Protocol):
+    """What a mode reads of the trainer it serves (:class:`psflow.train.trainer.Trainer` is one)."""
+
+    client: PsClient
+    config: TrainConfig
+    worker: int  # the replica index the ps know this worker by
+    attempt: int  # the launcher's restart count
+    clock_base: int  # ssp: the clock this attempt starts at
+    local_step: int
+
+    def waiting(self, what: str) -> AbstractContextManager[None]: ...
+
+
+class UpdateMode:
+    """One update mode's side of a worker's step. The hooks' defaults do nothing (async's protocol):
+    a mode overrides only where it differs."""
+
+    name: ClassVar[str]  # TrainConfig.mode
+    # What a push's reply waits for, in the client's words (its timeline spans name it).
+    reply_waits_for: ClassVar[str] = "ps reply"
+
+    def before_compute(self, host: ModeHost) -> bool:
+        """Before a step's forward pass. Returns whether the model's values must be pulled first
+        (the push-pull reply of the last step does not do)."""
+        return False
+
+    def awaiting_replies(self, host: ModeHost) -> AbstractContextManager[None]:
+        """Around the wait for the step's push replies."""
+        return contextlib.nullcontext()
+
+
+class AsyncMode(UpdateMode):
+    """Every pushed gradient is applied at once; the reply carries the values after it."""
+
+    name = "async"
+
+
+class SyncMode(UpdateMode):
+    """The reply comes once the step is applied, i.e. once the other workers' gradients are in."""
+
+    name = "sync"
+    reply_waits_for = "sync quorum"
+
+    def awaiting_replies(self, host: ModeHost) -> AbstractContextManager[None]:
+        # the heartbeats say so, and the launcher's watchdog does not take the quorum for a hang
+        return host.waiting("the sync step's quorum")
+
+
+class SspMode(UpdateMode):
+    """No worker runs more than ``staleness`` steps ahead of the slowest."""
+
+    name = "ssp"
+
+    def before_compute(self, host: ModeHost) -> bool:
+        tl = timeline.ACTIVE
+        start = tl.now() if tl is not None else 0.0
+        with host.waiting("the ssp staleness bound"):
+            host.client.clock(host.worker, host.clock_base + host.local_step, host.config.sync_timeout_s,
+                              attempt=host.attempt)
+        if tl is not None:
+            tl.add("wait", "wait (ssp bound)", start, tl.now())
+        # ssp bounds the staleness of the values a step computes from, and the last reply predates the wait
+        return host.local_step > 0
+
+
+MODES: Mapping[str, UpdateMode] = {m.name: m for m in (AsyncMode(), SyncMode(), SspMode())}
+
+
+def mode_of(config: TrainConfig) -> UpdateMode:
+    """The strategy object of ``config.mode``.
+
+    Example:
+        >>> mode_of(TrainConfig(mode="sync")).reply_waits_for
+        'sync quorum'
+    """
+    return MODES[config.mode]
