@@ -185,3 +185,29 @@ def test_a_failed_done_to_the_store_raises_for_an_older_attempt() -> None:
     store.join(1, 1)
     with pytest.raises(TrainingError, match="attempt 1 of worker:1 has joined since"):
         store.worker_done(1, 0, failed="ValueError: late")
+
+
+# -- a chief that stays for its final checkpoint (issue 23 item 9) -------------------------------------
+
+
+def test_a_staying_worker_counts_done_for_the_quorum_but_the_shard_serves_it_until_its_last_done() -> None:
+    r = rules("sync", workers=3, n=2, m=3)
+    r.push(1, 0)
+    assert r.worker_done(0, stays=True) == [] and r.needed() == 2  # done: the backup quorum is still 2 of 2 live
+    assert acts(r.push(2, 0)) == [("HOLD", (2,)), ("APPLY", (1, 2))]
+    r.worker_done(1)
+    assert r.needed() == 1 and acts(r.push(2, 1)) == [("HOLD", (2,)), ("APPLY", (2,))]  # goes on alone
+    r.worker_done(2)
+    assert not r.is_finished() and r.staying == {0}  # the chief's final checkpoint is still to come
+    r.worker_done(0)
+    assert r.is_finished() and r.staying == set()
+    assert ShardRules.replay(0, 3, r.log or []).state() == r.state()
+
+
+def test_a_staying_worker_that_never_ends_fails_the_shard_after_the_timeout() -> None:
+    r = rules(lost_worker_timeout_s=10.0)
+    r.worker_done(0, stays=True), r.worker_done(1)
+    assert r.tick(100.0) == [] and r.tick(109.0) == []  # quiet: it writes its final checkpoint now
+    (fail,) = r.tick(110.5)
+    assert fail.act is Act.FAIL and fail.workers == (0,)
+    assert fail.reason.startswith("ps:0 waited 10.5 s for worker:0 to end after every worker finished training")

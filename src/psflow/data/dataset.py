@@ -158,6 +158,11 @@ class BatchIterator:
         self._order_epoch = -1
 
     @property
+    def is_exhausted(self) -> bool:
+        """Every batch of every epoch was taken: the next ``next()`` raises StopIteration."""
+        return self.epoch >= self.epochs
+
+    @property
     def total_steps(self) -> int:
         """Number of batches over all epochs."""
         return self.epochs * self.steps_per_epoch

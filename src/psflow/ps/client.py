@@ -516,11 +516,14 @@ class PsClient:
         meta = {"worker": worker, "clock": clock, "timeout_s": timeout_s, "attempt": attempt}
         return int(self._all(Op.PS_CLOCK, [meta], wait_s=timeout_s, shards=[0])[0].meta["slowest"])
 
-    def done(self, worker: int, *, attempt: int = 0, failed: str | None = None) -> None:
-        """PS_DONE: this worker finished; with ``failed`` (its error), it stopped without finishing."""
+    def done(self, worker: int, *, attempt: int = 0, failed: str | None = None, stays: bool = False) -> None:
+        """PS_DONE: this worker finished; with ``failed`` (its error), it stopped without finishing;
+        with ``stays``, its training is over but not its final duties (another PS_DONE follows)."""
         meta: dict[str, Any] = {"worker": worker, "attempt": attempt}
         if failed is not None:
             meta["failed"] = failed
+        if stays:
+            meta["stays"] = True
         self._all(Op.PS_DONE, [meta] * self.num_shards)
 
     def status(self, *, clock_log: bool = False) -> list[dict[str, Any]]:

@@ -66,8 +66,10 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
         Field("worker", REPLICA, required=True), Field("clock", INT, required=True), Field("timeout_s", SECONDS),
         Field("attempt", INT),
     ),
-    # failed: the worker stopped on this error without finishing (it is lost, not done: it may be restarted)
-    Op.PS_DONE: (Field("worker", REPLICA, required=True), Field("attempt", INT), Field("failed", STR, nullable=True)),
+    # failed: the worker stopped on this error without finishing (it is lost, not done: it may be restarted);
+    # stays: its training is over, its final duties are not (the chief's final checkpoint): a PS_DONE follows
+    Op.PS_DONE: (Field("worker", REPLICA, required=True), Field("attempt", INT), Field("failed", STR, nullable=True),
+                 Field("stays", BOOL)),
     Op.PS_STATUS: (Field("clock_log", BOOL),),
     Op.PS_SHUTDOWN: (),
     # From a shard's primary ps to its backup (psflow.ps.replication); the service checks the sender.

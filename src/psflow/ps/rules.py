@@ -12,7 +12,8 @@ Events (``ShardRules`` methods; each records an :class:`Event`)::
     push(worker, step, attempt, push_seq)   a gradient computed from version ``step``
     clock(worker, clock, attempt)  ssp: ``worker`` starts clock ``clock`` (once per local step)
     clock_expired(worker, clock, waited_s)   ssp: a held worker's wait ran out
-    worker_done(worker, attempt)   PS_DONE: the worker finished
+    worker_done(worker, attempt, stays)   PS_DONE: the worker finished (stays: its training, but it
+                                   has duties left: the chief's final checkpoint; a PS_DONE without follows)
     worker_failed(worker, attempt, why)   PS_DONE naming an error: the worker stopped without finishing
     worker_lost(worker)            the worker's connections closed without PS_DONE
     never_connected(worker, waited_s)   the worker sent nothing for lost_worker_timeout_s since the ps started
@@ -46,6 +47,7 @@ Decisions (:class:`Act`), in the order the store must carry them out::
 States of a worker, seen by this shard::
 
     live --worker_done--> done                     (final: worker_lost after it changes nothing)
+    live --worker_done(stays)--> done, staying --worker_done--> done
     live --worker_lost / worker_failed / never_connected--> lost --worker_back / push / join--> live
     live or lost --join/push/clock of a newer attempt--> live (REJOINED; the older attempt: SUPERSEDED)
     live --clock too far ahead--> held --slowest clocks, others done or lost--> live (RELEASE)
@@ -107,6 +109,12 @@ shard waits for it as for one whose connection closed (``worker_failed``; its ``
 the shard's messages). A worker that never sent a request is counted lost once the shard has waited
 ``lost_worker_timeout_s`` from its start (the store decides when: ``never_connected``).
 
+A worker that is done but ``staying`` (the chief in sync and ssp: its data ran out before the
+others', and its final checkpoint must hold the job's last step) counts as done for the quorum and
+the ssp bound, but the shard is not finished (:meth:`ShardRules.is_finished`) until its last PS_DONE.
+Once every worker is done, one still staying is waited for ``lost_worker_timeout_s`` at most (then
+FAIL: it died before its final duties).
+
 The lost-worker deadline: once every worker is done or lost and some are lost, the first ``tick``
 starts the wait (WAIT_LOST); a tick ``lost_worker_timeout_s`` later fails (FAIL), naming how long it
 waited; a tick that finds the wait over (a worker back) resets it. The wait is skipped (FAIL at the
@@ -151,6 +159,8 @@ class On(enum.Enum):
     RESIZE = "resize"
 
 
+# The ``value`` of a DONE event whose worker stays (for its final duties), not done with the shard yet
+STAYS = 1
 # The ``value`` of a LOST event: why the worker is lost (None: its connections closed without PS_DONE).
 FAILED = 1  # its PS_DONE said it stopped on an error
 NEVER_CONNECTED = 2  # it sent nothing within lost_worker_timeout_s of the shard's start
@@ -269,6 +279,7 @@ class ShardRules:
         self.last_push: dict[int, tuple[int, int, Act]] = {}  # worker -> (attempt, push_seq, outcome) of its last push
         self.lost_wait_since: float | None = None  # when only lost workers were left (tick time)
         self.failed: set[int] = set()  # lost workers whose PS_DONE said they stopped on an error
+        self.staying: set[int] = set()  # done workers whose last PS_DONE is still to come (final duties)
         self.never: set[int] = set()  # lost workers that never sent a request (never_connected)
         self.why: dict[int, str] = {}  # failed worker -> its error, as it said (messages only)
         self.by_hand = False  # no launcher restarts a failed worker (see "The lost-worker deadline")
@@ -355,16 +366,21 @@ class ShardRules:
             f"(clocks {dict(sorted(self.clocks.items()))}, staleness {self.settings.staleness}). A worker is stalled "
             "or dead; raise sync_timeout_s or restart it."))])
 
-    def worker_done(self, worker: int, attempt: int = 0) -> list[Decision]:
+    def worker_done(self, worker: int, attempt: int = 0, stays: bool = False) -> list[Decision]:
+        """PS_DONE: ``worker`` finished; with ``stays``, its training only (see "staying" above)."""
         if worker >= self.num_workers:
             return []  # a retired worker's PS_DONE: it is not waited for already
-        ev = self._event(On.DONE, worker, attempt=attempt)
+        ev = self._event(On.DONE, worker, STAYS if stays else None, attempt=attempt)
         superseded = self._superseded(ev, worker, attempt, "PS_DONE")
         if superseded is not None:
             return self._decided(ev, [superseded])
         self.attempts[worker] = max(attempt, self.attempts.get(worker, 0))
         self.joining.discard(worker)
         self.done.add(worker)
+        if stays:
+            self.staying.add(worker)
+        else:
+            self.staying.discard(worker)
         self.clocks.pop(worker, None)
         # Fewer live workers lower the number a step needs; the step may now be complete.
         out = self._maybe_complete_step(ev) if self.settings.mode == "sync" else []
@@ -448,6 +464,8 @@ class ShardRules:
         """Time passed: start, reset or enforce the wait for lost workers (see the module docstring)."""
         lost = self.waiting_only_for_lost()
         timeout_s = self.settings.lost_worker_timeout_s
+        if not lost and self.staying and len(self.done) >= self.num_workers:
+            return self._wait_for_staying(now)
         if not lost:
             if self.lost_wait_since is None:
                 return []
@@ -473,6 +491,26 @@ class ShardRules:
             f"ps:{self.shard} waited {waited_s:.1f} s for {names} to come back ({self._why_lost(lost)})"
             f"{self._others_finished()}. Restart a lost worker within lost_worker_timeout_s ({timeout_s:g} s; "
             "--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG by hand), or see its log for why it stopped."))])
+
+    def _wait_for_staying(self, now: float) -> list[Decision]:
+        """Every worker is done; a staying one has its final duties to do, quietly, up to the deadline."""
+        if self.lost_wait_since is None:
+            ev = self._event(On.TICK, seconds=now)
+            self.lost_wait_since = now
+            return self._decided(ev, [])
+        waited_s = now - self.lost_wait_since
+        if waited_s < self.settings.lost_worker_timeout_s:
+            return []
+        names = ", ".join(f"worker:{w}" for w in sorted(self.staying))
+        ev = self._event(On.TICK, seconds=now)
+        return self._decided(ev, [self._decide(ev, Act.FAIL, workers=tuple(sorted(self.staying)), reason=(
+            f"ps:{self.shard} waited {waited_s:.1f} s for {names} to end after every worker finished training: it "
+            "said it stays for its final duties (the chief's final checkpoint) and never said it is done (killed, or "
+            f"stuck?); lost_worker_timeout_s is {self.settings.lost_worker_timeout_s:g} s. See its log."))])
+
+    def is_finished(self) -> bool:
+        """Every worker is done, and none stays for its final duties: the shard has nobody left to serve."""
+        return len(self.done) >= self.num_workers and not self.staying
 
     def _why_lost(self, lost: dict[int, int]) -> str:
         """Each lost worker, where it was lost and why, for the lost-worker messages."""
@@ -559,7 +597,7 @@ class ShardRules:
         if on is On.CLOCK_EXPIRED:
             return self.clock_expired(_int(w), _int(v), event.seconds or 0.0)
         if on is On.DONE:
-            return self.worker_done(_int(w), event.attempt)
+            return self.worker_done(_int(w), event.attempt, v == STAYS)
         if on is On.LOST and v == FAILED:
             return self.worker_failed(_int(w), event.attempt, event.note)
         if on is On.LOST and v == NEVER_CONNECTED:
@@ -685,7 +723,7 @@ class ShardRules:
             "lost_clocks": dict(sorted(self.lost_clocks.items())), "attempts": dict(sorted(self.attempts.items())),
             "last_push": dict(sorted(self.last_push.items())),
             "num_workers": self.num_workers, "launch_workers": self.launch_workers, "joining": sorted(self.joining),
-            "failed": sorted(self.failed), "never": sorted(self.never),
+            "failed": sorted(self.failed), "never": sorted(self.never), "staying": sorted(self.staying),
         }
 
     def export(self) -> dict[str, Any]:
@@ -713,7 +751,8 @@ class ShardRules:
         rules.num_workers = int(data.get("num_workers", num_workers))
         rules.launch_workers = int(data.get("launch_workers", rules.launch_workers))
         rules.joining = {int(w) for w in data.get("joining", ())}
-        rules.failed, rules.never = ({int(w) for w in data.get(k, ())} for k in ("failed", "never"))
+        rules.failed, rules.never, rules.staying = (
+            {int(w) for w in data.get(k, ())} for k in ("failed", "never", "staying"))
         rules.last_push = {int(w): (int(a), int(s), Act(act)) for w, (a, s, act) in data["last_push"].items()}
         since = data["lost_wait_since"]
         rules.lost_wait_since = None if since is None else float(since)

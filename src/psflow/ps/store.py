@@ -432,9 +432,11 @@ class ParameterStore:
                 self.rules.settings = dataclasses.replace(self.rules.settings,
                                                           lost_worker_timeout_s=config.lost_worker_timeout_s)
 
-    def worker_done(self, worker: int, attempt: int = 0, *, failed: str | None = None) -> None:
-        """PS_DONE of ``worker``: it finished; or, with ``failed`` (its error), it stopped without
-        finishing, and is lost, not done (a launcher may restart it: see :meth:`ShardRules.worker_failed`)."""
+    def worker_done(self, worker: int, attempt: int = 0, *, failed: str | None = None, stays: bool = False) -> None:
+        """PS_DONE of ``worker``: it finished; with ``stays``, its training only (the chief in sync
+        and ssp, before its final checkpoint: it counts in no step any more, and the shard serves on
+        until its last PS_DONE); with ``failed`` (its error), it stopped without finishing, and is
+        lost, not done (a launcher may restart it: see :meth:`ShardRules.worker_failed`)."""
         with self._cond, self._recorded():
             if failed is not None:
                 held = worker in self.rules.pending
@@ -447,7 +449,7 @@ class ParameterStore:
                     log.warning("ps shard %d: worker:%d stopped on an error at global step %d: %s", self.shard, worker,
                                 self.version, failed)
                 return
-            decisions = self.rules.worker_done(worker, attempt)
+            decisions = self.rules.worker_done(worker, attempt, stays)
             self._raise_superseded(decisions)
             self._act(decisions)
 
@@ -541,8 +543,9 @@ class ParameterStore:
         return out
 
     def all_done(self) -> bool:
-        """Every worker finished (a worker that stopped on an error is not done: see :meth:`worker_done`)."""
-        return len(self.rules.done) >= self.rules.num_workers
+        """Every worker finished, none stays for its final duties (one that stopped on an error is
+        not done: see :meth:`worker_done`)."""
+        return self.rules.is_finished()
 
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """A consistent copy of values, optimizer state (``opt/...``) and averages (``ema/...``)."""
