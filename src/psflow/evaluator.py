@@ -75,7 +75,8 @@ def run_evaluator(
         task: this evaluator task (``pf.init()``); its id names the summary directory.
         model_fn: builds a fresh model of the trained architecture.
         eval_fn: ``model -> {metric: number}``, e.g. ``{"accuracy": 0.91}``.
-        logdir: the run's logdir; default ``task.logdir``.
+        logdir: the run's logdir; default ``task.logdir``. An evaluator started by hand names it
+            (``PSFLOW_LOGDIR``): it reads the chief's checkpoints and DONE there.
         poll_s: seconds between looks for a new checkpoint.
         timeout_s: give up after this many seconds (None: wait for DONE or SIGTERM).
         averages: evaluate the moving averages; None: what the run chose (``ema_for_export``).
@@ -83,6 +84,9 @@ def run_evaluator(
 
     Returns:
         ``{step: metrics}`` for every checkpoint evaluated.
+
+    Raises:
+        ConfigError: no logdir was named, so there is no run to follow.
 
     Example:
         >>> if task.is_evaluator:
@@ -92,7 +96,13 @@ def run_evaluator(
         raise ConfigError(f"poll_s must be a positive number of seconds; received {poll_s!r}.")
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ConfigError(f"timeout_s must be a positive number of seconds or None; received {timeout_s!r}.")
-    base = Path(logdir or task.logdir or "runs/default")
+    if not (logdir or task.logdir):
+        raise ConfigError(
+            f"{task.task_id} has no logdir to follow: the evaluator reads the chief's checkpoints and DONE in the run's "
+            "logdir, and this task named none. Name the chief's logdir (PSFLOW_LOGDIR=DIR, or run_evaluator(logdir=DIR)); "
+            "psflow run --evaluator does this for you."
+        )
+    base = Path(logdir or task.logdir)
     where = getattr(task, "checkpoint_dir", None)  # the run's --checkpoint-dir: a directory or a URL
     root: Path | str = (where if checkpoint.is_url(where) else Path(where)) if where else base / CHECKPOINTS_DIR
     done_file = base / DONE_FILE

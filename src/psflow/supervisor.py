@@ -30,8 +30,11 @@ Invariants:
 - A chief started by hand holds its logdir's lock while it runs (``LOGDIR/.psflow.lock``,
   :mod:`psflow.launch.logdirlock`), as a launcher does for its run: a second job into that logdir is
   refused at once, naming the first. Under a launcher the launcher holds it.
-- A run continues the checkpoints in its logdir only deliberately (a named logdir, ``resume=True``
-  or ``PSFLOW_RESUME=1``), and never starts over at step 0 when every checkpoint there is corrupt.
+- A run continues the checkpoints in its logdir only deliberately (a named logdir or checkpoint
+  directory), and never starts over at step 0 when every checkpoint there is corrupt. A run that
+  names no logdir (tasks started by hand) gets its own, ``runs/<script>-<time>-<id>`` (:func:`new_logdir`):
+  the chief makes it, prints it and gives it to the other tasks through the ps (or rank 0's
+  broadcast), so every task of the run writes there and no later run finds its checkpoints.
 
 A restarted chief (the launcher's attempt >= 1 of the chief's task, or the chief started again by
 hand while the ps kept the job) takes over; it does not start the job again:
@@ -77,7 +80,9 @@ import json
 import logging
 import math
 import os
+import secrets
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -106,7 +111,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("psflow")
 
 DONE_FILE = "DONE"
-DEFAULT_LOGDIR = "runs/default"  # where a run that names no logdir writes (tasks started by hand)
+RUNS_DIR = Path("runs")  # where a run that names no logdir gets its own (as psflow run's runs/<run id>)
+
+
+def new_logdir(script: str | None = None, *, runs_dir: Path = RUNS_DIR) -> Path:
+    """A new logdir for a run that named none: ``runs/<script>-<YYYYmmdd-HHMMSS>-<6 hex>``.
+
+    Args:
+        script: the script's path (default ``sys.argv[0]``); its stem starts the name.
+        runs_dir: the directory it goes under.
+
+    Example:
+        >>> new_logdir("examples/mnist_softmax.py").parent
+        PosixPath('runs')
+    """
+    stem = Path(script if script is not None else sys.argv[0]).stem or "run"
+    return runs_dir / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
 # ----------------------------------------------------------------------------------- hooks
@@ -184,8 +204,9 @@ class Supervisor:
 
     Args:
         task: the task from ``pf.init()``; default the current one.
-        logdir: where checkpoints, summaries and DONE go; default ``task.logdir`` or ``runs/default``
-            (see ``resume`` for what a logdir that holds checkpoints means).
+        logdir: where checkpoints, summaries and DONE go; default ``task.logdir``, else the chief's
+            (a new ``runs/<script>-<time>-<id>`` made by the chief, see :func:`new_logdir`); see
+            ``resume`` for what a logdir that holds checkpoints means.
         trainer: the trainer to supervise; default the task's first one.
         save_model_secs: chief: a checkpoint at most every this many seconds (None: never by time).
         save_model_steps: chief: a checkpoint each time the global step passes a multiple of this.
@@ -201,10 +222,10 @@ class Supervisor:
             checkpoint, and each worker gets its own back on a restart. Iterate it directly
             (``for x, y in data``), without reading ahead, so the position is that of the batch trained.
         resume: whether this run may continue the checkpoints already in ``logdir``. None (the
-            default): yes when the logdir was named (``logdir=`` here, or ``task.logdir``: the
-            launcher's ``--logdir`` or ``PSFLOW_LOGDIR``) or ``PSFLOW_RESUME=1`` is set; a run
-            that fell back to the shared default ``runs/default`` refuses to continue another
-            run's checkpoints. True: continue them. False: refuse to start where checkpoints exist.
+            default): yes when the logdir (``logdir=`` here, or ``task.logdir``: the launcher's
+            ``--logdir`` or ``PSFLOW_LOGDIR``) or the checkpoint directory was named; a run that
+            named neither starts in a new logdir of its own. True (``PSFLOW_RESUME=1``): continue
+            them, which needs the logdir named. False: refuse to start where checkpoints exist.
         poll_s: chief, async mode: seconds between looks at the ps's bookkeeping while it waits for
             the other workers to finish before the final checkpoint.
         checkpoint_dir: where the checkpoints go instead of ``logdir/checkpoints``: a directory, or a
@@ -260,12 +281,13 @@ class Supervisor:
         if resume is not None and not isinstance(resume, bool):
             raise ConfigError(f"resume must be True, False or None; received {resume!r}.")
         named = logdir or task.logdir
-        self.logdir = Path(named or DEFAULT_LOGDIR)
+        self.logdir = Path(named) if named else new_logdir()
         check_logdir(self.logdir, what="logdir")  # before any task waits on this one
         # Resuming is deliberate: asked for, or implied by naming the logdir (as the launcher's --logdir does).
         self.resume = resume if resume is not None else getattr(task, "resume", None)
         self._logdir_named = bool(named)
         where = checkpoint_dir or getattr(task, "checkpoint_dir", None)
+        self._checkpoint_dir_named = where is not None
         if where is not None and checkpoint.is_url(str(where)):
             self.checkpoint_dir: Path | str = checkpoint.UrlPath(str(where))
         else:
@@ -301,6 +323,7 @@ class Supervisor:
         # was taken from the iterator but not applied: a checkpoint written then must not skip it).
         self._applied_position: dict[str, Any] | None = None
         self._held = contextlib.ExitStack()  # a chief by hand: its logdir's lock, from __enter__ to __exit__
+        self._held_logdir = False
 
     # -- properties ------------------------------------------------------------------------
     is_chief = property(lambda self: bool(self.task.is_chief))
@@ -314,7 +337,8 @@ class Supervisor:
     def __enter__(self) -> Self:
         self._install_sigterm()
         try:
-            self._hold_logdir()
+            if self._logdir_named:
+                self._hold_logdir()  # at once: a second run into a named logdir is refused before it touches the ps
             self._start()
         except BaseException:
             self._restore_sigterm()
@@ -326,9 +350,10 @@ class Supervisor:
     def _hold_logdir(self) -> None:
         """A chief started by hand holds its logdir while it runs, as a launcher does for its run
         (:mod:`psflow.launch.logdirlock`): a second job writing there is refused. Under a launcher the
-        launcher holds it."""
-        if not self.is_chief or getattr(self.task, "coordinator", None):
+        launcher holds it. A logdir nobody named is held once it is settled (:meth:`_settle_logdir`)."""
+        if not self.is_chief or getattr(self.task, "coordinator", None) or self._held_logdir:
             return
+        self._held_logdir = True
         from psflow.launch.logdirlock import BY_HAND, LOCK_FILE, hold
 
         self.logdir.mkdir(parents=True, exist_ok=True)
@@ -341,8 +366,8 @@ class Supervisor:
         self.took_over = self._finds_ps_initialized()
         if not self.took_over:
             self._check_resume()  # a chief that takes over restores nothing from the logdir
-        if self.is_chief:
-            (self.logdir / DONE_FILE).unlink(missing_ok=True)
+        if self.is_chief and not self.took_over:
+            self.trainer.chief_logdir = str(self.logdir)  # every task learns it at prepare()
         if not self._allreduce and hasattr(self.trainer, "plan_steps"):
             # The ps hold the exact steps: where the job stops and where step-based checkpoints fall.
             self.trainer.plan_steps(stop_at=self.max_steps, snapshot_every=self.save_model_steps, data=self.data)
@@ -352,6 +377,7 @@ class Supervisor:
             self._say(f"waiting for the chief to initialize the parameter servers (up to ready_timeout_s={self.trainer.config.ready_timeout_s:g} s)"
                       if not self._allreduce else "joining the all-reduce group")
         self.start_step = int(self.trainer.prepare())
+        self._settle_logdir()
         if ckpt is not None and self.start_step != ckpt.step:
             # The ps were initialized between our look and our PS_INIT (an earlier attempt of this
             # chief, still alive, got there first): their state stands, not the checkpoint's.
@@ -385,26 +411,42 @@ class Supervisor:
             return False
         return bool(self.trainer.ps_initialized())
 
+    def _settle_logdir(self) -> None:
+        """After prepare(): a task that named no logdir takes the chief's (a restarted chief: the one
+        the job started with), so a run's summaries and checkpoints share one directory; the chief
+        holds it and clears an earlier DONE there."""
+        if not self._logdir_named:
+            shared = getattr(self.trainer, "chief_logdir", None)
+            if shared and (not self.is_chief or self.took_over):
+                self.logdir = Path(shared)
+                if not self._checkpoint_dir_named:
+                    self.checkpoint_dir = (self.logdir / CHECKPOINTS_DIR).resolve()
+            if self.is_chief and not self.took_over:
+                self._say(f"logdir {self.logdir} (this run's own: it named none; to resume this run later, name it)")
+        if self.is_chief:
+            self._hold_logdir()
+            (self.logdir / DONE_FILE).unlink(missing_ok=True)
+
     def _check_resume(self) -> None:
         """Refuse to continue checkpoints this run did not deliberately ask to continue."""
-        if self.resume is True or (self.resume is None and self._logdir_named):
+        named = self._logdir_named or self._checkpoint_dir_named
+        if self.resume is True and not named:
+            script = self.logdir.name.rsplit("-", 3)[0]  # new_logdir's <script>-<date>-<time>-<id>
+            earlier = sorted(d for d in self.logdir.parent.glob(f"{script}-*-*-*") if d.is_dir())
+            hint = f" The newest run of {script} here is {earlier[-1]}." if earlier else ""
+            raise ConfigError(
+                f"{self.task.task_id}: resume=True (PSFLOW_RESUME=1) needs to know which run to resume, and this run "
+                "named no logdir. Name the logdir of the run to resume: --logdir DIR in the example scripts, "
+                f"PSFLOW_LOGDIR=DIR, or Supervisor(logdir=DIR); a run that names none starts in a new one.{hint}"
+            )
+        if self.resume is True or (self.resume is None and named):
             return
-        found = checkpoint.list_checkpoints(self.checkpoint_dir)
+        found = checkpoint.list_checkpoints(self.checkpoint_dir) if named else []  # a new logdir holds none
         if not found:
             return
-        newest = found[0]
-        if self.resume is False:
-            raise ConfigError(
-                f"{self.task.task_id}: resume=False, but {self.checkpoint_dir} already holds {len(found)} checkpoint(s) "
-                f"(newest {newest.name}). Give this run another logdir to start fresh, or move {self.checkpoint_dir} away."
-            )
         raise ConfigError(
-            f"{self.task.task_id}: {self.checkpoint_dir} already holds {len(found)} checkpoint(s) of an earlier run "
-            f"(newest {newest.name}), and this run named no logdir: it fell back to the shared default {DEFAULT_LOGDIR}, "
-            "so psflow will not resume that run silently. To resume it: name the logdir "
-            f"(--logdir {self.logdir} in the example scripts, PSFLOW_LOGDIR={self.logdir}, or Supervisor(logdir=...)) "
-            "or set PSFLOW_RESUME=1 (Supervisor(resume=True)). To start fresh: name another logdir, or move "
-            f"{self.checkpoint_dir} away."
+            f"{self.task.task_id}: resume=False, but {self.checkpoint_dir} already holds {len(found)} checkpoint(s) "
+            f"(newest {found[0].name}). Give this run another logdir to start fresh, or move {self.checkpoint_dir} away."
         )
 
     def _restore(self) -> Checkpoint | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -89,12 +90,15 @@ def procs():
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_run_left_in_the_checkout():
-    """A test that runs an example without a logdir writes the shared default runs/default in the
-    checkout, and the next run of the suite then refuses to resume it silently: name a tmp logdir."""
-    default = ROOT / "runs" / "default"
-    existed = default.exists()
+    """A test that runs an example by hand without a logdir in the checkout leaves a new
+    runs/<script>-<time>-<id> there: give its run a logdir under tmp_path, or run it in tmp_path."""
+    def by_hand() -> set[Path]:  # supervisor.new_logdir's names; psflow run's runs/<run id> start with a digit
+        return {p for p in (ROOT / "runs").glob("*-*-*-*") if re.fullmatch(r"\D.*-\d{8}-\d{6}-[0-9a-f]{6}", p.name)}
+
+    before = by_hand()
     yield
-    assert existed or not default.exists(), f"a test wrote {default}; give its run a logdir under tmp_path"
+    left = sorted(str(p) for p in by_hand() - before)
+    assert not left, f"tests wrote {left}; give their runs a logdir under tmp_path"
 
 
 @pytest.fixture

@@ -163,28 +163,49 @@ def by_hand_run(procs, cwd: Path, *, env: dict[str, str] | None = None) -> tuple
     return started[0], started[1]
 
 
-def test_a_second_run_by_hand_does_not_silently_resume_the_first(procs, tmp_path):
-    ps, worker = by_hand_run(procs, tmp_path)
-    out = worker.communicate(timeout=120)[0]
-    assert worker.returncode == 0 and "worker:0: initialized at step 0" in out, out[-3000:]
-    ps.communicate(timeout=60)
-    first = checkpoint.latest_checkpoint(tmp_path / "runs" / "default" / "checkpoints")
-    assert first is not None and first.step == 30
+def test_each_run_by_hand_gets_its_own_logdir_and_resuming_names_it(procs, tmp_path):
+    logdirs = []
+    for _ in range(2):  # the same flags twice, no logdir: two runs, neither sees the other's checkpoints
+        ps, worker = by_hand_run(procs, tmp_path)
+        out = worker.communicate(timeout=120)[0]
+        assert worker.returncode == 0 and "worker:0: initialized at step 0" in out, out[-3000:]
+        ps.communicate(timeout=60)
+        said = re.search(r"worker:0: logdir (\S+) \(this run's own", out)
+        assert said, out[-3000:]
+        logdirs.append(tmp_path / said.group(1))
+    first, second = logdirs
+    assert first != second and first.parent == second.parent == tmp_path / "runs"
+    ckpt = checkpoint.latest_checkpoint(first / "checkpoints")
+    assert ckpt is not None and ckpt.step == 30
+    assert (first / "summaries" / "worker-0").is_dir()
 
-    ps, worker = by_hand_run(procs, tmp_path)  # an unrelated second run: same flags, no logdir
+    ps, worker = by_hand_run(procs, tmp_path, env={"PSFLOW_RESUME": "1"})  # resuming, but which run?
     out = worker.communicate(timeout=120)[0]
-
-    assert worker.returncode != 0, out[-3000:]
-    assert "named no logdir" in out and first.path.name in out and "PSFLOW_RESUME=1" in out, out[-3000:]
-    assert "initialized at step 0" not in out and "restored from" not in out
+    assert worker.returncode != 0 and "named no logdir" in out and "--logdir DIR" in out, out[-3000:]
     assert "Traceback" not in out  # one clear error
     ps.kill()
     ps.communicate(timeout=30)
 
-    ps, worker = by_hand_run(procs, tmp_path, env={"PSFLOW_RESUME": "1"})  # resuming on purpose
+    ps, worker = by_hand_run(procs, tmp_path, env={"PSFLOW_LOGDIR": str(first)})  # naming it resumes it
     out = worker.communicate(timeout=120)[0]
     assert worker.returncode == 0, out[-3000:]
-    assert f"worker:0: restored from {first.path} at step 30" in out
+    assert f"worker:0: restored from {ckpt.path} at step 30" in out
+
+
+def test_allreduce_ranks_by_hand_write_the_logdir_rank_0_made(procs, tmp_path):
+    ports = free_ports(2)
+    flags = [f"--worker_hosts=localhost:{ports[0]},localhost:{ports[1]}", "--job_name=worker"]
+    env = task_env(PSFLOW_TRAIN_CONFIG=json.dumps({"strategy": "allreduce"}))
+    for i in range(2):
+        procs.append(subprocess.Popen([sys.executable, SUPERVISED, *flags, f"--task_index={i}", *COMMON, "--max_steps", "20"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+                                      start_new_session=True))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+    (logdir,) = (tmp_path / "runs").iterdir()  # one directory for the run, not one per rank
+    assert f"worker:0: logdir runs/{logdir.name} (this run's own" in outs[0]
+    assert {p.name for p in (logdir / "summaries").iterdir()} == {"worker-0", "worker-1"}
+    assert checkpoint.latest_checkpoint(logdir / "checkpoints") is not None
 
 
 # --------------------------------------------------------------------- broken checkpoints

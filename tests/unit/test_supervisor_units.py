@@ -428,6 +428,8 @@ class FakeTrainer:
         self.worker = 0
         self.restored: int | None = None
         self.prepared = False
+        self.chief_logdir: str | None = None  # the chief sets it; prepare() gives every task the ps's
+        self.ps_logdir: str | None = None  # what the ps hold (the first chief's), when the test says so
 
     def restore_from(self, step, tensors, **_):
         self.restored = step
@@ -435,6 +437,7 @@ class FakeTrainer:
     def prepare(self):
         self.prepared = True
         self.global_step = self.restored or 0
+        self.chief_logdir = self.ps_logdir or self.chief_logdir
         return self.global_step
 
     def job_step(self):
@@ -443,13 +446,13 @@ class FakeTrainer:
     def waiting(self, what):
         return contextlib.nullcontext()
 
-    def close(self):
+    def close(self, failed=None):
         pass
 
 
-def chief_task(logdir, *, resume=None):
+def chief_task(logdir, *, resume=None, index=0):
     trainer = FakeTrainer()
-    return SimpleNamespace(task_id="worker:0", trainers=[trainer], logdir=logdir, is_chief=True, resume=resume,
+    return SimpleNamespace(task_id=f"worker:{index}", trainers=[trainer], logdir=logdir, is_chief=index == 0, resume=resume,
                            report=lambda **_: None, cluster=SimpleNamespace(num_tasks=lambda job: 0))
 
 
@@ -476,31 +479,86 @@ def test_a_chief_whose_checkpoints_are_all_corrupt_fails_instead_of_starting_at_
     assert "initialized at step 0" not in capsys.readouterr().out
 
 
-def test_a_run_that_named_no_logdir_refuses_the_checkpoints_of_an_earlier_run(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the default logdir runs/default is relative
-    write_checkpoint(tmp_path / "runs" / "default" / "checkpoints", 300, tiny_model_tensors(), 1)
-    task = chief_task(None)
+def test_each_run_that_names_no_logdir_gets_its_own_and_says_which(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # runs/ is relative, as psflow run's
+    monkeypatch.setattr(sys, "argv", ["examples/mnist_softmax.py"])
+    logdirs = []
+    for _ in range(2):
+        with Supervisor(chief_task(None), save_model_secs=None, summary_every_steps=None) as sv:
+            assert sv.start_step == 0 and sv.restored_from is None
+        logdirs.append(sv.logdir)
+        write_checkpoint(sv.logdir / "checkpoints", 300, tiny_model_tensors(), 1)  # what a run leaves
+
+    first, second = logdirs
+    assert first != second and first.parent == second.parent == Path("runs")
+    assert all(re.fullmatch(r"mnist_softmax-\d{8}-\d{6}-[0-9a-f]{6}", d.name) for d in logdirs), logdirs
+    assert (first / ".psflow.lock").exists() and (second / ".psflow.lock").exists()  # the chief held each
+    out = capsys.readouterr().out
+    assert f"worker:0: logdir {first} (this run's own" in out and f"worker:0: logdir {second} (" in out
+
+
+def test_resume_without_a_logdir_is_refused_naming_the_newest_run_of_the_script(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["examples/mnist_softmax.py"])
+    for name in ("mnist_softmax-20260101-100000-aaaaaa", "mnist_softmax-20260102-100000-bbbbbb", "mnist_cnn-20260103-100000-cccccc"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+    task = chief_task(None, resume=True)  # PSFLOW_RESUME=1, no logdir
 
     with pytest.raises(ConfigError) as caught, Supervisor(task, save_model_secs=None, summary_every_steps=None):
         pytest.fail("the loop must not run")
 
     message = str(caught.value)
-    assert "ckpt-0000000300" in message and "named no logdir" in message
-    assert "PSFLOW_RESUME=1" in message and "--logdir runs/default" in message and "another logdir" in message
+    assert "named no logdir" in message and "--logdir DIR" in message and "PSFLOW_LOGDIR=DIR" in message
+    assert "The newest run of mnist_softmax here is runs/mnist_softmax-20260102-100000-bbbbbb." in message
     assert not task.trainers[0].prepared
 
 
-@pytest.mark.parametrize("how", ["resume=True", "PSFLOW_RESUME=1", "named logdir"])
+def test_a_worker_that_names_no_logdir_writes_in_the_chiefs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    task = chief_task(None, index=1)
+    task.trainers[0].ps_logdir = "runs/the-chiefs"  # what the chief's PS_INIT gave the ps
+
+    with Supervisor(task, save_model_secs=None) as sv:
+        assert sv.logdir == Path("runs/the-chiefs")
+        assert sv.checkpoint_dir == (tmp_path / "runs" / "the-chiefs" / "checkpoints")
+
+    assert (tmp_path / "runs" / "the-chiefs" / "summaries" / "worker-1").is_dir()
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["the-chiefs"]  # no directory of its own
+
+
+def test_a_restarted_chief_that_names_no_logdir_goes_on_in_the_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    task = chief_task(None)
+    trainer = task.trainers[0]
+    trainer.ps_logdir = "runs/first-chiefs"
+    trainer.ps_initialized = lambda: True  # the ps kept the job: this chief takes over
+
+    with Supervisor(task, save_model_secs=None, summary_every_steps=None) as sv:
+        assert sv.took_over and sv.logdir == Path("runs/first-chiefs")
+
+    assert (tmp_path / "runs" / "first-chiefs" / ".psflow.lock").exists()  # it holds the run's logdir
+    assert (tmp_path / "runs" / "first-chiefs" / "DONE").exists()
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["first-chiefs"]
+    assert "took over as chief" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["named logdir", "resume=True", "PSFLOW_RESUME=1"])
 def test_resuming_is_deliberate_and_says_from_which_checkpoint_and_step(tmp_path, monkeypatch, capsys, how):
     monkeypatch.chdir(tmp_path)
-    path = write_checkpoint(tmp_path / "runs" / "default" / "checkpoints", 300, tiny_model_tensors(), 1)
-    task = chief_task("runs/default" if how == "named logdir" else None, resume=True if how == "PSFLOW_RESUME=1" else None)
+    path = write_checkpoint(tmp_path / "runs" / "mine" / "checkpoints", 300, tiny_model_tensors(), 1)
+    task = chief_task("runs/mine", resume=True if how == "PSFLOW_RESUME=1" else None)
 
     with Supervisor(task, save_model_secs=None, summary_every_steps=None,
                     resume=True if how == "resume=True" else None) as sv:
         assert sv.start_step == 300 and sv.restored_from == path.resolve()
 
     assert f"worker:0: restored from {path.resolve()} at step 300" in capsys.readouterr().out
+
+
+def test_an_evaluator_that_names_no_logdir_is_refused(tmp_path):
+    task = SimpleNamespace(task_id="evaluator:0", logdir=None, report=lambda **_: None)
+    with pytest.raises(ConfigError, match=r"evaluator:0 has no logdir to follow.*PSFLOW_LOGDIR=DIR"):
+        run_evaluator(task, Tiny, accuracy_of, poll_s=0.05, once=True)
 
 
 def test_resume_false_refuses_a_named_logdir_that_holds_checkpoints(tmp_path):

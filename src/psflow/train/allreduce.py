@@ -197,9 +197,17 @@ class AllReduceTrainer(TrainerBase):
         tensors = list(self.params.values()) + list(self.model.buffers())
         if self.ema is not None:
             tensors += list(self.ema.shadow().values())
-        step = torch.tensor([self.global_step], dtype=torch.int64, device=self._comm_device())
+        logdir = (self.chief_logdir or "").encode() if self.worker == 0 else b""
+        step = torch.tensor([self.global_step, len(logdir)], dtype=torch.int64, device=self._comm_device())
         self._collective("broadcasting the initial step", dist.broadcast, step, src=0)
-        self.global_step = int(step.item())
+        self.global_step = int(step[0].item())
+        if int(step[1].item()):  # rank 0's logdir (the chief's), as UTF-8 bytes: nothing is unpickled
+            text = torch.zeros(int(step[1].item()), dtype=torch.uint8)
+            if self.worker == 0:
+                text = torch.frombuffer(bytearray(logdir), dtype=torch.uint8)
+            text = text.to(self._comm_device())
+            self._collective("broadcasting the chief's logdir", dist.broadcast, text, src=0)
+            self.chief_logdir = bytes(text.cpu().tolist()).decode()
         for bucket in _buckets(tensors):
             flat = torch.cat([t.reshape(-1) for t in bucket])
             self._collective("broadcasting rank 0's parameters", dist.broadcast, flat, src=0)

@@ -117,6 +117,9 @@ class TrainerBase(ABC):
         self.compute_s = 0.0
         self._progress_at: float | None = None
         self._restore: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        # The chief's logdir: the chief sets it before prepare(), which gives it to every task (the
+        # Supervisor's logdir for a run that named none); None where the chief set none.
+        self.chief_logdir: str | None = None
         self._ready = False
         self._closed = False
         self.failure: str | None = None  # the error this task stopped on, if it did (close(failed=...))

@@ -189,6 +189,7 @@ class Trainer(TrainerBase):
             self._initialize()
         info = self.client.wait_ready(self.digest, self.config.ready_timeout_s, worker=self.worker, attempt=self.attempt)
         self.ready_info = info
+        self.chief_logdir = (info.get("meta") or {}).get("logdir") or None
         self.clock_base = int(info.get("clock", 0))
         self.global_step = int(info["version"])
         self.versions = self.client.pull(self._dests)
@@ -222,7 +223,7 @@ class Trainer(TrainerBase):
             "version": step,
             "schedule": self.schedule.to_dict() if self.schedule else None,
             "ema_decay": self.ema_decay,
-            "meta": {"placement": self.placement.to_dict()},
+            "meta": {"placement": self.placement.to_dict(), "logdir": self.chief_logdir},  # every task's readiness reply has it
             "step_plan": self.step_plan.to_dict(),
             "data_positions": dict(self._restored_positions or {}),
         }
