@@ -226,8 +226,8 @@ class Supervisor:
             ``--logdir`` or ``PSFLOW_LOGDIR``) or the checkpoint directory was named; a run that
             named neither starts in a new logdir of its own. True (``PSFLOW_RESUME=1``): continue
             them, which needs the logdir named. False: refuse to start where checkpoints exist.
-        poll_s: chief, async mode: seconds between looks at the ps's bookkeeping while it waits for
-            the other workers to finish before the final checkpoint.
+        poll_s: chief: seconds between looks at the ps's bookkeeping while it waits for the other
+            workers to finish before the final checkpoint.
         checkpoint_dir: where the checkpoints go instead of ``logdir/checkpoints``: a directory, or a
             URL (``s3://bucket/run``: every ps uploads its shard, the chief the manifest last; see
             :mod:`psflow.checkpoint.remote`); default ``task.checkpoint_dir`` (``PSFLOW_CHECKPOINT_DIR``).
@@ -322,6 +322,7 @@ class Supervisor:
         # All-reduce: the data position after the last step every rank applied (a failed step's batch
         # was taken from the iterator but not applied: a checkpoint written then must not skip it).
         self._applied_position: dict[str, Any] | None = None
+        self._ended_training = False  # chief, sync/ssp: it told the ps its training is over (end_training)
         self._held = contextlib.ExitStack()  # a chief by hand: its logdir's lock, from __enter__ to __exit__
         self._held_logdir = False
 
@@ -538,6 +539,10 @@ class Supervisor:
             hook.after_step(self, step, loss)
         if self.is_chief:
             self._save_if_due(step)
+            if getattr(self.data, "is_exhausted", False) and self._ends_before_others():
+                # Its last batch: the others' steps go on without it. The final model is theirs too, so it
+                # waits here, before the script's own end (a final pull, an accuracy) reads the model.
+                self._end_training()
         local = self.local_step
         if self.summary_every_steps and local % self.summary_every_steps == 0:
             self._write_scalars()
@@ -676,6 +681,8 @@ class Supervisor:
             if not failing and not self.diverged and self.trainer.config.mode == "async" and not self._allreduce:
                 with self.trainer.waiting("the other workers to finish"):  # not a hang (the watchdog)
                     self._wait_for_other_workers()
+            elif not failing and not self.diverged and self._ends_before_others():
+                self._end_training()
             self._final_checkpoint(failing)
             if not failing:
                 self._write_done()
@@ -694,12 +701,31 @@ class Supervisor:
 
         self._quietly(failing, "the final checkpoint", save_if_new)
 
+    def _ends_before_others(self) -> bool:
+        """Chief, sync or ssp over parameter servers with other workers: their steps wait for this
+        one's gradient or clock, so it must tell the ps when it takes no more (:meth:`_end_training`)."""
+        return (not self._allreduce and self.trainer.config.mode in ("sync", "ssp")
+                and int(getattr(self.task, "num_replicas", 1)) > 1)
+
+    def _end_training(self) -> None:
+        """Chief, sync or ssp, once: tell the ps it takes no more steps (they count it done for every
+        step from now on, and serve it until it closes), then wait for the others to finish, so that
+        the final checkpoint and the values the script pulls after its loop are the job's last step's
+        (with a backup worker, or a longer shard, the others go on after the chief's data ran out)."""
+        if self._ended_training:
+            return
+        self._ended_training = True
+        self.trainer.end_training()
+        with self.trainer.waiting("the other workers to finish"):  # not a hang (the watchdog)
+            self._wait_for_other_workers()
+
     def _wait_for_other_workers(self) -> None:
         """Keep checkpointing until every other worker is done, so that the final checkpoint holds the
         whole job's training even when the chief's own loop ends first (a shorter shard, say).
 
-        Only in async mode: a sync or ssp step needs the chief's gradients or clock, so there the chief
-        ends at once and its PS_DONE lets the others go on. SIGTERM ends the wait (the others got it too).
+        Async: the chief waits before its PS_DONE (nothing waits for it). Sync or ssp: a step needs the
+        chief's gradients or clock, so it waits after saying its training is over (:meth:`_end_training`).
+        SIGTERM ends the wait (the others got it too).
         A worker the ps reports lost (its connections closed without finishing) is not waited for: the
         ps itself waits for it, up to lost_worker_timeout_s, and names it.
         """

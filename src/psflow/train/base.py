@@ -311,6 +311,12 @@ class TrainerBase(ABC):
     def _release(self) -> None:
         """What ``close`` does, once."""
 
+    def end_training(self) -> None:
+        """This task takes no more steps, but has duties left before :meth:`close` (the chief's
+        final checkpoint once the others are done): where others' steps wait for it (the ps's sync
+        quorum, the ssp bound) they stop waiting. Nothing to do without parameter servers."""
+        return
+
     def __enter__(self) -> Self:
         return self
 

@@ -442,6 +442,11 @@ class Trainer(TrainerBase):
                 "early_pushes": self.early_pushes, "mode": self.mode.name,
                 "compress": self.config.compress, "bytes_sent": sent, "bytes_received": received}
 
+    def end_training(self) -> None:
+        """PS_DONE that says this worker stays: the ps count it done for every step from now on
+        (sync quorum, ssp bound) and serve it until :meth:`close` sends the last PS_DONE."""
+        if self._ready and not self._closed:
+            self.client.done(self.worker, attempt=self.attempt, stays=True)
 
     def _release(self) -> None:
         """Tell the ps this worker is done (they exit when every worker is) and disconnect."""
