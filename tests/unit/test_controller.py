@@ -109,10 +109,23 @@ def test_a_ps_that_does_not_exit_after_the_workers_is_stopped_with_a_warning_and
 def test_ctrl_c_stops_every_task_and_the_run_ends_stopped() -> None:
     c = running()
     out = c.handle(StopRequested("Ctrl-C", at=3.0))
-    assert out == [StopTasks(tuple(TASKS), GRACE_S, "Ctrl-C: stopping every task (SIGTERM, then SIGKILL after 5 s)", warning=True)]
+    assert out == [StopTasks(tuple(TASKS), GRACE_S, "Ctrl-C: stopping every task (SIGTERM, then SIGKILL after 5 s; "
+                                                    "Ctrl-C again kills them now)", warning=True)]
     exit_(c, "ps:0", -15, at=3.1)
     exit_(c, "worker:0", -15, at=3.2, report=report(3.15, "KeyboardInterrupt", ""))
     assert exit_(c, "worker:1", -15, at=3.3) == [RunFinished("stopped", None, 130)]
+
+
+def test_a_second_ctrl_c_kills_the_tasks_left_at_once_and_the_run_still_ends_stopped() -> None:
+    c = running()
+    c.handle(StopRequested("Ctrl-C", at=3.0))
+    exit_(c, "ps:0", -15, at=3.1)
+    (kill,) = c.handle(StopRequested("Ctrl-C again", at=4.0, hurry=True))
+    assert (kill.tasks, kill.grace_s) == (("worker:0", "worker:1"), 0.0) and kill.warning
+    assert kill.reason.startswith("Ctrl-C again: killing every task now (SIGKILL); the run is recorded as stopped.")
+    exit_(c, "worker:0", -9, at=4.1)
+    assert exit_(c, "worker:1", -9, at=4.2) == [RunFinished("stopped", None, 130)]
+    assert c.stopped_by == "Ctrl-C"
 
 
 def test_a_stop_after_a_failure_ends_stopped_and_still_names_the_root_cause() -> None:

@@ -8,11 +8,16 @@ connects the two is :class:`psflow.launch.runner.Runner`.
 
 Lifecycle: ``open(plan)`` -> ``start`` / ``poll`` / ``stop`` / ``dump_stacks`` / ``error_report`` /
 ``ended_by`` -> ``close()`` (always called, also after an error: nothing the backend started may outlive it).
+``hurry()`` (a second Ctrl-C, from a signal handler) makes a stop under way, and every later one,
+skip the rest of its grace: SIGKILL at once.
 """
 
 from __future__ import annotations
 
 import queue
+import subprocess
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +42,24 @@ class Backend(ABC):
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console()
+        self._hurried = threading.Event()
+
+    def hurry(self) -> None:
+        """A stop under way, and every later one, skips the rest of its grace (SIGKILL now): the
+        user asked twice. Called from a signal handler, so it only sets a flag that the waits read."""
+        self._hurried.set()
+
+    def wait_within(self, proc: Any, deadline: float) -> bool:
+        """Wait for ``proc`` (a Popen, or anything whose ``wait(timeout)`` raises TimeoutExpired) to
+        exit until ``deadline`` (``time.monotonic()``), or until :meth:`hurry`. True if it exited."""
+        while True:
+            left = 0.0 if self._hurried.is_set() else deadline - time.monotonic()
+            try:
+                proc.wait(timeout=max(0.0, min(left, 0.1)))
+                return True
+            except subprocess.TimeoutExpired:
+                if left <= 0.1:
+                    return False
 
     def open(self, plan: LaunchPlan) -> None:  # noqa: B027 (a hook: most backends need nothing here)
         """Prepare for ``plan`` before its first task starts."""

@@ -166,10 +166,12 @@ class StacksDumped:
 
 @dataclass(frozen=True)
 class StopRequested:
-    """Someone asked the run to stop; ``reason`` names who (``"Ctrl-C"``, ``"SIGTERM"``)."""
+    """Someone asked the run to stop; ``reason`` names who (``"Ctrl-C"``, ``"SIGTERM"``). ``hurry``:
+    asked again (a second Ctrl-C): every task is killed now, without the rest of its grace."""
 
     reason: str
     at: float
+    hurry: bool = False
 
 
 @dataclass(frozen=True)
@@ -541,8 +543,11 @@ class RunController:
         live = self._live()
         if not live:
             return []
+        if e.hurry:
+            return [StopTasks(live, 0.0, f"{e.reason}: killing every task now (SIGKILL); the run is recorded as "
+                                         "stopped. Once more leaves at once, with nothing recorded", warning=True)]
         return [StopTasks(live, self.grace_s, f"{e.reason}: stopping every task (SIGTERM, then SIGKILL after "
-                                              f"{self.grace_s:.0f} s)", warning=True)]
+                                              f"{self.grace_s:.0f} s; Ctrl-C again kills them now)", warning=True)]
 
     def _on_heartbeat_missed(self, e: HeartbeatMissed) -> list[Decision]:
         rec = self._record(e.task)

@@ -172,9 +172,7 @@ class LocalBackend(Backend):
             _signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for p in alive:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if not self.wait_within(p, deadline):  # past the grace, or hurried (a second Ctrl-C)
                 _signal_group(p, signal.SIGKILL)
                 p.wait(timeout=10)
         for p in procs:

@@ -164,7 +164,7 @@ class Runner:
             launcher = TaskEnv(coordinator=address, secret_file=str(secret_file)).render()
             envs = {tp.task: {**dict(tp.env), **launcher} for tp in plan.tasks}
             self._scaling = _Scaling(plan, coord, envs, launcher)
-            with self.console.live_table(store.snapshot), _stop_signals() as stops:
+            with self.console.live_table(store.snapshot), _stop_signals(getattr(self.backend, "hurry", None)) as stops:
                 finished = self._loop(plan, controller, store, envs, stops, signs)
         finally:
             self.backend.close()
@@ -204,7 +204,7 @@ class Runner:
                 return controller.result
             reason = stops.take()
             if reason is not None:
-                pending.extend(controller.handle(StopRequested(reason, time.time())))
+                pending.extend(controller.handle(StopRequested(reason, time.time(), hurry=stops.hurried)))
                 continue
             for request in store.control_requests():
                 pending.extend(self._control(request, controller, store))
@@ -499,26 +499,37 @@ def _int(value: Any) -> int:
 
 
 class _StopSignals:
-    """Ctrl-C and SIGTERM, as a stop request the loop takes; the second one interrupts at once."""
+    """Ctrl-C and SIGTERM, as a stop request the loop takes. The second one hurries it: every task is
+    killed at once (``on_hurry``, the backend's :meth:`~psflow.launch.backend.Backend.hurry`, cuts a
+    grace under way short), and the run still ends recorded as stopped. The third interrupts at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_hurry: Callable[[], None] | None = None) -> None:
         self._reason: str | None = None
         self._count = 0
+        self.on_hurry = on_hurry
+
+    @property
+    def hurried(self) -> bool:
+        return self._count > 1
 
     def take(self) -> str | None:
         reason, self._reason = self._reason, None
         return reason
 
     def handler(self, signum: int, frame: Any) -> None:
+        # Only flags here: printing or writing the store from a handler could re-enter what it interrupted.
         self._count += 1
-        if self._count > 1:
+        if self._count > 2:
             raise KeyboardInterrupt
-        self._reason = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        self._reason = name if self._count == 1 else f"{name} again"
+        if self._count == 2 and self.on_hurry is not None:
+            self.on_hurry()
 
 
 @contextlib.contextmanager
-def _stop_signals() -> Iterator[_StopSignals]:
-    stops = _StopSignals()
+def _stop_signals(on_hurry: Callable[[], None] | None = None) -> Iterator[_StopSignals]:
+    stops = _StopSignals(on_hurry)
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield stops
         return

@@ -236,9 +236,7 @@ class SshBackend(Backend):
             _tell(p, "TERM")
         deadline = time.monotonic() + grace_s
         for p in live.values():
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if not self.wait_within(p, deadline):  # past the grace, or hurried (a second Ctrl-C)
                 _tell(p, "KILL")
                 try:
                     p.wait(timeout=10)  # the agent reports the kill, then the session ends
