@@ -176,7 +176,7 @@ def test_stats_are_plain_json_with_the_wait_in_milliseconds_precision() -> None:
     assert stats.to_dict() == {"pushes": 3, "applied_updates": 2, "stale_dropped": 1,
                                "stale_by_worker": {"0": 4, "2": 1}, "steps_without_all": 1, "duplicates": 2,
                                "superseded": 1, "init_requests": 1, "wait_s": 1.235,
-                               "applied_by": {"1": {"0": 5, "1": 2}}}
+                               "applied_by": {"1": {"0": 5, "1": 2}}, "nonfinite_by_worker": {}}
 
 
 def test_the_time_spent_waiting_adds_up() -> None:
