@@ -104,6 +104,7 @@ from psflow.config import check_logdir
 from psflow.errors import CheckpointError, ConfigError, PsflowError, TrainingError
 from psflow.launch import errorreport
 from psflow.summary import EventWriter
+from psflow.train.modes import mode_of
 
 if TYPE_CHECKING:
     from psflow.train.base import TrainerBase
@@ -330,6 +331,7 @@ class Supervisor:
     is_chief = property(lambda self: bool(self.task.is_chief))
     _num_chiefs = property(lambda self: int(self.task.cluster.num_tasks("chief")))
     _allreduce = property(lambda self: self.trainer.config.strategy == "allreduce")
+    _mode = property(lambda self: mode_of(self.trainer.config))  # over parameter servers: async, sync or ssp
     global_step = property(lambda self: int(self.trainer.global_step))
     local_step = property(lambda self: int(self.trainer.local_step))
     stop_reason = property(lambda self: self._stop_reason)
@@ -678,7 +680,7 @@ class Supervisor:
             self._quietly(failing, f"hook {type(hook).__name__}.end", lambda h=hook: h.end(self))
         self._quietly(failing, "the last summary", self._write_scalars)
         if self.is_chief:
-            if not failing and not self.diverged and self.trainer.config.mode == "async" and not self._allreduce:
+            if not failing and not self.diverged and not self._allreduce and not self._mode.steps_wait_for_workers:
                 with self.trainer.waiting("the other workers to finish"):  # not a hang (the watchdog)
                     self._wait_for_other_workers()
             elif not failing and not self.diverged and self._ends_before_others():
@@ -704,7 +706,7 @@ class Supervisor:
     def _ends_before_others(self) -> bool:
         """Chief, sync or ssp over parameter servers with other workers: their steps wait for this
         one's gradient or clock, so it must tell the ps when it takes no more (:meth:`_end_training`)."""
-        return (not self._allreduce and self.trainer.config.mode in ("sync", "ssp")
+        return (not self._allreduce and self._mode.steps_wait_for_workers
                 and int(getattr(self.task, "num_replicas", 1)) > 1)
 
     def _end_training(self) -> None:

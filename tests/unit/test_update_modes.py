@@ -65,6 +65,7 @@ def test_async_neither_waits_nor_pulls_before_computing(local_step: int) -> None
         assert host.inside == []
     assert (host.waits, host.client.clocks) == ([], [])
     assert mode.reply_waits_for == "ps reply"
+    assert not mode.steps_wait_for_workers  # a chief may keep checkpointing while the others push
 
 
 def test_sync_waits_for_the_quorum_around_the_replies_only() -> None:
@@ -76,6 +77,7 @@ def test_sync_waits_for_the_quorum_around_the_replies_only() -> None:
         assert host.inside == ["the sync step's quorum"]
     assert host.inside == [] and host.client.clocks == []
     assert mode.reply_waits_for == "sync quorum"
+    assert mode.steps_wait_for_workers  # a chief that stops stepping must say so (its gradient is waited for)
 
 
 def test_ssp_reports_its_clock_under_the_bound_and_pulls_from_the_second_step_on() -> None:
@@ -90,3 +92,4 @@ def test_ssp_reports_its_clock_under_the_bound_and_pulls_from_the_second_step_on
     with mode.awaiting_replies(host):
         assert host.inside == []
     assert mode.reply_waits_for == "ps reply"
+    assert mode.steps_wait_for_workers  # the slowest worker's clock bounds the others

@@ -1,8 +1,8 @@
 """The update modes (async, sync, ssp) as strategy objects: what a worker's step does per mode.
 
 The ps apply the update rule (:mod:`psflow.ps.rules`); a worker only follows its protocol. The
-trainer (:class:`psflow.train.trainer.Trainer`) asks the run's mode at the points where the modes
-differ and never tests its name, as Flower's server loop asks its ``Strategy``:
+trainer (:class:`psflow.train.trainer.Trainer`) and the Supervisor ask the run's mode at the points
+where the modes differ and never test its name, as Flower's server loop asks its ``Strategy``:
 
 - async: compute, then push the gradients and receive the updated values in the same round trip.
 - sync:  the push is tagged with the version the gradients were computed from; the reply comes once
@@ -48,6 +48,9 @@ class UpdateMode:
     name: ClassVar[str]  # TrainConfig.mode
     # What a push's reply waits for, in the client's words (its timeline spans name it).
     reply_waits_for: ClassVar[str] = "ps reply"
+    # The job's steps wait for each worker (its gradient in sync, its clock in ssp), so a worker that
+    # takes no more steps must tell the ps (the Supervisor's chief: Trainer.end_training).
+    steps_wait_for_workers: ClassVar[bool] = True
 
     def before_compute(self, host: ModeHost) -> bool:
         """Before a step's forward pass. Returns whether the model's values must be pulled first
@@ -63,6 +66,7 @@ class AsyncMode(UpdateMode):
     """Every pushed gradient is applied at once; the reply carries the values after it."""
 
     name = "async"
+    steps_wait_for_workers = False
 
 
 class SyncMode(UpdateMode):
