@@ -270,6 +270,35 @@ def test_a_locked_database_is_waited_for_and_then_written(tmp_path):
         assert db.run("run-1")["state"] == "succeeded"
 
 
+def test_a_run_started_while_the_store_stays_locked_is_recorded_whole_once_it_is_free(tmp_path):
+    """Issue 23 item 2: locked past the writer's retries at the run's start, the run used to be lost
+    (its row dropped, then every later record refused). Now every record waits, in order."""
+    path = tmp_path / "jobs.db"
+    JobStore(path).close()
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # another process's write, longer than the retries
+    warnings: list[str] = []
+    store = SqliteRunStore(path, _record(), TASKS, warn=warnings.append, busy_timeout_s=0.05, retry_s=0.2)
+    store.task_started("ps:0", 0, os.getpid())
+    deadline = time.monotonic() + 30
+    while not warnings:
+        assert time.monotonic() < deadline, "the writer never gave a locked write up"
+        time.sleep(0.01)
+    store.report("worker:0", {"progress": {"global_step": 7}})
+    store.event("note", text="while locked")
+    time.sleep(0.5)  # more rounds of retries: still nothing dropped
+    assert store.failures == 0  # nothing dropped: kept for the write once it is free
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    store.finished("succeeded")
+    assert len(warnings) == 1 and "is recorded there once it is free (nothing is lost" in warnings[0], warnings
+    with JobStore(path) as db:
+        run = db.run("run-1")
+        kinds = [e["kind"] for e in db.events("run-1")]
+    assert run["state"] == "succeeded" and run["tasks"]["worker:0"]["progress"] == {"global_step": 7}
+    assert kinds[:3] == ["run_started", "task_started", "note"] and kinds[-1] == "run_finished", kinds
+
+
 def test_a_store_that_cannot_be_written_warns_once_and_the_run_goes_on(tmp_path):
     path = tmp_path / "jobs.db"
     path.write_bytes(b"garbage " * 1000)

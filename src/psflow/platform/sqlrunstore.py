@@ -6,15 +6,19 @@ threads) turns into a write that is queued, never done on the caller's thread: o
 per run owns the run's connection, takes whatever has queued, and writes it in one transaction. So
 a task's report is never held up by the database, and the run has exactly one writer.
 
-When the database cannot be written (locked past its retries, corrupt, the disk full or gone) the
-run goes on: the batch is dropped, the launcher is warned once (``warn``), and later batches are
-tried again (the file store keeps the whole record meanwhile). :meth:`SqliteRunStore.finished`,
-the run's last word, waits (at most ``close_timeout_s``) for everything queued to be written.
+A database locked by another process (past ``retry_s`` of retries) loses nothing: the batch is
+kept, in order, and written with the next ones once the lock is gone (a run started while the store
+was locked is recorded then: its row first). When the database cannot be written otherwise (corrupt,
+the disk full or gone) the run goes on: the batch is dropped, the launcher is warned once (``warn``),
+and later batches are tried again (the file store keeps the whole record meanwhile).
+:meth:`SqliteRunStore.finished`, the run's last word, waits (at most ``close_timeout_s``) for
+everything queued to be written.
 
 Writer states::
 
-    open --a batch written--> open
-    open --a batch failed (warned once)--> open (the next batch is tried afresh)
+    open --a batch written (with the ones kept before it)--> open
+    open --the database stayed locked (warned once)--> open, the batch kept for the next write
+    open --a batch failed otherwise (warned once)--> open (the next batch is tried afresh)
     open --finished() written or close_timeout_s passed--> closed (later calls are ignored)
 """
 
@@ -43,6 +47,10 @@ from psflow.platform.jobstore import JobStore, JobStoreError, explain
 PROGRESS_METRICS = ("loss", "accuracy", "examples_per_sec", "step_examples_per_sec", "global_step", "local_step",
                     "examples", "pushes", "stale_dropped")
 _CLOSE = object()
+
+
+class _StillLocked(Exception):
+    """The database stayed locked through a write's retries: its batch is kept for the next write."""
 
 Op = Callable[[JobStore], None]
 
@@ -110,6 +118,7 @@ class SqliteRunStore(RunStore):
         self._last_poll = -math.inf
         self.failures = 0  # batches that could not be written
         self.busy_retries = 0  # times a batch found the database locked and was tried again
+        self.kept = 0  # records waiting for the lock to go (written with the next batch)
         self._warned = False
         self._closed = False
         self._ops: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -231,6 +240,7 @@ class SqliteRunStore(RunStore):
 
     def _write_loop(self) -> None:
         db: JobStore | None = None
+        kept: list[Op] = []  # written before anything newer: the store stayed locked when they came
         try:
             while True:
                 try:  # wakes at least every control_poll_s: control requests are polled from here
@@ -243,11 +253,21 @@ class SqliteRunStore(RunStore):
                     except queue.Empty:
                         break
                 stop = any(op is _CLOSE for op in batch)
-                if batch:
-                    db = self._write(db, [op for op in batch if op is not _CLOSE])
+                kept += [op for op in batch if op is not _CLOSE]
+                if kept:
+                    try:
+                        db = self._write(db, kept, keep_if_locked=True)
+                        kept = []
+                    except _StillLocked as e:
+                        db = None
+                        self._warn_once(f"the job store {self._where()} stays locked by another process ({e}); run "
+                                        f"{self.run_id} is recorded there once it is free (nothing is lost: its "
+                                        "records wait in order). Its files in the logdir are complete meanwhile.")
+                    self.kept = len(kept)
                 if stop:
                     return
-                db = self._poll_control(db)
+                if not kept:  # a locked store has nothing to hand out
+                    db = self._poll_control(db)
         finally:
             if db is not None:
                 db.close()
@@ -272,9 +292,14 @@ class SqliteRunStore(RunStore):
                                            dict(r["payload"])))
         return db
 
-    def _write(self, db: JobStore | None, batch: list[Op]) -> JobStore | None:
+    def _write(self, db: JobStore | None, batch: list[Op], *, keep_if_locked: bool = False) -> JobStore | None:
         """Write ``batch`` in one transaction, retrying while the database is locked; on any other
-        failure drop it and warn (once). Returns the connection to use next (None: open afresh)."""
+        failure drop it and warn (once). Returns the connection to use next (None: open afresh).
+
+        Raises:
+            _StillLocked: with ``keep_if_locked``, the database stayed locked for ``retry_s``: the
+                batch was not written, and the caller keeps it (the connection is closed).
+        """
         deadline = time.monotonic() + self.retry_s
         delay_s = 0.05
         while True:
@@ -291,6 +316,10 @@ class SqliteRunStore(RunStore):
                     time.sleep(delay_s)  # a backoff between retries, not a synchronisation
                     delay_s = min(delay_s * 2, 1.0)
                     continue
+                if _is_busy(e) and keep_if_locked:
+                    if db is not None:
+                        db.close()
+                    raise _StillLocked(str(e)) from e
                 return self._failed(db, e)
             except (sqlite3.Error, OSError) as e:
                 return self._failed(db, e)
