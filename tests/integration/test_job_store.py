@@ -51,3 +51,46 @@ def test_a_run_is_recorded_with_its_tasks_metrics_and_logs(tmp_path):
     log = psflow(home, "logs", run["id"], "--task", "worker:1", timeout_s=60)
     assert log.returncode == 0, log.stderr
     assert log.stdout == (logdir / "logs" / "worker-1.log").read_text() and log.stdout.strip()
+
+
+def _without_write_access(argv: list[str]) -> list[str]:
+    """``argv`` as a user who cannot write a file its mode forbids: root keeps CAP_DAC_OVERRIDE, so as
+    root it runs without it (setpriv); any other user is bound by the modes already."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        return argv
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: a read-only file is writable here")
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search", *argv]
+
+
+def test_psflow_runs_and_status_read_a_store_they_may_not_write(tmp_path):
+    """Issue 23 item 2: `psflow runs` opened the store for writing (WAL mode, migrations) and failed on
+    a read-only one ('attempt to write a readonly database'): another user's store, a read-only disk."""
+    from psflow.platform.sqlrunstore import SqliteRunStore
+
+    home = tmp_path / "home"
+    home.mkdir()
+    record = {"id": "20260101-000000-abcdef", "script": "train.py", "args": [], "logdir": str(tmp_path), "cluster": {},
+              "mode": "async", "strategy": "ps", "backend": "local", "restart_policy": {}, "launcher": None,
+              "created_unix": 1.0, "launch": {}}
+    store = SqliteRunStore(home / "jobs.db", record, ["worker:0"], warn=print)
+    store.finished("succeeded")
+    for f in home.iterdir():
+        f.chmod(0o444)
+    home.chmod(0o555)
+    try:
+        env = task_env(PSFLOW_HOME=str(home), COLUMNS="200")
+        listed = subprocess.run(_without_write_access([PSFLOW, "runs", "--json"]), capture_output=True, text=True,
+                                timeout=60, env=env, cwd=ROOT)
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        assert [r["id"] for r in json.loads(listed.stdout)] == [record["id"]]
+        shown = subprocess.run(_without_write_access([PSFLOW, "status", "abcdef"]), capture_output=True, text=True,
+                               timeout=60, env=env, cwd=ROOT)
+        assert shown.returncode == 0 and "succeeded" in shown.stdout, shown.stdout + shown.stderr
+        assert sorted(p.name for p in home.iterdir()) == ["jobs.db"]  # nothing written beside it
+    finally:
+        home.chmod(0o755)

@@ -59,6 +59,10 @@ class JobStore:
         migrate_to: the schema version to bring the database to (tests build old databases with it).
         check_same_thread: False lets one thread hand the connection to another (the HTTP API opens it
             in one worker thread and answers the request in another; never two at once).
+        read_only: only read (``psflow runs``, ``status``, ``logs``): nothing is created, migrated or
+            written, so a store on a read-only disk or owned by another user still reads. Where SQLite
+            cannot open the write-ahead log's index beside it, the file is read as it stands on disk
+            (``immutable``: a snapshot).
 
     Raises:
         JobStoreError: the file is not a database, is newer than this psflow, or cannot be opened;
@@ -71,15 +75,18 @@ class JobStore:
     """
 
     def __init__(self, path: str | Path | None = None, *, busy_timeout_s: float = 10.0, migrate_to: int = LATEST,
-                 check_same_thread: bool = True) -> None:
+                 check_same_thread: bool = True, read_only: bool = False) -> None:
         self.path = Path(path) if path is not None else jobs_db_path()
         self.busy_timeout_s = busy_timeout_s
+        self.conn: sqlite3.Connection | None = None
+        if read_only:
+            self._open_read_only(check_same_thread)
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise JobStoreError(f"Cannot create the job store's directory {self.path.parent} ({e}). "
                                 f"Set PSFLOW_HOME to a directory you can write.") from e
-        self.conn: sqlite3.Connection | None = None
         try:
             self.conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None,
                                         check_same_thread=check_same_thread)
@@ -95,6 +102,33 @@ class JobStore:
         except JobStoreError:
             self.close()
             raise
+
+    def _open_read_only(self, check_same_thread: bool) -> None:
+        """Open for reading only (see ``read_only``); the schema must be this psflow's, as nothing migrates it."""
+        from urllib.parse import quote
+
+        uri = f"file:{quote(str(self.path.resolve()))}"
+        last: sqlite3.Error | None = None
+        for mode in ("?mode=ro", "?mode=ro&immutable=1"):  # immutable: no WAL index to open (a read-only directory)
+            try:
+                self.conn = sqlite3.connect(uri + mode, uri=True, timeout=self.busy_timeout_s, isolation_level=None,
+                                            check_same_thread=check_same_thread)
+                self.conn.row_factory = sqlite3.Row
+                row = self.conn.execute("SELECT MAX(version) FROM schema_version").fetchone()
+                self.version = int(row[0] or 0)
+                break
+            except sqlite3.Error as e:
+                self.close()
+                last = e
+        if self.conn is None:
+            assert last is not None
+            raise JobStoreError(explain(self.path, last, self.busy_timeout_s, reading=True)) from last
+        if self.version != LATEST:
+            self.close()
+            what = ("cannot read a newer one: upgrade psflow" if self.version > LATEST else
+                    "cannot bring an older one up to date without writing it: run psflow once with write access there")
+            raise JobStoreError(f"The job store {self.path} has schema version {self.version}; this psflow reads version "
+                                f"{LATEST}, and {what}, or point PSFLOW_HOME at another directory.")
 
     def _set_wal(self, busy_timeout_s: float) -> None:
         """WAL mode. Two connections switching a new database's journal mode at once: one gets "locked"
@@ -462,9 +496,12 @@ def _run_dict(r: sqlite3.Row) -> dict[str, Any]:
     return {k: (json.loads(r[k]) if k in _RUN_JSON and r[k] is not None else r[k]) for k in r.keys()}
 
 
-def explain(path: Path, e: sqlite3.Error, busy_timeout_s: float) -> str:
-    """What an SQLite error opening or using the job store at ``path`` means, and what to do."""
+def explain(path: Path, e: sqlite3.Error, busy_timeout_s: float, *, reading: bool = False) -> str:
+    """What an SQLite error opening or using the job store at ``path`` means, and what to do
+    (``reading``: it was opened read-only)."""
     text = str(e)
+    if reading and ("unable to open" in text or "readonly" in text or "read-only" in text):
+        return f"Cannot read the job store {path} ({text}). Check that it exists and that you may read it and its directory."
     if "locked" in text or "busy" in text:
         return (f"The job store {path} stayed locked for more than {busy_timeout_s:g} s ({text}): another process "
                 f"holds a long write. Try again; if it persists, find that process (fuser {path}).")

@@ -41,9 +41,10 @@ class RunRef:
 
 
 def open_store(path: Path | None = None) -> JobStore | None:
-    """The job store for reading, or None where none was ever written (a fresh machine)."""
+    """The job store for reading (read-only: a store this user may not write still reads), or None
+    where none was ever written (a fresh machine)."""
     path = path or jobs_db_path()
-    return JobStore(path) if path.exists() else None
+    return JobStore(path, read_only=True) if path.exists() else None
 
 
 def list_runs(*, state: str | None = None, path: Path | None = None) -> list[dict[str, Any]]:
@@ -193,7 +194,7 @@ def is_over(ref: RunRef) -> Callable[[], bool]:
 
         def over_in_store() -> bool:
             try:
-                with JobStore(db_path) as db:
+                with JobStore(db_path, read_only=True) as db:
                     run = db.run(run_id, metrics=False)
             except JobStoreError:
                 return False  # locked for now: ask again at the next poll
