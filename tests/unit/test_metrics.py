@@ -118,3 +118,14 @@ def test_a_classifier_keeps_test_accuracy(tmp_path):
     s = _summary(tmp_path, reports)
     assert s["test_accuracy"] == 0.92 and s["test_accuracy_by_task"] == {"worker:1": 0.91, "worker:0": 0.92}
     assert "test_accuracy=0.92 " in final_line(s)
+
+
+def test_a_run_that_succeeded_without_a_training_step_says_it_trained_0_steps(tmp_path):
+    """Issue 23 item 6: a script that exits 0 without a step (a loop over no data) read as a success."""
+    s = _summary(tmp_path, {"worker:0": {"trainer": {"local_step": 0, "examples": 0, "train_time_s": 0.0}},
+                            "ps:0": {"global_step": 0}})
+    assert s["trained_steps"] == 0
+    assert final_line(s).startswith("psflow: succeeded: trained 0 steps (no task took a training step: see its log) "
+                                    "global_step=0 ")
+    trained = _summary(tmp_path, {"worker:0": {"trainer": {"local_step": 3, "examples": 30, "train_time_s": 1.0}}})
+    assert trained["trained_steps"] == 3 and "trained 0 steps" not in final_line(trained)

@@ -107,8 +107,16 @@ def final_line(summary: Mapping[str, Any]) -> str:
         'psflow: succeeded: global_step=1200 test_mse=0.0123 examples/sec=95000.0 wall=4.2s'
     """
     metrics = format_metrics(summary.get("metrics") or {})
-    return (f"psflow: {summary['status']}: global_step={summary['global_step']} {metrics + ' ' if metrics else ''}"
-            f"examples/sec={summary['examples_per_sec']} wall={summary['wall_s']:.1f}s")
+    return (f"psflow: {summary['status']}: {_nothing_trained(summary)}global_step={summary['global_step']} "
+            f"{metrics + ' ' if metrics else ''}examples/sec={summary['examples_per_sec']} wall={summary['wall_s']:.1f}s")
+
+
+def _nothing_trained(summary: Mapping[str, Any]) -> str:
+    """The final line's warning for a run that ended well without a training step (an exit 0 is no proof
+    of training: a loop over no data, a script that never called step)."""
+    if summary.get("status") != "succeeded" or summary.get("trained_steps", 1) or summary.get("examples"):
+        return ""
+    return "trained 0 steps (no task took a training step: see its log) "
 
 
 def _is_real(v: object) -> bool:
