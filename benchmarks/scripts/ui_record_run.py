@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 from psflow.launch import LocalBackend, make_plan
-from psflow.launch.runner import Runner, file_store
+from psflow.launch.runner import Runner
+from psflow.launch.runstore import file_store
+from psflow.platform.recording import recording
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +23,7 @@ def main() -> None:
     plan = make_plan(str(REPO / "examples" / "mnist_softmax.py"), ["--epochs", epochs, "--init", "zeros"], num_ps=1,
                      num_workers=2, logdir=str(parent / "run"))
     backend = LocalBackend(live=False, echo=lambda line: None)
-    runner = Runner(backend, store=file_store if store == "files" else None)
+    runner = Runner(backend, store=file_store if store == "files" else recording(backend))
     result = runner.run(plan)
     if result.exit_code != 0:
         raise SystemExit(f"the run failed: {result.root_cause}")

@@ -191,7 +191,8 @@ def test_sigterm_to_the_launcher_ends_every_remote_task(hosts, tmp_path):
 def test_a_host_ssh_cannot_reach_fails_the_run_with_sshs_own_message(tmp_path, monkeypatch):
     """No namespaces needed: an "ssh" that fails as ssh does (exit 255, its message on stderr)."""
     from psflow.launch.plan import make_plan
-    from psflow.launch.runner import Runner, file_store
+    from psflow.launch.runner import Runner
+    from psflow.launch.runstore import file_store
     from psflow.launch.ssh import SshBackend
 
     monkeypatch.chdir(tmp_path)

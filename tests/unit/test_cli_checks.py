@@ -146,8 +146,8 @@ def test_the_restart_policy_reaches_the_plan(script, tmp_path, monkeypatch):
         def __init__(self, **kwargs: object) -> None:
             pass
 
-        def run(self, plan):
-            seen["plan"] = plan
+        def run(self, plan, *, store=None):
+            seen["plan"], seen["store"] = plan, store
             raise SystemExit(0)
 
     monkeypatch.setattr(psflow.launch, "LocalBackend", Recorder)
@@ -161,3 +161,4 @@ def test_the_restart_policy_reaches_the_plan(script, tmp_path, monkeypatch):
     assert "restart=ps: never, worker: on-failure; up to 2 restarts per task, 3 per run, backoff 0.5 s doubling to 4 s;" \
         in r.output, r.output
     assert json.loads(seen["plan"].to_json())["restart"]["by_job"] == [["ps", "never"]]  # the plan prints its policy
+    assert callable(seen["store"])  # the CLI hands in the store that records the run (launch/ imports no platform)

@@ -96,8 +96,8 @@ def _string_constants(path: Path):
 
 def test_every_psflow_variable_that_the_code_mentions_is_one_a_task_reads():
     """A message that tells the user to set PSFLOW_X must name a variable something reads (a task,
-    or the launcher and the CLI for themselves: psflow.platform.home.ENV)."""
-    from psflow.platform.home import ENV as LAUNCHER_ENV
+    or the launcher and the CLI for themselves: psflow.home.ENV)."""
+    from psflow.home import ENV as LAUNCHER_ENV
 
     not_variables = {"PSFLOW_REPORTS"}  # launch.metrics' constant, named in its docstring
     not_variables |= set(LAUNCHER_ENV)  # not a task's: read by the launcher and the CLI, in one place

@@ -1,9 +1,10 @@
-"""psflow's modules import each other without a circle.
+"""psflow's modules import each other without a circle, and its layers point one way.
 
 The graph is read from the source (ast), not from a running interpreter, so that it sees every import:
 at module level and inside functions (a deferred import still ties two modules together, it only
 hides the circle until the function runs). Imports under ``if TYPE_CHECKING:`` never run and are left
-out. Importing ``a.b.c`` runs the packages ``a`` and ``a.b`` first, so those count as imports too.
+out of the circles, not of the layers (a type from a higher layer is a dependency all the same).
+Importing ``a.b.c`` runs the packages ``a`` and ``a.b`` first, so those count as imports too.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imported(tree: ast.AST, module: str, is_package: bool) -> set[tuple[str, ...]]:
+def _imported(tree: ast.AST, module: str, is_package: bool, *, type_checking: bool = False) -> set[tuple[str, ...]]:
     """What ``module`` imports, as dotted names split in parts: ``from p import m`` gives (p, m), which
-    is the module p.m if there is one, else an attribute of p."""
+    is the module p.m if there is one, else an attribute of p. ``type_checking``: with the imports
+    under ``if TYPE_CHECKING:``."""
     names: set[tuple[str, ...]] = set()
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_checking:
             stack.extend(node.orelse)
             continue
         if isinstance(node, ast.Import):
@@ -52,20 +54,21 @@ def _imported(tree: ast.AST, module: str, is_package: bool) -> set[tuple[str, ..
     return names
 
 
-def import_graph(root: Path = SRC / "psflow") -> dict[str, set[str]]:
+def import_graph(root: Path = SRC / "psflow", *, type_checking: bool = False) -> dict[str, set[str]]:
     """Module -> the modules of ours that importing it runs.
 
     Importing ``a.b.c`` runs ``a.b.c`` and, before it, the packages ``a`` and ``a.b``; those implied
     package edges are left out where the package is one of the importer's own (it is initialized, or
     being initialized, before any of its submodules runs), unless the importer takes a name that the
-    package's ``__init__`` defines.
+    package's ``__init__`` defines. ``type_checking``: with the imports under ``if TYPE_CHECKING:``.
     """
     modules = _modules(root)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
         edges: set[str] = set()
-        for parts in _imported(ast.parse(path.read_text(), str(path)), name, path.name == "__init__.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for parts in _imported(tree, name, path.name == "__init__.py", type_checking=type_checking):
             dotted = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
             target = next((d for d in reversed(dotted) if d in modules), None)
             if target is None:
@@ -151,6 +154,40 @@ def test_the_graph_sees_module_level_function_level_relative_and_package_imports
         "pkg.sub.d": {"pkg.sub"},  # a name defined in its own package's __init__: a real dependency
     }
     assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.sub.c", "pkg.b", "pkg.a"]]
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def reaching_up(graph: dict[str, set[str]], lower: str, upper: str) -> list[tuple[str, str]]:
+    """The imports of a module of package ``lower`` from one of package ``upper``, sorted."""
+    return sorted((m, t) for m, targets in graph.items() if _within(m, lower) for t in targets if _within(t, upper))
+
+
+def test_reaching_up_sees_deferred_and_type_checking_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    for d in ("low", "high"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "high" / "store.py").write_text("from pkg.low import run\n")  # down: allowed
+    (pkg / "low" / "run.py").write_text("def f():\n    from pkg.high import store\n    return store\n")
+    (pkg / "low" / "types.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high.store import X\n")
+    (pkg / "lowly.py").write_text("import pkg.high.store\n")  # not inside pkg.low, though its name starts so
+    # importing pkg.high.store runs the package pkg.high first: both are reached
+    assert reaching_up(import_graph(pkg, type_checking=True), "pkg.low", "pkg.high") == [
+        ("pkg.low.run", "pkg.high"), ("pkg.low.run", "pkg.high.store"),
+        ("pkg.low.types", "pkg.high"), ("pkg.low.types", "pkg.high.store")]
+    assert reaching_up(import_graph(pkg), "pkg.low", "pkg.high") == [("pkg.low.run", "pkg.high"), ("pkg.low.run", "pkg.high.store")]
+
+
+def test_launch_imports_nothing_from_platform():
+    """launch/ lies below platform/: what the platform adds to a run (the job store, alerts) is handed
+    in (psflow.platform.recording's store factory), never imported, deferred or for types."""
+    found = reaching_up(import_graph(type_checking=True), "psflow.launch", "psflow.platform")
+    assert not found, "launch/ imports platform/ (hand the thing in instead):\n" + "\n".join(
+        f"  {m} -> {t}" for m, t in found)
 
 
 def test_cycles_finds_a_circle_and_names_its_path():

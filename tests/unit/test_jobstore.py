@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from psflow.home import jobs_db_path, psflow_home
 from psflow.launch.runstore import CompositeRunStore, RunStore
-from psflow.platform.home import jobs_db_path, psflow_home
 from psflow.platform.jobstore import JobStore, JobStoreError
 from psflow.platform.schema import LATEST, MIGRATIONS
 from psflow.platform.sqlrunstore import SqliteRunStore

@@ -18,7 +18,7 @@ from psflow.launch.k8s import K8sSettings
 from psflow.launch.k8swatch import K8sBackend, PodTracker, PodView, load_clients, parse_report
 from psflow.launch.plan import make_plan
 from psflow.launch.restart import RestartPolicy
-from psflow.launch.runner import file_store
+from psflow.launch.runstore import file_store
 from psflow.platform.sqlrunstore import SqliteRunStore, run_record
 
 ROOT = Path(__file__).resolve().parents[2]

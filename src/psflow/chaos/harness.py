@@ -24,6 +24,7 @@ from psflow.chaos.schedule import ChaosSchedule, ChaosSettings
 from psflow.launch.backend import Backend
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.runner import Runner
+from psflow.platform.recording import recording
 from psflow.train.ledger import read_ledgers
 
 
@@ -41,7 +42,8 @@ def run_chaos(plan: LaunchPlan, settings: ChaosSettings, *, make_backend: Callab
     if baseline is not None:
         echo(f"psflow chaos: the fault-free run first (logs in {baseline.logdir})")
         backend = make_backend()
-        base_summary = Runner(backend, register_timeout_s=getattr(backend, "register_timeout_s", 120.0)).run(baseline).summary
+        base_summary = Runner(backend, register_timeout_s=getattr(backend, "register_timeout_s", 120.0),
+                              store=recording(backend)).run(baseline).summary
     schedule = ChaosSchedule(settings)
     echo(f"psflow chaos: run {plan.run_id}: up to {len(schedule.slots())} faults, one every {settings.every_s:g} s for "
          f"{settings.duration_s:g} s (seed {settings.seed}; {', '.join(f'{k}={w:g}' for k, w in settings.kinds)}; "
@@ -52,7 +54,8 @@ def run_chaos(plan: LaunchPlan, settings: ChaosSettings, *, make_backend: Callab
     backend = make_backend()
     injector = ChaosInjector(schedule, backend, echo=echo)
     try:
-        result = Runner(backend, register_timeout_s=getattr(backend, "register_timeout_s", 120.0), on_tick=injector).run(plan)
+        result = Runner(backend, register_timeout_s=getattr(backend, "register_timeout_s", 120.0), on_tick=injector,
+                        store=recording(backend)).run(plan)
     finally:
         injector.close()
     report = build_report(faults=[f.to_dict() for f in injector.faults], skipped=injector.skipped, summary=result.summary,

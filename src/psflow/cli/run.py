@@ -115,8 +115,8 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     script_args = _script_args(click.get_current_context(), script, script_args)
     alert_webhook = settings.pop("alert_webhook", None)
     if alert_webhook is not None:
+        from psflow.home import ALERT_WEBHOOK_ENV
         from psflow.platform.alerts import check_webhook
-        from psflow.platform.home import ALERT_WEBHOOK_ENV
 
         try:
             os.environ[ALERT_WEBHOOK_ENV] = check_webhook(str(alert_webhook))  # read where the launcher makes its run store
@@ -165,20 +165,27 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     if ui_url:  # a psflow ui serving this PSFLOW_HOME shows the run
         click.echo(f"psflow: dashboard: {ui_url}#/run/{plan.run_id}")
     try:
-        if logdir_url is not None:
-            from psflow.launch.urllogdir import LogdirSyncer
-
-            click.echo(f"psflow: logdir {logdir_url}: files staged in {plan.logdir}, uploaded every 5 s and at the end")
-            with LogdirSyncer(Path(plan.logdir), logdir_url, warn=lambda m: click.echo(f"psflow: warning: {m}", err=True)):
-                result = runner.run(plan)
-        else:
-            result = runner.run(plan)
+        result = _run_to_end(runner, plan, logdir_url)
     except PsflowError as e:
         raise click.ClickException(str(e)) from e
     click.echo(final_line(result.summary))
     where = logdir_url or plan.logdir
     click.echo(f"psflow: summary: {where}/summary.json   logs: {where}/logs/")
     sys.exit(result.exit_code)
+
+
+def _run_to_end(backend: Any, plan: Any, logdir_url: str | None) -> Any:
+    """Run ``plan`` on ``backend``, recorded in the job store (and alerts); a URL logdir's files are
+    uploaded as they are written. Returns the RunResult."""
+    from psflow.platform.recording import recording
+
+    if logdir_url is None:
+        return backend.run(plan, store=recording(backend))
+    from psflow.launch.urllogdir import LogdirSyncer
+
+    click.echo(f"psflow: logdir {logdir_url}: files staged in {plan.logdir}, uploaded every 5 s and at the end")
+    with LogdirSyncer(Path(plan.logdir), logdir_url, warn=lambda m: click.echo(f"psflow: warning: {m}", err=True)):
+        return backend.run(plan, store=recording(backend))
 
 
 def _url_logdir(url: str, checkpoint_dir: str | None, *, backend: str, hosts: str | None,
@@ -189,8 +196,8 @@ def _url_logdir(url: str, checkpoint_dir: str | None, *, backend: str, hosts: st
     Raises:
         ConfigError: another backend than local, or the URL cannot be written.
     """
+    from psflow.home import psflow_home
     from psflow.launch import urllogdir
-    from psflow.platform.home import psflow_home
 
     if backend != "local" or hosts is not None or dry_run:
         raise ConfigError(f"--logdir {url!r}: a URL logdir works with the local backend only for now; on Slurm, ssh "

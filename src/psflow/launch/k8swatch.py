@@ -55,7 +55,7 @@ from psflow.launch.k8s import (
     to_yaml,
 )
 from psflow.launch.plan import LaunchPlan
-from psflow.launch.runstore import RunStore
+from psflow.launch.runstore import RunStore, file_store
 
 # ------------------------------------------------------------------------------------ pure core
 
@@ -277,7 +277,9 @@ class K8sBackend:
         poll_s: how often the pods and Jobs are listed.
         run_timeout_s: the longest the launcher follows the run (None: until it ends); past it the
             run is stopped and its objects deleted.
-        store: the run store for a plan (default: the files in the log dir and the job store).
+        store: makes the run store for a plan (default: its files in the log dir; the platform's
+            :func:`psflow.platform.recording.recording` records it in the job store too); ``run``'s
+            own ``store`` comes first.
         secret: the job secret (default: a fresh random one per run).
 
     Example:
@@ -308,7 +310,7 @@ class K8sBackend:
         self._stop.set()
 
     # -- a run -------------------------------------------------------------------------------------
-    def run(self, plan: LaunchPlan) -> RunResult:
+    def run(self, plan: LaunchPlan, *, store: Callable[[LaunchPlan], RunStore] | None = None) -> RunResult:
         """Submit ``plan``, follow it to its end, record it; exit code 0 succeeded, 1 failed, 130 stopped.
 
         Raises:
@@ -318,7 +320,9 @@ class K8sBackend:
             self._core, self._batch = load_clients()
         logdir = Path(plan.logdir)
         (logdir / "logs").mkdir(parents=True, exist_ok=True)
-        store = self.make_store(plan) if self.make_store else self._recorded_store(plan)
+        return self._run(plan, (store or self.make_store or file_store)(plan))
+
+    def _run(self, plan: LaunchPlan, store: RunStore) -> RunResult:
         docs = render_run(plan, self.settings, self.secret or secrets.token_hex(32))
         t0 = time.time()
         created: list[tuple[str, str]] = []
@@ -349,11 +353,6 @@ class K8sBackend:
         code = {"succeeded": 0, "failed": 1}.get(status or "", 130)
         self.console.echo(f"psflow: run {plan.run_id} {status or 'stopped'}: {why}")
         return RunResult(code, summary, root[0] if root else None)
-
-    def _recorded_store(self, plan: LaunchPlan) -> RunStore:
-        from psflow.launch.runner import recorded_store
-
-        return recorded_store(plan, backend=self, policy=plan.restart, warn=self.console.warn)  # type: ignore[arg-type]
 
     def _submit(self, docs: Sequence[dict[str, Any]], store: RunStore, created: list[tuple[str, str]]) -> None:
         ns = self.settings.namespace

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psflow.launch import errorreport
 from psflow.launch.backend import Backend, RunResult, drain, log_end
@@ -41,6 +41,9 @@ from psflow.launch.forkserver import ForkServer, die_with_parent
 from psflow.launch.oomkills import OomKills
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.watchdog import StackDump
+
+if TYPE_CHECKING:
+    from psflow.launch.runstore import RunStore
 
 _ROTATED = re.compile(r"\.\d+\.log$")  # worker-0.1.log: an earlier run's (task names never end in .N)
 
@@ -74,8 +77,10 @@ class LocalBackend(Backend):
     def live(self) -> bool:
         return self.console.live
 
-    def run(self, plan: LaunchPlan) -> RunResult:
+    def run(self, plan: LaunchPlan, *, store: Callable[[LaunchPlan], RunStore] | None = None) -> RunResult:
         """Run ``plan`` to its end with the default rules (see :class:`psflow.launch.runner.Runner`).
+        ``store``: makes the run's store (default: its files only; :func:`psflow.platform.recording.recording`
+        records it in the job store too).
 
         Example:
             >>> LocalBackend().run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
@@ -83,7 +88,7 @@ class LocalBackend(Backend):
         """
         from psflow.launch.runner import Runner
 
-        return Runner(self, register_timeout_s=self.register_timeout_s).run(plan)
+        return Runner(self, register_timeout_s=self.register_timeout_s, store=store).run(plan)
 
     # -- the Backend seam ----------------------------------------------------------------------------
     def open(self, plan: LaunchPlan) -> None:

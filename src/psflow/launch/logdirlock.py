@@ -524,7 +524,7 @@ def hold(path: Path, run_id: str, *, where: str | None = None, role: str = "laun
 
 def run_lock(logdir: str, logdir_url: str | None, run_id: str) -> LogdirLock:
     """The (not yet taken) lock of a launcher's run into ``logdir``, or into ``logdir_url`` (see :func:`lock_path`)."""
-    from psflow.platform.home import psflow_home
+    from psflow.home import psflow_home
 
     return LogdirLock(lock_path(logdir, logdir_url, psflow_home()), this_holder(run_id), where=logdir_url or logdir)
 

@@ -15,8 +15,8 @@ The I/O shell of :class:`psflow.launch.controller.RunController`. It
    tasks' plans, the coordinator's expected tasks and membership, which the ps read, and the run
    store follow), where the backend can (``Backend.scale_refusal``); a :class:`~psflow.launch.controller.DumpStacks` decision becomes the backend's
    ``dump_stacks`` (SIGUSR1), whose location goes back to the controller and into the run store;
-4. records it all in the run store (:mod:`psflow.launch.runstore`: ``status.json``,
-   ``events.jsonl``, ``summary.json``, and the job store, :mod:`psflow.platform.jobstore`), and,
+4. records it all in the run store it is handed (:mod:`psflow.launch.runstore`: ``status.json``,
+   ``events.jsonl``, ``summary.json``; the platform's adds the job store), and,
    once the controller has finished the run, reads the ledger over every ps shard copy
    (:mod:`psflow.launch.copies`: copies or shards that disagree fail a run whose tasks all
    succeeded), then prints the root cause first, then what the other failed tasks said.
@@ -46,7 +46,7 @@ import click
 
 from psflow.launch.backend import Backend, RunResult
 from psflow.launch.contract import TaskEnv
-from psflow.launch.control import ControlRequest
+from psflow.launch.control import ControlRequest, check_workers
 from psflow.launch.controller import (
     Decision,
     DumpStacks,
@@ -72,29 +72,12 @@ from psflow.launch.copies import Finding, check_copies, verdict
 from psflow.launch.logdirlock import hold_run
 from psflow.launch.plan import LaunchPlan, TaskPlan, added_worker
 from psflow.launch.restart import RestartPolicy, restart_group
-from psflow.launch.runstore import CompositeRunStore, FileRunStore, RunStore
+from psflow.launch.runstore import RunStore, file_store
 from psflow.launch.summary import build_summary
 from psflow.ps.authority import ViewAuthority
 from psflow.ps.views import ShardView
 from psflow.server import Server
 from psflow.timeline import write_trace
-
-
-def file_store(plan: LaunchPlan) -> RunStore:
-    """The default run store: files in the plan's log dir."""
-    return FileRunStore(plan.logdir, plan.run_id, plan.task_names(), mode=plan.config.mode, strategy=plan.config.strategy)
-
-
-def recorded_store(plan: LaunchPlan, *, backend: Backend, policy: RestartPolicy, warn: Callable[[str], None]) -> RunStore:
-    """The files in the plan's log dir, and the run in the job store (``$PSFLOW_HOME/jobs.db``); its
-    alerts to ``$PSFLOW_ALERT_WEBHOOK`` when set (:mod:`psflow.platform.runalerts`)."""
-    from psflow.platform.runalerts import alerting_store
-    from psflow.platform.sqlrunstore import SqliteRunStore, run_record
-
-    name = type(backend).__name__.removesuffix("Backend").lower()
-    record = run_record(plan, backend=name, restart_policy=policy)
-    return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn),
-                             *alerting_store(plan.run_id, warn=warn), warn=warn)
 
 
 class Runner:
@@ -104,7 +87,8 @@ class Runner:
         backend: where the tasks run.
         register_timeout_s: how long the coordinator waits for every task to register.
         policy: when tasks are restarted; None (the default): the plan's (``plan.restart``).
-        store: makes the run store for a plan (default: :func:`recorded_store`).
+        store: makes the run store for a plan (default: :func:`~psflow.launch.runstore.file_store`, the
+            files only; the platform hands in one that also records the run: :mod:`psflow.platform.recording`).
         tick_s: how often time advances in the controller when nothing happens.
         on_tick: called by the loop with the controller, the run store and the time, after each turn
             (``psflow chaos`` injects its faults there, through the backend); it may read the
@@ -146,7 +130,7 @@ class Runner:
             self.backend.open(plan)
             secret_file = write_secret(logdir)
             server = Server("launcher", host=self.backend.coordinator_host(), secret=secret_file.read_bytes())
-            store = self.make_store(plan) if self.make_store else self._recorded_store(plan)
+            store = (self.make_store or file_store)(plan)
             _record_notes(self.backend, store)  # what the scheduler said while open() waited (job id, queue)
             signs: queue.Queue[Event] = queue.Queue()  # heartbeats and progress, for the controller's watchdog
             group = restart_group(plan.config.strategy, plan.config.ps_replicas, plan.task_names())
@@ -188,9 +172,6 @@ class Runner:
             if f.message != finished.root_cause:
                 self.console.warn(f"ledger: {f.message}")
         return RunResult(finished.exit_code, summary, finished.root_cause)
-
-    def _recorded_store(self, plan: LaunchPlan) -> RunStore:
-        return recorded_store(plan, backend=self.backend, policy=self.policy or plan.restart, warn=self.console.warn)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _loop(self, plan: LaunchPlan, controller: RunController, store: RunStore, envs: Mapping[str, Mapping[str, str]],
@@ -246,8 +227,6 @@ class Runner:
 
     def _scale(self, request: ControlRequest, controller: RunController, store: RunStore) -> tuple[str, str, list[Decision]]:
         """Add or retire workers (see :mod:`psflow.ps.membership` for what the job does with them)."""
-        from psflow.ps.membership import check_workers
-
         sc = self._scaling
         refusal = self.backend.scale_refusal()
         if refusal is None and sc.plan.config.strategy == "allreduce":

@@ -12,10 +12,11 @@ by ``psflow status`` / ``psflow summary`` and, later, the dashboard. What it rec
 
 :class:`FileRunStore` is the file layout of a local run: ``status.json`` (the live state, see
 :mod:`psflow.launch.status`), ``events.jsonl`` (one JSON object per line, appended as they happen),
-``summary.json`` (written once, at the end). The job store (SQLite,
-:class:`psflow.platform.sqlrunstore.SqliteRunStore`) implements the same interface, and
-:class:`CompositeRunStore` writes a run to both: the files are the run's own record (its live
-table, its errors are the run's); a copy that fails is warned about once and never stops the run.
+``summary.json`` (written once, at the end); :func:`file_store` makes it, the Runner's default. The
+job store (SQLite, :class:`psflow.platform.sqlrunstore.SqliteRunStore`) implements the same
+interface, and the platform hands the Runner a :class:`CompositeRunStore` that writes a run to both
+(:mod:`psflow.platform.recording`; launch/ never imports it): the files are the run's own record (its
+live table, its errors are the run's); a copy that fails is warned about once and never stops the run.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 from psflow.launch.control import ControlRequest
 from psflow.launch.controller import exit_cause, signal_name
+from psflow.launch.plan import LaunchPlan
 from psflow.launch.status import RunStatus
 
 EVENTS_FILE = "events.jsonl"
@@ -100,6 +102,11 @@ class RunStore(ABC):
 
     def control_answered(self, request: ControlRequest, state: str, answer: str) -> None:  # noqa: B027 (a hook)
         """The runner carried out ``request`` (``state`` ``done``) or could not (``refused``): ``answer`` says what."""
+
+
+def file_store(plan: LaunchPlan) -> RunStore:
+    """A run's own record, the Runner's default store: its files in the plan's log dir."""
+    return FileRunStore(plan.logdir, plan.run_id, plan.task_names(), mode=plan.config.mode, strategy=plan.config.strategy)
 
 
 class FileRunStore(RunStore):

@@ -69,7 +69,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psflow.cluster import expand_slurm_nodelist
 from psflow.errors import ClusterError, ConfigError
@@ -82,6 +82,9 @@ from psflow.launch.forkserver import die_with_parent
 from psflow.launch.local import prepare_logdir
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.watchdog import StackDump
+
+if TYPE_CHECKING:
+    from psflow.launch.runstore import RunStore
 
 _WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING")  # not running yet, may still run
 _RUNNING = ("RUNNING",)
@@ -346,11 +349,12 @@ class SlurmBackend(Backend):
         """The batch script :meth:`open` submits for ``plan`` (``psflow run --dry-run`` prints it)."""
         return batch_script(plan, self.settings)
 
-    def run(self, plan: LaunchPlan) -> RunResult:
-        """Run ``plan`` to its end under the default rules (see :class:`psflow.launch.runner.Runner`)."""
+    def run(self, plan: LaunchPlan, *, store: Callable[[LaunchPlan], RunStore] | None = None) -> RunResult:
+        """Run ``plan`` to its end under the default rules (see :class:`psflow.launch.runner.Runner`);
+        ``store`` as :meth:`psflow.launch.local.LocalBackend.run`'s."""
         from psflow.launch.runner import Runner
 
-        return Runner(self, register_timeout_s=self.register_timeout_s).run(plan)
+        return Runner(self, register_timeout_s=self.register_timeout_s, store=store).run(plan)
 
     # -- the Backend seam ----------------------------------------------------------------------------
     def scale_refusal(self) -> str | None:

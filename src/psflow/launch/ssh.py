@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psflow.cluster import is_loopback_host
 from psflow.errors import ConfigError
@@ -53,6 +53,9 @@ from psflow.launch.local import prepare_logdir
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.sshagent import MARK
 from psflow.launch.watchdog import StackDump
+
+if TYPE_CHECKING:
+    from psflow.launch.runstore import RunStore
 
 SSH_FAILED = 255  # ssh's own exit status when the session could not be had
 
@@ -180,11 +183,12 @@ class SshBackend(Backend):
         self._exits: queue.Queue[TaskExited] = queue.Queue()
         self._codes: dict[int, int] = {}  # ssh client pid -> the task's exit code, as the agent said
 
-    def run(self, plan: LaunchPlan) -> RunResult:
-        """Run ``plan`` to its end under the default rules (see :class:`psflow.launch.runner.Runner`)."""
+    def run(self, plan: LaunchPlan, *, store: Callable[[LaunchPlan], RunStore] | None = None) -> RunResult:
+        """Run ``plan`` to its end under the default rules (see :class:`psflow.launch.runner.Runner`);
+        ``store`` as :meth:`psflow.launch.local.LocalBackend.run`'s."""
         from psflow.launch.runner import Runner
 
-        return Runner(self, register_timeout_s=self.register_timeout_s).run(plan)
+        return Runner(self, register_timeout_s=self.register_timeout_s, store=store).run(plan)
 
     # -- the Backend seam ----------------------------------------------------------------------------
     def scale_refusal(self) -> str | None:

@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from psflow.errors import ConfigError, PsflowError
-from psflow.platform.home import ALERT_WEBHOOK_ENV, HOME_ENV, JOBS_DB, UI_TOKEN_ENV
+from psflow.home import ALERT_WEBHOOK_ENV, HOME_ENV, JOBS_DB, UI_TOKEN_ENV
 from psflow.platform.hosts import LOOPBACK_NAMES, HostAllowlist
 from psflow.platform.jobstore import RUN_STATES, JobStore, JobStoreError
 from psflow.platform.runfiles import RunFileError, checkpoint_path, checkpoints, log_path, read_log
@@ -343,8 +343,8 @@ def create_app(settings: UiSettings) -> FastAPI:
 
     @app.post("/api/runs/{run_id}/scale", status_code=202, dependencies=[Depends(need_token)])
     def scale_run(run_id: str, form: ScaleRun, db: Db) -> dict[str, Any]:
+        from psflow.launch.control import check_workers
         from psflow.platform.runcontrol import ScaleRefused, ask_scale
-        from psflow.ps.membership import check_workers
 
         the_run(db, run_id)
         try:

@@ -1,6 +1,6 @@
 """The job store: every run on this machine (or cluster head) in one SQLite database.
 
-``$PSFLOW_HOME/jobs.db`` (:mod:`psflow.platform.home`), schema in :mod:`psflow.platform.schema`.
+``$PSFLOW_HOME/jobs.db`` (:mod:`psflow.home`), schema in :mod:`psflow.platform.schema`.
 What it holds, per run: its id, script and arguments, log directory, cluster shape (job -> tasks),
 mode, strategy, backend and restart policy, state and times; each task's state, attempt, address,
 pid or scheduler id, exit code and cause, last heartbeat and last progress; each attempt (started,
@@ -34,11 +34,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from psflow.home import jobs_db_path
 from psflow.launch.control import KINDS as CONTROL_KINDS
 from psflow.launch.controller import signal_name
 from psflow.launch.liveness import assess
 from psflow.launch.status import headline
-from psflow.platform.home import jobs_db_path
 from psflow.platform.schema import LATEST, JobStoreError, migrate
 
 __all__ = ["FINAL_STATES", "RUN_STATES", "JobStore", "JobStoreError"]

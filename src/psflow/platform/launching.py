@@ -269,10 +269,8 @@ def queue_restart(spec: LaunchSpec) -> LogdirLock:
 
 
 def _runner(spec: LaunchSpec, *, live: bool | None) -> Any:
-    from psflow.launch.runner import Runner, file_store
-    from psflow.launch.runstore import CompositeRunStore
-    from psflow.platform.runalerts import alerting_store
-    from psflow.platform.sqlrunstore import SqliteRunStore, run_record
+    from psflow.launch.runner import Runner
+    from psflow.platform.recording import recording
 
     if spec.backend == "slurm":
         from psflow.launch.slurm import SlurmBackend
@@ -282,13 +280,7 @@ def _runner(spec: LaunchSpec, *, live: bool | None) -> Any:
         from psflow.launch import LocalBackend
 
         backend = LocalBackend(live=live)
-
-    def store(plan: LaunchPlan) -> CompositeRunStore:
-        warn = backend.console.warn
-        record = {**run_record(plan, backend=spec.backend, restart_policy=plan.restart), "restarted_from": spec.restarted_from}
-        return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn),
-                                 *alerting_store(plan.run_id, warn=warn), warn=warn)
-
+    store = recording(backend, restarted_from=spec.restarted_from)
     return Runner(backend, register_timeout_s=backend.register_timeout_s, store=store)
 
 
@@ -316,7 +308,7 @@ def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapp
 
 def _wait_for_stop(spec: LaunchSpec) -> None:
     """A restart's launcher: wait for the run it restarts to end (see :class:`LaunchSpec`'s ``after_run``)."""
-    from psflow.platform.home import jobs_db_path
+    from psflow.home import jobs_db_path
     from psflow.platform.runcontrol import wait_until_over
 
     assert spec.after_run is not None

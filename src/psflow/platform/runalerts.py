@@ -159,7 +159,7 @@ def alerting_store(run_id: str, *, warn: Callable[[str], None], env: dict[str, s
     Raises:
         ConfigError: a webhook that is not an http(s) URL, or a bad ``PSFLOW_ALERT_STALL_S``.
     """
-    from psflow.platform.home import alert_settings
+    from psflow.home import alert_settings
 
     url, stall_s = alert_settings(env)
     return [AlertingRunStore(run_id, url, db_path=db_path, stall_s=stall_s, warn=warn)] if url else []

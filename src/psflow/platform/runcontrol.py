@@ -96,7 +96,7 @@ def ask_scale(db: JobStore, run_id: str, workers: object, *, source: str) -> int
             scale; the message says why and what to do.
         JobStoreError: no such run.
     """
-    from psflow.ps.membership import check_workers
+    from psflow.launch.control import check_workers
 
     run = db.run(run_id, metrics=False)
     if run is None:

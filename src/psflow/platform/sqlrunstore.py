@@ -34,13 +34,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
+from psflow.home import jobs_db_path
 from psflow.launch.control import ControlRequest
 from psflow.launch.controller import exit_cause, signal_name
 from psflow.launch.liveness import process_identity
 from psflow.launch.metrics import task_metrics
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.runstore import RunStore
-from psflow.platform.home import jobs_db_path
 from psflow.platform.jobstore import JobStore, JobStoreError, explain
 
 # Progress figures kept as metrics over time (besides the script's own scalars and eval/...).

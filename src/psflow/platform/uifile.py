@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from psflow.platform.home import psflow_home
+from psflow.home import psflow_home
 
 UI_FILE = "ui.json"
 

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from psflow.errors import ConfigError
+from psflow.home import UI_TOKEN_ENV, psflow_home, ui_token
 from psflow.platform import hosts
 from psflow.platform.alerts import AlertBook, AlertWatcher, check_webhook
 from psflow.platform.api import UiSettings, create_app
-from psflow.platform.home import UI_TOKEN_ENV, psflow_home, ui_token
 from psflow.platform.uifile import remove_ui, write_ui
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from psflow.errors import ConfigError
+from psflow.home import jobs_db_path
 from psflow.launch.liveness import assess
 from psflow.launch.status import STATUS_FILE, headline, read_status
-from psflow.platform.home import jobs_db_path
 from psflow.platform.jobstore import FINAL_STATES, JobStore, JobStoreError
 from psflow.platform.runfiles import root_cause_of
 
@@ -84,8 +84,8 @@ def _find_url(url: str, db_path: Path) -> RunRef:
     elsewhere, or whose staging directory was deleted)."""
     import hashlib
 
+    from psflow.home import psflow_home
     from psflow.launch import urllogdir
-    from psflow.platform.home import psflow_home
 
     with open_store(db_path) or contextlib.nullcontext() as db:
         runs = db.runs() if db is not None else []

@@ -2,7 +2,9 @@
 
 The one place that reads ``PSFLOW_HOME``. Tasks never read it (it is the launcher's and the CLI's,
 not part of the launcher->task contract in :mod:`psflow.launch.contract`). Holds ``jobs.db``, the job
-store (:mod:`psflow.platform.jobstore`). Also reads ``PSFLOW_UI_TOKEN`` (the dashboard's token) and
+store (:mod:`psflow.platform.jobstore`), and the launcher's locks and staging directories of URL
+logdirs (:mod:`psflow.launch.logdirlock`, :mod:`psflow.launch.urllogdir`): so it lies below both
+launch/ and platform/. Also reads ``PSFLOW_UI_TOKEN`` (the dashboard's token) and
 ``PSFLOW_ALERT_WEBHOOK`` (where the launcher sends a run's alerts).
 """
 

@@ -1,0 +1,63 @@
+"""How the platform records a launched run: the run store its launcher hands to the Runner.
+
+A run started by ``psflow run``, ``psflow restart``, the dashboard or ``psflow chaos`` is recorded in
+its log dir's files (:func:`psflow.launch.runstore.file_store`), in the job store
+(``$PSFLOW_HOME/jobs.db``, :mod:`psflow.platform.sqlrunstore`) and, where ``PSFLOW_ALERT_WEBHOOK``
+is set, in its alerts (:mod:`psflow.platform.runalerts`), all through one
+:class:`~psflow.launch.runstore.CompositeRunStore`.
+
+launch/ never imports the platform (its layers point one way): whoever starts a run passes
+:func:`recording`'s factory as ``store`` (``backend.run(plan, store=...)``, ``Runner(store=...)``);
+a run started without one keeps its files only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from psflow.launch.plan import LaunchPlan
+from psflow.launch.restart import RestartPolicy
+from psflow.launch.runstore import CompositeRunStore, RunStore, file_store
+from psflow.platform.runalerts import alerting_store
+from psflow.platform.sqlrunstore import SqliteRunStore, run_record
+
+
+def backend_name(backend: Any) -> str:
+    """The job store's name of a backend: ``LocalBackend`` -> ``local``, ``K8sBackend`` -> ``k8s``."""
+    return type(backend).__name__.removesuffix("Backend").lower()
+
+
+def recorded_store(plan: LaunchPlan, *, backend: str, warn: Callable[[str], None], policy: RestartPolicy | None = None,
+                   restarted_from: str | None = None) -> RunStore:
+    """The files in the plan's log dir, the run in the job store, and its alerts when a webhook is set.
+
+    Args:
+        plan: the run.
+        backend: the job store's name of the backend (:func:`backend_name`).
+        warn: where the stores' warnings go (the launcher's console).
+        policy: the restart policy the run goes by; default the plan's.
+        restarted_from: the run this one restarts (``psflow restart``), recorded with it.
+
+    Raises:
+        ConfigError: a bad ``PSFLOW_ALERT_WEBHOOK`` or ``PSFLOW_ALERT_STALL_S``.
+    """
+    record = run_record(plan, backend=backend, restart_policy=policy or plan.restart)
+    if restarted_from is not None:
+        record["restarted_from"] = restarted_from
+    return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn),
+                             *alerting_store(plan.run_id, warn=warn), warn=warn)
+
+
+def recording(backend: Any, *, policy: RestartPolicy | None = None,
+              restarted_from: str | None = None) -> Callable[[LaunchPlan], RunStore]:
+    """The run-store factory that records a run on ``backend`` (a Backend; its console gets the warnings).
+
+    Example:
+        >>> backend = LocalBackend()
+        >>> backend.run(plan, store=recording(backend)).exit_code   # the run is in psflow runs, the dashboard
+        0
+    """
+    name = backend_name(backend)
+    return lambda plan: recorded_store(plan, backend=name, warn=backend.console.warn, policy=policy,
+                                       restarted_from=restarted_from)
