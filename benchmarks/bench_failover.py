@@ -59,27 +59,44 @@ def run(cmd: list[str]) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}:\n{proc.stdout[-4000:]}")
 
 
-def throughput(tmp: Path, mode: str, replicas: int, epochs: int) -> float:
+def throughput(tmp: Path, mode: str, replicas: int, epochs: int) -> tuple[float, float, float]:
+    """One softmax run: (examples/sec, busy CPU core-seconds of the whole machine per 1,000 examples, idle share)."""
     logdir = tmp / f"{mode}-{replicas}"
     shutil.rmtree(logdir, ignore_errors=True)
+    (all0, idle0) = cpu_ticks()
     run([PSFLOW, "run", "--ps", "2", "--workers", "2", "--ps-replicas", str(replicas), "--mode", mode, "--no-live",
          "--logdir", str(logdir), SOFTMAX, "--", "--epochs", str(epochs), "--init", "zeros", "--print_every", "1000"])
-    return float(json.loads((logdir / "summary.json").read_text())["examples_per_sec"])
+    (all1, idle1) = cpu_ticks()
+    summary = json.loads((logdir / "summary.json").read_text())
+    busy_s = ((all1 - all0) - (idle1 - idle0)) / os.sysconf("SC_CLK_TCK")
+    examples = max(1, int(summary.get("global_step") or 1) * 100)
+    return float(summary["examples_per_sec"]), busy_s * 1000 / examples, (idle1 - idle0) / max(1, all1 - all0)
 
 
 def replication_cost(tmp: Path, reps: int, epochs: int) -> str:
+    """The softmax with and without a backup per shard, and the cost split: the busy CPU per example
+    (what the backup's receive and apply take from two shared cores) and the rest of the slowdown (the
+    hop to the backup: latency, as a share of a step)."""
     cases = {f"{mode}, {r} cop{'ies' if r == 2 else 'y'}": (lambda mode=mode, r=r: throughput(tmp, mode, r, epochs))
              for mode in ("async", "sync") for r in (1, 2)}
     res = harness.interleaved(cases, reps, warmup=0)
     rows = []
     for mode in ("async", "sync"):
         one, two = res[f"{mode}, 1 copy"], res[f"{mode}, 2 copies"]
-        per_round = [b / a for a, b in zip(one, two)]  # the two runs of one round, side by side
-        rows.append([mode, f"{median(one):,.0f} ({harness.spread(one, ',.0f')})",
-                     f"{median(two):,.0f} ({harness.spread(two, ',.0f')})", f"{median(two) / median(one):.3f}",
-                     f"{median(per_round):.3f} ({harness.spread(per_round, '.3f')})"])
+        eps1, eps2 = [e for e, _, _ in one], [e for e, _, _ in two]
+        per_round = [b / a for a, b in zip(eps1, eps2)]  # the two runs of one round, side by side
+        cpu1, cpu2 = median([c for _, c, _ in one]), median([c for _, c, _ in two])
+        slowdown = median(eps1) / median(eps2)  # a step with a backup takes this many steps without
+        latency_share = max(0.0, slowdown - cpu2 / cpu1) / slowdown  # what more CPU per example does not explain
+        rows.append([mode, f"{median(eps1):,.0f} ({harness.spread(eps1, ',.0f')})",
+                     f"{median(eps2):,.0f} ({harness.spread(eps2, ',.0f')})", f"{median(eps2) / median(eps1):.3f}",
+                     f"{median(per_round):.3f} ({harness.spread(per_round, '.3f')})", f"{cpu1:.3f} / {cpu2:.3f}",
+                     f"{median([i for _, _, i in one]):.0%} / {median([i for _, _, i in two]):.0%}",
+                     f"{latency_share:.0%}"])
     return md_table(["mode", "--ps-replicas 1, examples/s (spread)", "--ps-replicas 2, examples/s (spread)",
-                     "ratio of medians 2 / 1 (goal >= 0.95)", "per-round ratio, median (spread)"], rows)
+                     "ratio of medians 2 / 1 (goal >= 0.95)", "per-round ratio, median (spread)",
+                     "busy CPU core-s per 1,000 examples, 1 / 2 copies", "idle share 1 / 2",
+                     "latency's share of a replicated step (goal < 10%)"], rows)
 
 
 def cpu_ticks() -> tuple[int, int]:
