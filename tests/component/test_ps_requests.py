@@ -104,6 +104,20 @@ def test_a_task_cannot_finish_or_push_for_another_replica(cluster: InprocCluster
         conn.close()
 
 
+@pytest.mark.parametrize("op", [Op.PS_INIT, Op.PS_SAVE, Op.PS_SHUTDOWN])
+@pytest.mark.parametrize("task", ["worker:1", "evaluator:0", "ps:0"])
+def test_the_chiefs_duties_are_refused_from_any_other_task(cluster: InprocCluster, task: str, op: int) -> None:
+    """Issue 23 item 5: any task with the secret could initialize the ps over the model, make it write a
+    checkpoint wherever it named, or stop it."""
+    conn = as_task(cluster, task)
+    try:
+        error = refused(conn, op, VALID[op])
+        assert f"{Op(op).name} from {task} refused: only the chief (worker:0) sends it" in error, error
+        assert not cluster.services[0].join(0.0) and not cluster.services[0].store.initialized  # nothing happened
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize("task", ["worker:7", "ps:3", "chief:0", "launcher"])
 def test_a_sender_that_is_not_a_task_of_the_cluster_is_refused(cluster: InprocCluster, task: str) -> None:
     conn = as_task(cluster, task)

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import orjson
 import pytest
 import torch
 
@@ -80,3 +81,13 @@ def test_meta_is_written_as_the_standard_library_would_where_orjson_differs() ->
     assert big == b'{"seed":1180591620717411303424}'
     assert decode_meta(big, 0, Limits())[0] == {"seed": 2**70}  # parsed by the standard library's fallback
     assert decode_meta(b'{"timeout_s":NaN}', 0, Limits())[0]["timeout_s"] != 0  # NaN, refused later by the schema
+
+
+def test_a_shape_whose_dimensions_overflow_is_refused_even_when_it_holds_no_element() -> None:
+    """Issue 23 item 5: [0, 2**39, 2**39] declares 0 bytes, so it passed the payload check, and torch's
+    stride calculation overflowed in the connection's thread (a RuntimeError with a traceback)."""
+    meta = orjson.dumps({"t": [["w", "float32", [0, 2**39, 2**39]]]})
+    with pytest.raises(FrameError, match=re.escape("Tensor 'w' has a shape [0, 549755813888, 549755813888] whose "
+                                                   "dimensions multiply to")):
+        decode_meta(meta, 0, Limits())
+    assert decode_meta(orjson.dumps({"t": [["e", "float32", [0, 1000]]]}), 0, Limits())[1][0].shape == (0, 1000)

@@ -1,8 +1,9 @@
 """What a ps accepts: one declarative schema per request op, checked once at the service boundary.
 
 A request reaches a handler only when its sender is a task of the cluster, every required field is
-there with the right type and range, and a ``worker`` field names the sender itself (a training
-replica reports, pushes and finishes only for itself). Anything else is refused with a
+there with the right type and range, a ``worker`` field names the sender itself (a training
+replica reports, pushes and finishes only for itself), and a chief's duty (PS_INIT, PS_SAVE,
+PS_SHUTDOWN: :data:`CHIEF_ONLY`) comes from the chief. Anything else is refused with a
 :class:`~psflow.errors.ConfigError` that names the op, the field, the value received and what was
 expected: the server turns it into a clean ERROR reply, with nothing in the ps log but a warning.
 
@@ -81,6 +82,11 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
 }
 
 
+# The chief's duties: the initial values, checkpoints, the end of the job. A worker that sends one is
+# a mistake or an attack (with the job's secret): it would overwrite the model, write files, stop the ps.
+CHIEF_ONLY = frozenset({Op.PS_INIT, Op.PS_SAVE, Op.PS_SHUTDOWN})
+
+
 def replica_of(cluster: ClusterSpec, task: TaskId) -> int | None:
     """The training replica index of ``task`` (the chief first, then the workers), None for others."""
     chiefs = cluster.num_tasks("chief")
@@ -125,6 +131,11 @@ def check(cluster: ClusterSpec, op: int, peer: str, meta: Mapping[str, Any], *, 
     fields = SCHEMAS.get(op)
     op_name = Op(op).name if op in Op._value2member_map_ else f"op {op}"
     task = sender(cluster, peer, op_name, workers=workers)
+    if op in CHIEF_ONLY and not cluster.is_chief(task):
+        raise ConfigError(
+            f"{op_name} from {task} refused: only the chief ({cluster.chief()}) sends it (the initial values, "
+            "checkpoints and the end of the job are its duties). Call it from the chief's process."
+        )
     for f in fields or ():
         if f.name not in meta:
             if f.required:

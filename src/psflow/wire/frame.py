@@ -240,6 +240,13 @@ def _parse_specs(raw: Any, limits: Limits) -> list[TensorSpec]:
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 40) for d in shape)
         ):
             raise FrameError(f"Tensor {name!r} has a bad shape {shape!r:.80}.")
+        # An empty tensor's bytes pass any payload check, but torch still multiplies its other dimensions
+        # (strides, storage size) in 64 bits: bound them by the payload limit, as a full tensor is.
+        spread = math.prod(max(d, 1) for d in shape) * ITEMSIZE[dtype]
+        if spread > limits.max_payload_bytes:
+            raise FrameError(f"Tensor {name!r} has a shape {shape!r:.80} whose dimensions multiply to {spread} bytes "
+                             f"of {dtype}, past the payload limit of {limits.max_payload_bytes} bytes "
+                             "(Limits.max_payload_bytes), even where one is 0.")
         specs.append(TensorSpec(name, torch_dtypes()[dtype], tuple(shape)))
     if len({s.name for s in specs}) != len(specs):
         raise FrameError("Frame names the same tensor twice; every tensor in a frame needs a unique name.")
