@@ -1,7 +1,8 @@
-"""Every command in the README's shell blocks parses: the psflow options, the scripts, their flags.
+"""Every command in the shell blocks of the README and docs/ parses: the psflow options, the
+scripts, their flags; and the README's template is examples/template.py as written.
 
-A cheap guard that the README stays runnable as written (the commands themselves are run by the
-integration tests and by hand); it catches a renamed flag, a moved example or a placeholder.
+A cheap guard that the pages stay runnable as written (tests/integration/test_readme_blocks.py runs
+the README's blocks); it catches a renamed flag, a moved example or a placeholder.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from psflow.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 _OTHER_TOOLS = {".venv/bin/moto_server", ".venv/bin/tensorboard"}  # the S3 stand-in; viewing summaries copied down
 
 
 def _commands() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.DOTALL)
-    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    blocks = [b for page in PAGES for b in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.DOTALL)]
+    lines = [line.split("  #")[0].strip().removesuffix("&").strip() for block in blocks for line in block.splitlines()]
     return [line for line in lines if line.startswith(".venv/bin/")]
 
 
@@ -69,3 +71,11 @@ def test_each_readme_command_parses(command):
     ctx = sub.make_context("run", words[2:], resilient_parsing=False)
     script_args = [a for a in ctx.params["script_args"] if a != "--"]
     _check_script(ctx.params["script"], script_args)
+
+
+def test_the_readme_shows_examples_template_as_written():
+    template = (ROOT / "examples" / "template.py").read_text()
+    shown = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    assert len(shown) == 1 and "pf.Supervisor" in shown[0]
+    assert template.endswith(shown[0]) and template[: -len(shown[0])].rstrip().endswith('"""'), (
+        "the README's python block must be examples/template.py after its docstring")
