@@ -39,7 +39,7 @@ def test_async_job_converges(async_run):
 
 
 def test_the_readmes_checkpoint_commands_work_on_the_examples_run(async_run, tmp_path):
-    # README: `psflow checkpoints runs/demo`, `psflow export runs/demo model.safetensors` after `make demo`.
+    # README: `psflow checkpoints LOGDIR`, `psflow export LOGDIR model.safetensors` after a run.
     logdir, _, s = async_run
     listed = run_psflow(["checkpoints", str(logdir)], timeout_s=60)
     assert listed.returncode == 0 and f"step={s['global_step']}  shards=1" in listed.stdout and " ok" in listed.stdout, listed.stdout

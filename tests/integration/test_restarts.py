@@ -2,7 +2,7 @@
 registers again, and the job finishes; every exit is recorded with its cause and attempt in the
 launcher's output, status.json, events.jsonl and summary.json; a spent budget fails the run.
 
-What is proven here (README, "When something fails"): worker restarts in async mode (every push of the
+What is proven here (docs/failures.md): worker restarts in async mode (every push of the
 epoch applied exactly once; worker:0, the chief, too), ssp mode, and sync mode with and without backup workers (the ps's side of
 a rejoining worker: tests/component/test_rejoin.py); a restarted chief (worker:0, or a separate chief:0)
 under a Supervisor takes over without a second initialization: its checkpoints go on after the ps's

@@ -107,7 +107,7 @@ def scale(run: str, workers: int, wait: bool, timeout_s: float) -> None:
     from `psflow runs` (or a unique part of one) or the run's log directory. Added workers pull the
     current parameters and train; the highest-numbered ones retire (SIGTERM, then SIGKILL after the
     grace period) and are recorded as retired, not failed. Sync quorums and ssp bounds follow the
-    membership (README: "Scaling a running job"). Local runs only: Slurm, Kubernetes and ssh runs refuse."""
+    membership (docs/reference.md, "Scaling a running job"). Local runs only: Slurm, Kubernetes and ssh runs refuse."""
     from psflow.platform import views
     from psflow.platform.jobstore import JobStore
     from psflow.platform.runcontrol import ask_scale, wait_scaled
