@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from psflow.launch import errorreport
+from psflow.launch import errorreport, proctree
 from psflow.launch.backend import Backend, RunResult, drain, log_end
 from psflow.launch.console import Console
 from psflow.launch.controller import TaskExited
@@ -108,6 +108,7 @@ class LocalBackend(Backend):
         plan = self._require_plan()
         full = {**os.environ, **env}
         full.pop("PSFLOW_SECRET", None)  # the launcher's own, if any: tasks read the run's secret file
+        proctree.mark(full, proctree.tag(plan.run_id, task.task, attempt))  # its descendants end with it
         if attempt > 0:  # the last attempt's report was read when it exited
             self._error_file(task.task).unlink(missing_ok=True)
         p, self._forks = self._start_process(task.argv, full, self._forks)
@@ -121,7 +122,15 @@ class LocalBackend(Backend):
         return drain(self._exits, timeout_s)
 
     def stop(self, tasks: Sequence[str], grace_s: float) -> None:
-        self._stop_processes([self._procs[t] for t in tasks if t in self._procs], grace_s)
+        procs = {t: self._procs[t] for t in tasks if t in self._procs}
+        run_id = self._require_plan().run_id
+        # What each task started in a session of its own, which the group's signal misses: looked up
+        # while the task lives (its forked children hang from it), ended once it is gone.
+        left = [pid for t, p in procs.items()
+                for pid in proctree.tagged(proctree.tag(run_id, t), roots=[p.pid] if p.poll() is None else [])]
+        self._stop_processes(list(procs.values()), grace_s)
+        after = [pid for t in procs for pid in proctree.tagged(proctree.tag(run_id, t))]
+        proctree.kill(set(left + after) - {p.pid for p in self._started})  # the tasks' own pids may be reused now
 
     def error_report(self, task: str) -> dict[str, Any] | None:
         return errorreport.read(self._error_file(task))
@@ -150,7 +159,12 @@ class LocalBackend(Backend):
 
     def close(self) -> None:
         grace_s = self._plan.grace_s if self._plan is not None else 0.0
+        live = [p.pid for p in self._started if p.poll() is None]
+        left = proctree.tagged(proctree.tag(self._plan.run_id), roots=live) if self._plan is not None else []
         self._stop_processes(self._started, grace_s)
+        if self._plan is not None:  # every process of the run, whatever its session (psflow.launch.proctree)
+            after = proctree.tagged(proctree.tag(self._plan.run_id))
+            proctree.kill(set(left + after) - {p.pid for p in self._started})  # the tasks' own pids may be reused now
         if self._fork_server is not None:
             self._fork_server.close()
             self._fork_server = self._forks = None
