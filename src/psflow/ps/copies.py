@@ -157,7 +157,7 @@ class ShardCopies:
         store = self._copies().get(s)
         if v.serving == me:
             if role is Role.SERVING and keeps_serving(known, v, me):
-                if store is not None and store.forwarder is not None and store.forwarder.backup != v.backup:
+                if store is not None and store.forwarder is not None:  # no new term keeps a record stream valid
                     store.stop_forwarding(f"term {v.term}: shard {s}'s backup is {ps_name(v.backup)} now ({v.state.value})")
             elif store is not None and store.initialized and takes_over(known, v, me, role is Role.BACKUP) \
                     and self._drained(s):
