@@ -1,42 +1,28 @@
 """The HTTP API of ``psflow ui``: JSON over the job store, and the requests that start, stop and
-restart runs. FastAPI serves its OpenAPI schema at ``/openapi.json`` (its /docs pages are off: they
-load scripts from a CDN).
+restart runs. FastAPI serves its OpenAPI schema at ``/openapi.json`` (no /docs pages: they load
+scripts from a CDN). :func:`create_app` puts together its routers, by who may call them:
 
-Routes (``{run}`` is a run id):
+- ``health_routes``: ``GET /api/health``;
+- ``read_routes``: the store: ``/api/summary``, ``/api/runs?state=&q=&limit=&offset=`` (newest first),
+  ``/api/runs/{run}`` (tasks, attempts, events ``?after=``, controls, and ``failure``: its root cause
+  in words once it failed), its ``metrics``, ``stragglers``, ``summary``, ``ps`` (versions, lags);
+- ``run_page_routes``: a run's files and views: ``tasks/{task}/log``, ``placement``, ``checkpoints``
+  (``.../{name}/export``: safetensors), ``stacks`` (the last dump, grouped);
+- ``change_routes`` (POST): start a run (``/api/runs``: 422 naming what was wrong), ``stop``,
+  ``restart``, ``scale`` ``{"workers": N}``, ``dump``, ``checkpoints/{name}/restore``;
+- ``stream_routes``: ``/api/runs/{run}/stream`` (Server-Sent Events, :mod:`psflow.platform.livestream`)
+  and ``/metrics`` (Prometheus).
 
-- ``GET /api/runs?state=&q=&limit=&offset=``: a page of runs, newest first, with the total;
-- ``GET /api/runs/{run}``: the run, its tasks (state, attempts, exits, latest metrics), its root
-  cause in words once it failed (``failure``: exception, message, traceback's tail), its
-  attempts, events (``?after=`` an event id, for polling) and control requests;
-- ``GET /api/runs/{run}/metrics?name=&task=&after=&max_points=``: metric series per task;
-- ``GET /api/runs/{run}/stragglers``: each worker's speed, the slowest, persistent or transient;
-- ``GET /api/runs/{run}/placement``: parameter -> shard and bytes (from the newest checkpoint);
-- ``GET /api/runs/{run}/ps``: each ps's version, each worker's lag behind it, the ps's final counts;
-- ``GET /api/runs/{run}/tasks/{task}/log?offset=&max_bytes=``: a task's log, its tail or from an offset;
-- ``GET /api/runs/{run}/summary``, ``GET /api/runs/{run}/checkpoints``,
-  ``GET /api/runs/{run}/checkpoints/{name}/export``: the summary, the checkpoints, one exported as safetensors;
-- ``GET /api/runs/{run}/stream?name=&after=``: Server-Sent Events: the run page when it changed, new
-  metric points, ``end`` once it is over (:mod:`psflow.platform.livestream`);
-- ``GET /api/summary``: runs by state; ``GET /api/health``; ``GET /metrics``: Prometheus;
-- ``POST /api/runs``: start a run (form fields checked here: 422 with what was wrong);
-- ``POST /api/runs/{run}/stop``, ``POST /api/runs/{run}/restart``;
-- ``POST /api/runs/{run}/scale`` ``{"workers": N}``: workers join or leave the running run (``psflow scale``);
-- ``POST /api/runs/{run}/checkpoints/{name}/restore``: the plan again as a new run from that checkpoint;
-- ``POST /api/runs/{run}/dump``: every task's stacks into its log; ``GET /api/runs/{run}/stacks``: them, grouped.
-
-Security: every request, reads included, must name the dashboard by a name it answers to in its
-``Host`` header (:mod:`psflow.platform.hosts`: loopback names, the bound address,
-``--allowed-host``), or it gets a 400: a page of another site cannot read it through DNS rebinding.
-Every POST needs the token (``Authorization: Bearer TOKEN`` or ``X-Psflow-Token``), compared with
-:func:`hmac.compare_digest`; with ``auth_reads`` (a non-loopback bind) every ``/api`` and
-``/metrics`` request needs it too. A started run's script must be a ``.py`` file under one of
-``script_roots``; its arguments are a list handed to the launcher as argv (no shell). Files are
-served through :mod:`psflow.platform.runfiles` only: nothing outside a run's log directory.
+Security: every request, reads included, must name the dashboard in its ``Host`` header
+(:mod:`psflow.platform.hosts`), or it gets a 400 (DNS rebinding). Every POST needs the token
+(``Authorization: Bearer TOKEN`` or ``X-Psflow-Token``, compared with :func:`hmac.compare_digest`);
+with ``auth_reads`` (a non-loopback bind) every read needs it too. A started run's script must be a
+``.py`` file under one of ``script_roots``; its arguments are argv (no shell). Files are served
+through :mod:`psflow.platform.runfiles` only: nothing outside a run's log directory.
 
 The API only reads the store and writes control requests; the runs it starts are launcher processes
-of their own session (:func:`psflow.platform.launching.start_detached`), so they outlive it.
-
-Built by :func:`create_app`; served by :mod:`psflow.platform.uiserver`.
+of their own session (:func:`psflow.platform.launching.start_detached`), so they outlive it. Served by
+:mod:`psflow.platform.uiserver`.
 """
 
 from __future__ import annotations
@@ -52,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
@@ -155,306 +141,352 @@ def _unprocessable(field_name: str, message: str) -> HTTPException:
 
 
 def create_app(settings: UiSettings) -> FastAPI:
-    """The dashboard's application: the API, ``/metrics`` and the static page."""
+    """The dashboard's application: the API's routers, ``/metrics`` and the static page."""
     # no /docs or /redoc: FastAPI's pages load their scripts from a CDN, and nothing here may
     app = FastAPI(title="psflow", summary="Runs, tasks, metrics and logs of psflow's job store; start, stop, restart.",
                   version="1", docs_url=None, redoc_url=None)
     app.add_middleware(HostAllowlist, allowed=settings.allowed_hosts)  # before any route, reads included
-    launchers: list[Any] = []
-
-    def authorized(request: Request) -> bool:
-        given = request.headers.get("x-psflow-token", "")
-        auth = request.headers.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        return hmac.compare_digest(given.encode(), settings.token.encode())
-
-    def need_token(request: Request) -> None:
-        if not authorized(request):
-            raise HTTPException(401, detail=f"This request changes something: it needs the dashboard's token "
-                                            f"(Authorization: Bearer TOKEN), printed by psflow ui at start or set in "
-                                            f"{UI_TOKEN_ENV}.")
-
-    def need_token_to_read(request: Request) -> None:
-        if settings.auth_reads:
-            need_token(request)
-
     app.state.settings = settings
-    reads = [Depends(need_token_to_read)]
-
-    def the_run(db: JobStore, run_id: str, *, metrics: bool = False) -> dict[str, Any]:
-        run = db.run(run_id, metrics=metrics)  # each task's latest metrics: a query over the run's points, when asked
-        if run is None:
-            raise HTTPException(404, detail=f"No run {run_id!r} in the job store {settings.db_path}.")
-        return run
-
-    @app.exception_handler(RunFileError)
-    def _refused_file(request: Request, e: RunFileError) -> JSONResponse:
-        return JSONResponse({"detail": str(e)}, status_code=404)
-
-    @app.get("/api/health")
-    def health() -> dict[str, Any]:
-        return {"ok": True, "job_store": str(settings.db_path)}
-
-    @app.get("/api/summary", dependencies=reads)
-    def summary_of_store(db: Db) -> dict[str, Any]:
-        counts = dict.fromkeys(RUN_STATES, 0)
-        for row in db.conn.execute("SELECT state, COUNT(*) FROM runs GROUP BY state"):  # type: ignore[union-attr]
-            counts[row[0]] = int(row[1])
-        return {"runs": sum(counts.values()), "by_state": counts}
-
-    @app.get("/api/runs", dependencies=reads)
-    def list_runs(db: Db, state: Literal[RUN_STATES] | None = None,  # type: ignore[valid-type]
-                  q: Annotated[str | None, Query(max_length=200)] = None,
-                  limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
-        runs, total = db.run_page(state=state, search=q, limit=limit, offset=offset)
-        return {"runs": [_row(r) for r in runs], "total": total, "limit": limit, "offset": offset}
-
-    @app.get("/api/runs/{run_id}", dependencies=reads)
-    def get_run(run_id: str, db: Db, after: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
-        run = the_run(db, run_id, metrics=True)
-        events = db.events(run_id, after_id=after)
-        return {"run": _on_page(run), "attempts": db.attempts(run_id), "events": events[-2000:],
-                "controls": db.controls(run_id)}
-
-    @app.get("/api/runs/{run_id}/metrics", dependencies=reads)
-    def get_metrics(run_id: str, db: Db, name: Annotated[list[str] | None, Query()] = None, task: str | None = None,
-                    after: float = 0.0, max_points: Annotated[int, Query(ge=10, le=100_000)] = 2000) -> dict[str, Any]:
-        the_run(db, run_id)
-        series: dict[str, dict[str, list[list[float | None]]]] = {}
-        for point in db.metrics(run_id, task=task, after_unix=after, names=name):
-            series.setdefault(point["task"], {}).setdefault(point["name"], []).append(
-                [point["time_unix"], point["step"], point["value"]])
-        for per_task in series.values():
-            for key, points in per_task.items():
-                per_task[key] = _thin(points, max_points)
-        return {"run_id": run_id, "series": series}
-
-    @app.get("/api/runs/{run_id}/stragglers", dependencies=reads)
-    def get_stragglers(run_id: str, db: Db, windows: Annotated[int, Query(ge=1, le=100)] = 10,
-                       span_s: Annotated[float, Query(gt=0)] = 300.0) -> dict[str, Any]:
-        from psflow.platform.stragglers import StragglerRules, find_stragglers
-
-        run = the_run(db, run_id)
-        steps: dict[str, list[tuple[float, float]]] = {t: [] for t in run["tasks"] if t.startswith(("worker", "chief"))}
-        for p in db.metrics(run_id, name="local_step"):
-            if p["task"] in steps and p["value"] is not None:
-                steps[p["task"]].append((p["time_unix"], p["value"]))
-        return {"run_id": run_id, **find_stragglers(steps, StragglerRules(windows=windows, span_s=span_s))}
-
-    @app.get("/api/runs/{run_id}/tasks/{task}/log", dependencies=reads)
-    def get_log(run_id: str, task: str, db: Db, offset: Annotated[int | None, Query(ge=0)] = None,
-                max_bytes: Annotated[int, Query(ge=1, le=4 << 20)] = 64 << 10) -> dict[str, Any]:
-        return {"task": task, **read_log(log_path(the_run(db, run_id), task), offset=offset, max_bytes=max_bytes).to_dict()}
-
-    @app.get("/api/runs/{run_id}/summary", dependencies=reads)
-    def get_summary(run_id: str, db: Db) -> dict[str, Any]:
-        run = the_run(db, run_id)
-        return {"run_id": run_id, "state": run["state"], "summary": run.get("summary")}
-
-    @app.get("/api/runs/{run_id}/ps", dependencies=reads)
-    def get_ps(run_id: str, db: Db) -> dict[str, Any]:
-        from psflow.platform.pshealth import ps_health
-
-        return {"run_id": run_id, **ps_health(the_run(db, run_id))}
-
-    @app.get("/api/runs/{run_id}/placement", dependencies=reads)
-    def get_placement(run_id: str, db: Db) -> dict[str, Any]:
-        from psflow.platform.placementview import newest_placement
-
-        found = newest_placement(Path(the_run(db, run_id)["logdir"]))
-        if found is None:
-            raise HTTPException(404, detail=f"Run {run_id} has no checkpoint yet: the placement is read from the "
-                                            "newest checkpoint's manifest.")
-        return {"run_id": run_id, **found}
-
-    @app.get("/api/runs/{run_id}/checkpoints", dependencies=reads)
-    def get_checkpoints(run_id: str, db: Db) -> dict[str, Any]:
-        return {"run_id": run_id, "checkpoints": checkpoints(the_run(db, run_id))}
-
-    @app.get("/api/runs/{run_id}/checkpoints/{name}/export", dependencies=reads)
-    def export(run_id: str, name: str, db: Db) -> FileResponse:
-        from psflow.checkpoint import export_checkpoint
-
-        path = checkpoint_path(the_run(db, run_id), name)
-        fd, out = tempfile.mkstemp(suffix=".safetensors", prefix="psflow-export-")
-        os.close(fd)
-        try:
-            export_checkpoint(path, out)
-        except PsflowError as e:
-            os.unlink(out)
-            raise HTTPException(409, detail=f"Checkpoint {name} cannot be exported: {e}") from e
-        return FileResponse(out, media_type="application/octet-stream", filename=f"{run_id}-{name}.safetensors",
-                            background=BackgroundTask(os.unlink, out))
-
-    @app.post("/api/runs/{run_id}/checkpoints/{name}/restore", status_code=201, dependencies=[Depends(need_token)])
-    def restore_here(run_id: str, name: str, db: Db) -> dict[str, Any]:
-        from psflow.platform.launching import plan_of, restore_spec, seed_checkpoint, start_detached
-
-        run = the_run(db, run_id)
-        source = checkpoint_path(run, name)
-        try:
-            spec = restore_spec(run, settings.logdirs)
-            plan_of(spec)
-        except ConfigError as e:
-            raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
-        seed_checkpoint(source, Path(str(spec.logdir)))
-        plan, proc = start_detached(spec, env=_launcher_env(settings))
-        _recorded(settings, plan.run_id, plan.logdir, proc)
-        _reap(proc, launchers)
-        return {"run_id": plan.run_id, "restores": run_id, "checkpoint": name, "logdir": plan.logdir}
-
-    @app.post("/api/runs", status_code=201, dependencies=[Depends(need_token)])
-    def start_run(form: StartRun) -> dict[str, Any]:
-        from psflow.launch.restart import RestartPolicy
-        from psflow.platform.launching import LaunchSpec, new_run_id, start_detached
-
-        script = _allowed_script(form.script, settings.script_roots)
-        try:
-            policy = RestartPolicy.parse(form.restart, **({"max_restarts": form.max_restarts} if form.restart != "never" else {}))
-        except ConfigError as e:
-            raise _unprocessable("restart", str(e)) from e
-        run_id = new_run_id()
-        spec = LaunchSpec(script=str(script), args=tuple(form.args), num_ps=form.ps if form.strategy == "ps" else 0,
-                          num_workers=form.workers, chief=form.chief, evaluator=form.evaluator, mode=form.mode,
-                          strategy=form.strategy, backend=form.backend, restart_policy=dataclasses.asdict(policy),
-                          run_id=run_id, logdir=str(settings.logdirs / run_id), gpus_per_worker=form.gpus_per_worker)
-        from psflow.launch.gpus import GpuRequestError
-
-        try:
-            plan, proc = start_detached(spec, env=_launcher_env(settings))
-        except GpuRequestError as e:
-            raise _unprocessable("gpus_per_worker", str(e)) from e
-        except ConfigError as e:
-            raise _unprocessable("form", str(e)) from e
-        _recorded(settings, plan.run_id, plan.logdir, proc)
-        _reap(proc, launchers)
-        return {"run_id": plan.run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
-
-    @app.post("/api/runs/{run_id}/stop", status_code=202, dependencies=[Depends(need_token)])
-    def stop_run(run_id: str, db: Db) -> dict[str, Any]:
-        from psflow.platform.runcontrol import ask_stop
-
-        the_run(db, run_id)
-        asked = ask_stop(db, run_id, source="api")
-        if asked.request_id is None:
-            raise HTTPException(409, detail=f"Run {run_id} has already ended ({asked.state}); there is nothing to stop.")
-        return {"run_id": run_id, "request_id": asked.request_id}
-
-    @app.post("/api/runs/{run_id}/scale", status_code=202, dependencies=[Depends(need_token)])
-    def scale_run(run_id: str, form: ScaleRun, db: Db) -> dict[str, Any]:
-        from psflow.launch.control import check_workers
-        from psflow.platform.runcontrol import ScaleRefused, ask_scale
-
-        the_run(db, run_id)
-        try:
-            check_workers(form.workers)
-        except ValueError as e:
-            raise _unprocessable("workers", str(e)) from e
-        try:
-            request_id = ask_scale(db, run_id, form.workers, source="api")
-        except ScaleRefused as e:
-            raise HTTPException(409, detail=str(e)) from e
-        return {"run_id": run_id, "request_id": request_id, "workers": form.workers}
-
-    @app.post("/api/runs/{run_id}/dump", status_code=202, dependencies=[Depends(need_token)])
-    def dump_run(run_id: str, db: Db) -> dict[str, Any]:
-        the_run(db, run_id)
-        try:
-            request_id = db.request_control(run_id, "dump", source="api")
-        except JobStoreError as e:
-            raise HTTPException(409, detail=str(e)) from e
-        return {"run_id": run_id, "request_id": request_id}
-
-    @app.get("/api/runs/{run_id}/stacks", dependencies=reads)
-    def get_stacks(run_id: str, db: Db, request: Annotated[int | None, Query(ge=1)] = None) -> dict[str, Any]:
-        from psflow.platform.runfiles import dump_lines
-        from psflow.platform.stacks import PROGRESS_NAMES, group_stacks, main_stack, making_progress, parse_dump
-
-        run = the_run(db, run_id)
-        asked = [c for c in db.controls(run_id) if c["kind"] == "dump" and (request is None or c["id"] == request)]
-        if not asked:
-            raise HTTPException(404, detail=f"Run {run_id} has no stack dump{'' if request is None else f' {request}'}; "
-                                            f"POST /api/runs/{run_id}/dump asks for one.")
-        control = asked[-1]
-        tasks: dict[str, Any] = {}
-        at: dict[str, float] = {}  # when each task's stacks were dumped: its progress then
-        for e in db.events(run_id):
-            data = e["data"]
-            if e["kind"] == "stacks_dumped" and data.get("request") == control["id"]:
-                threads = parse_dump(dump_lines(run, str(data["log"]), int(data["line"])))
-                tasks[str(data["task"])] = {"attempt": data.get("attempt"), "line": data["line"], "threads": threads}
-                at[str(data["task"])] = float(e["time_unix"])
-        since = min(at.values(), default=control["requested_unix"]) - 60.0  # enough to tell moving, standing, unknown
-        reported = [t for t, v in run["tasks"].items() if set(v.get("progress") or {}) & set(PROGRESS_NAMES)]
-        moving = making_progress(db.metrics(run_id, names=PROGRESS_NAMES, after_unix=since), at, reported=reported)
-        grouped = group_stacks({t: main_stack(v["threads"]) for t, v in tasks.items() if v["threads"]}, moving)
-        return {"run_id": run_id, "request_id": control["id"], "state": control["state"], "answer": control["answer"],
-                "tasks": tasks, "waiting_for": sorted(t for t, v in tasks.items() if not v["threads"]), **grouped}
-
-    @app.post("/api/runs/{run_id}/restart", status_code=202, dependencies=[Depends(need_token)])
-    def restart_run(run_id: str, db: Db) -> dict[str, Any]:
-        from psflow.launch.logdirlock import run_lock
-        from psflow.platform.launching import plan_of, spec_of_run, start_detached
-        from psflow.platform.runcontrol import ask_stop
-
-        run = the_run(db, run_id)
-        try:
-            spec = spec_of_run(run)
-            plan_of(spec)  # refused now, not in the background, if it cannot start again
-            # ... or if another run holds its logdir, or another restart of it waits (one logdir, one live run)
-            run_lock(str(spec.logdir), spec.logdir_url, str(spec.run_id)).check(after_run=run_id)
-        except ConfigError as e:
-            raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
-        # The stop is asked here; the new run's launcher, a process of its own session, waits for the
-        # old run's end before it starts, so the restart survives this dashboard going down meanwhile.
-        asked = ask_stop(db, run_id, source="api")
-        if asked.request_id is not None:
-            spec = dataclasses.replace(spec, after_run=run_id, after_request=asked.request_id,
-                                       after_timeout_s=settings.stop_wait_s)
-        try:
-            plan, proc = start_detached(spec, env=_launcher_env(settings))
-        except ConfigError as e:  # another restart got there between the look above and now
-            raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
-        _reap(proc, launchers)
-        return {"run_id": plan.run_id, "restarts": run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
-
+    app.state.launchers = []  # the launcher processes started here (reaped by a thread each)
     app.state.closing = threading.Event()  # set by psflow ui's shutdown: open streams end
-
-    @app.get("/api/runs/{run_id}/stream", dependencies=reads, response_class=StreamingResponse,
-             responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"}})
-    def stream_run(run_id: str, request: Request, db: Db, name: Annotated[list[str] | None, Query()] = None,
-                   after: float = 0.0) -> StreamingResponse:
-        from psflow.platform.livestream import run_stream
-
-        the_run(db, run_id)  # a 404 now, not an empty stream
-        try:  # a reconnecting EventSource names the last metrics message it got
-            after = max(after, float(request.headers.get("last-event-id") or 0.0))
-        except ValueError:
-            pass
-
-        def look(since: float) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-            with JobStore(settings.db_path) as store:
-                run = store.run(run_id, metrics=True)
-                if run is None:
-                    return None, []
-                page = {"run": _on_page(run), "attempts": store.attempts(run_id),
-                        "events": store.events(run_id)[-2000:], "controls": store.controls(run_id)}
-                return page, store.metrics(run_id, after_unix=since, names=name)
-
-        body = run_stream(look, after=after, is_disconnected=request.is_disconnected, closing=app.state.closing,
-                          poll_s=settings.stream_poll_s, thin=lambda points: _thin(points, 2000))
-        return StreamingResponse(body, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
-
-    @app.get("/metrics", dependencies=reads)
-    def metrics() -> Response:
-        from psflow.platform.prometheus import CONTENT_TYPE, exposition
-
-        return Response(exposition(settings.db_path), media_type=CONTENT_TYPE)
-
+    app.add_exception_handler(RunFileError, _refused_file)
+    for router in (health_routes, read_routes, run_page_routes, change_routes, stream_routes):
+        app.include_router(router)
     app.mount("/", StaticFiles(directory=STATIC, html=True), name="static")
     return app
+
+
+# -- who may ask ------------------------------------------------------------------------------------
+def _settings(request: Request) -> UiSettings:
+    settings: UiSettings = request.app.state.settings
+    return settings
+
+
+Settings = Annotated[UiSettings, Depends(_settings)]
+
+
+def _authorized(request: Request, settings: UiSettings) -> bool:
+    given = request.headers.get("x-psflow-token", "")
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    return hmac.compare_digest(given.encode(), settings.token.encode())
+
+
+def need_token(request: Request, settings: Settings) -> None:
+    """Every request that changes something carries the token."""
+    if not _authorized(request, settings):
+        raise HTTPException(401, detail=f"This request changes something: it needs the dashboard's token "
+                                        f"(Authorization: Bearer TOKEN), printed by psflow ui at start or set in "
+                                        f"{UI_TOKEN_ENV}.")
+
+
+def need_token_to_read(request: Request, settings: Settings) -> None:
+    """With ``auth_reads`` (a dashboard reachable off this machine), reads carry it too."""
+    if settings.auth_reads:
+        need_token(request, settings)
+
+
+def the_run(db: JobStore, run_id: str, *, metrics: bool = False) -> dict[str, Any]:
+    """Run ``run_id``'s record, or a 404."""
+    run = db.run(run_id, metrics=metrics)  # each task's latest metrics: a query over the run's points, when asked
+    if run is None:
+        raise HTTPException(404, detail=f"No run {run_id!r} in the job store {db.path}.")
+    return run
+
+
+def _refused_file(request: Request, e: Exception) -> JSONResponse:
+    return JSONResponse({"detail": str(e)}, status_code=404)
+
+
+health_routes = APIRouter()  # open to every request the Host allowlist admits
+read_routes = APIRouter(dependencies=[Depends(need_token_to_read)])  # the store, read
+run_page_routes = APIRouter(dependencies=[Depends(need_token_to_read)])  # a run's files and views
+change_routes = APIRouter(dependencies=[Depends(need_token)])  # start, stop, restart, scale, dump, restore
+stream_routes = APIRouter(dependencies=[Depends(need_token_to_read)])  # live: the run page's stream, /metrics
+
+
+# -- reads ------------------------------------------------------------------------------------------
+@health_routes.get("/api/health")
+def health(settings: Settings) -> dict[str, Any]:
+    return {"ok": True, "job_store": str(settings.db_path)}
+
+
+@read_routes.get("/api/summary")
+def summary_of_store(db: Db) -> dict[str, Any]:
+    counts = dict.fromkeys(RUN_STATES, 0)
+    for row in db.conn.execute("SELECT state, COUNT(*) FROM runs GROUP BY state"):  # type: ignore[union-attr]
+        counts[row[0]] = int(row[1])
+    return {"runs": sum(counts.values()), "by_state": counts}
+
+
+@read_routes.get("/api/runs")
+def list_runs(db: Db, state: Literal[RUN_STATES] | None = None,  # type: ignore[valid-type]
+              q: Annotated[str | None, Query(max_length=200)] = None,
+              limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+    runs, total = db.run_page(state=state, search=q, limit=limit, offset=offset)
+    return {"runs": [_row(r) for r in runs], "total": total, "limit": limit, "offset": offset}
+
+
+@read_routes.get("/api/runs/{run_id}")
+def get_run(run_id: str, db: Db, after: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+    run = the_run(db, run_id, metrics=True)
+    events = db.events(run_id, after_id=after)
+    return {"run": _on_page(run), "attempts": db.attempts(run_id), "events": events[-2000:],
+            "controls": db.controls(run_id)}
+
+
+@read_routes.get("/api/runs/{run_id}/metrics")
+def get_metrics(run_id: str, db: Db, name: Annotated[list[str] | None, Query()] = None, task: str | None = None,
+                after: float = 0.0, max_points: Annotated[int, Query(ge=10, le=100_000)] = 2000) -> dict[str, Any]:
+    the_run(db, run_id)
+    series: dict[str, dict[str, list[list[float | None]]]] = {}
+    for point in db.metrics(run_id, task=task, after_unix=after, names=name):
+        series.setdefault(point["task"], {}).setdefault(point["name"], []).append(
+            [point["time_unix"], point["step"], point["value"]])
+    for per_task in series.values():
+        for key, points in per_task.items():
+            per_task[key] = _thin(points, max_points)
+    return {"run_id": run_id, "series": series}
+
+
+@read_routes.get("/api/runs/{run_id}/stragglers")
+def get_stragglers(run_id: str, db: Db, windows: Annotated[int, Query(ge=1, le=100)] = 10,
+                   span_s: Annotated[float, Query(gt=0)] = 300.0) -> dict[str, Any]:
+    from psflow.platform.stragglers import StragglerRules, find_stragglers
+
+    run = the_run(db, run_id)
+    steps: dict[str, list[tuple[float, float]]] = {t: [] for t in run["tasks"] if t.startswith(("worker", "chief"))}
+    for p in db.metrics(run_id, name="local_step"):
+        if p["task"] in steps and p["value"] is not None:
+            steps[p["task"]].append((p["time_unix"], p["value"]))
+    return {"run_id": run_id, **find_stragglers(steps, StragglerRules(windows=windows, span_s=span_s))}
+
+
+@read_routes.get("/api/runs/{run_id}/summary")
+def get_summary(run_id: str, db: Db) -> dict[str, Any]:
+    run = the_run(db, run_id)
+    return {"run_id": run_id, "state": run["state"], "summary": run.get("summary")}
+
+
+@read_routes.get("/api/runs/{run_id}/ps")
+def get_ps(run_id: str, db: Db) -> dict[str, Any]:
+    from psflow.platform.pshealth import ps_health
+
+    return {"run_id": run_id, **ps_health(the_run(db, run_id))}
+
+
+# -- a run's files and views --------------------------------------------------------------------------
+@run_page_routes.get("/api/runs/{run_id}/tasks/{task}/log")
+def get_log(run_id: str, task: str, db: Db, offset: Annotated[int | None, Query(ge=0)] = None,
+            max_bytes: Annotated[int, Query(ge=1, le=4 << 20)] = 64 << 10) -> dict[str, Any]:
+    return {"task": task, **read_log(log_path(the_run(db, run_id), task), offset=offset, max_bytes=max_bytes).to_dict()}
+
+
+@run_page_routes.get("/api/runs/{run_id}/placement")
+def get_placement(run_id: str, db: Db) -> dict[str, Any]:
+    from psflow.platform.placementview import newest_placement
+
+    found = newest_placement(Path(the_run(db, run_id)["logdir"]))
+    if found is None:
+        raise HTTPException(404, detail=f"Run {run_id} has no checkpoint yet: the placement is read from the "
+                                        "newest checkpoint's manifest.")
+    return {"run_id": run_id, **found}
+
+
+@run_page_routes.get("/api/runs/{run_id}/checkpoints")
+def get_checkpoints(run_id: str, db: Db) -> dict[str, Any]:
+    return {"run_id": run_id, "checkpoints": checkpoints(the_run(db, run_id))}
+
+
+@run_page_routes.get("/api/runs/{run_id}/checkpoints/{name}/export")
+def export(run_id: str, name: str, db: Db) -> FileResponse:
+    from psflow.checkpoint import export_checkpoint
+
+    path = checkpoint_path(the_run(db, run_id), name)
+    fd, out = tempfile.mkstemp(suffix=".safetensors", prefix="psflow-export-")
+    os.close(fd)
+    try:
+        export_checkpoint(path, out)
+    except PsflowError as e:
+        os.unlink(out)
+        raise HTTPException(409, detail=f"Checkpoint {name} cannot be exported: {e}") from e
+    return FileResponse(out, media_type="application/octet-stream", filename=f"{run_id}-{name}.safetensors",
+                        background=BackgroundTask(os.unlink, out))
+
+
+@run_page_routes.get("/api/runs/{run_id}/stacks")
+def get_stacks(run_id: str, db: Db, request: Annotated[int | None, Query(ge=1)] = None) -> dict[str, Any]:
+    from psflow.platform.runfiles import dump_lines
+    from psflow.platform.stacks import PROGRESS_NAMES, group_stacks, main_stack, making_progress, parse_dump
+
+    run = the_run(db, run_id)
+    asked = [c for c in db.controls(run_id) if c["kind"] == "dump" and (request is None or c["id"] == request)]
+    if not asked:
+        raise HTTPException(404, detail=f"Run {run_id} has no stack dump{'' if request is None else f' {request}'}; "
+                                        f"POST /api/runs/{run_id}/dump asks for one.")
+    control = asked[-1]
+    tasks: dict[str, Any] = {}
+    at: dict[str, float] = {}  # when each task's stacks were dumped: its progress then
+    for e in db.events(run_id):
+        data = e["data"]
+        if e["kind"] == "stacks_dumped" and data.get("request") == control["id"]:
+            threads = parse_dump(dump_lines(run, str(data["log"]), int(data["line"])))
+            tasks[str(data["task"])] = {"attempt": data.get("attempt"), "line": data["line"], "threads": threads}
+            at[str(data["task"])] = float(e["time_unix"])
+    since = min(at.values(), default=control["requested_unix"]) - 60.0  # enough to tell moving, standing, unknown
+    reported = [t for t, v in run["tasks"].items() if set(v.get("progress") or {}) & set(PROGRESS_NAMES)]
+    moving = making_progress(db.metrics(run_id, names=PROGRESS_NAMES, after_unix=since), at, reported=reported)
+    grouped = group_stacks({t: main_stack(v["threads"]) for t, v in tasks.items() if v["threads"]}, moving)
+    return {"run_id": run_id, "request_id": control["id"], "state": control["state"], "answer": control["answer"],
+            "tasks": tasks, "waiting_for": sorted(t for t, v in tasks.items() if not v["threads"]), **grouped}
+
+
+# -- changes ----------------------------------------------------------------------------------------
+@change_routes.post("/api/runs/{run_id}/checkpoints/{name}/restore", status_code=201)
+def restore_here(run_id: str, name: str, db: Db, request: Request, settings: Settings) -> dict[str, Any]:
+    from psflow.platform.launching import plan_of, restore_spec, seed_checkpoint, start_detached
+
+    run = the_run(db, run_id)
+    source = checkpoint_path(run, name)
+    try:
+        spec = restore_spec(run, settings.logdirs)
+        plan_of(spec)
+    except ConfigError as e:
+        raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
+    seed_checkpoint(source, Path(str(spec.logdir)))
+    plan, proc = start_detached(spec, env=_launcher_env(settings))
+    _recorded(settings, plan.run_id, plan.logdir, proc)
+    _reap(proc, request.app.state.launchers)
+    return {"run_id": plan.run_id, "restores": run_id, "checkpoint": name, "logdir": plan.logdir}
+
+
+@change_routes.post("/api/runs", status_code=201)
+def start_run(form: StartRun, request: Request, settings: Settings) -> dict[str, Any]:
+    from psflow.launch.gpus import GpuRequestError
+    from psflow.launch.restart import RestartPolicy
+    from psflow.platform.launching import LaunchSpec, new_run_id, start_detached
+
+    script = _allowed_script(form.script, settings.script_roots)
+    try:
+        policy = RestartPolicy.parse(form.restart, **({"max_restarts": form.max_restarts} if form.restart != "never" else {}))
+    except ConfigError as e:
+        raise _unprocessable("restart", str(e)) from e
+    run_id = new_run_id()
+    spec = LaunchSpec(script=str(script), args=tuple(form.args), num_ps=form.ps if form.strategy == "ps" else 0,
+                      num_workers=form.workers, chief=form.chief, evaluator=form.evaluator, mode=form.mode,
+                      strategy=form.strategy, backend=form.backend, restart_policy=dataclasses.asdict(policy),
+                      run_id=run_id, logdir=str(settings.logdirs / run_id), gpus_per_worker=form.gpus_per_worker)
+    try:
+        plan, proc = start_detached(spec, env=_launcher_env(settings))
+    except GpuRequestError as e:
+        raise _unprocessable("gpus_per_worker", str(e)) from e
+    except ConfigError as e:
+        raise _unprocessable("form", str(e)) from e
+    _recorded(settings, plan.run_id, plan.logdir, proc)
+    _reap(proc, request.app.state.launchers)
+    return {"run_id": plan.run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
+
+
+@change_routes.post("/api/runs/{run_id}/stop", status_code=202)
+def stop_run(run_id: str, db: Db) -> dict[str, Any]:
+    from psflow.platform.runcontrol import ask_stop
+
+    the_run(db, run_id)
+    asked = ask_stop(db, run_id, source="api")
+    if asked.request_id is None:
+        raise HTTPException(409, detail=f"Run {run_id} has already ended ({asked.state}); there is nothing to stop.")
+    return {"run_id": run_id, "request_id": asked.request_id}
+
+
+@change_routes.post("/api/runs/{run_id}/scale", status_code=202)
+def scale_run(run_id: str, form: ScaleRun, db: Db) -> dict[str, Any]:
+    from psflow.launch.control import check_workers
+    from psflow.platform.runcontrol import ScaleRefused, ask_scale
+
+    the_run(db, run_id)
+    try:
+        check_workers(form.workers)
+    except ValueError as e:
+        raise _unprocessable("workers", str(e)) from e
+    try:
+        request_id = ask_scale(db, run_id, form.workers, source="api")
+    except ScaleRefused as e:
+        raise HTTPException(409, detail=str(e)) from e
+    return {"run_id": run_id, "request_id": request_id, "workers": form.workers}
+
+
+@change_routes.post("/api/runs/{run_id}/dump", status_code=202)
+def dump_run(run_id: str, db: Db) -> dict[str, Any]:
+    the_run(db, run_id)
+    try:
+        request_id = db.request_control(run_id, "dump", source="api")
+    except JobStoreError as e:
+        raise HTTPException(409, detail=str(e)) from e
+    return {"run_id": run_id, "request_id": request_id}
+
+
+@change_routes.post("/api/runs/{run_id}/restart", status_code=202)
+def restart_run(run_id: str, db: Db, request: Request, settings: Settings) -> dict[str, Any]:
+    from psflow.launch.logdirlock import run_lock
+    from psflow.platform.launching import plan_of, spec_of_run, start_detached
+    from psflow.platform.runcontrol import ask_stop
+
+    run = the_run(db, run_id)
+    try:
+        spec = spec_of_run(run)
+        plan_of(spec)  # refused now, not in the background, if it cannot start again
+        # ... or if another run holds its logdir, or another restart of it waits (one logdir, one live run)
+        run_lock(str(spec.logdir), spec.logdir_url, str(spec.run_id)).check(after_run=run_id)
+    except ConfigError as e:
+        raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
+    # The stop is asked here; the new run's launcher, a process of its own session, waits for the
+    # old run's end before it starts, so the restart survives this dashboard going down meanwhile.
+    asked = ask_stop(db, run_id, source="api")
+    if asked.request_id is not None:
+        spec = dataclasses.replace(spec, after_run=run_id, after_request=asked.request_id,
+                                   after_timeout_s=settings.stop_wait_s)
+    try:
+        plan, proc = start_detached(spec, env=_launcher_env(settings))
+    except ConfigError as e:  # another restart got there between the look above and now
+        raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
+    _reap(proc, request.app.state.launchers)
+    return {"run_id": plan.run_id, "restarts": run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
+
+
+# -- live -------------------------------------------------------------------------------------------
+@stream_routes.get("/api/runs/{run_id}/stream", response_class=StreamingResponse,
+                   responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"}})
+def stream_run(run_id: str, request: Request, db: Db, settings: Settings,
+               name: Annotated[list[str] | None, Query()] = None, after: float = 0.0) -> StreamingResponse:
+    from psflow.platform.livestream import run_stream
+
+    the_run(db, run_id)  # a 404 now, not an empty stream
+    try:  # a reconnecting EventSource names the last metrics message it got
+        after = max(after, float(request.headers.get("last-event-id") or 0.0))
+    except ValueError:
+        pass
+
+    def look(since: float) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        with JobStore(settings.db_path) as store:
+            run = store.run(run_id, metrics=True)
+            if run is None:
+                return None, []
+            page = {"run": _on_page(run), "attempts": store.attempts(run_id),
+                    "events": store.events(run_id)[-2000:], "controls": store.controls(run_id)}
+            return page, store.metrics(run_id, after_unix=since, names=name)
+
+    body = run_stream(look, after=after, is_disconnected=request.is_disconnected, closing=request.app.state.closing,
+                      poll_s=settings.stream_poll_s, thin=lambda points: _thin(points, 2000))
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+@stream_routes.get("/metrics")
+def metrics(settings: Settings) -> Response:
+    from psflow.platform.prometheus import CONTENT_TYPE, exposition
+
+    return Response(exposition(settings.db_path), media_type=CONTENT_TYPE)
 
 
 def _allowed_script(script: str, roots: tuple[Path, ...]) -> Path:
