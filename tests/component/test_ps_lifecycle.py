@@ -294,10 +294,10 @@ def test_by_hand_every_worker_failing_at_start_ends_the_ps_at_once_with_the_firs
     started = time.monotonic()
     assert ps.wait_exit(timeout_s=WAIT_S) != 0, ps.log()
     assert time.monotonic() - started < 30.0, ps.log()  # at once (its loop looks about once a second), not 300 s
-    assert ("ps:0 has no worker left to serve: every one stopped without finishing (worker:0 at global step 0: stopped "
-            "on an error: ConfigError: the chief's too; worker:1 at global step 0: stopped on an error: ConfigError: "
-            "runs/default holds 1 checkpoint)") in ps.log(), ps.log()
-    assert "The first, worker:1: ConfigError: runs/default holds 1 checkpoint." in ps.log(), ps.log()
+    assert ("ps:0 has no worker left to serve: every one stopped without finishing, and no launcher restarts them. "
+            "In the order they stopped (the first is the root cause): worker:1 at global step 0: stopped on an error: "
+            "ConfigError: runs/default holds 1 checkpoint; worker:0 at global step 0: stopped on an error: "
+            "ConfigError: the chief's too. Fix the cause") in ps.log(), ps.log()
     assert "killed or crashed" not in ps.log() and "Traceback" not in ps.log(), ps.log()
 
 

@@ -78,8 +78,11 @@ def test_by_hand_every_worker_stopped_on_an_error_fails_at_once_naming_the_first
     r.worker_failed(0, 0, "ConfigError: runs/default holds checkpoints (chief)")
     (fail,) = r.tick(3.0)
     assert fail.act is Act.FAIL and fail.workers == (0, 1)
-    assert fail.reason.startswith("ps:0 has no worker left to serve: every one stopped without finishing")
-    assert "The first, worker:1: ConfigError: runs/default holds checkpoints." in fail.reason
+    assert fail.reason == (
+        "ps:0 has no worker left to serve: every one stopped without finishing, and no launcher restarts them. In "
+        "the order they stopped (the first is the root cause): worker:1 at global step 0: stopped on an error: "
+        "ConfigError: runs/default holds checkpoints; worker:0 at global step 0: stopped on an error: ConfigError: "
+        "runs/default holds checkpoints (chief). Fix the cause, then start the job again.")
 
 
 def test_under_a_launcher_every_worker_failing_is_waited_for() -> None:

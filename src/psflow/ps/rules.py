@@ -538,11 +538,11 @@ class ShardRules:
                     "same cluster flags (is its host or port right?), or raise lost_worker_timeout_s "
                     "(--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG by hand).")
         if self.by_hand and not self.done and all(w in self.failed | self.never for w in lost):
-            first = next((w for w in self.why if w in lost), None)  # the first to fail: its error is the root cause
-            root = f" The first, worker:{first}: {self.why[first] or 'see its log'}." if first is not None else ""
-            return (f"ps:{self.shard} has no worker left to serve: every one stopped without finishing "
-                    f"({self._why_lost(lost)}), and no launcher restarts them.{root} Fix the cause, then start "
-                    "the job again.")
+            # In the order they stopped: the first one's error is the root cause.
+            order = [w for w in self.why if w in lost] + [w for w in lost if w not in self.why]
+            return (f"ps:{self.shard} has no worker left to serve: every one stopped without finishing, and no "
+                    f"launcher restarts them. In the order they stopped (the first is the root cause): "
+                    f"{self._why_lost({w: lost[w] for w in order})}. Fix the cause, then start the job again.")
         return None
 
     def take_over(self) -> list[Decision]:
