@@ -479,37 +479,66 @@ def init(
     install_stack_dumps()  # SIGUSR1: every thread's stack into the task's log (the watchdog asks before a kill)
     env = dict(os.environ if env is None else env)
     tenv = TaskEnv.parse(env)  # every PSFLOW_* variable, checked before anything starts
-    args = list(sys.argv[1:] if argv is None else argv)
-    secret_file = None
-    for i, a in enumerate(list(args)):
-        if a.startswith("--secret-file="):
-            secret_file = a.split("=", 1)[1]
-            args.remove(a)
-            break
-        if a == "--secret-file" and i + 1 < len(args):
-            secret_file = args[i + 1]
-            del args[i : i + 2]
-            break
+    args, secret_file = _take_secret_file(list(sys.argv[1:] if argv is None else argv))
     key = secret.encode() if isinstance(secret, str) else (secret if secret is not None else _read_secret(tenv, secret_file))
     cfg = config or tenv.train_config or TrainConfig()
     if tenv.allow_unauthenticated_allreduce:
         cfg = replace(cfg, allow_unauthenticated_allreduce=True)
-    server_settings = {k: v for k, v in (("handshake_timeout_s", tenv.handshake_timeout_s),
-                                         ("max_handshaking", tenv.max_handshaking)) if v is not None}
-    require_ps = cfg.strategy == "ps"
-    connect_timeout_s = tenv.connect_timeout_s
-    flags = parse_cluster_flags(args, require_ps=require_ps)
+    flags = parse_cluster_flags(args, require_ps=cfg.strategy == "ps")
     coordinator = tenv.coordinator if cluster is None else None
+    spec, task_id = _resolve_cluster(cluster, job_name, task_index, flags, tenv, env, launched=bool(coordinator),
+                                     require_ps=cfg.strategy == "ps")
+    _prepare_process(env, tenv, cfg, spec, task_id, launched=bool(coordinator))
+    if coordinator:
+        server, spec, rendezvous = _serve_launched(coordinator, task_id, key, cfg, tenv, env)
+    else:
+        assert spec is not None
+        server, rendezvous = _serve_by_hand(spec, task_id, key, cfg, tenv, env)
+    task = Task(
+        task_id, spec, secret=key, server=server, config=cfg, argv=flags.rest, coordinator=coordinator,
+        logdir=tenv.logdir, connect_timeout_s=tenv.connect_timeout_s, fail_at=tenv.fail_at,
+        data_dir=tenv.data_dir, rendezvous=rendezvous, resume=tenv.resume, attempt=tenv.attempt, data_shards=tenv.data_shards,
+        checkpoint_dir=tenv.checkpoint_dir,
+    )
+    server.routes_ready()  # a ps: its service's routes are registered
+    if tenv.chaos and task.ps_service is not None and threading.current_thread() is threading.main_thread():
+        service = task.ps_service  # psflow chaos: SIGUSR2 cuts (and the next heals) its links to the other ps
+        signal.signal(signal.SIGUSR2, lambda signum, frame: service.partition())
+    _install_error_report(task, tenv.error_file)
+    atexit.register(task.finish)
+    task.start_heartbeat(cfg.heartbeat_every_s)
+    _current = task
+    return task
 
+
+def _take_secret_file(args: list[str]) -> tuple[list[str], str | None]:
+    """``--secret-file PATH`` (or ``=PATH``) taken out of ``args``: the rest, and the path."""
+    for i, a in enumerate(list(args)):
+        if a.startswith("--secret-file="):
+            return [*args[:i], *args[i + 1:]], a.split("=", 1)[1]
+        if a == "--secret-file" and i + 1 < len(args):
+            return [*args[:i], *args[i + 2:]], args[i + 1]
+    return args, None
+
+
+def _resolve_cluster(cluster: ClusterSpec | dict | None, job_name: str | None, task_index: int, flags: Any,
+                     tenv: TaskEnv, env: dict[str, str], *, launched: bool,
+                     require_ps: bool) -> tuple[ClusterSpec | None, TaskId]:
+    """The cluster (None for a launched task: its coordinator sends it) and this task's role, from the
+    first source that has them (see the module's docstring).
+
+    Raises:
+        ConfigError: no source has a cluster, or it does not say this task's role.
+    """
     if cluster is not None:
         spec = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec.from_dict(cluster, require_ps=require_ps)
         if job_name is None:
             raise ConfigError("init(cluster=...) needs job_name (and task_index) to know which task this process is.")
         task_id: TaskId | None = TaskId(job_name, task_index)
-    elif coordinator:
+    elif launched:
         if tenv.task is None:
-            raise ConfigError(f"PSFLOW_COORDINATOR is set ({coordinator!r}) but PSFLOW_TASK is not: the launcher sets both. "
-                              "Start the script with `psflow run`, or unset PSFLOW_COORDINATOR to start a task by hand.")
+            raise ConfigError(f"PSFLOW_COORDINATOR is set ({tenv.coordinator!r}) but PSFLOW_TASK is not: the launcher sets "
+                              "both. Start the script with `psflow run`, or unset PSFLOW_COORDINATOR to start a task by hand.")
         spec, task_id = None, tenv.task  # type: ignore[assignment]
     elif flags.cluster is not None:
         spec, task_id = flags.cluster, flags.task
@@ -529,7 +558,14 @@ def init(
     if task_id is None:
         raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index "
                           "(or TF_CONFIG's task, or PSFLOW_TASK with PSFLOW_CLUSTER).")
-    _set_threads(env, tenv, spec, task_id, launched=bool(coordinator))
+    return spec, task_id
+
+
+def _prepare_process(env: dict[str, str], tenv: TaskEnv, cfg: TrainConfig, spec: ClusterSpec | None, task_id: TaskId,
+                     *, launched: bool) -> None:
+    """What this process sets up before its server starts: its threads, the slow imports and clients
+    started in the background, the timeline, a quick exit."""
+    _set_threads(env, tenv, spec, task_id, launched=launched)
     if tenv.checkpoint_dir and "://" in tenv.checkpoint_dir and (task_id.job != "worker" or task_id.index == 0):
         from psflow.checkpoint import remote
 
@@ -542,54 +578,54 @@ def init(
         warm_up()  # torch's lazy imports, in the background, while the cluster assembles
     atexit.register(_quick_interpreter_exit)
 
-    # All-reduce: replica 0's cluster address is the collective rendezvous, a TCPStore it serves
-    # (see psflow.rendezvous); its psflow server, which nothing contacts then, moves aside.
-    rendezvous = None
-    if coordinator:
-        bind_host = "127.0.0.1" if tenv.bind_host is None else tenv.bind_host
-        _check_secret(None, bind_host, key)
-        _check_allreduce(cfg, [], bind_host, env)  # every task binds bind_host: the cluster's hosts will be those
-        server = Server(str(task_id), host=bind_host, port=0, secret=key, **server_settings)
-        if task_id.job == "ps":
-            server.expect_routes(cfg.ready_timeout_s)  # the ps service is made once the cluster is known
-        address = server.start()
-        if cfg.strategy == "allreduce" and task_id in (TaskId("chief", 0), TaskId("worker", 0)):
-            # Replica 0 is chief:0 if the run has one, else worker:0; only the cluster tells, so both bind.
-            rendezvous = bind_rendezvous(bind_host, 0, timeout_s=cfg.ready_timeout_s)
-            address = f"{parse_address(address)[0]}:{rendezvous.port}"
-        spec = _register(coordinator, task_id, address, key, connect_timeout_s, require_ps, tenv.attempt)
-        if rendezvous is not None and spec.chief() != task_id:
-            rendezvous = None
-    else:
-        assert spec is not None
-        spec.check_task(task_id)
-        host, port = parse_address(spec.address(task_id))
-        bind_host = host if tenv.bind_host is None else tenv.bind_host
-        _check_secret(spec, bind_host, key)
-        _check_allreduce(cfg, spec.hosts(), bind_host, env)
-        if cfg.strategy == "allreduce" and spec.chief() == task_id:
-            rendezvous = bind_rendezvous(bind_host, port, timeout_s=cfg.ready_timeout_s)
-            port = 0
-        server = Server(str(task_id), host=bind_host, port=port, secret=key, **server_settings)
-        if task_id.job == "ps":
-            server.expect_routes(cfg.ready_timeout_s)  # a worker may ask before the ps service is made
-        server.start()
 
-    task = Task(
-        task_id, spec, secret=key, server=server, config=cfg, argv=flags.rest, coordinator=coordinator,
-        logdir=tenv.logdir, connect_timeout_s=connect_timeout_s, fail_at=tenv.fail_at,
-        data_dir=tenv.data_dir, rendezvous=rendezvous, resume=tenv.resume, attempt=tenv.attempt, data_shards=tenv.data_shards,
-        checkpoint_dir=tenv.checkpoint_dir,
-    )
-    server.routes_ready()  # a ps: its service's routes are registered
-    if tenv.chaos and task.ps_service is not None and threading.current_thread() is threading.main_thread():
-        service = task.ps_service  # psflow chaos: SIGUSR2 cuts (and the next heals) its links to the other ps
-        signal.signal(signal.SIGUSR2, lambda signum, frame: service.partition())
-    _install_error_report(task, tenv.error_file)
-    atexit.register(task.finish)
-    task.start_heartbeat(cfg.heartbeat_every_s)
-    _current = task
-    return task
+def _server_settings(tenv: TaskEnv) -> dict[str, Any]:
+    return {k: v for k, v in (("handshake_timeout_s", tenv.handshake_timeout_s),
+                              ("max_handshaking", tenv.max_handshaking)) if v is not None}
+
+
+# All-reduce: replica 0's cluster address is the collective rendezvous, a TCPStore it serves
+# (see psflow.rendezvous); its psflow server, which nothing contacts then, moves aside.
+def _serve_launched(coordinator: str, task_id: TaskId, key: bytes, cfg: TrainConfig, tenv: TaskEnv,
+                    env: dict[str, str]) -> tuple[Server, ClusterSpec, Any]:
+    """A launched task: its server on port 0, registered with the launcher's coordinator, which
+    answers with the whole cluster. Returns the server, the cluster and the rendezvous (or None)."""
+    bind_host = "127.0.0.1" if tenv.bind_host is None else tenv.bind_host
+    _check_secret(None, bind_host, key)
+    _check_allreduce(cfg, [], bind_host, env)  # every task binds bind_host: the cluster's hosts will be those
+    server = Server(str(task_id), host=bind_host, port=0, secret=key, **_server_settings(tenv))
+    if task_id.job == "ps":
+        server.expect_routes(cfg.ready_timeout_s)  # the ps service is made once the cluster is known
+    address = server.start()
+    rendezvous = None
+    if cfg.strategy == "allreduce" and task_id in (TaskId("chief", 0), TaskId("worker", 0)):
+        # Replica 0 is chief:0 if the run has one, else worker:0; only the cluster tells, so both bind.
+        rendezvous = bind_rendezvous(bind_host, 0, timeout_s=cfg.ready_timeout_s)
+        address = f"{parse_address(address)[0]}:{rendezvous.port}"
+    spec = _register(coordinator, task_id, address, key, tenv.connect_timeout_s, cfg.strategy == "ps", tenv.attempt)
+    if rendezvous is not None and spec.chief() != task_id:
+        rendezvous = None
+    return server, spec, rendezvous
+
+
+def _serve_by_hand(spec: ClusterSpec, task_id: TaskId, key: bytes, cfg: TrainConfig, tenv: TaskEnv,
+                   env: dict[str, str]) -> tuple[Server, Any]:
+    """A task started by hand: its server on the cluster's address for it. Returns the server and
+    the rendezvous (or None)."""
+    spec.check_task(task_id)
+    host, port = parse_address(spec.address(task_id))
+    bind_host = host if tenv.bind_host is None else tenv.bind_host
+    _check_secret(spec, bind_host, key)
+    _check_allreduce(cfg, spec.hosts(), bind_host, env)
+    rendezvous = None
+    if cfg.strategy == "allreduce" and spec.chief() == task_id:
+        rendezvous = bind_rendezvous(bind_host, port, timeout_s=cfg.ready_timeout_s)
+        port = 0
+    server = Server(str(task_id), host=bind_host, port=port, secret=key, **_server_settings(tenv))
+    if task_id.job == "ps":
+        server.expect_routes(cfg.ready_timeout_s)  # a worker may ask before the ps service is made
+    server.start()
+    return server, rendezvous
 
 
 def _set_threads(env: dict[str, str], tenv: TaskEnv, spec: ClusterSpec | None, task_id: TaskId, *, launched: bool) -> None:
