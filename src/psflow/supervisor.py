@@ -265,34 +265,15 @@ class Supervisor:
                     "trainer = pf.Trainer(model, pf.optim.SGD(lr=0.01), task), then pf.Supervisor(task, ...)."
                 )
             trainer = task.trainers[0]
-        for name, value in (("save_model_secs", save_model_secs), ("max_seconds", max_seconds)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{name} must be a positive number of seconds or None; received {value!r}.")
-        if not (isinstance(poll_s, (int, float)) and poll_s > 0 and math.isfinite(poll_s)):
-            raise ConfigError(f"poll_s must be a positive number of seconds; received {poll_s!r}.")
-        for name, value in (("save_model_steps", save_model_steps), ("max_steps", max_steps),
-                            ("summary_every_steps", summary_every_steps), ("histogram_every_steps", histogram_every_steps)):
-            if value is not None:
-                _check_positive_int(name, value)
-        _check_positive_int("keep_checkpoints", keep_checkpoints)
-        if ema_for_export and getattr(trainer, "ema_decay", None) is None:
-            raise ConfigError("ema_for_export=True needs moving averages: create the Trainer with ema_decay=0.99 (or similar).")
+        _check_arguments(trainer, seconds={"save_model_secs": save_model_secs, "max_seconds": max_seconds},
+                         steps={"save_model_steps": save_model_steps, "max_steps": max_steps,
+                                "summary_every_steps": summary_every_steps, "histogram_every_steps": histogram_every_steps},
+                         keep_checkpoints=keep_checkpoints, ema_for_export=ema_for_export, resume=resume, poll_s=poll_s)
         self.task = task
         self.trainer = trainer
-        if resume is not None and not isinstance(resume, bool):
-            raise ConfigError(f"resume must be True, False or None; received {resume!r}.")
-        named = logdir or task.logdir
-        self.logdir = Path(named) if named else new_logdir()
-        check_logdir(self.logdir, what="logdir")  # before any task waits on this one
+        self._choose_dirs(logdir, checkpoint_dir)
         # Resuming is deliberate: asked for, or implied by naming the logdir (as the launcher's --logdir does).
         self.resume = resume if resume is not None else getattr(task, "resume", None)
-        self._logdir_named = bool(named)
-        where = checkpoint_dir or getattr(task, "checkpoint_dir", None)
-        self._checkpoint_dir_named = where is not None
-        if where is not None and checkpoint.is_url(str(where)):
-            self.checkpoint_dir: Path | str = checkpoint.UrlPath(str(where))
-        else:
-            self.checkpoint_dir = Path(where).resolve() if where is not None else (self.logdir / CHECKPOINTS_DIR).resolve()
         self.save_model_secs = save_model_secs
         self.save_model_steps = save_model_steps
         self.keep_checkpoints = keep_checkpoints
@@ -326,6 +307,19 @@ class Supervisor:
         self._ended_training = False  # chief, sync/ssp: it told the ps its training is over (end_training)
         self._held = contextlib.ExitStack()  # a chief by hand: its logdir's lock, from __enter__ to __exit__
         self._held_logdir = False
+
+    def _choose_dirs(self, logdir: str | os.PathLike[str] | None, checkpoint_dir: str | os.PathLike[str] | None) -> None:
+        """The logdir (named, the task's, or a new one) and where the checkpoints go, and whether each was named."""
+        named = logdir or self.task.logdir
+        self.logdir = Path(named) if named else new_logdir()
+        check_logdir(self.logdir, what="logdir")  # before any task waits on this one
+        self._logdir_named = bool(named)
+        where = checkpoint_dir or getattr(self.task, "checkpoint_dir", None)
+        self._checkpoint_dir_named = where is not None
+        if where is not None and checkpoint.is_url(str(where)):
+            self.checkpoint_dir: Path | str = checkpoint.UrlPath(str(where))
+        else:
+            self.checkpoint_dir = Path(where).resolve() if where is not None else (self.logdir / CHECKPOINTS_DIR).resolve()
 
     # -- properties ------------------------------------------------------------------------
     is_chief = property(lambda self: bool(self.task.is_chief))
@@ -840,6 +834,28 @@ def _all_corrupt_message(e: checkpoint.NoWholeCheckpointError) -> str:
         f"or move the checkpoints away (mv {e.root} {e.root}.corrupt); to resume, put a good copy of a checkpoint "
         f"back into {e.root}."
     )
+
+
+def _check_arguments(trainer: Any, *, seconds: Mapping[str, float | None], steps: Mapping[str, int | None],
+                     keep_checkpoints: int, ema_for_export: bool, resume: bool | None, poll_s: float) -> None:
+    """The Supervisor's arguments, checked where they enter.
+
+    Raises:
+        ConfigError: naming the argument, the value received and what is allowed.
+    """
+    for name, value in seconds.items():
+        if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{name} must be a positive number of seconds or None; received {value!r}.")
+    if not (isinstance(poll_s, (int, float)) and poll_s > 0 and math.isfinite(poll_s)):
+        raise ConfigError(f"poll_s must be a positive number of seconds; received {poll_s!r}.")
+    for name, count in steps.items():
+        if count is not None:
+            _check_positive_int(name, count)
+    _check_positive_int("keep_checkpoints", keep_checkpoints)
+    if ema_for_export and getattr(trainer, "ema_decay", None) is None:
+        raise ConfigError("ema_for_export=True needs moving averages: create the Trainer with ema_decay=0.99 (or similar).")
+    if resume is not None and not isinstance(resume, bool):
+        raise ConfigError(f"resume must be True, False or None; received {resume!r}.")
 
 
 def _check_positive_int(name: str, value: object) -> None:
