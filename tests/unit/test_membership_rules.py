@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psflow.ps.membership import check_workers, data_shard, scaled_quorum
+from psflow.launch.control import check_workers
+from psflow.ps.membership import data_shard, scaled_quorum
 from psflow.ps.rules import Act, Decision, RuleSettings, ShardRules
 
 

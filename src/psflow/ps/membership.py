@@ -46,8 +46,6 @@ Example:
 
 from __future__ import annotations
 
-MAX_WORKERS = 256  # the most workers a scale request may ask for (a typo guard, not a limit of the runtime)
-
 
 def scaled_quorum(n: int | None, m: int | None, *, launch: int, now: int) -> tuple[int, int]:
     """The sync quorum ``(N, M)`` with ``now`` joined replicas, for settings ``n``/``m`` (None: every
@@ -69,16 +67,3 @@ def data_shard(replica: int, launch_replicas: int) -> tuple[int, int]:
     ``launch_replicas``: the count stays the launch's, a replica past it reads ``replica mod count``."""
     count = max(1, launch_replicas)
     return replica % count, count
-
-
-def check_workers(workers: object, *, current: int | None = None) -> int:
-    """A scale request's worker count, checked. Returns it.
-
-    Raises:
-        ValueError: not an integer in ``1 .. MAX_WORKERS`` (the message names the value and the range).
-    """
-    if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
-        now = f" (the run has {current} now)" if current is not None else ""
-        raise ValueError(f"The number of workers must be an integer from 1 to {MAX_WORKERS}{now}. Received: {workers!r}. "
-                         "Pass e.g. --workers 3 (the chief, if the job has one, is not counted).")
-    return workers
