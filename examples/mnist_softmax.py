@@ -79,14 +79,19 @@ def main() -> None:
     batches = train.batches(args.batch_size, epochs=args.epochs, seed=args.seed + task.replica_index)
     # The logdir: --logdir, else the launcher's --logdir (or PSFLOW_LOGDIR), else by hand the chief makes a new one.
     with pf.Supervisor(task, logdir=args.logdir, data=batches) as sv:
+        first = True
         for x, y in batches:  # step 5: the training loop
             if sv.should_stop():  # SIGTERM / Ctrl-C: end with a final checkpoint
                 break
             loss = sv.step(lambda x=x, y=y: F.cross_entropy(model(x), y), batch_size=len(x))
-            epoch_done = batches.epoch - 1 if batches.batch_index == 0 else None  # the iterator moved past an epoch
-            if epoch_done is not None and (epoch_done + 1) % args.print_every == 0:
-                print(f"worker={task.replica_index},epoch={epoch_done},global_step={trainer.global_step}, "
-                      f"local_step={trainer.local_step},loss={loss}", flush=True)
+            epoch_ended = batches.batch_index == 0  # the iterator moved past the end of an epoch
+            epoch = batches.epoch - 1 if epoch_ended else batches.epoch  # this batch's epoch
+            # A line after this process's first step and after the last epoch, whatever --print_every:
+            # a short run shows that it started training, and where it ended.
+            if first or (epoch_ended and ((epoch + 1) % args.print_every == 0 or epoch == args.epochs - 1)):
+                print(f"worker={task.replica_index},epoch={epoch},global_step={trainer.global_step}, "
+                      f"local_step={trainer.local_step},loss={loss}{' (first step)' if first else ''}", flush=True)
+            first = False
         trainer.pull()  # the newest parameters
         with torch.no_grad():
             accuracy = (model(test.x).argmax(1) == test.y).float().mean().item()
