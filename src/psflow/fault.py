@@ -7,9 +7,8 @@ from step N on: a slow worker) or ``hang`` (the main thread stops for ever at st
 other threads, its heartbeats among them, go on: what the hang watchdog catches). Several faults are
 separated by commas.
 
-Two shorthands of ``psflow run`` map onto it (:func:`hang_spec`, :func:`slow_spec`):
-``--hang-at worker:1@step=20`` is ``worker:1@step=20:hang``, and ``--slow worker:2=0.2s`` is
-``worker:2@step=0:delay=0.2`` (0.2 s before every step).
+Shorthands of ``psflow run`` (:func:`hang_spec`, :func:`slow_spec`): ``--hang-at worker:1@step=20``
+is ``worker:1@step=20:hang``; ``--slow worker:2=0.2s`` is ``worker:2@step=0:delay=0.2``.
 
 Checkpoint faults: ``ps:K@save=N:crash_after=BYTES`` makes ps task K die (SIGKILL itself) while it
 writes its shard of the N-th checkpoint it is asked for (counted from 1), leaving exactly BYTES bytes

@@ -10,59 +10,14 @@ States and transitions::
     running/stopping --__exit__--> closed (chief: final checkpoint, DONE file; all: summaries closed,
                                            trainer closed so the ps can exit)
 
-Invariants:
-
-- Parameters never pass through the chief: a checkpoint is a PS_SAVE to every ps shard, each of
-  which writes its own shard file in parallel; the chief only commits the manifest
-  (:func:`psflow.checkpoint.commit`), whose meta (:func:`psflow.checkpoint.run_meta`) holds the
-  writer's placement, so the pieces (``w#0:392``, ``opt/w#0:392/<slot>``, ``ema/w#0:392``) can be
-  put back into whole tensors and restored into any number of ps
-  (:func:`psflow.checkpoint.load_whole_tensors`). Assembling and exporting checkpoints is
-  :mod:`psflow.checkpoint`'s; this module only decides when to save and what to restore.
-- Only a whole checkpoint is restored (:func:`psflow.checkpoint.latest_checkpoint` skips a partial or
-  corrupt one with a warning naming the file).
-- A checkpoint of diverged (NaN) parameters is never written by the final save.
-- Steps are exact: the chief sends ``max_steps`` and ``save_model_steps`` to the ps with the initial
-  parameters (:class:`psflow.ps.progress.StepPlan`); the ps refuse updates past the stop and keep
-  their state at each multiple, so checkpoints fall on multiples however async workers race.
-- Each checkpoint holds every worker's data position as ps shard 0 last recorded it (see
-  :mod:`psflow.ps.progress`); each worker loads its own from the readiness reply.
-- A chief started by hand holds its logdir's lock while it runs (``LOGDIR/.psflow.lock``,
-  :mod:`psflow.launch.logdirlock`), as a launcher does for its run: a second job into that logdir is
-  refused at once, naming the first. Under a launcher the launcher holds it.
-- A run continues the checkpoints in its logdir only deliberately (a named logdir or checkpoint
-  directory), and never starts over at step 0 when every checkpoint there is corrupt. A run that
-  names no logdir (tasks started by hand) gets its own, ``runs/<script>-<time>-<id>`` (:func:`new_logdir`):
-  the chief makes it, prints it and gives it to the other tasks through the ps (or rank 0's
-  broadcast), so every task of the run writes there and no later run finds its checkpoints.
-
-A restarted chief (the launcher's attempt >= 1 of the chief's task, or the chief started again by
-hand while the ps kept the job) takes over; it does not start the job again:
-
-- It asks the ps first (PS_STATUS on every shard). Where every shard is initialized it sends no
-  PS_INIT and restores no checkpoint over them (the ps's state is newer than any checkpoint); it
-  joins like a restarted worker: its readiness names its attempt (which fences the dead one), and
-  it gets the ps's step (``start_step``; the global step never goes back), values and its own data
-  position, as of its last applied batch. Where some shard is not initialized (the chief died
-  before or during initialization) it initializes or restores as on a first start; a shard that
-  was initialized keeps its state (only the first PS_INIT counts).
-- Its duties go on from there: step-based checkpoints at the next multiple of
-  ``save_model_steps`` after ``start_step`` (a multiple the job passed while the chief was down is
-  not written late; the ps no longer hold its state), time-based ones ``save_model_secs`` after it
-  started; summaries in the same ``summaries/<task>/`` directory, in a new event file (the earlier
-  files stay, the steps go on from the global step); examples/sec from its own examples since it
-  started; ``should_stop``, the wait for the other workers (async), the final checkpoint and DONE,
-  whose step is the job's. The step plan (``max_steps``, ``save_model_steps``) stays the one the
-  first chief sent: pass the same values.
-- While the chief is down nothing waits for it in async mode (the others' readiness, steps and
-  PS_DONE do not involve it; the ps wait for a lost worker only once all the others are done, up
-  to ``lost_worker_timeout_s``). In sync mode without backups a step is held for the lost chief's
-  gradient until ``sync_timeout_s`` (then it fails naming it) or until its new attempt pushes for
-  it; with backups the others go on without it; ssp: as for any worker, the others go on and it
-  resumes at a clock within the bound. No checkpoint is written while it is down.
-
-Layout under ``logdir``: ``checkpoints/ckpt-<step>/``, ``summaries/<task>/``, ``DONE`` (written by the
-chief when the job ends without an error; the evaluator exits on it).
+Invariants (each, and a restarted chief's takeover: ``docs/design/supervisor.md``): parameters never
+pass through the chief (each ps writes its shard, the chief commits the manifest); only a whole
+checkpoint is restored, and none of diverged (NaN) parameters is written at the end; steps are exact
+(the ps hold ``max_steps`` and ``save_model_steps``: :class:`psflow.ps.progress.StepPlan`); a
+checkpoint holds every worker's data position; a run continues its logdir's checkpoints only when
+the logdir was named, one that names none gets its own (:func:`new_logdir`), and a chief by hand
+holds its logdir's lock. A restarted chief takes over from the ps instead of starting the job again.
+Layout under ``logdir``: ``checkpoints/ckpt-<step>/``, ``summaries/<task>/``, ``DONE``.
 
 Example:
     >>> trainer = pf.Trainer(model, pf.optim.SGD(lr=0.01), task)

@@ -6,32 +6,22 @@ merge of every task's file into one ``LOGDIR/timeline.json`` that Perfetto (ui.p
 
 Who records what (categories; a span's name says more, e.g. ``push ps:1``):
 
-- a worker's main thread (:mod:`psflow.train.trainer`): ``step`` around each step, and in it
-  ``forward``, ``backward`` (``compute`` with several devices), ``push`` per shard (during
-  backward when a shard's gradients are ready early), ``wait`` (the sync quorum, the ssp bound, or
-  in async mode the ps's reply: until the reply's first byte) and ``pull`` (the values' bytes, per shard);
+- a worker's main thread (:mod:`psflow.train.trainer`): ``step``, and in it ``forward``,
+  ``backward`` (``compute`` with several devices), ``push`` per shard (during backward when a
+  shard's gradients are ready early), ``wait`` (the sync quorum, the ssp bound, or in async mode
+  the ps's reply until its first byte) and ``pull`` (the values' bytes, per shard);
 - an all-reduce rank's main thread (:mod:`psflow.train.allreduce`): ``step``, ``forward``,
-  ``backward``, ``allreduce`` (the trainer's own, after backward) and ``optimizer``; DDP's bucket
-  all-reduces, which overlap backward, on a track of their own (``add(track=...)``);
-- a ps's connection threads (:mod:`psflow.server`, :mod:`psflow.ps.service`): ``receive`` (from a
-  request's first byte to its last), ``apply`` (decoding and the optimizer step, or holding a sync
-  gradient), ``wait`` (a sync push-pull waiting for its step) and ``send`` (the reply).
+  ``backward``, ``allreduce`` and ``optimizer``; DDP's bucket all-reduces on a track of their own;
+- a ps's connection threads (:mod:`psflow.server`, :mod:`psflow.ps.service`): ``receive``,
+  ``apply``, ``wait`` (a sync push-pull waiting for its step) and ``send``.
 
-Clocks: every timestamp is wall-clock microseconds, taken as ``time.time()`` once at :func:`start`
-plus ``time.perf_counter()`` since then (precise and monotonic within a process). Hosts' wall
-clocks disagree (NTP keeps them within milliseconds, a misconfigured host by far more), so at its
-end each launched task estimates its clock's offset to one reference, the launcher (every launched
-task already holds an authenticated connection to its coordinator; ps:1.. and all-reduce ranks
-have none to ps:0 or the chief), NTP-style: several CLOCK round trips on that connection, the
-offset from the one with the shortest round trip (:func:`estimate_offset`, error at most half that
-round trip). The offset is written with the task's spans and :func:`merge` shifts them by it, so the
-merged trace is on the launcher's clock. A drift of the clocks during the run is not corrected.
-
-Off (the default), :data:`ACTIVE` is None and every hook is one ``if`` on it: no clock read, no
-allocation. On, a span costs two clock reads and one dict appended to a list (thread-safe in CPython).
-Invariants: a trace file is written once per process, at its end (a task killed by SIGKILL leaves
-none); the merged file lists every task's file, one trace process (``pid``) per task attempt and one
-trace thread (``tid``) per OS thread, named.
+Clocks: wall-clock microseconds (``time.time()`` once at :func:`start`, plus ``perf_counter`` since).
+Each launched task estimates its clock's offset to the launcher's NTP-style over its coordinator
+connection (:func:`estimate_offset`), and :func:`merge` shifts its spans by it
+(``docs/design/timeline.md``). Off (the default), :data:`ACTIVE` is None and every hook is one
+``if``; on, a span costs two clock reads and one dict appended to a list. Invariants: a trace file
+is written once per process, at its end; the merged file has one trace process per task attempt
+and one trace thread per OS thread, named.
 """
 
 from __future__ import annotations

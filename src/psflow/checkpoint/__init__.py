@@ -5,39 +5,24 @@ Layout under a checkpoint root::
     ROOT/ckpt-{step:010d}/shard-{k:05d}-of-{n:05d}.safetensors   one file per ps shard
     ROOT/ckpt-{step:010d}/manifest.json                          written last, by the chief
 
-Invariants:
+Invariants (each, and why: ``docs/design/checkpoints.md``):
 
-- A checkpoint is *whole* only if its final directory exists, its manifest parses and matches its
-  own checksum (``manifest_sha256``), and every shard file's size and sha256 match the manifest.
-  Nothing else is ever restored from.
-- Every file of a checkpoint is a regular file inside its directory: a symlink (a shard, the
-  manifest or the checkpoint directory itself) is refused, so a checkpoint never reads elsewhere.
-- Nothing is written in place. Shards land in ``ckpt-{step}.partial/`` as ``*.tmp`` files that
-  are fsynced and renamed; the manifest is written the same way, last; only then is the directory
-  renamed to its final name and the parent fsynced. A crash at any point leaves the earlier
-  checkpoints plus a ``.partial`` directory, never a checkpoint that looks whole and is not.
-  Re-committing a step that exists keeps the old directory until the new one is in place (and
-  puts it back if that rename fails).
-- Tensor names are opaque strings to the format and unique across a checkpoint; psflow's trainers
-  name them by one scheme (:mod:`psflow.checkpoint.keys`).
+- A checkpoint is *whole* only if its final directory exists, its manifest matches its own checksum
+  and every shard file's size and sha256 match the manifest; nothing else is ever restored from.
+- Every file of a checkpoint is a regular file inside its directory (a symlink is refused).
+- Nothing is written in place: shards and the manifest are fsynced temporary files renamed into
+  ``ckpt-{step}.partial/``, renamed to its final name last; a crash leaves the earlier checkpoints
+  and a ``.partial`` directory, never a checkpoint that looks whole and is not.
+- Tensor names are opaque to the format and unique in a checkpoint (:mod:`psflow.checkpoint.keys`).
 
-The package, one concept per module:
+One concept per module: ``format`` (names, the manifest's checksum, :class:`ShardRecord`),
+``files`` (durable writes), ``writer`` (:func:`write_shard`, :func:`commit`), ``reader``
+(:func:`latest_checkpoint`), ``keys``, ``assembly`` (a run's manifest meta, whole tensors from
+pieces), ``export`` (one safetensors file), ``remote`` (a URL root, through fsspec).
 
-- :mod:`~psflow.checkpoint.format`: names on disk, the manifest's checksum, :class:`ShardRecord`.
-- :mod:`~psflow.checkpoint.files`: durable file writes (tmp file, fsync, rename, fsync the directory).
-- :mod:`~psflow.checkpoint.writer`: :func:`write_shard` (every ps) and :func:`commit` (the chief).
-- :mod:`~psflow.checkpoint.reader`: listing, verifying and loading (:func:`latest_checkpoint`).
-- :mod:`~psflow.checkpoint.keys`: the tensor names of a training state (``opt/<name>/<slot>``, ``ema/<name>``).
-- :mod:`~psflow.checkpoint.assembly`: a psflow run's checkpoint: its manifest meta, whole tensors from pieces.
-- :mod:`~psflow.checkpoint.export`: one safetensors file out of a checkpoint (one durable writer).
-
-Callers: every ps task calls :func:`write_shard` for its own shard, in its own process, in
-parallel, and sends the returned :class:`ShardRecord` to the chief as JSON; the chief calls
-:func:`commit` once every shard has reported; a (re)starting task calls :func:`latest_checkpoint`
-and :meth:`Checkpoint.load_shard`; the Supervisor builds the manifest meta with :func:`run_meta` and
-restores with :func:`load_whole_tensors`; ``psflow export`` calls :func:`export_checkpoint`. A
-root that is a URL (``s3://...``) goes to :mod:`~psflow.checkpoint.remote` (fsspec: one object per
-shard, the manifest written last, read back through a verified local copy); nothing else networks.
+Callers: every ps writes its own shard (:func:`write_shard`) and sends its :class:`ShardRecord` to
+the chief, which calls :func:`commit` once every shard reported; the Supervisor restores
+(:func:`load_whole_tensors`); ``psflow export`` calls :func:`export_checkpoint`.
 """
 
 from __future__ import annotations

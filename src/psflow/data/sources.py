@@ -12,11 +12,9 @@ Sources of ``mnist()``, tried in order:
 3. The IDX files from well-known mirrors, each verified against its known sha256.
 
 Sources 2 and 3 are converted once into a cache entry (``.npy`` files, memory-mapped on later
-loads) so that a task starts in a fraction of a second instead of unpickling 200 MB. The first
-load of each split also publishes a float32 twin of the entry's images (``ENTRY-SPLIT-float32``,
-an entry of its own); later loads memory-map it copy-on-write (``mmap_mode="c"``: the tensor is
-writable, a write stays in the process) instead of converting 47 million pixels into fresh memory:
-a restarted worker's data load drops from about a second to a few milliseconds (its shard's copy remains).
+loads): a task starts in a fraction of a second instead of unpickling 200 MB. The first load of each
+split also publishes a float32 twin of its images (``ENTRY-SPLIT-float32``), which later loads map
+copy-on-write (``mmap_mode="c"``): a restarted worker loads its data in milliseconds, not a second.
 
 Invariants:
 

@@ -2,44 +2,11 @@
 
 Events go in (:class:`TaskStarted`, :class:`TaskExited`, :class:`TaskReported`, :class:`TaskHeartbeat`,
 :class:`TaskProgressed`, :class:`StacksDumped`, :class:`HeartbeatMissed`, :class:`StopRequested`,
-:class:`TimeAdvanced`); decisions come out (:class:`StartTask`, :class:`StopTasks`, :class:`RestartTask`,
-:class:`DumpStacks`, :class:`RunFinished`). No I/O and no clock of its own:
-every event carries the time it happened (unix seconds, the clock of the tasks' error reports), so a
-test steps a whole run by hand. The runner (:mod:`psflow.launch.runner`) feeds it what the backend
-saw and carries out what it decides.
-
-The rules (those of the local launcher since its first version):
-
-- a task that exits non-zero, and that the restart policy does not restart, fails the run: every
-  other task is stopped (:class:`StopTasks`), and once all have exited the root cause is chosen by
-  :func:`psflow.launch.rootcause.root_cause` over the exits and the error reports it was given;
-- once every training task (chief, worker) has exited 0, the others (ps, evaluator) get
-  ``ps_exit_timeout_s`` to exit by themselves; those still running then are stopped, with a
-  warning, and the run still succeeds;
-- a stop request (Ctrl-C, SIGTERM) stops every task; the run ends ``stopped`` (exit code 130), even
-  if a task had failed before (its root cause is still named);
-- restarts follow a :class:`psflow.launch.restart.RestartPolicy` (default ``never``), chosen per
-  job: the attempt count per task, the budget per task and per run, and an exponential backoff;
-- a :class:`psflow.launch.restart.RestartGroup` (all-reduce ranks; with one copy of each ps shard,
-  the ps and the training tasks) restarts together: when one of its triggers exits and the policy
-  restarts it, the controller stops every other member still running (:class:`StopTasks`), takes
-  their exits as part of the restart (``stopped``: never a failure, whatever their code), and once
-  every member has exited restarts each as its next attempt (:class:`RestartTask` each, with its
-  backoff); they resume from the newest checkpoint. The budgets count every member's restart (a
-  member whose budget is spent fails the run as a single task's would). A failure or a stop before
-  the members have exited cancels the group's restart;
-- hangs follow a :class:`psflow.launch.watchdog.HangPolicy` (default off): while the run is running, a
-  task that misses its progress or heartbeat deadline (:class:`psflow.launch.watchdog.Watchdog`) gets
-  :class:`DumpStacks`; ``dump_wait_s`` later it is killed (:class:`StopTasks` with no grace), and its
-  exit is a failure whose cause is the hang (``hung: no progress for 3.1 s; stacks
-  in LOG from line N``), restarted or failing the run under the restart policy like any other. A
-  :class:`HeartbeatMissed` notice (from a backend that watches on its own) counts as frozen at once.
-
-Scaling (``psflow scale``, :meth:`RunController.scale`): while the run is running, workers are added
-(each starts as a new task, attempt 0, or, one retired before, as its next attempt) or the highest
-ones retired: each gets :class:`StopTasks` with the run's grace, and its exit, whatever its code, is
-recorded as ``retired``: never a failure, never restarted, not waited for by the drain. A restart
-group takes the added workers in and lets the retired ones go.
+:class:`RunFailed`, :class:`TimeAdvanced`), each with its unix time; decisions come out (:class:`StartTask`,
+:class:`StopTasks`, :class:`RestartTask`, :class:`DumpStacks`, :class:`RunFinished`). No I/O and no
+clock: a test steps a whole run by hand; :mod:`psflow.launch.runner` feeds it what the backend saw
+and carries out what it decides. The rules (failures and the root cause, draining, stops, restarts
+and restart groups, hangs, scaling), each with its reason: ``docs/design/run-controller.md``.
 
 Run phases::
 
@@ -58,19 +25,6 @@ Task states::
     running or starting --scale retires it (StopTasks)--> retiring --TaskExited--> retired
     backoff or exited --scale retires it--> retired;  retired --scale adds it (StartTask, next attempt)--> starting
     group member: exited (a trigger's restart) --others stopped and exited--> backoff (RestartTask) --> starting
-
-A training task that dies once a ps has exited 0 (the ps end when every worker has said it is done:
-a chief killed in its final evaluation) is not restarted: its new attempt would find no ps to train
-with, and would fail again for as long as the budget lasts. Its exit fails the run.
-
-A restart cancelled because training finished leaves the task's last exit standing without failing
-the run (the training tasks completed without it); cancelled by a failure or a stop, that exit
-counts for the root cause like any other.
-
-Attempts count from 0 (the restart count: ``attempt`` 2 is the second restart). An exit that was
-restarted is history: it shows in the task's record, but not in the root-cause rule, which looks at
-each task's last attempt. A task's error report is given (:class:`TaskReported`) before its exit.
-Exits seen once the run is stopping are marked ``stopped`` (no sign of failure by themselves).
 """
 
 from __future__ import annotations
@@ -175,6 +129,17 @@ class StopRequested:
 
 
 @dataclass(frozen=True)
+class RunFailed:
+    """Something no restart mends ended the run, found outside the task's own exit (a ps shard whose
+    copies are both gone: the launcher's views recorded it lost); ``task`` is blamed, ``reason`` says why."""
+
+    task: str
+    attempt: int
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
 class TimeAdvanced:
     """Time passed with nothing else happening (the runner's tick): deadlines and backoffs fall due."""
 
@@ -182,7 +147,7 @@ class TimeAdvanced:
 
 
 Event = (TaskStarted | TaskExited | TaskReported | TaskHeartbeat | TaskProgressed | StacksDumped | HeartbeatMissed
-         | StopRequested | TimeAdvanced)
+         | StopRequested | RunFailed | TimeAdvanced)
 
 
 # --------------------------------------------------------------------------------------- decisions
@@ -403,6 +368,8 @@ class RunController:
             out = self._on_stacks_dumped(event)
         elif isinstance(event, StopRequested):
             out = self._on_stop_requested(event)
+        elif isinstance(event, RunFailed):
+            out = self._fail(event.task, 1, event.reason) if self.phase in ("running", "draining") else []
         elif isinstance(event, TimeAdvanced):
             out = []
         else:

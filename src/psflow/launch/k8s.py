@@ -1,48 +1,22 @@
 """A run as Kubernetes objects: pure rendering of a launch plan into manifests (no API server, no I/O).
 
 Called by ``psflow run --backend k8s`` (through :class:`psflow.launch.k8swatch.K8sBackend`, which
-submits what this module renders and watches it) and by ``psflow k8s tfjob``. How a run maps onto
-Kubernetes, and why:
+submits what this module renders and watches it) and by ``psflow k8s tfjob``. The mapping in brief
+(each choice, and why: ``docs/design/kubernetes.md``):
 
-- **A Secret** (``<name>-secret``) holds the job secret; every pod mounts it read-only at
-  ``/var/run/psflow/secret`` and reads it through ``PSFLOW_SECRET_FILE``. The secret is never in a
-  container's plain environment nor on its command line (``kubectl describe pod`` shows neither).
-- **A headless Service** (``clusterIP: None``, ``publishNotReadyAddresses``) named after the run gives
-  every pod a stable DNS name, ``<job-name>-<index>.<service>.<namespace>.svc``, before it is ready
-  (a ps is not "ready" in Kubernetes' sense until the workers reach it).
-- **One indexed Job per job type** (``<name>-ps``, ``<name>-worker``, ...): the pod of index *i* is
-  task ``<type>:<i>``. Its ``TF_CONFIG`` names every task by its DNS name and port ``port``; the
-  pod's own index comes from the Job's completion-index annotation through the downward API
-  (``TASK_INDEX``, expanded into ``TF_CONFIG`` by the kubelet), so one template serves every index;
-  its attempt (``PSFLOW_ATTEMPT``) from the index's failure count, where the job restarts.
-  ``pf.init()`` reads ``TF_CONFIG`` as it does under Kubeflow's operator. A task binds every
-  interface of its pod (``PSFLOW_BIND_HOST=0.0.0.0``: a pod's network is its own), which the job
-  secret makes safe and requires.
-- **Restarts** are Kubernetes' (the run goes on if the launcher goes away), mapped from the run's
-  policy per job by :func:`restart_fields`: ``never`` -> ``backoffLimit: 0``; ``on-failure`` ->
-  ``backoffLimitPerIndex: max_restarts`` (each retry a new pod with the same DNS name) and
-  ``maxFailedIndexes: 0`` (a task out of retries fails the job); ``exit-code`` -> the same plus a
-  ``podFailurePolicy`` that fails the index at once on exit codes 1-127 (Kubeflow's convention);
-  ``always`` -> as ``on-failure`` (a Job never restarts a pod that exited 0). Pods use
-  ``restartPolicy: Never`` throughout, so each attempt is its own pod with its own exit code and
-  log. ``max_restarts_per_run`` becomes each Job's ``backoffLimit`` (per job type: all Kubernetes can
-  hold without psflow), and the launcher that follows the run holds it across the whole run
-  (:func:`psflow.launch.k8swatch.run_budget_spent`: past it, the run fails and its Jobs are
-  deleted); the backoff between retries is Kubernetes' own (10 s doubling to 6 min).
-- **Error reports**: ``PSFLOW_ERROR_FILE=/dev/termination-log``, so a failing task's JSON report is
-  its container's termination message (Kubernetes keeps 4 KiB of it), read by the watcher.
-- **The log dir** (checkpoints: every ps writes its shard, the chief the manifest) must be one
-  directory for every pod: a ReadWriteMany PersistentVolumeClaim (``volume_claim``) mounted at
-  ``/psflow``; the run's log dir is ``/psflow/<logdir>``. Where the checkpoints go to an object
-  store instead (``--checkpoint-dir s3://...``), no claim is needed: each pod's log dir is its own
-  ``emptyDir``, and ``env_secret`` (a Secret of the user's: ``AWS_ACCESS_KEY_ID``, ...) becomes
-  every pod's environment.
-- **Resources**: ``cpu`` requested per task as the plan's threads; ``nvidia.com/gpu`` limits for the
-  chief and workers (``gpus_per_worker``). ``ttlSecondsAfterFinished`` removes finished Jobs.
+- a Secret holds the job secret, mounted read-only in every pod (never in its environment or argv);
+- a headless Service gives every pod a stable DNS name, before it is ready;
+- one indexed Job per job type: the pod of index *i* is task ``<type>:<i>``, named in ``TF_CONFIG``
+  (its index from the downward API); a task binds every interface of its pod;
+- restarts are Kubernetes' (:func:`restart_fields` maps the run's policy per job; every attempt is a
+  pod of its own), ``max_restarts_per_run`` held by the launcher
+  (:func:`psflow.launch.k8swatch.run_budget_spent`);
+- a failing task's error report is its container's termination message (``/dev/termination-log``);
+- the log dir is one ReadWriteMany claim mounted at ``/psflow`` (or each pod's ``emptyDir`` where the
+  checkpoints go to an object store, ``env_secret`` then the pods' environment);
+- ``cpu`` requested from the plan's threads, ``nvidia.com/gpu`` limits for the chief and workers.
 
-:func:`render_tfjob` renders the same run as one Kubeflow ``TFJob`` (``kubeflow.org/v1``) instead:
-the training operator creates the pods and the service and injects ``TF_CONFIG`` itself, and its
-``restartPolicy`` kinds are psflow's (``Never``, ``OnFailure``, ``Always``, ``ExitCode``).
+:func:`render_tfjob` renders the same run as one Kubeflow ``TFJob`` (``kubeflow.org/v1``) instead.
 """
 
 from __future__ import annotations

@@ -7,34 +7,17 @@ chief started by hand (:class:`psflow.supervisor.Supervisor`) hold ``LOGDIR/.psf
 second run into that logdir is refused at once (:class:`LogdirInUseError`), naming the holder and
 what to do instead.
 
-How a lock is judged:
-
-- The kernel is the judge of life: ``flock`` ends with the holder's last descriptor, so a launcher
-  killed with SIGKILL leaves its file but not its lock. The next run takes it, with a note naming
-  the run that "ended without releasing it".
-- A lock still held whose file names a pid on this host that no longer runs (or runs a newer
-  process under that pid) was left to a process that inherited the descriptor (a forked child of the
-  dead holder): stale. It is taken over by replacing the file (a new inode), with a note.
-- A lock held from another host (a shared filesystem) is trusted: psflow cannot see that host's
-  processes. The message says how to clear it by hand.
-- Each look and takeover runs under a second, short lock (``.psflow.lock.guard``, never replaced), so
-  that reading the holder, judging it and taking over are one step: two runs that find one stale
-  lock do not both take it.
-- Re-entrant per process and run id (:func:`hold`): an entry point that takes the lock before its own
-  set-up (a URL logdir's uploader) lets the Runner inside take it again for nothing.
-- A restart may wait (``wait_for_run``) for the run it restarts: that run's launcher writes its
-  summary after the job store says it ended. Meanwhile the restart holds the logdir's one queue place
-  (``.psflow.lock.next``), so a second quick restart is refused rather than queued behind it.
-- A URL logdir (``s3://...``) has no directory to lock. Its lock is a file under
-  ``$PSFLOW_HOME/locks/`` named after the URL (:func:`lock_path`): it guards the runs launched from
-  this machine with this ``PSFLOW_HOME``; runs into one URL from two machines are not detected.
-- A filesystem without ``flock`` (some network mounts) cannot guard the logdir: the run goes on
-  with a warning.
+How a lock is judged (each case, and why: ``docs/design/logdir-lock.md``): the kernel is the judge of
+life (a holder killed with SIGKILL leaves its file, not its flock); a flock that lives on in a dead
+holder's child is stale and taken over (a new file); a lock held from another host is trusted; a
+second short lock (``.psflow.lock.guard``) makes look, judge and take over one step; a process may
+take its run's lock again (:func:`hold`); a restart waits for the run it restarts holding the
+logdir's one queue place (``.psflow.lock.next``); a URL logdir's lock lies in
+``$PSFLOW_HOME/locks/`` (:func:`lock_path`); without ``flock`` the run goes on with a warning.
 
 Pure (tested alone): :class:`Holder`, :func:`is_stale`, :func:`in_use_message`, :func:`lock_path`.
-
-Called by the Runner, ``psflow run`` and :mod:`psflow.platform.launching` (URL logdirs, restarts),
-and the Supervisor of a chief started by hand.
+Called by the Runner, ``psflow run``, :mod:`psflow.platform.launching` (URL logdirs, restarts) and
+the Supervisor of a chief started by hand.
 """
 
 from __future__ import annotations

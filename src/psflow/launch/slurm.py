@@ -1,54 +1,19 @@
 """SlurmBackend: the tasks of a plan as steps of one Slurm job.
 
-Implements :class:`psflow.launch.backend.Backend` (``psflow run --backend slurm --nodes K``). How a
-run maps onto Slurm, and why:
+Implements :class:`psflow.launch.backend.Backend` (``psflow run --backend slurm --nodes K``). The
+mapping in brief (each choice, and why: ``docs/design/slurm.md``):
 
-- **One allocation per run, held by the batch script.** :meth:`SlurmBackend.open` submits the
-  script of :func:`batch_script` (what ``psflow run --dry-run`` prints) with ``sbatch`` and waits,
-  through ``squeue``, until the job runs. The script starts no task: it holds the allocation until
-  the launcher writes ``end`` into ``LOGDIR/slurm/heartbeat``, or until that file has stood still
-  for ``hold_timeout_s`` (so that a launcher killed with SIGKILL does not hold nodes for ever).
-- **One job step per task attempt**, started by the launcher: ``srun --jobid=JOB --overlap -N1 -n1
-  -w NODE -J TASK.aATTEMPT ...`` (:func:`step_argv`). The srun client runs on the launcher's host
-  and relays the task's output, which is streamed like a local task's (the console with the
-  ``[task]`` prefix, ``LOGDIR/logs/<task>.log``); the client's exit is the task's exit. So start,
-  poll and stop are per task, and the run's restart policy restarts one task alone, as a new step on
-  the same node, while the others run on.
-- **Nodes**: the plan's task *i* runs on node *i* mod K of the allocation's node list (squeue's
-  ``%N``, expanded): with ``--nodes 3``, ps:0 on the first node, worker:0 on the second, worker:1 on
-  the third. Steps ``--overlap``, so that more tasks than nodes share them.
-- **Addresses**: a task under the launcher takes its role from ``PSFLOW_TASK``, binds port 0 on
-  its node's name (``PSFLOW_BIND_HOST``; Slurm's node names resolve to the nodes) and registers with
-  the launcher's coordinator (``PSFLOW_COORDINATOR``), as a local task does;
-  Slurm's own variables (``SLURM_PROCID``, ports from ``PSFLOW_BASE_PORT`` plus the local id) are
-  what ``psflow.init`` reads in a script under the user's *own* ``srun``, without this launcher.
-  Fixed ports would be wrong here: a restarted attempt would find its port still held by the one
-  that is dying, and every emulated node of a one-host cluster shares one port space; with port 0
-  the coordinator's address book announces a restarted task's new address. The coordinator listens
-  where the launcher's server binds (loopback): right while the nodes are this host, as in the
-  tests; nodes on other hosts need an address they can reach and the job secret off loopback
-  (issue 11, item 5).
-- **Stacks** of a hung task (the watchdog's ``dump_stacks``): ``scancel --signal=USR1 JOB.STEP``, then
-  ``--signal=CONT`` (a frozen task runs its handler only once resumed, as locally); the task's
-  its stack dumper (psflow.heartbeat) writes them to its output, which the srun client relays into its log.
-- **Signals** (:meth:`SlurmBackend.send_signal`, ``psflow chaos``'s SIGKILL, SIGSTOP and SIGCONT):
-  ``scancel --signal=NAME JOB.STEP`` (:func:`signal_argv`): slurmstepd delivers it to every process
-  of the attempt's step on its node, children included. The step is looked up by its name
-  (``squeue -s``); before Slurm lists it, the srun client's process group gets the signal (a SIGKILL
-  of the client ends its step; srun forwards SIGCONT, and a stopped client's step waits).
-- **Stopping**: ``scancel --signal=TERM JOB.STEP`` (the task's own SIGTERM handling, as locally),
-  then ``scancel --signal=KILL`` after ``grace_s``. Signals to the srun client are not used for the
-  first stage: srun takes SIGTERM as "force termination" and kills the step at once.
-- **Following the job**: ``squeue`` while Slurm lists it, then ``scontrol show job`` (kept for
-  ``MinJobAge``), then ``sacct`` where accounting is on. A job that ends under the run (``scancel``,
-  its time limit, a node failure) is reported through :meth:`SlurmBackend.ended_by`, before the
-  exits it caused: the run stops (exit code 130) and says why.
-- **Exit codes**: srun exits 128+N for a task killed by signal N; that becomes -N, as ``Popen``
-  reports a local task's signal (the root cause then reads "killed (SIGKILL)").
-- **Files**: the log dir must be one directory for the launcher and every node: the tasks write
-  their error reports (read by :meth:`SlurmBackend.error_report`) and read the job secret there, and
-  the batch script reads the heartbeat there. One host here; several hosts need a shared log dir
-  (issue 11, item 4).
+- one allocation per run, held by the script of :func:`batch_script` (``--dry-run`` prints it)
+  until the launcher writes ``end`` into ``LOGDIR/slurm/heartbeat``, or that file stands still for
+  ``hold_timeout_s`` (a launcher killed with SIGKILL holds no nodes for ever);
+- one job step per task attempt (``srun --overlap -N1 -n1 -w NODE``, :func:`step_argv`): its srun
+  client's output and exit are the task's, so a task restarts alone; task *i* runs on node *i* mod K;
+- a task binds port 0 on its node and registers with the launcher's coordinator, as a local one does;
+- signals, stack dumps and stops are ``scancel --signal=NAME JOB.STEP`` (:func:`signal_argv`; a stop
+  is TERM, then KILL after ``grace_s``); srun's exit 128+N becomes -N, as a local task's signal;
+- the job is followed through ``squeue``, ``scontrol`` and ``sacct``; a job that ends under the run
+  (scancel, its time limit, a node failure) stops it (:meth:`SlurmBackend.ended_by`);
+- the log dir is one directory for the launcher and every node.
 
 States of the job, as the backend sees it::
 

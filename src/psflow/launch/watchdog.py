@@ -1,40 +1,20 @@
 """The hang watchdog: per-task deadlines on heartbeats and progress, as pure books.
 
 Every task sends a heartbeat about once a second from a daemon thread (:mod:`psflow.heartbeat`),
-also while its main thread is stuck; trainers report their progress after their steps (at most every
-``progress_every_s``). Two deadlines follow from that, both settings of :class:`HangPolicy`:
+also while its main thread is stuck; trainers report their progress after their steps. Two deadlines
+of :class:`HangPolicy` follow (what each catches and lets go, and why: ``docs/design/hang-watchdog.md``):
 
-- **progress** (``hang_timeout_s``, training tasks only: chief, worker): no new step reported for
-  longer than the deadline while the heartbeats still come is a *hang* ("alive, but no progress": a
-  deadlock, a stalled data loader, a collective that never completes). A task whose heartbeat says it
-  waits for its peers (a sync step's quorum, the ssp bound) is not hung itself: its progress clock
-  restarts with each such heartbeat, so in a sync run only the task that holds the others up is caught.
-  Nor is one whose heartbeat names the task it is blocked on (``waiting_on``: a ps whose reply,
-  connection or transfer its main thread awaits, in any mode): a frozen ps stops every worker, and
-  the ps, not its workers, is the one to dump and restart.
-- **heartbeat** (``heartbeat_timeout_s``, default the same as ``hang_timeout_s``, every task): no
-  heartbeat for longer than the deadline means the whole process is *frozen* (SIGSTOP, a C call that
-  holds the GIL, a swapped-out machine). A frozen task's :class:`Hang` names the tasks still heard
-  from that are blocked on it (``awaited_by``).
+- **progress** (``hang_timeout_s``, chief and workers): no new step while the heartbeats still come
+  is a *hang*; a task whose heartbeat says it waits for its peers (a sync quorum, the ssp bound) or
+  names the task it is blocked on (``waiting_on``: a ps) is not hung itself;
+- **heartbeat** (``heartbeat_timeout_s``, every task): no heartbeat means the whole process is
+  *frozen*; its :class:`Hang` names the tasks blocked on it (``awaited_by``).
 
-A task blocked on a ps whose heartbeats still come is not blamed on the ps either: the ps may be
-loading a checkpoint or re-syncing its backup for longer than the deadline (a restarted ps), and a
-ps has no steps to count. Such a wait ends by the client's own request deadline.
-
-Each deadline is armed by the attempt's first heartbeat or progress report, not by its start: a task
-that has not got that far (importing torch, waiting for the rendezvous or the chief) is covered by the
-deadlines that already exist for those phases (``register_timeout_s``, ``ready_timeout_s``). So a
-hang before a task's first step is not the watchdog's to catch.
-
-Default: **off** (``--hang-timeout`` not given). A progress deadline must exceed the longest pause
-between two steps of the user's script (an evaluation, a checkpoint), which only the user knows; a
-wrong default would kill healthy tasks. Heartbeats are sent in every run regardless (one small
-request a second per task).
-
-What happens on a missed deadline is the run controller's (:mod:`psflow.launch.controller`): it asks
-for the task's stacks (``DumpStacks``: SIGUSR1, which the task answers (psflow.heartbeat) by writing every
-thread's stack into its log), waits ``dump_wait_s``, then kills it; the exit is recorded with the
-:class:`Hang` as its cause, and the restart policy restarts it or fails the run like any failure.
+Each deadline is armed by the attempt's first heartbeat or progress report (the phases before have
+deadlines of their own). Default: off (no ``--hang-timeout``): only the user knows the longest pause
+between two steps of their script. What a missed deadline brings is the run controller's
+(:mod:`psflow.launch.controller`): the task's stacks, ``dump_wait_s``, then a kill whose cause is the
+:class:`Hang`.
 
 States of one task's books::
 

@@ -2,41 +2,24 @@
 
 ``psflow run --strategy allreduce`` starts only training tasks (no ps). ``pf.Trainer(...)`` then
 returns an :class:`AllReduceTrainer`: every task keeps the whole model and a real ``torch.optim``
-optimizer built from the same spec; each step the gradients are averaged across tasks with an
-all-reduce (gloo on CPU, NCCL when the model is on CUDA) and every task applies the same update,
-so every task holds identical parameters after every step. The surface is the ps Trainer's:
-``step``, ``pull``, ``stats``, ``close``, ``global_step`` (= local steps, equal on every task).
+optimizer built from the same spec; each step the gradients are averaged across tasks (gloo on CPU,
+NCCL on CUDA) and every task applies the same update. The surface is the ps Trainer's.
 
-Rendezvous (who is rank r, where to meet; ``psflow.rendezvous``): replica 0 (``cluster.chief()``, i.e. ``chief:0`` or
-``worker:0``) is the rank-0 process, and **its cluster address is the rendezvous address**, where
-it serves a ``torch.distributed.TCPStore`` (PyTorch's MASTER_ADDR:MASTER_PORT). Under the launcher
-``psflow.task.init`` binds that store on port 0 before registering and registers the store's
-address as the task's address, so every task learns it from the cluster, race-free. By hand
-(``--worker_hosts``/``TF_CONFIG``) worker:0's address in the spec is the store's address. Nothing
-else contacts a worker's address in this strategy.
+Rendezvous (:mod:`psflow.rendezvous`): replica 0 (``cluster.chief()``) is rank 0, and its cluster
+address is where it serves the ``TCPStore`` (PyTorch's MASTER_ADDR:MASTER_PORT); under the launcher
+it binds the store on port 0 and registers that address, so every task learns it race-free.
 
-How a step reaches the all-reduce:
+A step reaches the all-reduce through ``DistributedDataParallel`` (``step(closure, batch=...)``: the
+closure gets the wrapped model), or, for a closure that calls the bare model or with ``devices``,
+through the trainer's own all-reduce of the gradients after backward.
 
-- ``trainer.step(lambda m, x, y: loss(m(x), y), batch=(x, y))``: ``m`` is the model wrapped in
-  ``DistributedDataParallel``, which all-reduces bucketed gradients during backward;
-- ``trainer.step(lambda: loss(model(x), y))``: the closure calls the bare model, which DDP cannot
-  see, so the trainer all-reduces the gradients itself after backward (one flat buffer per dtype);
-- ``devices=[...]``: towers average their gradients onto the master, then the same explicit all-reduce.
+Invariants: every task takes the same number of steps (a task that stops early makes the others fail
+after ``sync_timeout_s``); ranks are ``task.replica_index``; parameters, buffers, moving averages and
+the step start from rank 0's. ``ssp`` and backup workers need parameter servers and are refused.
 
-Invariants: every task takes the same number of steps (a collective waits for every rank; a task
-that stops early makes the others fail after ``sync_timeout_s`` with a TrainingError); ranks are
-``task.replica_index``; parameters, buffers, moving averages and the step start from rank 0's.
-The ``mode`` setting does not apply (all-reduce is synchronous); ``ssp`` and backup workers
-(``replicas_to_aggregate`` < workers) need parameter servers and are rejected.
-
-Security: the TCPStore and gloo's connections are NOT authenticated (the job secret does not cover
-them). The launcher binds them to loopback (127.0.0.1) by default, and a loopback rendezvous pins
-gloo to the loopback interface too. Where they would listen or connect off loopback (a cluster host,
-``PSFLOW_BIND_HOST`` or ``GLOO_SOCKET_IFNAME`` off loopback), ``psflow.rendezvous.check_exposure`` refuses to start
-unless the user opted in (``allow_unauthenticated_allreduce``); it runs in ``psflow.init`` before the
-store is bound and again before the group is joined. What psflow's authenticated connections can
-carry stays there: under the launcher every task learns the rendezvous address from the launcher's
-coordinator, over a connection that proved the job's secret.
+Security: the TCPStore and gloo's connections are NOT covered by the job secret: they bind loopback
+by default, and off loopback :func:`psflow.rendezvous.check_exposure` refuses to start unless
+``allow_unauthenticated_allreduce``. The whole story: ``docs/design/allreduce.md``.
 """
 
 from __future__ import annotations
