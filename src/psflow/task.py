@@ -216,10 +216,12 @@ class Task:
                     break
                 store = service.store  # a restarted ps's own copy arrives with its re-sync
                 if store.initialized:
-                    # resyncing: some copy it holds still waits for its state (replication; psflow chaos reads it)
+                    # resyncing: some copy it holds still waits for its state, or a shard of its pairs is not
+                    # synced (the launcher's view: a backup still catching up); psflow chaos reads it
                     self.report_progress(global_step=store.version, pushes=store.stats.pushes,
                                          stale_dropped=store.stats.stale_dropped,
-                                         resyncing=any(r.value == "resyncing" for r in service.roles.values()),
+                                         resyncing=any(r.value == "resyncing" for r in service.roles.values())
+                                         or any(v.state.value != "synced" for v in service.views.values()),
                                          **service.latency.take(time.monotonic()))  # push/pull rate, p50, p99
                 # Only lost workers left: say whom the ps waits for; past lost_worker_timeout_s, fail naming them.
                 service.watch_lost_workers(time.monotonic())

@@ -296,3 +296,26 @@ def test_draining_cancels_a_pending_restart_and_a_stop_cancels_one_too() -> None
 def test_a_bad_policy_is_refused_with_the_value_received(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RestartPolicy(**kwargs)
+
+
+def test_a_run_failed_by_a_lost_shard_restarts_nothing_and_names_the_ps() -> None:
+    """A ps shard whose copies are both gone (the launcher's views say lost): the ps's restart would
+    only meet the same loss, so the run fails at once with that as its root cause."""
+    from psflow.launch.controller import RunFailed
+
+    c = RunController(["ps:0", "ps:1", "worker:0"], grace_s=GRACE_S, ps_exit_timeout_s=60.0,
+                      policy=RestartPolicy.parse("on-failure"))
+    c.start(0.0)
+    for i, t in enumerate(["ps:0", "ps:1", "worker:0"]):
+        c.handle(TaskStarted(t, 0, 1.0 + i))
+    reason = "ps shard 1 lost: ps:1 (attempt 0) exited while it served it and no synced copy existed"
+    c.handle(TaskReported("ps:1", 0, {"task": "ps:1", "exception": "ShardLost", "message": reason, "time_unix": 5.0}, 5.0))
+    out = c.handle(TaskExited("ps:1", 0, -9, 5.0))
+    assert any(isinstance(d, RestartTask) for d in out)  # on its own, a SIGKILLed ps is restarted
+    out = c.handle(RunFailed("ps:1", 0, reason, 5.0))
+    assert [type(d) for d in out] == [StopTasks] and set(out[0].tasks) == {"ps:0", "worker:0"}
+    assert c.records["ps:1"].state == "exited"  # its restart was cancelled
+    for t in ("ps:0", "worker:0"):
+        out = c.handle(TaskExited(t, 0, -15, 6.0))
+    result = out[-1]
+    assert isinstance(result, RunFinished) and result.status == "failed" and result.root_cause == "ps:1"

@@ -54,6 +54,7 @@ from psflow.launch.controller import (
     ExitRecord,
     RestartTask,
     RunController,
+    RunFailed,
     RunFinished,
     StacksDumped,
     StartTask,
@@ -75,7 +76,7 @@ from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import RunStore, file_store
 from psflow.launch.summary import build_summary
 from psflow.ps.authority import ViewAuthority
-from psflow.ps.views import ShardView
+from psflow.ps.views import ShardView, Sync
 from psflow.server import Server
 from psflow.timeline import write_trace
 
@@ -328,12 +329,16 @@ class Runner:
             report = self.backend.error_report(e.task)
             if report is not None:
                 out += controller.handle(TaskReported(e.task, e.attempt, report, e.at))
-        if self._views is not None and e.task.startswith("ps:") and e.code != 0:  # its copies died with it: the views move on
-            self._views.ps_down(int(e.task.split(":")[1]), f"attempt {e.attempt} exited with code {e.code}")
+        lost = self._views_after_exit(e)
+        if lost is not None:  # a shard's copies are both gone: no restart brings its acknowledged updates back
+            out += controller.handle(TaskReported(e.task, e.attempt, {"task": e.task, "exception": "ShardLost",
+                                                                      "message": lost, "time_unix": e.at}, e.at))
         hang = controller.killed_hang(e.task, e.attempt)
         store.task_exited(e.task, e.attempt, e.code, e.at, oom_killed=e.oom_killed,
                           hang=None if hang is None else hang.to_dict())
         out += controller.handle(e)
+        if lost is not None:
+            out += controller.handle(RunFailed(e.task, e.attempt, lost, e.at))
         x = controller.records[e.task].exits[-1] if controller.records[e.task].exits else None
         if x is not None and x.attempt == e.attempt and x.retired:
             store.task_retired(e.task)
@@ -341,6 +346,20 @@ class Runner:
         if x is not None and x.attempt == e.attempt and x.not_restarted:
             self.console.warn(f"{_ended(e.task, x)}; not restarted: {x.not_restarted}.")
         return out
+
+    def _views_after_exit(self, e: TaskExited) -> str | None:
+        """A ps that failed: its copies died with it, so the views move on at once (before any restart).
+        Returns why the run cannot go on when a shard is left with no copy that holds its updates."""
+        if self._views is None or not e.task.startswith("ps:") or e.code == 0:
+            return None
+        changed = self._views.ps_down(int(e.task.split(":")[1]), f"attempt {e.attempt} exited with code {e.code}")
+        lost = [v.shard for v in changed if v.state is Sync.LOST]
+        if not lost:
+            return None
+        return (f"ps shard{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost: {e.task} (attempt {e.attempt}) "
+                f"exited while it served {'them' if len(lost) > 1 else 'it'} and no synced copy existed (the other copy "
+                "was dead, or still loading the state), so acknowledged updates are gone. Resume from the newest "
+                "checkpoint (psflow restart RUN); two ps of one pair failing within a re-sync loses a shard.")
 
     # -- the end -----------------------------------------------------------------------------------
     def _print_restarts(self, controller: RunController) -> None:
