@@ -180,3 +180,35 @@ def test_a_request_with_a_newer_term_makes_the_copy_ask_the_authority_first() ->
             conn.close()
         assert primary.views[0].term == 2 and primary.views[0].state.value == "alone"
         assert reply.meta["term"] == 2
+
+
+def test_a_lost_caught_up_report_is_made_again() -> None:
+    """The serving copy's word that its backup caught up is lost once: the launcher still records the
+    shard synced (the copy says it again), so the backup can be promoted if the serving copy dies."""
+    with InprocCluster(2, 2, TrainConfig(mode="async", ps_replicas=2, **FAST)) as c:
+        trainers, models, ledgers = start(c, 4000)
+        assert c.authority is not None
+        book = c.authority.book
+        caught_up, dropped = book.caught_up, []
+
+        def lose_the_first(reporter: int, shard: int, term: int):  # noqa: ANN202
+            if shard not in dropped:
+                dropped.append(shard)
+                return []
+            return caught_up(reporter, shard, term)
+
+        book.caught_up = lose_the_first  # type: ignore[method-assign]
+        killed: list[int] = []
+
+        def replace_backup(t: Trainer) -> None:
+            if not killed and t.global_step >= 5:
+                killed.append(t.global_step)
+                c.kill_ps(1)
+                c.restart_ps(1).start_resync(30.0)
+            if killed and len(killed) == 1 and t.global_step >= 50:
+                wait_until(lambda: all(book.views[s].state.value == "synced" for s in (0, 1)), 30.0, "both synced")
+                killed.append(t.global_step)
+
+        run_threads([lambda: train(trainers[0], models[0], 0, max_steps=4000, on_step=replace_backup),
+                     lambda: train(trainers[1], models[1], 1, max_steps=4000)], timeout_s=WAIT_S)
+        assert sorted(dropped) == [0, 1] and len(killed) == 2

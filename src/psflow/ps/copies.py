@@ -65,6 +65,7 @@ class ShardCopies:
         self._asked_at = float("-inf")
         self._fetching: set[int] = set()  # shards whose state this ps is asking the serving copy for
         self._appliers: dict[int, Applier] = {}  # shard -> the thread applying this backup copy's held records
+        self._catching: dict[int, tuple[int, int]] = {}  # shard -> (term, record): its backup caught up there
         self.partitioned = False  # psflow chaos: this ps's links to the other ps are cut (see partition())
         self.resync_error: PsflowError | None = None  # why the re-sync failed (raised by watch_lost_workers)
         if replicas != 2 or cluster.num_tasks("ps") < 2:
@@ -99,7 +100,22 @@ class ShardCopies:
         while not self._shutdown.is_set():
             kind = "up" if self._left_out() else "get"
             self._ask_quietly(kind)
+            for shard, term in self._caught_up_unrecorded():
+                self._ask_quietly("caught_up", shard=shard, term=term)
             self._shutdown.wait(self.lease.lease_s / 4)
+
+    def _caught_up_unrecorded(self) -> list[tuple[int, int]]:
+        """Shards whose backup caught up here in a term the launcher still records as catching-up (the
+        report was lost): (shard, term) to report again."""
+        out = []
+        with self._takeover_lock:
+            for shard, (term, seq) in list(self._catching.items()):
+                v, store = self.views[shard], self._copies().get(shard)
+                if v.term != term or v.state is not Sync.CATCHING_UP:
+                    del self._catching[shard]
+                elif store is not None and store.forwarder is not None and store.forwarder.outbox.acked_seq >= seq:
+                    out.append((shard, term))
+        return out
 
     def _left_out(self) -> bool:
         with self._takeover_lock:
@@ -432,6 +448,7 @@ class ShardCopies:
                 raise StaleTermError(f"shard {shard}'s view moved past term {term} while ps:{asker} loaded its state.")
             self.waits[shard] = True  # from here on replies wait for the backup; what was acknowledged alone reaches it first
             caught = store.seq
+            self._catching[shard] = (term, caught)  # the poll says it again until the launcher has recorded it
         forwarder.wait_acked(caught, self.failover_s + 60.0)
         if not forwarder.replaced:
             self._ask_quietly("caught_up", shard=shard, term=term)
