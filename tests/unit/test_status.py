@@ -238,3 +238,16 @@ def test_the_table_names_every_task_in_full_on_a_narrow_terminal_and_shows_attem
         out = buf.getvalue()
         assert all(f"│ {t} " in out for t in TASKS) and ("│ restarting " in out) is restarted, out
         assert ("attempt" in out) is restarted, out
+
+
+def test_a_ps_progress_keeps_whether_it_is_resyncing_which_psflow_chaos_waits_for(tmp_path):
+    from psflow.chaos.injector import is_ready
+
+    st = _status(tmp_path, min_interval_s=0.0)
+    st.started("ps:0", 7)
+    for resyncing in (True, False):
+        st.on_event("report", {"task": "ps:0", "metrics": {"progress": {
+            "global_step": 9, "pushes": 9, "stale_dropped": 0, "resyncing": resyncing, "time_unix": 5.0}}})
+        entry = read_status(tmp_path)["tasks"]["ps:0"]
+        assert entry["progress"]["resyncing"] is resyncing
+        assert is_ready("ps:0", entry, started_at=4.0) is not resyncing

@@ -32,9 +32,10 @@ from psflow.launch.liveness import process_identity
 from psflow.launch.metrics import job_rate
 
 STATUS_FILE = "status.json"
-# Trainers report the first nine; a ps reports global_step, pushes and stale_dropped.
+# Trainers report the first nine; a ps reports global_step, pushes, stale_dropped and resyncing (with replicas:
+# a copy still loading, or a shard of its pairs not synced; psflow chaos waits for it before it hits a ps).
 _PROGRESS_KEYS = ("global_step", "local_step", "examples", "train_time_s", "wall_time_s", "examples_per_sec",
-                  "step_examples_per_sec", "loss", "time_unix", "pushes", "stale_dropped")
+                  "step_examples_per_sec", "loss", "time_unix", "pushes", "stale_dropped", "resyncing")
 
 
 class RunStatus:
