@@ -47,7 +47,8 @@ def test_batch_script_asks_for_the_nodes_and_writes_its_output_into_the_logdir(t
     assert script.startswith("#!/bin/bash\n")
     assert sbatch_options(script) == [
         f"--job-name=psflow-{plan.run_id}", "--nodes=3", "--ntasks-per-node=2", "--cpus-per-task=2",
-        f"--output={tmp_path / 'run' / 'slurm'}/batch-%j.out", "--chdir=/work", "--partition=gpu", "--time=01:00:00",
+        f"--output={tmp_path / 'run' / 'slurm'}/batch-%j.out", "--chdir=/work", "--no-kill", "--no-requeue",
+        "--partition=gpu", "--time=01:00:00",
     ]
 
 

@@ -87,6 +87,9 @@ from psflow.launch.restart import JOBS, RestartPolicy
               help="Where the tasks run: processes on this machine, steps of one Slurm job, or Kubernetes pods "
                    "(or --hosts: over ssh).")
 @click.option("--nodes", type=click.IntRange(min=1), default=None, help="slurm: nodes to allocate (default 1).")
+@click.option("--coordinator-host", default=None, metavar="ADDRESS",
+              help="slurm, --hosts: the address the nodes reach this launcher at (default: this host's address on "
+                   "the nodes' network).")
 @click.option("--dry-run", is_flag=True, help="slurm: print the sbatch script; k8s: print the manifests (YAML); and exit.")
 @_k8s_options
 @click.option("--checkpoint-dir", default=None, metavar="DIR|URL",
@@ -114,6 +117,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
 
     script_args = _script_args(click.get_current_context(), script, script_args)
     alert_webhook = settings.pop("alert_webhook", None)
+    coordinator_host = settings.pop("coordinator_host", None)
     if alert_webhook is not None:
         from psflow.home import ALERT_WEBHOOK_ENV
         from psflow.platform.alerts import check_webhook
@@ -136,9 +140,9 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         k8s = {"image": k8s_image, "volume_claim": k8s_volume_claim, "namespace": k8s_namespace,
                "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s, "env_secret": k8s_env_secret}
         if hosts is not None or ssh_config is not None:
-            runner = _ssh_backend(backend, hosts, ssh_config, dry_run=dry_run, live=live)
+            runner = _ssh_backend(backend, hosts, ssh_config, dry_run=dry_run, live=live, coordinator_host=coordinator_host)
         else:
-            runner = _backend(backend, nodes, dry_run, preload=preload, live=live, k8s=k8s)
+            runner = _backend(backend, nodes, dry_run, preload=preload, live=live, k8s=k8s, coordinator_host=coordinator_host)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     if dry_run:
@@ -240,13 +244,15 @@ def _plan(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: s
 
 
 def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live: bool | None,
-             k8s: dict[str, Any] | None = None) -> Any:
+             k8s: dict[str, Any] | None = None, coordinator_host: str | None = None) -> Any:
     """The backend ``psflow run --backend NAME`` runs on (a LocalBackend, SlurmBackend or K8sBackend).
 
     Raises:
         ConfigError: a Slurm option (--nodes, --dry-run) for a local run; a Kubernetes option for another backend.
     """
     k8s = k8s or {}
+    if coordinator_host is not None and name != "slurm":
+        raise ConfigError(f"--coordinator-host is for --backend slurm and --hosts; this run is {name}.")
     if name == "k8s":
         from psflow.launch.k8swatch import K8sBackend
 
@@ -256,7 +262,7 @@ def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live
     if name == "slurm":
         from psflow.launch.slurm import SlurmBackend
 
-        return SlurmBackend(nodes=nodes or 1, live=live)
+        return SlurmBackend(nodes=nodes or 1, live=live, coordinator_host=coordinator_host)
     if nodes is not None or dry_run:
         raise ConfigError(f"{'--nodes' if nodes is not None else '--dry-run'} is for --backend slurm; this run is local."
                           + ("" if nodes is not None else " (--backend k8s --dry-run prints Kubernetes manifests.)"))
@@ -276,7 +282,8 @@ def _checkpoint_env(checkpoint_dir: str | None) -> dict[str, str] | None:
     return TaskEnv(checkpoint_dir=where).render()
 
 
-def _ssh_backend(backend: str, hosts: str | None, ssh_config: str | None, *, dry_run: bool, live: bool | None) -> Any:
+def _ssh_backend(backend: str, hosts: str | None, ssh_config: str | None, *, dry_run: bool, live: bool | None,
+                 coordinator_host: str | None = None) -> Any:
     """The SshBackend of ``psflow run --hosts H:N,... [--ssh-config FILE]``.
 
     Raises:
@@ -288,7 +295,7 @@ def _ssh_backend(backend: str, hosts: str | None, ssh_config: str | None, *, dry
         raise ConfigError("--ssh-config is for --hosts (tasks started over ssh); give --hosts HOST:SLOTS,...")
     if backend != "local" or dry_run:
         raise ConfigError(f"--hosts starts the tasks over ssh; it does not go with {'--dry-run' if dry_run else '--backend ' + backend}.")
-    return SshBackend(hosts, ssh_config=ssh_config, live=live)
+    return SshBackend(hosts, ssh_config=ssh_config, live=live, coordinator_host=coordinator_host)
 
 
 def _k8s_settings(*, image: str | None, volume_claim: str | None, **rest: Any) -> Any:

@@ -79,6 +79,11 @@ class Backend(ABC):
         caused. Default: never (local processes end only when the runner says)."""
         return None
 
+    def failed_by(self) -> tuple[str, str] | None:
+        """``(task, why)`` once, when the place the tasks run in failed the run from outside in a way
+        no restart mends (a Slurm allocation lost with a node); ``task`` is blamed. Default: never."""
+        return None
+
     def scale_refusal(self) -> str | None:
         """Why this backend cannot add or retire workers of a running run (``psflow scale``), with what
         to do instead; None when it can (then :meth:`replan` gets the grown plan before a new task starts)."""

@@ -195,6 +195,10 @@ class Runner:
             ended = self.backend.ended_by()  # before the exits it caused: they are then a stop's, not failures
             if ended is not None:
                 pending.extend(controller.handle(StopRequested(ended, time.time())))
+            failed = self.backend.failed_by()  # likewise: the exits it caused are its, not the tasks' own
+            if failed is not None:
+                pending.extend(controller.handle(RunFailed(failed[0], controller.records[failed[0]].attempt, failed[1],
+                                                           time.time())))
             for exited in exits:
                 pending.extend(self._exited(exited, controller, store))
             while True:

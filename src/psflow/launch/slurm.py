@@ -12,13 +12,20 @@ mapping in brief (each choice, and why: ``docs/design/slurm.md``):
 - signals, stack dumps and stops are ``scancel --signal=NAME JOB.STEP`` (:func:`signal_argv`; a stop
   is TERM, then KILL after ``grace_s``); srun's exit 128+N becomes -N, as a local task's signal;
 - the job is followed through ``squeue``, ``scontrol`` and ``sacct``; a job that ends under the run
-  (scancel, its time limit, a node failure) stops it (:meth:`SlurmBackend.ended_by`);
-- the log dir is one directory for the launcher and every node.
+  (scancel, its time limit) stops it (:meth:`SlurmBackend.ended_by`);
+- a lost node (:func:`node_failure`) is a failure, never a stop: the job asks for ``--no-kill
+  --no-requeue``, so it goes on without the node, whose tasks exit with its report ("node N failed")
+  and restart on the nodes left under the run's policy; a job that ends with the node (the batch
+  host's, or a site that requeues anyway) fails the run (:meth:`SlurmBackend.failed_by`);
+- the coordinator listens on this host's address on the nodes' network (:mod:`psflow.launch.nodenet`)
+  or ``coordinator_host``; the log dir is one directory for the launcher and every node.
 
 States of the job, as the backend sees it::
 
     (none) --open: sbatch--> PENDING --squeue: RUNNING--> running --close: "end" | scancel--> ended
-    running --scancel / time limit / node failure (ended_by)--> ended
+    running --scancel / time limit (ended_by)--> ended
+    running --a node lost (no-kill: the job goes on without it)--> running, on fewer nodes
+    running --a node lost, and the job ended or was requeued (failed_by)--> ended
 """
 
 from __future__ import annotations
@@ -26,13 +33,14 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import shlex
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +53,7 @@ from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import die_with_parent
 from psflow.launch.local import prepare_logdir
+from psflow.launch.nodenet import coordinator_address, local_interfaces, resolve, route_source
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.watchdog import StackDump
 
@@ -53,6 +62,8 @@ if TYPE_CHECKING:
 
 _WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING")  # not running yet, may still run
 _RUNNING = ("RUNNING",)
+_NODE_LOST = ("DOWN", "FAIL", "NOT_RESPONDING")  # words of a node's state that mean it is gone
+NODE_LOST_EXIT = 255  # a task whose node was lost: its srun client may say 0 (seen on Slurm 22.05)
 _CLI_TIMEOUT_S = 30.0  # one squeue/scontrol/scancel call (a dead slurmctld makes each hang)
 
 
@@ -134,6 +145,8 @@ def batch_script(plan: LaunchPlan, settings: SlurmSettings, *, cwd: str | None =
         f"#SBATCH --cpus-per-task={plan.threads}",
         f"#SBATCH --output={sdir}/batch-%j.out",
         f"#SBATCH --chdir={cwd}",
+        "#SBATCH --no-kill",  # a lost node ends its own tasks, not the job: the rest goes on (restarts move)
+        "#SBATCH --no-requeue",  # a requeued job would come back later holding nodes with no task on them
         *(f"#SBATCH {a}" for a in settings.sbatch_args),
         "#",
         f"# psflow run {plan.run_id}: this job holds the allocation; the launcher (psflow run --backend slurm)",
@@ -211,6 +224,83 @@ def parse_scontrol_job(text: str) -> tuple[str, str]:
     return fields.get("JobState", "UNKNOWN"), fields.get("Reason", "None")
 
 
+def parse_nodes(text: str) -> dict[str, dict[str, str]]:
+    """Node name -> ``{"addr", "state", "reason"}`` from ``scontrol -o show node``'s lines (a field's
+    value may hold spaces, as OS= does: each is read by its own pattern)."""
+    out: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        name = re.search(r"\bNodeName=(\S+)", line)
+        if name is None:
+            continue
+        addr, state = re.search(r"\bNodeAddr=(\S+)", line), re.search(r"\bState=(\S+)", line)
+        reason = re.search(r"\bReason=(.*?)(?: \[[^]]*\])?(?= \w+=|$)", line)
+        out[name.group(1)] = {"addr": addr.group(1) if addr else name.group(1), "state": state.group(1) if state else "",
+                              "reason": reason.group(1).strip() if reason else ""}
+    return out
+
+
+def is_lost(node_state: str) -> bool:
+    """Whether a node in ``node_state`` (scontrol's ``DOWN+NOT_RESPONDING``, ``IDLE+DRAIN``; sinfo's
+    ``down*``) is gone for its jobs. Draining is not: a draining node still runs what it holds."""
+    words = node_state.upper().replace("*", "+NOT_RESPONDING").split("+")
+    return any(w.startswith(_NODE_LOST) for w in words)
+
+
+@dataclass(frozen=True)
+class NodeFailure:
+    """Nodes of a run's allocation lost under it; ``job_state``: the job's state after (RUNNING: it
+    goes on without them; PENDING: Slurm requeued it; FAILED, NODE_FAIL: it ended)."""
+
+    job_id: str
+    nodes: tuple[str, ...]
+    job_state: str
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ends_run(self) -> bool:
+        """The allocation is gone (no node left to restart a task on)."""
+        return self.job_state != "RUNNING"
+
+    def message(self) -> str:
+        """``node 127.0.0.3 failed (reason); Slurm requeued job 7``."""
+        what = ", ".join(f"{n} ({self.reasons[n]})" if self.reasons.get(n) else n for n in self.nodes)
+        head = f"node {what} failed" if len(self.nodes) == 1 else f"nodes {what} failed"
+        if self.job_state == "RUNNING":
+            return f"{head}; Slurm job {self.job_id} goes on without it"
+        if self.job_state in _WAITING:
+            return f"{head}; Slurm requeued job {self.job_id}"
+        return f"{head}; Slurm job {self.job_id} ended ({self.job_state})"
+
+
+def node_failure(job_id: str, state: str, allocated: Sequence[str], current: Sequence[str],
+                 nodes: Mapping[str, Mapping[str, str]]) -> NodeFailure | None:
+    """The nodes of ``allocated`` that the job lost, or None if it lost none. Pure.
+
+    Args:
+        job_id, state: the job and its state now (squeue / scontrol).
+        allocated: the nodes it ran on; ``current``: its node list now (empty: not known).
+        nodes: :func:`parse_nodes` of ``allocated`` (state and reason).
+
+    A node is lost when the running job no longer lists it (``--no-kill`` drops a failed node), or its
+    state says so (:func:`is_lost`). A job that ended NODE_FAIL lost a node even when none is down now.
+
+    Example:
+        >>> node_failure("7", "RUNNING", ["n1", "n2"], ["n1"], {}).message()
+        'node n2 failed; Slurm job 7 goes on without it'
+    """
+    down = [n for n in allocated if is_lost(nodes.get(n, {}).get("state", ""))]
+    if state == "RUNNING":
+        gone = [n for n in allocated if current and n not in current]
+        lost = list(dict.fromkeys(gone + down))
+    elif down or state == "NODE_FAIL":
+        lost = down or list(allocated)
+    else:
+        return None
+    if not lost:
+        return None
+    return NodeFailure(job_id, tuple(lost), state, {n: nodes.get(n, {}).get("reason", "") for n in lost})
+
+
 # ------------------------------------------------------------------------------------ Slurm's CLI
 
 
@@ -260,6 +350,11 @@ class SlurmCli:
             out[name.strip()] = step.strip()
         return out
 
+    def nodes(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        """:func:`parse_nodes` of ``names`` ({} where scontrol does not answer)."""
+        r = self.call("scontrol", "-o", "show", "node", ",".join(names))
+        return parse_nodes(r.stdout) if r.returncode == 0 else {}
+
     def cancel(self, target: str, sig: str | None = None) -> None:
         self.call("scancel", *([f"--signal={sig}"] if sig else []), target)
 
@@ -276,6 +371,8 @@ class SlurmBackend(Backend):
         register_timeout_s: the rendezvous deadline, for :meth:`run`.
         queue_timeout_s: the longest wait for the job to start running.
         hold_timeout_s, sbatch_args: see :class:`SlurmSettings`.
+        coordinator_host: the address the nodes reach the launcher at (default: chosen from the
+            allocation's nodes, :func:`psflow.launch.nodenet.coordinator_address`).
         job_check_s: how often the job's state is checked while the run goes on.
         keep_logs: logs of earlier runs into the same log dir kept per task.
 
@@ -288,6 +385,7 @@ class SlurmBackend(Backend):
         self, *, nodes: int = 1, echo: Callable[[str], None] | None = None, live: bool | None = None,
         register_timeout_s: float = 120.0, queue_timeout_s: float = 3600.0, hold_timeout_s: float = 60.0,
         sbatch_args: Sequence[str] = (), job_check_s: float = 5.0, keep_logs: int = 5, cli: SlurmCli | None = None,
+        coordinator_host: str | None = None,
     ) -> None:
         super().__init__(Console(echo, live=live))
         self.settings = SlurmSettings(nodes=nodes, hold_timeout_s=hold_timeout_s, sbatch_args=tuple(sbatch_args))
@@ -297,7 +395,13 @@ class SlurmBackend(Backend):
         self.keep_logs = keep_logs
         self.cli = cli or SlurmCli()
         self.job_id: str | None = None
-        self.nodes: list[str] = []
+        self.nodes: list[str] = []  # the allocation's nodes still up: a task (re)starts on one of them
+        self._coordinator_host = coordinator_host
+        self._task_node: dict[str, str] = {}  # task -> the node its current attempt runs on
+        self._lost: NodeFailure | None = None  # every node lost so far (job_state: the last seen)
+        self._failed: tuple[str, str] | None = None  # (task blamed, why) once the allocation went with a node
+        self._failed_told = False
+        self._lost_at = 0.0  # when the first node loss was seen (the time of the reports it makes)
         self._plan: LaunchPlan | None = None
         self._procs: dict[str, subprocess.Popen[str]] = {}  # task -> its current attempt's srun client
         self._steps: dict[str, str] = {}  # task -> its current attempt's step name
@@ -333,6 +437,7 @@ class SlurmBackend(Backend):
         self._plan = plan
         self._procs, self._steps, self._started, self._exits = {}, {}, [], queue.Queue()
         self._ended, self._ended_told, self._closing = None, False, False
+        self._task_node, self._lost, self._failed, self._failed_told, self._lost_at = {}, None, None, False, 0.0
         self._heartbeat(force=True)
         script = sdir / "job.sh"
         script.write_text(self.script(plan))
@@ -342,6 +447,25 @@ class SlurmBackend(Backend):
         self.nodes = self._wait_running(plan)
         self.console.echo(f"psflow: Slurm job {self.job_id} running on {', '.join(self.nodes)}")
         self._note("scheduler_running", job_id=self.job_id, nodes=",".join(self.nodes))
+
+    def coordinator_host(self) -> str:
+        """``coordinator_host``, or this host's address on the allocation's network (asked after open)."""
+        if self._coordinator_host is None:
+            found = self.cli.nodes(self.nodes) if self.nodes else {}
+            addrs = [resolve(found.get(n, {}).get("addr", n)) for n in self.nodes]
+            self._coordinator_host = coordinator_address(addrs, local_interfaces(), route_source)
+            if self._coordinator_host != "127.0.0.1":
+                self.console.echo(f"psflow: the coordinator listens on {self._coordinator_host} (the nodes' network; "
+                                  "--coordinator-host changes it)")
+        return self._coordinator_host
+
+    def failed_by(self) -> tuple[str, str] | None:
+        """``(task, why)`` once, when a lost node took the allocation with it (see the module docstring)."""
+        with self._lock:
+            if self._failed is None or self._failed_told:
+                return None
+            self._failed_told = True
+            return self._failed
 
     def take_notes(self) -> list[tuple[str, dict[str, Any]]]:
         with self._lock:
@@ -358,6 +482,7 @@ class SlurmBackend(Backend):
         full = {k: v for k, v in os.environ.items() if not _is_job_variable(k)}
         full.pop("PSFLOW_SECRET", None)  # the launcher's own, if any: tasks read the run's secret file
         node = node_of(index, self.nodes)
+        self._task_node[task.task] = node
         full.update({**TaskEnv(bind_host=node).render(), **env})  # the plan's own bind host wins
         if full.get("PSFLOW_NUM_THREADS"):  # a fresh interpreter's torch reads it at import
             full["OMP_NUM_THREADS"] = full["PSFLOW_NUM_THREADS"]
@@ -472,7 +597,19 @@ class SlurmBackend(Backend):
             return set()
 
     def error_report(self, task: str) -> dict[str, Any] | None:
-        return errorreport.read(Path(self._require_plan().logdir) / "errors", task)
+        """The task's own report; for a task whose node was lost, one that says so (its process had no
+        chance to write one); for the others of an allocation lost with a node, one that blames it."""
+        own = errorreport.read(Path(self._require_plan().logdir) / "errors", task)
+        with self._lock:
+            lost, failed = self._lost, self._failed
+        if lost is None:
+            return own
+        if self._task_node.get(task) in lost.nodes:
+            return {"task": task, "exception": "NodeFailure", "message": lost.message(), "time_unix": self._lost_at}
+        if own is None and failed is not None:
+            return {"task": task, "exception": "NodeFailure", "message": f"stopped: {failed[1]}", "blame": failed[0],
+                    "time_unix": self._lost_at}
+        return own
 
     def close(self) -> None:
         grace_s = self._plan.grace_s if self._plan is not None else 0.0
@@ -530,15 +667,15 @@ class SlurmBackend(Backend):
         if self.job_id is None or self._closing:
             return
         try:
-            state, reason, _ = self.cli.job(self.job_id)
+            state, reason, nodes = self.cli.job(self.job_id)
             settle = time.monotonic() + 3.0
             while state == "COMPLETING" and time.monotonic() < settle:  # how it ended shows once its steps are gone
                 time.sleep(0.2)
-                state, reason, _ = self.cli.job(self.job_id)
+                state, reason, nodes = self.cli.job(self.job_id)
         except ClusterError as e:
             self.console.warn(f"cannot check Slurm job {self.job_id}: {e}")
             return
-        if state in _RUNNING:
+        if self._check_nodes(state, nodes) or state in _RUNNING:
             return
         with self._lock:
             if self._ended is not None or self._closing:
@@ -546,12 +683,48 @@ class SlurmBackend(Backend):
             self._ended = f"Slurm job {self.job_id} {state}" + (f" ({reason})" if reason not in ("None", "") else "")
         self.console.warn(f"Slurm job {self.job_id} ended while the run went on: {state}; the run stops.")
 
+    def _check_nodes(self, state: str, nodelist: str) -> bool:
+        """Whether the job lost a node (said once per node); True when that ended the allocation."""
+        allocated = [*self.nodes, *(self._lost.nodes if self._lost else ())]
+        current = expand_slurm_nodelist(nodelist) if nodelist and state in _RUNNING else []
+        if state in _RUNNING and (not current or set(current) >= set(self.nodes)):
+            return False  # the usual answer, at the usual cost (one squeue)
+        try:
+            found = node_failure(str(self.job_id), state, allocated, current, self.cli.nodes(allocated))
+        except ClusterError as e:
+            self.console.warn(f"cannot check the nodes of Slurm job {self.job_id}: {e}")
+            return False
+        if found is None:
+            return False
+        with self._lock:
+            new = [n for n in found.nodes if not (self._lost and n in self._lost.nodes)]
+            ends = found.ends_run and self._failed is None and not self._closing
+            before = self._lost.nodes if self._lost else ()
+            self._lost_at = self._lost_at or time.time()
+            self._lost = NodeFailure(found.job_id, (*before, *new), found.job_state,
+                                     {**(self._lost.reasons if self._lost else {}), **found.reasons})
+            self.nodes = [n for n in self.nodes if n not in self._lost.nodes]
+            if ends:
+                names = self._require_plan().task_names()
+                on_lost = [t for t in names if self._task_node.get(t) in found.nodes]
+                self._failed = (on_lost[0] if on_lost else names[0], found.message())
+        if new or ends:
+            tail = ("; the run fails" if found.ends_run else
+                    f"; its tasks restart on {', '.join(self.nodes)} if the restart policy allows, else the run fails")
+            self.console.warn(found.message() + tail)
+            self._note("scheduler_node_failed", job_id=self.job_id, nodes=",".join(found.nodes),
+                       job_state=found.job_state, message=found.message())
+        return found.ends_run
+
     def _watch(self, task: str, attempt: int, p: subprocess.Popen[str], pump: threading.Thread) -> None:
         code = exit_code_of(p.wait())
         pump.join(timeout=10)  # the log is whole before the exit is seen
         # Was the step ended by the job's end (scancel, time limit)? Said before its exit is seen, for
         # ended_by: even a task that exits 0 on the SIGTERM does not make a cancelled run succeed.
         self._check_job()
+        with self._lock:
+            if code == 0 and self._lost is not None and self._task_node.get(task) in self._lost.nodes:
+                code = NODE_LOST_EXIT  # its srun client may say 0; it did not finish
         self._exits.put(TaskExited(task, attempt, code, time.time()))
 
     def _release(self) -> None:
