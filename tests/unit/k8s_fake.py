@@ -1,6 +1,6 @@
 """A stand-in for a Kubernetes API server and its Job controller (no API server can run here).
 
-It implements the ``CoreV1Api`` and ``BatchV1Api`` methods :class:`psflow.launch.k8swatch.K8sBackend`
+It implements the ``CoreV1Api``, ``BatchV1Api`` and ``PolicyV1Api`` methods :class:`psflow.launch.k8swatch.K8sBackend`
 calls, with their keyword arguments, and answers with the real client's model objects
 (``V1PodList``, ``V1JobList``, ``ApiException``). Like the API server it refuses an object that does not
 validate against the Kubernetes schema (``kubernetes-validate --strict``) and one that already exists.
@@ -11,9 +11,13 @@ psflow renders): a failed pod's index is retried as a new pod (annotation
 ``podFailurePolicy`` ``FailIndex`` rule matches its exit code; more failed indexes than
 ``maxFailedIndexes`` fail the Job; without ``backoffLimitPerIndex``, more failures than
 ``backoffLimit`` fail it; a failed Job's running pods are terminated; every index succeeded ->
-``Complete``. Time moves one step per ``list_namespaced_pod``: a pod is Pending, then Running, then
-its container ends with the exit code the test scripted for its (task, attempt) (default 0); a ps
-pod ends only once no chief or worker pod is left running, as a psflow ps exits when the workers are done.
+``Complete``; a pod deleted through the API ends with 137 (``grace_period_seconds=0``, SIGKILL) or
+143 (SIGTERM) and counts as a failure of its index (no ``DisruptionTarget``: a plain delete is not an
+eviction). Time moves one step per ``list_namespaced_pod``: a pod is Pending, then Running, then
+its container ends, ``runs_for`` steps after it was made (per job type, default 2), with the exit code
+the test scripted for its (task, attempt) (default 0); a ps pod ends cleanly only once no chief or
+worker pod is left running, as a psflow ps exits when the workers are done (a scripted failure ends it
+at its time).
 """
 
 from __future__ import annotations
@@ -61,18 +65,22 @@ class FakeCluster:
 
     def __init__(self, exits: dict[tuple[str, int], int] | None = None, messages: dict[tuple[str, int], str] | None = None,
                  reason: dict[tuple[str, int], str] | None = None,
-                 waiting: dict[tuple[str, int], tuple[str, str]] | None = None) -> None:
+                 waiting: dict[tuple[str, int], tuple[str, str]] | None = None,
+                 runs_for: dict[str, int] | None = None) -> None:
         self.exits = exits or {}
         self.messages = messages or {}
         self.reasons = reason or {}
         self.waiting = waiting or {}  # (task, attempt) -> (reason, message): its container never starts
-        self.objects: dict[str, dict[str, dict[str, Any]]] = {"Secret": {}, "Service": {}, "Job": {}}
+        self.runs_for = runs_for or {}  # job type -> steps from its pod's creation to its exit
+        self.objects: dict[str, dict[str, dict[str, Any]]] = {"Secret": {}, "Service": {}, "Job": {},
+                                                              "PodDisruptionBudget": {}}
         self.jobs: dict[str, dict[str, Any]] = {}  # name -> controller state
         self.pods: dict[str, dict[str, Any]] = {}
         self.deleted: list[tuple[str, str]] = []
         self.step = 0
         self.core = FakeCoreV1Api(self)
         self.batch = FakeBatchV1Api(self)
+        self.policy = FakePolicyV1Api(self)
 
     # -- the API server --------------------------------------------------------------------------
     def create(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -126,10 +134,11 @@ class FakeCluster:
                 continue
             if pod["phase"] == "Pending":
                 pod["phase"] = "Running"
-            elif pod["phase"] == "Running" and self.step - pod["born"] >= 2:
-                if pod["labels"]["psflow.io/job"] == "ps" and training_left:
+            elif pod["phase"] == "Running" and self.step - pod["born"] >= self.runs_for.get(pod["labels"]["psflow.io/job"], 2):
+                code = self.exits.get((self.task_of(pod), pod["attempt"]), 0)
+                if pod["labels"]["psflow.io/job"] == "ps" and training_left and code == 0:
                     continue
-                self._terminate(pod, self.exits.get((self.task_of(pod), pod["attempt"]), 0))
+                self._terminate(pod, code)
 
     def _terminate(self, pod: dict[str, Any], code: int) -> None:
         pod["code"] = code
@@ -163,6 +172,14 @@ class FakeCluster:
             self._fail(job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
             return
         self._new_pod(job, pod["index"], fails)
+
+    def delete_pod(self, name: str, grace_period_seconds: int | None) -> None:
+        if name not in self.pods:
+            raise _api_error(404, "NotFound", f'pods "{name}" not found')
+        pod = self.pods[name]
+        self.deleted.append(("Pod", name))
+        if pod["phase"] in ("Pending", "Running"):
+            self._terminate(pod, 137 if grace_period_seconds == 0 else 143)
 
     def _fail(self, job: str, reason: str, message: str) -> None:
         self.jobs[job]["condition"] = ("Failed", reason, message)
@@ -217,6 +234,9 @@ class FakeCoreV1Api:
             raise _api_error(404, "NotFound", f'pods "{name}" not found')
         return f"log of {name}\n"
 
+    def delete_namespaced_pod(self, name: str, namespace: str, grace_period_seconds: int | None = None, **kw: Any) -> None:
+        self.cluster.delete_pod(name, grace_period_seconds)
+
     def delete_namespaced_service(self, name: str, namespace: str, **kw: Any) -> None:
         self.cluster.delete("Service", name)
 
@@ -238,3 +258,14 @@ class FakeBatchV1Api:
     def delete_namespaced_job(self, name: str, namespace: str, propagation_policy: str | None = None, **kw: Any) -> None:
         assert propagation_policy in ("Background", "Foreground"), "without it the pods would be orphaned"
         self.cluster.delete("Job", name)
+
+
+class FakePolicyV1Api:
+    def __init__(self, cluster: FakeCluster) -> None:
+        self.cluster = cluster
+
+    def create_namespaced_pod_disruption_budget(self, namespace: str, body: dict[str, Any], **kw: Any) -> Any:
+        return self.cluster.create("PodDisruptionBudget", namespace, body)
+
+    def delete_namespaced_pod_disruption_budget(self, name: str, namespace: str, **kw: Any) -> None:
+        self.cluster.delete("PodDisruptionBudget", name)

@@ -35,7 +35,7 @@ def make(tmp_path, monkeypatch, restart="never", **kw):
 
 
 def backend(cluster, **kw):
-    return K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, poll_s=0.001, store=file_store, echo=lambda s: None, **kw)
+    return K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, policy=cluster.policy, poll_s=0.001, store=file_store, echo=lambda s: None, **kw)
 
 
 def status_of(tmp_path):
@@ -52,7 +52,8 @@ def test_a_clean_run_succeeds_and_leaves_only_the_jobs_for_their_ttl(tmp_path, m
     result = backend(cluster).run(plan)
     assert result.exit_code == 0 and result.summary["status"] == "succeeded"
     assert set(cluster.objects["Job"]) == {f"{NAME}-ps", f"{NAME}-worker"}  # kept: ttlSecondsAfterFinished removes them
-    assert cluster.deleted == [("Service", NAME), ("Secret", f"{NAME}-secret")]
+    assert cluster.deleted == [("PodDisruptionBudget", f"{NAME}-ps"), ("PodDisruptionBudget", f"{NAME}-chief"),
+                               ("Service", NAME), ("Secret", f"{NAME}-secret")]
     tasks = status_of(tmp_path)["tasks"]
     assert {t: (v["state"], v["attempt"] + 1) for t, v in tasks.items()} == {
         "ps:0": ("exited", 1), "worker:0": ("exited", 1), "worker:1": ("exited", 1)}
@@ -144,7 +145,7 @@ def test_stop_deletes_the_run_and_records_it_stopped(tmp_path, monkeypatch):
     threading.Timer(0.2, b.request_stop, args=("Ctrl-C",)).start()
     result = b.run(plan)
     assert result.exit_code == 130
-    assert sorted(k for k, _ in cluster.deleted) == ["Job", "Job", "Secret", "Service"]
+    assert sorted(k for k, _ in cluster.deleted) == ["Job", "Job", *["PodDisruptionBudget"] * 2, "Secret", "Service"]
     assert status_of(tmp_path)["state"] == "stopped"
     assert any(e["event"] == "stop" and e["reason"] == "Ctrl-C" for e in events_of(tmp_path))
 
@@ -164,7 +165,7 @@ def test_the_job_store_records_the_kubernetes_run_its_pods_and_the_restart(tmp_p
     db = tmp_path / "jobs.db"
     cluster = FakeCluster(exits={("worker:0", 0): 137})
     store = SqliteRunStore(db, run_record(plan, backend="k8s", restart_policy=plan.restart), plan.task_names(), warn=print)
-    b = K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, poll_s=0.001, store=lambda p: store, echo=lambda s: None)
+    b = K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, policy=cluster.policy, poll_s=0.001, store=lambda p: store, echo=lambda s: None)
     assert b.run(plan).exit_code == 0  # finished() writes what is queued and closes the store
     with sqlite3.connect(db) as c:
         assert c.execute("SELECT backend, state FROM runs").fetchall() == [("k8s", "succeeded")]
@@ -200,7 +201,7 @@ def test_a_pod_whose_image_cannot_be_pulled_is_told_once_and_the_run_can_be_stop
     plan = make(tmp_path, monkeypatch)
     cluster = FakeCluster(waiting={("worker:1", 0): ("ErrImagePull", 'pull access denied for "train:1"')})
     said: list[str] = []
-    b = K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, poll_s=0.001, store=file_store, echo=said.append,
+    b = K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, policy=cluster.policy, poll_s=0.001, store=file_store, echo=said.append,
                    run_timeout_s=1.0)
     result = b.run(plan)
     assert result.exit_code == 130 and "not ended within 1 s" in result.summary["reason"]
@@ -228,7 +229,7 @@ def test_psflow_run_backend_k8s_submits_follows_and_exits_with_the_runs_code(tmp
     monkeypatch.setenv("PSFLOW_HOME", str(tmp_path / "home"))
     (tmp_path / "train.py").write_text("import psflow\n")
     cluster = FakeCluster(exits={("worker:0", 0): 1})
-    monkeypatch.setattr(k8swatch, "load_clients", lambda: (cluster.core, cluster.batch))
+    monkeypatch.setattr(k8swatch, "load_clients", lambda: (cluster.core, cluster.batch, cluster.policy))
     monkeypatch.setattr(K8sBackend, "__init__", _fast_init(K8sBackend.__init__))
     r = CliRunner().invoke(main, ["run", "--backend", "k8s", "--image", "train:1", "--volume-claim", "logs", "--restart",
                                   "on-failure", "--logdir", "runs/cli", "train.py"])
@@ -242,3 +243,60 @@ def _fast_init(init):
     def fast(self, settings, **kw):
         init(self, settings, **{**kw, "poll_s": 0.001})
     return fast
+
+
+def rollback_plan(tmp_path, monkeypatch, max_restarts=2, **config):
+    from psflow.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("import psflow\n")
+    plan = make_plan("train.py", num_ps=2, num_workers=2, logdir="runs/k", config=TrainConfig(**config),
+                     restart=RestartPolicy.parse("on-failure", max_restarts=max_restarts))
+    return replace(plan, run_id="20260101-120000-abc123")
+
+
+def final_attempts(cluster):
+    out = {}
+    for p in cluster.pods.values():
+        out[cluster.task_of(p)] = max(out.get(cluster.task_of(p), 0), p["attempt"])
+    return out
+
+
+def test_a_ps_restarted_with_one_copy_rolls_every_task_back_to_the_checkpoint_as_locally(tmp_path, monkeypatch):
+    # ps:1 is killed while the workers train: Kubernetes restarts it empty; the launcher then deletes every
+    # other member's pod, so each starts again as its next attempt (the chief restores the newest checkpoint
+    # on every shard), as the local controller's restart group does. Without it the workers finish on attempt 0.
+    plan = rollback_plan(tmp_path, monkeypatch)
+    cluster = FakeCluster(exits={("ps:1", 0): 137}, runs_for={"worker": 6})
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 0, result.summary
+    assert final_attempts(cluster) == {"ps:0": 1, "ps:1": 1, "worker:0": 1, "worker:1": 1}
+    first = {cluster.task_of(p): p for p in cluster.pods.values() if p["attempt"] == 0}
+    assert first["worker:0"]["code"] == first["worker:1"]["code"] == first["ps:0"]["code"] == 137  # stopped at once
+    assert sorted(n for k, n in cluster.deleted if k == "Pod") == sorted(first[t]["name"] for t in ("ps:0", "worker:0", "worker:1"))
+    for p in cluster.pods.values():  # PSFLOW_ATTEMPT of the second pods: the Job controller's failure count, 1
+        assert p["annotations"]["batch.kubernetes.io/job-index-failure-count"] == str(p["attempt"])
+    (group,) = [e for e in events_of(tmp_path) if e["event"] == "group_restart"]
+    assert group["cause"] == "ps:1 (attempt 0) killed (SIGKILL)" and sorted(group["stopped"]) == ["ps:0", "worker:0", "worker:1"]
+    restarts = {e["task"]: e["reason"] for e in events_of(tmp_path) if e["event"] == "restart"}
+    assert restarts["ps:1"] == "killed (SIGKILL)"
+    assert restarts["worker:0"].startswith("stopped: ps:1 (attempt 0) killed (SIGKILL): restarting the job (every shard back")
+    assert {t: v["attempt"] for t, v in status_of(tmp_path)["tasks"].items()} == final_attempts(cluster)
+
+
+def test_with_a_backup_of_each_shard_a_restarted_ps_restarts_alone(tmp_path, monkeypatch):
+    plan = rollback_plan(tmp_path, monkeypatch, ps_replicas=2)
+    cluster = FakeCluster(exits={("ps:1", 0): 137}, runs_for={"worker": 6})
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 0, result.summary
+    assert final_attempts(cluster) == {"ps:0": 0, "ps:1": 1, "worker:0": 0, "worker:1": 0}
+    assert not [k for k, _ in cluster.deleted if k == "Pod"]
+
+
+def test_a_group_rollback_past_a_tasks_budget_fails_the_run_naming_the_ps(tmp_path, monkeypatch):
+    plan = rollback_plan(tmp_path, monkeypatch, max_restarts=1)
+    cluster = FakeCluster(exits={("ps:0", 0): 1, ("ps:0", 1): 1}, runs_for={"worker": 6})
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 1 and result.root_cause == "ps:0", result.summary
+    assert "restarts together and" in result.summary["reason"] and "restart budget is spent (1 of 1 per task)" in result.summary["reason"]
+    assert not cluster.objects["Job"] and status_of(tmp_path)["state"] == "failed"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from psflow.cli.group import _k8s_options, main
+from psflow.cli.group import _k8s_options, k8s_more, main
 from psflow.cli.run import _checkpoint_env, _k8s_settings
 from psflow.config import TrainConfig
 from psflow.errors import PsflowError
@@ -32,7 +32,7 @@ def k8s() -> None:
 def tfjob(num_ps: int, num_workers: int, chief: bool, logdir: str | None, mode: str | None, restart: str | None,
           script: str, script_args: tuple[str, ...], k8s_image: str | None, k8s_volume_claim: str | None,
           k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int, k8s_env_secret: str | None,
-          checkpoint_dir: str | None) -> None:
+          checkpoint_dir: str | None, **more: object) -> None:
     """Print SCRIPT's run as a Kubeflow TFJob (kubeflow.org/v1) and its Secret, for `kubectl apply -f -` on a
     cluster with the training operator, which injects TF_CONFIG (pf.init() reads it)."""
     import secrets
@@ -42,7 +42,8 @@ def tfjob(num_ps: int, num_workers: int, chief: bool, logdir: str | None, mode: 
 
     try:
         settings = _k8s_settings(image=k8s_image, volume_claim=k8s_volume_claim, namespace=k8s_namespace,
-                                 gpus_per_worker=gpus_per_worker, ttl_s=k8s_ttl_s, env_secret=k8s_env_secret)
+                                 gpus_per_worker=gpus_per_worker, ttl_s=k8s_ttl_s, env_secret=k8s_env_secret,
+                                 **k8s_more(more))
         config = TrainConfig(**({"mode": mode} if mode else {}))
         plan = make_plan(script, [a for a in script_args if a != "--"], num_ps=num_ps, num_workers=num_workers,
                          chief=chief, logdir=logdir, config=config, restart=RestartPolicy.parse(restart),

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from psflow.cli.group import _k8s_options, main
+from psflow.cli.group import _k8s_options, k8s_more, main
 from psflow.config import TrainConfig, check_launch_settings
 from psflow.errors import ConfigError, PsflowError
 from psflow.launch.restart import JOBS, RestartPolicy
@@ -117,6 +117,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
 
     script_args = _script_args(click.get_current_context(), script, script_args)
     alert_webhook = settings.pop("alert_webhook", None)
+    k8s_given = k8s_more(settings)  # --memory, --toleration, ...: K8sSettings' fields
     coordinator_host = settings.pop("coordinator_host", None)
     if alert_webhook is not None:
         from psflow.home import ALERT_WEBHOOK_ENV
@@ -138,7 +139,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         if logdir_url is not None:
             plan = dataclasses.replace(plan, logdir_url=logdir_url)
         k8s = {"image": k8s_image, "volume_claim": k8s_volume_claim, "namespace": k8s_namespace,
-               "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s, "env_secret": k8s_env_secret}
+               "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s, "env_secret": k8s_env_secret, **k8s_given}
         if hosts is not None or ssh_config is not None:
             runner = _ssh_backend(backend, hosts, ssh_config, dry_run=dry_run, live=live, coordinator_host=coordinator_host)
         else:
@@ -257,8 +258,9 @@ def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live
         from psflow.launch.k8swatch import K8sBackend
 
         return K8sBackend(_k8s_settings(**k8s))
-    if k8s.get("image") or k8s.get("volume_claim") or k8s.get("gpus_per_worker") or k8s.get("env_secret"):
-        raise ConfigError("--image, --volume-claim, --gpus-per-worker and --env-secret are for --backend k8s; this run is " + name + ".")
+    if any(v for k, v in k8s.items() if k not in ("namespace", "ttl_s")):
+        raise ConfigError("--image, --volume-claim, --gpus-per-worker, --env-secret and the other Kubernetes options "
+                          "(--memory, --toleration, ...) are for --backend k8s; this run is " + name + ".")
     if name == "slurm":
         from psflow.launch.slurm import SlurmBackend
 

@@ -14,7 +14,17 @@ submits what this module renders and watches it) and by ``psflow k8s tfjob``. Th
 - a failing task's error report is its container's termination message (``/dev/termination-log``);
 - the log dir is one ReadWriteMany claim mounted at ``/psflow`` (or each pod's ``emptyDir`` where the
   checkpoints go to an object store, ``env_secret`` then the pods' environment);
-- ``cpu`` requested from the plan's threads, ``nvidia.com/gpu`` limits for the chief and workers.
+- ``cpu`` requested from the plan's threads, ``memory`` requested and limited (``--memory``),
+  ``nvidia.com/gpu`` requested and limited for the chief and workers;
+- every pod runs under the "restricted" Pod Security profile (non-root, ``fsGroup`` owning the
+  secret's file, no privilege escalation, no capabilities, seccomp ``RuntimeDefault``);
+- a PodDisruptionBudget (``maxUnavailable: 0``) keeps a ``kubectl drain`` from evicting the ps or the
+  chief (they hold the run's state); every Job's ``podFailurePolicy`` ignores a ``DisruptionTarget``
+  (a pod preempted or evicted is replaced without spending its restart budget).
+
+The oldest Kubernetes these manifests are for is :data:`MIN_KUBERNETES` (``backoffLimitPerIndex``
+and the ``FailIndex`` action are on by default from 1.29); the tests validate them strictly against
+its schema and the newest's.
 
 :func:`render_tfjob` renders the same run as one Kubeflow ``TFJob`` (``kubeflow.org/v1``) instead.
 """
@@ -46,6 +56,13 @@ TFJOB_TYPES = {"chief": "Chief", "ps": "PS", "worker": "Worker", "evaluator": "E
 _TFJOB_POLICY = {"never": "Never", "on-failure": "OnFailure", "always": "Always", "exit-code": "ExitCode"}
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _IMAGE = re.compile(r"^\S+$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+MIN_KUBERNETES = "1.29"
+DEFAULT_UID = 10001  # the Dockerfile's user: runAsNonRoot needs a numeric one to check
 # psflow's variables the manifests set themselves, per pod, instead of the plan's (which are the launcher's view).
 _REPLACED = ("PSFLOW_TASK", "PSFLOW_LOGDIR", "PSFLOW_ERROR_FILE", "PSFLOW_SECRET", "PSFLOW_SECRET_FILE",
              "PSFLOW_COORDINATOR", "PSFLOW_BIND_HOST")
@@ -68,9 +85,17 @@ class K8sSettings:
         port: the port every task listens on in its pod.
         python: the interpreter in the image.
         image_pull_policy: ``Always``, ``IfNotPresent`` or ``Never`` (None: Kubernetes' default).
+        memory: every pod's memory request and limit, a Kubernetes quantity (``4Gi``; None: none).
+        image_pull_secrets: Secrets (``kubernetes.io/dockerconfigjson``) for a private registry.
+        service_account: the pods' ServiceAccount (None: the namespace's default, its token unmounted).
+        tolerations: ``KEY[=VALUE][:EFFECT]`` each (``nvidia.com/gpu:NoSchedule``): taints the pods tolerate.
+        node_selector: ``KEY=VALUE`` each: node labels every pod needs.
+        run_as_user: the uid (and gid, and ``fsGroup``) the containers run as; the image's files
+            must be readable by it (the repository's Dockerfile makes user 10001).
 
     Raises:
-        ConfigError: an empty image, a claim or namespace that is not a DNS label, a negative count.
+        ConfigError: an empty image, a claim or namespace that is not a DNS label, a negative count,
+            a memory that is not a quantity, a toleration or node selector that does not parse.
     """
 
     image: str
@@ -82,8 +107,17 @@ class K8sSettings:
     python: str = "python"
     image_pull_policy: str | None = None
     env_secret: str | None = None
+    memory: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    service_account: str | None = None
+    tolerations: tuple[str, ...] = ()
+    node_selector: tuple[str, ...] = ()
+    run_as_user: int = DEFAULT_UID
 
     def __post_init__(self) -> None:
+        for name in ("image_pull_secrets", "tolerations", "node_selector"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        self._check_scheduling()
         if not self.image or not _IMAGE.match(self.image):
             raise ConfigError(f"--image must name a container image, e.g. registry.example.com/train:1.0; received {self.image!r}.")
         for flag, value in (("--volume-claim", self.volume_claim), ("--namespace", self.namespace),
@@ -101,6 +135,56 @@ class K8sSettings:
             raise ConfigError(f"port must be in 1..65535; received {self.port!r}.")
         if self.image_pull_policy not in (None, "Always", "IfNotPresent", "Never"):
             raise ConfigError(f"--image-pull-policy must be Always, IfNotPresent or Never; received {self.image_pull_policy!r}.")
+
+    def _check_scheduling(self) -> None:
+        if self.memory is not None and not _QUANTITY.match(self.memory):
+            raise ConfigError(f"--memory must be a Kubernetes quantity, e.g. 4Gi or 512Mi; received {self.memory!r}.")
+        for flag, values in (("--image-pull-secret", self.image_pull_secrets),
+                             ("--service-account", (self.service_account,) if self.service_account is not None else ())):
+            for value in values:
+                if not _DNS_SUBDOMAIN.match(value) or len(value) > 253:
+                    raise ConfigError(f"{flag} must name a Kubernetes object (lowercase letters, digits, '-' and '.'); "
+                                      f"received {value!r}.")
+        for spec in self.tolerations:
+            toleration(spec)
+        node_selector(self.node_selector)
+        if not isinstance(self.run_as_user, int) or self.run_as_user < 1:
+            raise ConfigError(f"run_as_user must be a uid >= 1 (the pods run as non-root); received {self.run_as_user!r}.")
+
+
+def toleration(spec: str) -> dict[str, str]:
+    """``--toleration KEY[=VALUE][:EFFECT]`` as a pod's toleration (no VALUE: any value; no EFFECT: any).
+
+    Example:
+        >>> toleration("nvidia.com/gpu:NoSchedule")
+        {'key': 'nvidia.com/gpu', 'operator': 'Exists', 'effect': 'NoSchedule'}
+
+    Raises:
+        ConfigError: a key that is not a label key, an unknown effect.
+    """
+    head, _, effect = spec.partition(":")
+    key, eq, value = head.partition("=")
+    if not _LABEL_KEY.match(key) or not _LABEL_VALUE.match(value) or (effect and effect not in _EFFECTS):
+        raise ConfigError(f"--toleration must be KEY[=VALUE][:EFFECT], EFFECT one of {', '.join(_EFFECTS)} "
+                          f"(e.g. nvidia.com/gpu:NoSchedule or pool=training:NoExecute); received {spec!r}.")
+    out = {"key": key, "operator": "Equal", "value": value} if eq else {"key": key, "operator": "Exists"}
+    return {**out, "effect": effect} if effect else out
+
+
+def node_selector(specs: Sequence[str]) -> dict[str, str]:
+    """``--node-selector KEY=VALUE`` items as a pod's ``nodeSelector``.
+
+    Raises:
+        ConfigError: an item without ``=``, a key or value that is not a label's, a key given twice.
+    """
+    out: dict[str, str] = {}
+    for spec in specs:
+        key, eq, value = spec.partition("=")
+        if not eq or not _LABEL_KEY.match(key) or not _LABEL_VALUE.match(value) or len(value) > 63 or key in out:
+            raise ConfigError(f"--node-selector must be KEY=VALUE, a node label (each key once; e.g. "
+                              f"cloud.google.com/gke-nodepool=gpu); received {spec!r}.")
+        out[key] = value
+    return out
 
 
 def run_name(plan: LaunchPlan) -> str:
@@ -143,16 +227,18 @@ def logdir_in_pod(plan: LaunchPlan) -> str:
 
 def restart_fields(policy: RestartPolicy, job: str) -> dict[str, Any]:
     """The Job spec fields that carry out ``policy`` for ``job``'s tasks (see the module's docstring)."""
+    # A pod preempted, evicted or on a node that went away carries DisruptionTarget: not the task's
+    # failure, so it is replaced without spending a restart (first rule: the first that matches wins).
+    rules: list[dict[str, Any]] = [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
     if not policy.restarts(job):
-        return {"backoffLimit": 0}
+        return {"backoffLimit": 0, "podFailurePolicy": {"rules": rules}}
     fields: dict[str, Any] = {"backoffLimitPerIndex": policy.max_restarts, "maxFailedIndexes": 0}
     if policy.max_restarts_per_run is not None:
         fields["backoffLimit"] = policy.max_restarts_per_run
     if policy.kind_for(job) == "exit-code":
-        fields["podFailurePolicy"] = {"rules": [
-            {"action": "FailIndex", "onExitCodes": {"containerName": job, "operator": "In", "values": list(range(1, 128))}},
-        ]}
-    return fields
+        rules.append({"action": "FailIndex",
+                      "onExitCodes": {"containerName": job, "operator": "In", "values": list(range(1, 128))}})
+    return {**fields, "podFailurePolicy": {"rules": rules}}
 
 
 def _task_env(plan: LaunchPlan, tasks: Sequence[TaskPlan]) -> list[dict[str, Any]]:
@@ -168,9 +254,12 @@ def _task_env(plan: LaunchPlan, tasks: Sequence[TaskPlan]) -> list[dict[str, Any
 
 def _container(plan: LaunchPlan, settings: K8sSettings, job: str, tasks: Sequence[TaskPlan],
                extra_env: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    resources: dict[str, Any] = {"requests": {"cpu": str(plan.threads)}}
+    requests, limits = {"cpu": str(plan.threads)}, {}
+    if settings.memory:  # request = limit: the pod is never OOM-killed for memory the node lent it
+        requests["memory"] = limits["memory"] = settings.memory
     if settings.gpus_per_worker and job in ("chief", "worker"):
-        resources["limits"] = {"nvidia.com/gpu": str(settings.gpus_per_worker)}
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(settings.gpus_per_worker)
+    resources: dict[str, Any] = {"requests": requests, **({"limits": limits} if limits else {})}
     c: dict[str, Any] = {
         "name": name,
         "image": settings.image,
@@ -180,6 +269,8 @@ def _container(plan: LaunchPlan, settings: K8sSettings, job: str, tasks: Sequenc
         "resources": resources,
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
         "volumeMounts": [{"name": "secret", "mountPath": SECRET_DIR, "readOnly": True},
                          {"name": "logdir", "mountPath": MOUNT_PATH}],
     }
@@ -192,11 +283,30 @@ def _container(plan: LaunchPlan, settings: K8sSettings, job: str, tasks: Sequenc
 
 def _volumes(plan: LaunchPlan, settings: K8sSettings) -> list[dict[str, Any]]:
     return [
-        {"name": "secret", "secret": {"secretName": f"{run_name(plan)}-secret", "defaultMode": 0o400,
+        # 0440 and the pod's fsGroup: the non-root user reads it through its group (the kubelet owns it)
+        {"name": "secret", "secret": {"secretName": f"{run_name(plan)}-secret", "defaultMode": 0o440,
                                       "items": [{"key": SECRET_KEY, "path": SECRET_KEY}]}},
         {"name": "logdir", "persistentVolumeClaim": {"claimName": settings.volume_claim}} if settings.volume_claim
         else {"name": "logdir", "emptyDir": {}},
     ]
+
+
+def pod_fields(settings: K8sSettings) -> dict[str, Any]:
+    """The pod spec's fields every task's pod shares: who it runs as, where it may run, how it pulls."""
+    uid = settings.run_as_user
+    fields: dict[str, Any] = {"securityContext": {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid,
+                                                  "fsGroup": uid, "seccompProfile": {"type": "RuntimeDefault"}}}
+    if settings.service_account:
+        fields["serviceAccountName"] = settings.service_account
+    else:  # a task never calls the API server: no token in its pod
+        fields["automountServiceAccountToken"] = False
+    if settings.image_pull_secrets:
+        fields["imagePullSecrets"] = [{"name": n} for n in settings.image_pull_secrets]
+    if settings.node_selector:
+        fields["nodeSelector"] = node_selector(settings.node_selector)
+    if settings.tolerations:
+        fields["tolerations"] = [toleration(t) for t in settings.tolerations]
+    return fields
 
 
 def _labels(plan: LaunchPlan, job: str | None = None) -> dict[str, str]:
@@ -230,7 +340,7 @@ def render_job(plan: LaunchPlan, settings: K8sSettings, job: str, tasks: Sequenc
     if plan.restart.restarts(job):  # which retry of its index a pod is: a restarted ps re-syncs, a fault fires once
         index_env.append({"name": "PSFLOW_ATTEMPT", "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{FAILURE_COUNT_ANNOTATION}']"}}})
-    pod_spec = {"subdomain": run_name(plan), "restartPolicy": "Never",
+    pod_spec = {"subdomain": run_name(plan), "restartPolicy": "Never", **pod_fields(settings),
                 "containers": [_container(plan, settings, job, tasks, index_env, job)],
                 "volumes": _volumes(plan, settings)}
     return {"apiVersion": "batch/v1", "kind": "Job",
@@ -240,17 +350,34 @@ def render_job(plan: LaunchPlan, settings: K8sSettings, job: str, tasks: Sequenc
                      "template": {"metadata": {"labels": _labels(plan, job)}, "spec": pod_spec}}}
 
 
+def render_budgets(plan: LaunchPlan, settings: K8sSettings) -> list[dict[str, Any]]:
+    """The PodDisruptionBudgets of the ps and the chief (``maxUnavailable: 0``): a drain or another
+    voluntary eviction waits for the run instead of taking a task that holds its state (a ps's shard,
+    the chief's checkpoints). A separate chief, else worker 0 (the chief then). Deleting a pod, or a
+    node that fails, is not held back (that is what restarts are for)."""
+    jobs = jobs_of(plan)
+    selectors = {"ps": {RUN_LABEL: run_name(plan), JOB_LABEL: "ps"}} if "ps" in jobs else {}
+    if "chief" in jobs:
+        selectors["chief"] = {RUN_LABEL: run_name(plan), JOB_LABEL: "chief"}
+    elif "worker" in jobs:
+        selectors["chief"] = {RUN_LABEL: run_name(plan), JOB_LABEL: "worker", INDEX_ANNOTATION: "0"}
+    return [{"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+             "metadata": {"name": f"{run_name(plan)}-{what}", "namespace": settings.namespace, "labels": _labels(plan)},
+             "spec": {"maxUnavailable": 0, "selector": {"matchLabels": labels}}} for what, labels in selectors.items()]
+
+
 def render_run(plan: LaunchPlan, settings: K8sSettings, secret: str) -> list[dict[str, Any]]:
-    """Every object of the run, in the order they are created: Secret, Service, then a Job per job type.
+    """Every object of the run, in the order they are created: Secret, Service, the PodDisruptionBudgets,
+    then a Job per job type.
 
     Example:
         >>> docs = render_run(make_plan("train.py"), K8sSettings(image="train:1", volume_claim="logs"), "s3cret")
         >>> [d["kind"] for d in docs]  # doctest: +SKIP
-        ['Secret', 'Service', 'Job', 'Job']
+        ['Secret', 'Service', 'PodDisruptionBudget', 'PodDisruptionBudget', 'Job', 'Job']
     """
     _check_secret(secret)
     _check_shared(plan, settings)
-    return [render_secret(plan, settings, secret), render_service(plan, settings),
+    return [render_secret(plan, settings, secret), render_service(plan, settings), *render_budgets(plan, settings),
             *(render_job(plan, settings, job, tasks) for job, tasks in jobs_of(plan).items())]
 
 
@@ -275,7 +402,8 @@ def render_tfjob(plan: LaunchPlan, settings: K8sSettings, secret: str) -> list[d
         replicas[TFJOB_TYPES[job]] = {
             "replicas": len(tasks), "restartPolicy": _TFJOB_POLICY[kind],
             "template": {"metadata": {"labels": _labels(plan, job)},
-                         "spec": {"containers": [container], "volumes": _volumes(plan, settings)}},
+                         "spec": {**pod_fields(settings), "containers": [container],
+                                  "volumes": _volumes(plan, settings)}},
         }
     run_policy: dict[str, Any] = {"cleanPodPolicy": "Running", "ttlSecondsAfterFinished": settings.ttl_s}
     if plan.restart.max_restarts_per_run is not None:

@@ -15,8 +15,13 @@ API answers into the run's history:
   (a task out of retries, or a permanent exit code) -> failed.
 
 Restarts are Kubernetes' (restart policy mapped by :func:`psflow.launch.k8s.restart_fields`): the
-launcher does not restart pods, it records what Kubernetes did, in the same run store as every
-other backend (``LOGDIR/status.json``, ``events.jsonl``, the job store). A run is followed by listing
+launcher records what Kubernetes did, in the same run store as every
+other backend (``LOGDIR/status.json``, ``events.jsonl``, the job store). One rule is the launcher's,
+as locally: a run's restart group (:func:`psflow.launch.restart.restart_group`; a ps with one copy
+of its shard, or an all-reduce rank) restarts together. When a trigger's pod fails and its policy
+restarts it, the launcher deletes the other members' pods; the Job controller starts each again
+as its next attempt, and they resume from the newest checkpoint (the chief restores it on every
+shard) instead of training on a ps that came back empty. A run is followed by listing
 its pods every ``poll_s`` (a list has no stream to lose). Each attempt's log is copied into
 ``LOGDIR/logs/<task>.log`` when it ends. When the run fails, or on Ctrl-C / SIGTERM, the launcher
 deletes the run's Jobs (their pods go with them), Service and Secret; when it succeeds, the Service
@@ -24,8 +29,10 @@ and Secret (the Jobs go after ``ttlSecondsAfterFinished``).
 
 The client calls used, the whole interface a test fake has to implement: ``CoreV1Api``:
 ``create_namespaced_secret``, ``create_namespaced_service``, ``list_namespaced_pod``,
-``read_namespaced_pod_log``, ``delete_namespaced_secret``, ``delete_namespaced_service``;
-``BatchV1Api``: ``create_namespaced_job``, ``list_namespaced_job``, ``delete_namespaced_job``.
+``read_namespaced_pod_log``, ``delete_namespaced_pod``, ``delete_namespaced_secret``,
+``delete_namespaced_service``; ``BatchV1Api``: ``create_namespaced_job``, ``list_namespaced_job``,
+``delete_namespaced_job``; ``PolicyV1Api``: ``create_namespaced_pod_disruption_budget``,
+``delete_namespaced_pod_disruption_budget``.
 """
 
 from __future__ import annotations
@@ -50,11 +57,13 @@ from psflow.launch.k8s import (
     JOB_LABEL,
     RUN_LABEL,
     K8sSettings,
+    render_budgets,
     render_run,
     run_name,
     to_yaml,
 )
 from psflow.launch.plan import LaunchPlan
+from psflow.launch.restart import RestartGroup, restart_group
 from psflow.launch.runstore import RunStore, file_store
 
 # ------------------------------------------------------------------------------------ pure core
@@ -194,6 +203,16 @@ class PodTracker:
                 out.append(Exited(p.task, p.attempt, p.exit_code, oom, report, p.name))
         return out
 
+    def stopped(self, view: PodView, code: int, cause: str) -> Exited | None:
+        """The launcher stopped ``view``'s pod (a group restart): its exit, recorded now with ``cause``
+        (the pod may be gone before a listing shows how it ended); None if its exit was seen already."""
+        key = (view.task, view.attempt)
+        if key in self._exited:
+            return None
+        self._started.add(key)
+        self._exited[key], self._causes[key] = code, cause
+        return Exited(view.task, view.attempt, code, False, None, view.name)
+
     def tasks(self) -> list[dict[str, Any]]:
         """Each task's attempts and exits so far, for the run's summary."""
         out: dict[str, dict[str, Any]] = {}
@@ -245,8 +264,8 @@ def outcome(jobs: Iterable[Any]) -> tuple[str | None, str]:
 # ------------------------------------------------------------------------------------ the I/O shell
 
 
-def load_clients() -> tuple[Any, Any]:
-    """``(CoreV1Api, BatchV1Api)`` configured from the cluster the launcher runs in, or kubeconfig.
+def load_clients() -> tuple[Any, Any, Any]:
+    """``(CoreV1Api, BatchV1Api, PolicyV1Api)`` configured from the cluster the launcher runs in, or kubeconfig.
 
     Raises:
         ConfigError: the ``kubernetes`` package is missing.
@@ -265,7 +284,7 @@ def load_clients() -> tuple[Any, Any]:
             raise ClusterError(f"No Kubernetes cluster configured ({e}). Set KUBECONFIG or ~/.kube/config (kubectl's), "
                                "or run the launcher in a pod; `psflow run --backend k8s --dry-run ...` prints the "
                                "manifests for `kubectl apply -f -` instead.") from e
-    return client.CoreV1Api(), client.BatchV1Api()
+    return client.CoreV1Api(), client.BatchV1Api(), client.PolicyV1Api()
 
 
 class K8sBackend:
@@ -273,7 +292,8 @@ class K8sBackend:
 
     Args:
         settings: image, volume claim, namespace, GPUs, TTL (:class:`psflow.launch.k8s.K8sSettings`).
-        core, batch: a ``CoreV1Api`` and a ``BatchV1Api`` (default: :func:`load_clients`).
+        core, batch, policy: a ``CoreV1Api``, a ``BatchV1Api`` and a ``PolicyV1Api`` (default:
+            :func:`load_clients`).
         poll_s: how often the pods and Jobs are listed.
         run_timeout_s: the longest the launcher follows the run (None: until it ends); past it the
             run is stopped and its objects deleted.
@@ -287,18 +307,20 @@ class K8sBackend:
         0
     """
 
-    def __init__(self, settings: K8sSettings, *, core: Any = None, batch: Any = None, poll_s: float = 2.0,
+    def __init__(self, settings: K8sSettings, *, core: Any = None, batch: Any = None, policy: Any = None,
+                 poll_s: float = 2.0,
                  run_timeout_s: float | None = None, echo: Callable[[str], None] | None = None,
                  store: Callable[[LaunchPlan], RunStore] | None = None, secret: str | None = None) -> None:
         self.settings = settings
         self.console = Console(echo, live=False)
-        self._core, self._batch = core, batch
+        self._core, self._batch, self._policy = core, batch, policy
         self.poll_s = poll_s
         self.run_timeout_s = run_timeout_s
         self.make_store = store
         self.secret = secret
         self._stop = threading.Event()
         self._stop_reason: str | None = None
+        self._group = _GroupRestarts(None)
 
     def script(self, plan: LaunchPlan) -> str:
         """The run's manifests as YAML (``psflow run --backend k8s --dry-run``), with a fresh secret."""
@@ -316,8 +338,8 @@ class K8sBackend:
         Raises:
             ClusterError: the API server refused an object (the message is the server's).
         """
-        if self._core is None or self._batch is None:
-            self._core, self._batch = load_clients()
+        if self._core is None or self._batch is None or self._policy is None:
+            self._core, self._batch, self._policy = load_clients()
         logdir = Path(plan.logdir)
         (logdir / "logs").mkdir(parents=True, exist_ok=True)
         return self._run(plan, (store or self.make_store or file_store)(plan))
@@ -335,13 +357,15 @@ class K8sBackend:
             raise
         tracker = PodTracker()
         status, why = None, ""
+        self._group = _GroupRestarts(restart_group(plan.config.strategy, plan.config.ps_replicas, plan.task_names()))
         with _stop_on_signals(self):
             try:
                 status, why = self._follow(plan, tracker, store, t0)
             finally:
                 self._delete(plan, jobs=status != "succeeded")
         spent = run_budget_spent(tracker.failures(), plan.restart.max_restarts_per_run)
-        root = (spent or tracker.last_failure()) if status == "failed" else None
+        last = (self._group.root, 0, 0) if self._group.root else tracker.last_failure()
+        root = (spent or last) if status == "failed" else None
         # The pods report to no coordinator (the launcher may be outside the cluster): no global step
         # or throughput here; the chief's summaries and checkpoints in the claim's log dir have them.
         summary = {"run_id": plan.run_id, "backend": "k8s", "status": status or "stopped", "reason": why,
@@ -357,6 +381,7 @@ class K8sBackend:
     def _submit(self, docs: Sequence[dict[str, Any]], store: RunStore, created: list[tuple[str, str]]) -> None:
         ns = self.settings.namespace
         create = {"Secret": self._core.create_namespaced_secret, "Service": self._core.create_namespaced_service,
+                  "PodDisruptionBudget": self._policy.create_namespaced_pod_disruption_budget,
                   "Job": self._batch.create_namespaced_job}
         for d in docs:
             try:
@@ -373,7 +398,8 @@ class K8sBackend:
         ns, selector = self.settings.namespace, f"{RUN_LABEL}={run_name(plan)}"
         while True:
             pods = [v for v in map(pod_view, self._core.list_namespaced_pod(namespace=ns, label_selector=selector).items) if v]
-            for change in tracker.update(pods):
+            changes = tracker.update(pods)
+            for change in changes:
                 self._record(plan, change, store)
             spent = run_budget_spent(tracker.failures(), plan.restart.max_restarts_per_run)
             if spent is not None:
@@ -382,6 +408,9 @@ class K8sBackend:
                 return "failed", (f"the run's restart budget is spent: {len(tracker.failures())} failed attempts "
                                   f"across its tasks, {spent[0]} (attempt {spent[1]}) the one past "
                                   f"--max-restarts-per-run {cap}")
+            refused = self._restart_group(plan, pods, changes, tracker, store)
+            if refused is not None:
+                return "failed", refused
             status, why = outcome(self._batch.list_namespaced_job(namespace=ns, label_selector=selector).items)
             store.tick()
             if status is not None:
@@ -393,6 +422,55 @@ class K8sBackend:
             if self._stop.wait(self.poll_s):
                 store.event("stop", reason=self._stop_reason)
                 return None, f"stopped by {self._stop_reason}"
+
+    def _restart_group(self, plan: LaunchPlan, pods: Sequence[PodView], changes: Sequence[Change], tracker: PodTracker,
+                       store: RunStore) -> str | None:
+        """A trigger of the run's restart group failed and Kubernetes restarts it: delete the other
+        members' pods (the Job controller starts each as its next attempt; the chief restores the newest
+        checkpoint). The same budgets as the local controller's; the reason the run fails when one is spent."""
+        group, policy = self._group.group, plan.restart
+        triggers = [c for c in changes if isinstance(c, Exited) and group is not None and c.task in group.triggers
+                    and c.code != 0 and (c.task, c.attempt) not in self._group.stopped
+                    and policy.is_retryable(c.task.split(":")[0], c.code)]
+        if not triggers or group is None:
+            return None
+        first, failed = triggers[0], {c.task for c in triggers}
+        cause = f"{first.task} (attempt {first.attempt}) {exit_cause(first.code, first.oom_killed)}"
+        attempts = {c.task: c.attempt for c in triggers}
+        for p in pods:
+            if p.task not in failed:
+                attempts[p.task] = max(attempts.get(p.task, 0), p.attempt)
+        spent = max(group.members, key=lambda t: attempts.get(t, 0))
+        cap = policy.max_restarts_per_run
+        if attempts.get(spent, 0) >= policy.max_restarts:
+            self._group.root = first.task
+            return (f"{cause}; {group.what} restarts together and {spent}'s restart budget is spent "
+                    f"({attempts.get(spent, 0)} of {policy.max_restarts} per task)")
+        if cap is not None and len(tracker.failures()) - len(triggers) + len(group.members) > cap:
+            self._group.root = first.task
+            store.event("restart_budget_spent", task=first.task, attempt=first.attempt, max_restarts_per_run=cap)
+            return (f"the run's restart budget is spent: {cause}, and {group.what} restarts {len(group.members)} "
+                    f"tasks, past --max-restarts-per-run {cap}")
+        live = [p for p in pods if p.task in group.members and p.task not in failed and p.exit_code is None
+                and p.phase in ("Pending", "Running")]
+        why = f"{cause}: restarting {group.what} from its newest checkpoint"
+        self.console.warn(f"{why}; stopping {', '.join(p.task for p in live) or 'nothing else'}")
+        store.event("group_restart", cause=cause, group=group.what, stopped=[p.task for p in live])
+        for p in live:
+            self._delete_pod(p, group.grace_s)
+            self._group.stopped.add((p.task, p.attempt))
+            exited = tracker.stopped(p, -9 if group.grace_s == 0 else -15, f"stopped: {why}")
+            if exited is not None:
+                self._record(plan, exited, store)
+        return None
+
+    def _delete_pod(self, pod: PodView, grace_s: float | None) -> None:
+        grace = {} if grace_s is None else {"grace_period_seconds": int(grace_s)}
+        try:
+            self._core.delete_namespaced_pod(name=pod.name, namespace=self.settings.namespace, **grace)
+        except Exception as e:  # noqa: BLE001 (gone already: the Job controller replaces it anyway)
+            if getattr(e, "status", None) != 404:
+                self.console.warn(f"could not delete pod {pod.name} of {pod.task} ({_api_message(e)})")
 
     def _record(self, plan: LaunchPlan, change: Change, store: RunStore) -> None:
         if isinstance(change, Restarted):
@@ -429,12 +507,14 @@ class K8sBackend:
         """Delete the run's objects: the Jobs too (their pods with them) unless it succeeded."""
         name = run_name(plan)
         objects = [("Job", f"{name}-{job}") for job in dict.fromkeys(t.job for t in plan.tasks)] if jobs else []
-        self._delete_objects([*objects, ("Service", name), ("Secret", f"{name}-secret")])
+        budgets = [("PodDisruptionBudget", d["metadata"]["name"]) for d in render_budgets(plan, self.settings)]
+        self._delete_objects([*objects, *budgets, ("Service", name), ("Secret", f"{name}-secret")])
 
     def _delete_objects(self, objects: Sequence[tuple[str, str]]) -> None:
         ns = self.settings.namespace
         calls = {"Job": lambda n: self._batch.delete_namespaced_job(name=n, namespace=ns, propagation_policy="Background"),
                  "Service": lambda n: self._core.delete_namespaced_service(name=n, namespace=ns),
+                 "PodDisruptionBudget": lambda n: self._policy.delete_namespaced_pod_disruption_budget(name=n, namespace=ns),
                  "Secret": lambda n: self._core.delete_namespaced_secret(name=n, namespace=ns)}
         for kind, name in objects:
             try:
@@ -454,6 +534,16 @@ def _api_message(e: BaseException) -> str:
         except (ValueError, AttributeError):
             return str(body)
     return f"{type(e).__name__}: {e}"
+
+
+class _GroupRestarts:
+    """What one run's group restarts have done: the members' attempts the launcher stopped (their exits
+    are no trigger), and the task whose failure the group could not restart (the run's root cause)."""
+
+    def __init__(self, group: RestartGroup | None) -> None:
+        self.group = group
+        self.stopped: set[tuple[str, int]] = set()
+        self.root: str | None = None
 
 
 class _stop_on_signals:
