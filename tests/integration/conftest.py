@@ -141,3 +141,8 @@ def wait_for_run(db: Path, check, *, what: str, timeout_s: float = 120.0, contex
                         return run
         time.sleep(0.2)  # a poll of the store, not a synchronisation
     raise AssertionError(f"no run {what} within {timeout_s} s\n{context()}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "k8s: against a real Kubernetes API server ($KUBECONFIG); opt in with "
+                                       "PSFLOW_K8S_TESTS=1 (tests/integration/test_k8s_cluster.py says what else)")
