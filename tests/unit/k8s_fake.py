@@ -13,7 +13,9 @@ psflow renders): a failed pod's index is retried as a new pod (annotation
 ``backoffLimit`` fail it; a failed Job's running pods are terminated; every index succeeded ->
 ``Complete``; a pod deleted through the API ends with 137 (``grace_period_seconds=0``, SIGKILL) or
 143 (SIGTERM) and counts as a failure of its index (no ``DisruptionTarget``: a plain delete is not an
-eviction). Time moves one step per ``list_namespaced_pod``: a pod is Pending, then Running, then
+eviction); a pod the test ``disrupts`` (preempted, evicted: it ends with 137 and a ``DisruptionTarget``
+condition) is replaced with the same failure count, uncounted, where a ``podFailurePolicy`` ``Ignore``
+rule names that condition. Time moves one step per ``list_namespaced_pod``: a pod is Pending, then Running, then
 its container ends, ``runs_for`` steps after it was made (per job type, default 2), with the exit code
 the test scripted for its (task, attempt) (default 0); a ps pod ends cleanly only once no chief or
 worker pod is left running, as a psflow ps exits when the workers are done (a scripted failure ends it
@@ -38,6 +40,7 @@ from kubernetes.client import (
     V1JobStatus,
     V1ObjectMeta,
     V1Pod,
+    V1PodCondition,
     V1PodList,
     V1PodStatus,
 )
@@ -66,12 +69,13 @@ class FakeCluster:
     def __init__(self, exits: dict[tuple[str, int], int] | None = None, messages: dict[tuple[str, int], str] | None = None,
                  reason: dict[tuple[str, int], str] | None = None,
                  waiting: dict[tuple[str, int], tuple[str, str]] | None = None,
-                 runs_for: dict[str, int] | None = None) -> None:
+                 runs_for: dict[str, int] | None = None, disrupts: set[tuple[str, int]] | None = None) -> None:
         self.exits = exits or {}
         self.messages = messages or {}
         self.reasons = reason or {}
         self.waiting = waiting or {}  # (task, attempt) -> (reason, message): its container never starts
         self.runs_for = runs_for or {}  # job type -> steps from its pod's creation to its exit
+        self.disrupts = set(disrupts or ())  # (task, attempt): its first pod is disrupted at its time
         self.objects: dict[str, dict[str, dict[str, Any]]] = {"Secret": {}, "Service": {}, "Job": {},
                                                               "PodDisruptionBudget": {}}
         self.jobs: dict[str, dict[str, Any]] = {}  # name -> controller state
@@ -135,7 +139,13 @@ class FakeCluster:
             if pod["phase"] == "Pending":
                 pod["phase"] = "Running"
             elif pod["phase"] == "Running" and self.step - pod["born"] >= self.runs_for.get(pod["labels"]["psflow.io/job"], 2):
-                code = self.exits.get((self.task_of(pod), pod["attempt"]), 0)
+                key = (self.task_of(pod), pod["attempt"])
+                if key in self.disrupts:
+                    self.disrupts.discard(key)
+                    pod["disrupted"] = "PreemptionByScheduler"
+                    self._terminate(pod, 137)
+                    continue
+                code = self.exits.get(key, 0)
                 if pod["labels"]["psflow.io/job"] == "ps" and training_left and code == 0:
                     continue
                 self._terminate(pod, code)
@@ -146,6 +156,12 @@ class FakeCluster:
         job = pod["job"]
         state, spec = self.jobs[job], self.objects["Job"][job]["spec"]
         if state["condition"] is not None:
+            return
+        ignored = pod.get("disrupted") and any(
+            r["action"] == "Ignore" and any(c["type"] == "DisruptionTarget" for c in r.get("onPodConditions", []))
+            for r in spec.get("podFailurePolicy", {}).get("rules", []))
+        if ignored:
+            self._new_pod(job, pod["index"], pod["attempt"])
             return
         if code == 0:
             state["succeeded"].add(pod["index"])
@@ -202,9 +218,11 @@ class FakeCluster:
                                               reason=self.reasons.get(key, "Completed" if pod["code"] == 0 else "Error"))
             statuses = [V1ContainerStatus(name=pod["labels"]["psflow.io/job"], image="train:1", image_id="", ready=False,
                                           restart_count=0, state=V1ContainerState(terminated=term))]
+        conditions = [V1PodCondition(type="DisruptionTarget", status="True", reason=pod["disrupted"])] \
+            if pod.get("disrupted") else None
         return V1Pod(metadata=V1ObjectMeta(name=pod["name"], labels=pod["labels"], annotations=pod["annotations"],
                                            creation_timestamp=pod["created"]),
-                     status=V1PodStatus(phase=pod["phase"], container_statuses=statuses))
+                     status=V1PodStatus(phase=pod["phase"], container_statuses=statuses, conditions=conditions))
 
     def job_model(self, name: str) -> V1Job:
         cond = self.jobs[name]["condition"]

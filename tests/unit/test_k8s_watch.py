@@ -300,3 +300,33 @@ def test_a_group_rollback_past_a_tasks_budget_fails_the_run_naming_the_ps(tmp_pa
     assert result.exit_code == 1 and result.root_cause == "ps:0", result.summary
     assert "restarts together and" in result.summary["reason"] and "restart budget is spent (1 of 1 per task)" in result.summary["reason"]
     assert not cluster.objects["Job"] and status_of(tmp_path)["state"] == "failed"
+
+
+def test_a_disrupted_worker_is_replaced_without_spending_a_restart_under_restart_never(tmp_path, monkeypatch):
+    # backoffLimit 0 (never): without the podFailurePolicy's Ignore rule the preemption would fail the run.
+    plan = make(tmp_path, monkeypatch)
+    cluster = FakeCluster(disrupts={("worker:1", 0)})
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 0, result.summary
+    worker1 = [p for p in cluster.pods.values() if cluster.task_of(p) == "worker:1"]
+    assert [(p["attempt"], p["phase"]) for p in worker1] == [(0, "Failed"), (0, "Succeeded")]
+    restarts = [(e["task"], e["attempt"], e["reason"]) for e in events_of(tmp_path) if e["event"] == "restart"]
+    assert restarts == [("worker:1", 0, "killed (SIGKILL) (PreemptionByScheduler); Kubernetes replaced the pod (no restart spent)")]
+    assert status_of(tmp_path)["tasks"]["worker:1"]["state"] == "exited"
+
+
+def test_a_disrupted_ps_with_one_copy_rolls_the_job_back_and_under_never_fails_the_run_saying_why(tmp_path, monkeypatch):
+    # Kubernetes replaces a preempted ps whatever the policy, empty: the group rolls back where it may restart.
+    plan = rollback_plan(tmp_path, monkeypatch)
+    cluster = FakeCluster(disrupts={("ps:0", 0)}, runs_for={"worker": 6})
+    assert backend(cluster).run(plan).exit_code == 0
+    assert final_attempts(cluster) == {"ps:0": 0, "ps:1": 1, "worker:0": 1, "worker:1": 1}  # ps:0 replaced, uncounted
+    (group,) = [e for e in events_of(tmp_path) if e["event"] == "group_restart"]
+    assert group["cause"] == "ps:0 (attempt 0) killed (SIGKILL) (PreemptionByScheduler)"
+
+    never = replace(plan, restart=RestartPolicy.parse("never"))
+    cluster = FakeCluster(disrupts={("ps:0", 0)}, runs_for={"worker": 6})
+    result = backend(cluster).run(never)
+    assert result.exit_code == 1 and result.root_cause == "ps:0", result.summary
+    assert "restarts together, and --restart never does not restart" in result.summary["reason"]
+    assert not cluster.objects["Job"]

@@ -14,25 +14,13 @@ API answers into the run's history:
 - :func:`outcome` reads the Jobs' conditions: every Job ``Complete`` -> succeeded; one ``Failed``
   (a task out of retries, or a permanent exit code) -> failed.
 
-Restarts are Kubernetes' (restart policy mapped by :func:`psflow.launch.k8s.restart_fields`): the
-launcher records what Kubernetes did, in the same run store as every
-other backend (``LOGDIR/status.json``, ``events.jsonl``, the job store). One rule is the launcher's,
-as locally: a run's restart group (:func:`psflow.launch.restart.restart_group`; a ps with one copy
-of its shard, or an all-reduce rank) restarts together. When a trigger's pod fails and its policy
-restarts it, the launcher deletes the other members' pods; the Job controller starts each again
-as its next attempt, and they resume from the newest checkpoint (the chief restores it on every
-shard) instead of training on a ps that came back empty. A run is followed by listing
-its pods every ``poll_s`` (a list has no stream to lose). Each attempt's log is copied into
-``LOGDIR/logs/<task>.log`` when it ends. When the run fails, or on Ctrl-C / SIGTERM, the launcher
-deletes the run's Jobs (their pods go with them), Service and Secret; when it succeeds, the Service
-and Secret (the Jobs go after ``ttlSecondsAfterFinished``).
-
-The client calls used, the whole interface a test fake has to implement: ``CoreV1Api``:
-``create_namespaced_secret``, ``create_namespaced_service``, ``list_namespaced_pod``,
-``read_namespaced_pod_log``, ``delete_namespaced_pod``, ``delete_namespaced_secret``,
-``delete_namespaced_service``; ``BatchV1Api``: ``create_namespaced_job``, ``list_namespaced_job``,
-``delete_namespaced_job``; ``PolicyV1Api``: ``create_namespaced_pod_disruption_budget``,
-``delete_namespaced_pod_disruption_budget``.
+Restarts are Kubernetes' (:func:`psflow.launch.k8s.restart_fields`); the launcher records them in
+the same run store as every other backend (``LOGDIR/status.json``, ``events.jsonl``, the job store)
+and applies one rule itself, as locally: a run's restart group (a ps with one copy of its shard, an
+all-reduce rank) restarts together (:meth:`K8sBackend._restart_group`). It lists the pods every
+``poll_s`` and copies each attempt's log into ``LOGDIR/logs/<task>.log``. A failed or stopped run's
+objects are deleted, a succeeded one's but its Jobs (``ttlSecondsAfterFinished``). The client calls
+used, what a test fake implements, and the whole design: ``docs/design/kubernetes.md``.
 """
 
 from __future__ import annotations
@@ -82,6 +70,7 @@ class PodView:
     reason: str | None = None  # the container's: Completed, Error, OOMKilled
     message: str | None = None  # its termination message: the task's error report
     waiting: str | None = None  # why its container does not run yet: "ErrImagePull: <message>", ...
+    disrupted: str | None = None  # its DisruptionTarget condition's reason: preempted, evicted, its node gone
 
 
 @dataclass(frozen=True)
@@ -118,6 +107,7 @@ class Exited:
     oom_killed: bool
     report: dict[str, Any] | None
     pod: str
+    disrupted: str | None = None  # a disruption ended it: Kubernetes replaces the pod without spending a restart
 
 
 Change = Started | Restarted | Waiting | Exited
@@ -152,7 +142,7 @@ def pod_view(pod: Any) -> PodView | None:
         return None
     attempt = annotations.get(FAILURE_COUNT_ANNOTATION, "0")
     status = pod.status
-    code = reason = message = waiting = None
+    code = reason = message = waiting = disrupted = None
     for cs in (status.container_statuses or []) if status is not None else []:
         term = cs.state.terminated if cs.state is not None else None
         wait = cs.state.waiting if cs.state is not None else None
@@ -161,11 +151,14 @@ def pod_view(pod: Any) -> PodView | None:
         elif wait is not None and wait.reason not in (None, "ContainerCreating", "PodInitializing"):
             waiting = f"{wait.reason}: {wait.message}" if wait.message else wait.reason
     for c in (status.conditions or []) if status is not None else []:
+        if c.type == "DisruptionTarget" and c.status == "True":
+            disrupted = c.reason or "DisruptionTarget"
         if waiting is None and c.type == "PodScheduled" and c.status == "False" and c.reason:
             waiting = f"{c.reason}: {c.message}" if c.message else c.reason  # Unschedulable: no node fits
     created = meta.creation_timestamp.timestamp() if meta.creation_timestamp is not None else 0.0
     return PodView(meta.name, f"{job}:{index}", int(attempt) if str(attempt).isdigit() else 0,
-                   (status.phase if status is not None else None) or "Pending", created, code, reason, message, waiting)
+                   (status.phase if status is not None else None) or "Pending", created, code, reason, message, waiting,
+                   disrupted)
 
 
 class PodTracker:
@@ -173,7 +166,9 @@ class PodTracker:
 
     A task's attempts are told apart by the Job controller's index failure count; an attempt seen
     after its task's earlier one ended is a restart Kubernetes made (:class:`Restarted` first, with
-    the earlier attempt's cause). A pod that disappears without an exit seen says nothing.
+    the earlier attempt's cause). A second pod of the same attempt is Kubernetes replacing a disrupted
+    one (``podFailurePolicy`` ignores ``DisruptionTarget``): a :class:`Restarted` of the same attempt,
+    and the disrupted exit is no failure. A pod that disappears without an exit seen says nothing.
     """
 
     def __init__(self) -> None:
@@ -181,12 +176,26 @@ class PodTracker:
         self._exited: dict[tuple[str, int], int] = {}
         self._causes: dict[tuple[str, int], str] = {}
         self._waiting: dict[tuple[str, int], str] = {}
+        self._pods: dict[tuple[str, int], str] = {}  # each attempt's current pod
+        self._replaced: set[str] = set()  # pods Kubernetes replaced (a disruption): no longer followed
+        self._disrupted: set[tuple[str, int]] = set()
 
     def update(self, pods: Iterable[PodView]) -> list[Change]:
         out: list[Change] = []
         for p in sorted(pods, key=lambda p: (p.created, p.task, p.attempt)):
             key = (p.task, p.attempt)
-            if key not in self._started:
+            if p.name in self._replaced:
+                continue
+            current = self._pods.setdefault(key, p.name)
+            if current != p.name:  # the same attempt again: Kubernetes replaced a disrupted pod
+                self._replaced.add(current)
+                self._pods[key] = p.name
+                self._exited.pop(key, None)
+                self._disrupted.discard(key)
+                cause = self._causes.get(key, "its pod went away")
+                out.append(Restarted(p.task, p.attempt, f"{cause}; Kubernetes replaced the pod (no restart spent)"))
+                out.append(Started(p.task, p.attempt, p.name))
+            elif key not in self._started:
                 self._started.add(key)
                 before = (p.task, p.attempt - 1)
                 if p.attempt > 0:
@@ -198,9 +207,11 @@ class PodTracker:
             if p.exit_code is not None and key not in self._exited:
                 self._exited[key] = p.exit_code
                 oom = p.reason == "OOMKilled"
-                self._causes[key] = exit_cause(p.exit_code, oom)
+                self._causes[key] = exit_cause(p.exit_code, oom) + (f" ({p.disrupted})" if p.disrupted else "")
+                if p.disrupted:
+                    self._disrupted.add(key)
                 report = parse_report(p.message) if p.exit_code != 0 else None
-                out.append(Exited(p.task, p.attempt, p.exit_code, oom, report, p.name))
+                out.append(Exited(p.task, p.attempt, p.exit_code, oom, report, p.name, p.disrupted))
         return out
 
     def stopped(self, view: PodView, code: int, cause: str) -> Exited | None:
@@ -227,14 +238,15 @@ class PodTracker:
     def last_failure(self) -> tuple[str, int, int] | None:
         """(task, attempt, code) of the first failed exit whose task was not started again: the root cause."""
         for (task, attempt), code in self._exited.items():
-            if code != 0 and (task, attempt + 1) not in self._started:
+            if code != 0 and (task, attempt + 1) not in self._started and (task, attempt) not in self._disrupted:
                 return task, attempt, code
         return None
 
     def failures(self) -> list[tuple[str, int, int]]:
         """Every failed exit seen, (task, attempt, code), in the order seen: each one a restart asked
         of the run's budget (Kubernetes restarts it if its own per-index budget allows)."""
-        return [(task, attempt, code) for (task, attempt), code in self._exited.items() if code != 0]
+        return [(task, attempt, code) for (task, attempt), code in self._exited.items()
+                if code != 0 and (task, attempt) not in self._disrupted]
 
 
 def run_budget_spent(failures: Sequence[tuple[str, int, int]], max_restarts_per_run: int | None) -> tuple[str, int, int] | None:
@@ -429,19 +441,26 @@ class K8sBackend:
         members' pods (the Job controller starts each as its next attempt; the chief restores the newest
         checkpoint). The same budgets as the local controller's; the reason the run fails when one is spent."""
         group, policy = self._group.group, plan.restart
+        # A disrupted trigger is replaced by Kubernetes whatever the policy (and empty, for a ps).
         triggers = [c for c in changes if isinstance(c, Exited) and group is not None and c.task in group.triggers
                     and c.code != 0 and (c.task, c.attempt) not in self._group.stopped
-                    and policy.is_retryable(c.task.split(":")[0], c.code)]
+                    and (c.disrupted or policy.is_retryable(c.task.split(":")[0], c.code))]
         if not triggers or group is None:
             return None
         first, failed = triggers[0], {c.task for c in triggers}
-        cause = f"{first.task} (attempt {first.attempt}) {exit_cause(first.code, first.oom_killed)}"
+        cause = f"{first.task} (attempt {first.attempt}) {exit_cause(first.code, first.oom_killed)}" + (
+            f" ({first.disrupted})" if first.disrupted else "")
         attempts = {c.task: c.attempt for c in triggers}
         for p in pods:
             if p.task not in failed:
                 attempts[p.task] = max(attempts.get(p.task, 0), p.attempt)
         spent = max(group.members, key=lambda t: attempts.get(t, 0))
         cap = policy.max_restarts_per_run
+        kept = [t for t in group.members if t not in failed and not policy.restarts(t.split(":")[0])]
+        if kept:
+            self._group.root = first.task
+            return (f"{cause}; {group.what} restarts together, and --restart {policy.kind_for(kept[0].split(':')[0])} "
+                    f"does not restart {', '.join(kept)}")
         if attempts.get(spent, 0) >= policy.max_restarts:
             self._group.root = first.task
             return (f"{cause}; {group.what} restarts together and {spent}'s restart budget is spent "
