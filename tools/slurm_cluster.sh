@@ -4,8 +4,17 @@
 # address, 127.0.0.i (Slurm's list: 127.0.0.[1-N]), so that, as on a real cluster, a node's name
 # resolves to an address of its own: a task on node 2 that binds its node's name listens on 127.0.0.2.
 #
-#   tools/slurm_cluster.sh up DIR [NODES]   prints `export SLURM_CONF=DIR/slurm.conf` (eval it)
+#   tools/slurm_cluster.sh up DIR [NODES] [--netns]   prints `export SLURM_CONF=DIR/slurm.conf` (eval it)
 #   tools/slurm_cluster.sh down DIR          cancels its jobs, stops its daemons (by their pid files)
+#
+# --netns: hosts of their own, as on a real cluster. slurmctld, each slurmd and a "login node" each live
+# in a network namespace with its own address on a bridge (itself in a namespace): nodes NET.1..N (named
+# by those addresses), slurmctld NET.250, the login node NET.200, NET=10.78.0 (PSFLOW_SLURM_NET). Nothing
+# is added to the root namespace, so Slurm's commands and the launcher run inside the login node's:
+# `nsenter --net=/run/netns/$(cat DIR/login.netns) psflow run --backend slurm ...`. Loopback is each host's own.
+# A node set down (scontrol update nodename=N state=down) stays down until state=resume (ReturnToService=1).
+# Needs root and iproute2 (exit 2 otherwise). munged is shared (its socket is a file). Namespaces are
+# named psf<N>-* (N from DIR) and deleted by `down`. Reference: shared/engines/netns_up.sh.
 #
 # Exit codes of `up`: 0 up; 2 Slurm or munge is missing and cannot be installed here (not root, or
 # apt failed; the reason is on stderr); 1 the daemons did not come up (their log tails on stderr).
@@ -18,9 +27,14 @@
 # Reference: shared/engines/slurm_up.sh, which ran on this machine kind.
 set -euo pipefail
 
-usage() { echo "usage: $0 up DIR [NODES] | down DIR" >&2; exit 64; }
+usage() { echo "usage: $0 up DIR [NODES] [--netns] | down DIR" >&2; exit 64; }
 [ $# -ge 2 ] || usage
-CMD=$1 DIR=$2 NODES=${3:-3}
+CMD=$1 DIR=$2 NODES=3 NETNS=0
+for a in "${@:3}"; do
+  case $a in --netns) NETNS=1 ;; [0-9]*) NODES=$a ;; *) usage ;; esac
+done
+NET=${PSFLOW_SLURM_NET:-10.78.0}
+PFX=psf$(( $(echo "$DIR" | cksum | cut -d' ' -f1) % 100000 ))
 CPUS=${PSFLOW_SLURM_CPUS:-8}
 CONF=$DIR/slurm.conf
 log() { echo "slurm_cluster: $*" >&2; }
@@ -31,15 +45,21 @@ alive() {  # $1 pid file, $2 the binary it must be running
   [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]
 }
 
+in_login() {  # a Slurm command where slurmctld is reachable: the login node's namespace, if any
+  local ns
+  ns=$(cat "$DIR/login.netns" 2>/dev/null || true)
+  if [ -n "$ns" ]; then SLURM_CONF=$CONF nsenter --net="/run/netns/$ns" "$@"; else SLURM_CONF=$CONF "$@"; fi
+}
+
 down() {
   if [ -f "$CONF" ] && alive "$DIR/slurmctld.pid" slurmctld; then
     local jobs
-    jobs=$(SLURM_CONF=$CONF timeout 5 squeue -h -o %i 2>/dev/null || true)
+    jobs=$(in_login timeout 5 squeue -h -o %i 2>/dev/null || true)
     if [ -n "$jobs" ]; then
       # shellcheck disable=SC2086
-      SLURM_CONF=$CONF timeout 5 scancel $jobs 2>/dev/null || true
+      in_login timeout 5 scancel $jobs 2>/dev/null || true
       for _ in $(seq 1 40); do  # <= 10 s for their steps to end
-        [ -z "$(SLURM_CONF=$CONF timeout 5 squeue -h -o %i 2>/dev/null)" ] && break
+        [ -z "$(in_login timeout 5 squeue -h -o %i 2>/dev/null)" ] && break
         sleep 0.25
       done
     fi
@@ -60,6 +80,38 @@ down() {
   fi
   rm -f "$DIR"/slurmd.*.pid "$DIR/slurmctld.pid" "$DIR/munge/munged.pid"
   rm -rf "$DIR/state" "$DIR/spool" "$DIR/munge/munge.socket"*
+  local ns
+  for ns in $(cat "$DIR/netns.list" 2>/dev/null || true); do  # only the namespaces this cluster made
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true  # a task a lost node left behind
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  rm -f "$DIR/netns.list" "$DIR/login.netns"
+}
+
+netns_up() {  # the bridge and one namespace per host (shared/engines/netns_up.sh's layout)
+  if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null || ! command -v nsenter >/dev/null; then
+    log "--netns needs root, iproute2 (ip netns) and nsenter"; exit 2
+  fi
+  ip netns add "$PFX-sw" 2>/dev/null || { log "cannot make network namespaces here (ip netns add failed)"; exit 2; }
+  echo "$PFX-sw" >> "$DIR/netns.list"
+  ip -n "$PFX-sw" link set lo up
+  ip -n "$PFX-sw" link add br0 type bridge
+  ip -n "$PFX-sw" link set br0 up
+  local name i=0 hosts="ctl:250 login:200"
+  for i in $(seq 1 "$NODES"); do hosts="$hosts h$i:$i"; done
+  i=0
+  for name in $hosts; do
+    local ns=$PFX-${name%%:*} addr=$NET.${name##*:}
+    i=$((i + 1))
+    ip netns add "$ns"
+    echo "$ns" >> "$DIR/netns.list"
+    ip -n "$PFX-sw" link add "p$i" type veth peer name eth0 netns "$ns"
+    ip -n "$PFX-sw" link set "p$i" master br0 up
+    ip -n "$ns" link set lo up
+    ip -n "$ns" addr add "$addr/24" dev eth0
+    ip -n "$ns" link set eth0 up
+  done
+  echo "$PFX-login" > "$DIR/login.netns"
 }
 
 install() {
@@ -86,11 +138,13 @@ up() {
   chmod 600 "$DIR/munge/munge.key"
   munged --key-file="$DIR/munge/munge.key" --socket="$DIR/munge/munge.socket" --pid-file="$DIR/munge/munged.pid" \
          --log-file="$DIR/munge/munged.log" --seed-file="$DIR/munge/munged.seed"
-  local nodelist=127.0.0.1 ports=$((base + 1))
-  [ "$NODES" = 1 ] || { nodelist="127.0.0.[1-$NODES]"; ports="$((base + 1))-$((base + NODES))"; }
+  local net=127.0.0 ctl=localhost
+  if [ "$NETNS" = 1 ]; then netns_up; net=$NET ctl="localhost($NET.250)"; fi
+  local nodelist=$net.1 ports=$((base + 1))
+  [ "$NODES" = 1 ] || { nodelist="$net.[1-$NODES]"; ports="$((base + 1))-$((base + NODES))"; }
   cat > "$CONF" <<CONF
 ClusterName=psflow
-SlurmctldHost=localhost
+SlurmctldHost=$ctl
 SlurmctldPort=$base
 SlurmUser=root
 SlurmdUser=root
@@ -111,7 +165,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 MpiDefault=none
-ReturnToService=2
+ReturnToService=1
 SchedulerType=sched/backfill
 SlurmctldTimeout=30
 SlurmdTimeout=30
@@ -123,12 +177,18 @@ NodeName=$nodelist NodeHostname=localhost NodeAddr=$nodelist Port=$ports CPUs=$C
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
   export SLURM_CONF=$CONF
-  slurmctld -f "$CONF"
-  for i in $(seq 1 "$NODES"); do slurmd -f "$CONF" -N "127.0.0.$i"; done
+  if [ "$NETNS" = 1 ]; then
+    # nsenter, not `ip netns exec`: that remounts /sys, hiding the cgroup mounts slurmd insists on
+    nsenter --net="/run/netns/$PFX-ctl" slurmctld -f "$CONF"
+    for i in $(seq 1 "$NODES"); do nsenter --net="/run/netns/$PFX-h$i" slurmd -f "$CONF" -N "$net.$i"; done
+  else
+    slurmctld -f "$CONF"
+    for i in $(seq 1 "$NODES"); do slurmd -f "$CONF" -N "$net.$i"; done
+  fi
   local states=""
   for _ in $(seq 1 120); do  # <= 30 s for every node to be idle
-    states=$(timeout 5 sinfo -h -N -o '%T' 2>/dev/null | sort -u | tr '\n' ' ')
-    [ "$states" = "idle " ] && [ "$(timeout 5 sinfo -h -N -o '%N' | wc -l)" = "$NODES" ] && break
+    states=$(in_login timeout 5 sinfo -h -N -o '%T' 2>/dev/null | sort -u | tr '\n' ' ')
+    [ "$states" = "idle " ] && [ "$(in_login timeout 5 sinfo -h -N -o '%N' | wc -l)" = "$NODES" ] && break
     sleep 0.25
   done
   if [ "$states" != "idle " ]; then
