@@ -11,8 +11,7 @@ psflow renders): a failed pod's index is retried as a new pod (annotation
 ``podFailurePolicy`` ``FailIndex`` rule matches its exit code; more failed indexes than
 ``maxFailedIndexes`` fail the Job; without ``backoffLimitPerIndex``, more failures than
 ``backoffLimit`` fail it; a failed Job's running pods are terminated; every index succeeded ->
-``Complete``; a pod deleted through the API ends with 137 (``grace_period_seconds=0``, SIGKILL) or
-143 (SIGTERM) and counts as a failure of its index (no ``DisruptionTarget``: a plain delete is not an
+``Complete``; a pod deleted through the API ends with 143 (SIGTERM) and counts as a failure of its index (no ``DisruptionTarget``: a plain delete is not an
 eviction); a pod the test ``disrupts`` (preempted, evicted: it ends with 137 and a ``DisruptionTarget``
 condition) is replaced with the same failure count, uncounted, where a ``podFailurePolicy`` ``Ignore``
 rule names that condition. Time moves one step per ``list_namespaced_pod``: a pod is Pending, then Running, then
@@ -192,10 +191,11 @@ class FakeCluster:
     def delete_pod(self, name: str, grace_period_seconds: int | None) -> None:
         if name not in self.pods:
             raise _api_error(404, "NotFound", f'pods "{name}" not found')
+        assert grace_period_seconds is None or grace_period_seconds >= 1, "0 force-deletes: no terminal status follows"
         pod = self.pods[name]
         self.deleted.append(("Pod", name))
         if pod["phase"] in ("Pending", "Running"):
-            self._terminate(pod, 137 if grace_period_seconds == 0 else 143)
+            self._terminate(pod, 143)  # SIGTERM, which a psflow task does not outlive by its grace
 
     def _fail(self, job: str, reason: str, message: str) -> None:
         self.jobs[job]["condition"] = ("Failed", reason, message)

@@ -272,7 +272,7 @@ def test_a_ps_restarted_with_one_copy_rolls_every_task_back_to_the_checkpoint_as
     assert result.exit_code == 0, result.summary
     assert final_attempts(cluster) == {"ps:0": 1, "ps:1": 1, "worker:0": 1, "worker:1": 1}
     first = {cluster.task_of(p): p for p in cluster.pods.values() if p["attempt"] == 0}
-    assert first["worker:0"]["code"] == first["worker:1"]["code"] == first["ps:0"]["code"] == 137  # stopped at once
+    assert first["worker:0"]["code"] == first["worker:1"]["code"] == first["ps:0"]["code"] == 143  # deleted, not finished
     assert sorted(n for k, n in cluster.deleted if k == "Pod") == sorted(first[t]["name"] for t in ("ps:0", "worker:0", "worker:1"))
     for p in cluster.pods.values():  # PSFLOW_ATTEMPT of the second pods: the Job controller's failure count, 1
         assert p["annotations"]["batch.kubernetes.io/job-index-failure-count"] == str(p["attempt"])

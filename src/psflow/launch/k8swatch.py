@@ -478,13 +478,15 @@ class K8sBackend:
         for p in live:
             self._delete_pod(p, group.grace_s)
             self._group.stopped.add((p.task, p.attempt))
-            exited = tracker.stopped(p, -9 if group.grace_s == 0 else -15, f"stopped: {why}")
+            exited = tracker.stopped(p, -15, f"stopped: {why}")
             if exited is not None:
                 self._record(plan, exited, store)
         return None
 
     def _delete_pod(self, pod: PodView, grace_s: float | None) -> None:
-        grace = {} if grace_s is None else {"grace_period_seconds": int(grace_s)}
+        # At least 1 s: a 0 would force-delete the pod, and the kubelet's terminal status, which the Job
+        # controller waits for under a podFailurePolicy before it starts the index again, might never come.
+        grace = {} if grace_s is None else {"grace_period_seconds": max(1, round(grace_s))}
         try:
             self._core.delete_namespaced_pod(name=pod.name, namespace=self.settings.namespace, **grace)
         except Exception as e:  # noqa: BLE001 (gone already: the Job controller replaces it anyway)
