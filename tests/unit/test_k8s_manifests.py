@@ -384,7 +384,7 @@ def test_bad_scheduling_options_are_refused_naming_the_flag_and_value(kw, messag
 
 def test_cli_takes_the_operators_options_for_run_and_tfjob(monkeypatch):
     monkeypatch.chdir(ROOT)
-    more = ["--memory", "2Gi", "--image-pull-secret", "regcred", "--service-account", "trainer",
+    more = ["--memory", "2Gi", "--image-pull-secret", "regcred", "--service-account", "trainer", "--run-as-user", "1000",
             "--toleration", "nvidia.com/gpu:NoSchedule", "--node-selector", "pool=gpu", "--node-selector", "zone=a"]
     r = CliRunner().invoke(main, ["run", "--backend", "k8s", "--image", "train:1", "--volume-claim", "logs", *more,
                                   "--dry-run", "examples/mnist_softmax.py"])
@@ -396,6 +396,7 @@ def test_cli_takes_the_operators_options_for_run_and_tfjob(monkeypatch):
     pod = jobs(docs)[0]["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"pool": "gpu", "zone": "a"} and pod["serviceAccountName"] == "trainer"
     assert pod["containers"][0]["resources"]["limits"] == {"memory": "2Gi"}
+    assert pod["securityContext"]["runAsUser"] == pod["securityContext"]["fsGroup"] == 1000
     r = CliRunner().invoke(main, ["k8s", "tfjob", "--image", "train:1", "--volume-claim", "logs", *more,
                                   "examples/mnist_softmax.py"])
     assert r.exit_code == 0, r.output

@@ -25,6 +25,8 @@ K8S_MORE = [
                  help="k8s: a taint the pods tolerate, e.g. nvidia.com/gpu:NoSchedule (repeatable)."),
     click.option("--node-selector", "k8s_node_selector", multiple=True, metavar="KEY=VALUE",
                  help="k8s: a node label every pod needs, e.g. pool=gpu (repeatable)."),
+    click.option("--run-as-user", "k8s_run_as_user", type=click.IntRange(min=1), default=None, metavar="UID",
+                 help="k8s: the uid (and gid, fsGroup) the pods run as (default 10001, the Dockerfile's user)."),
 ]
 
 
