@@ -160,3 +160,19 @@ def test_a_run_whose_shards_disagree_ends_failed_with_the_finding_as_root_cause(
     assert read_ledger(failed, lost["reports"], plan)[1] is failed
     clean = RunFinished("succeeded", None, 0)
     assert read_ledger(clean, _clean()["reports"], plan) == ([], clean)
+
+
+def test_in_sync_mode_with_backup_workers_a_last_step_on_some_shards_only_is_noted_not_failed() -> None:
+    """N of M: each shard averages the first N fresh gradients it receives, as TensorFlow's
+    per-variable accumulators do, so a last step may land on one shard only; with N = M every shard
+    takes every step, and a difference fails the run."""
+    from psflow.launch.copies import backup_workers
+
+    reports = {"ps:0": {"ps_stats": {"applied_updates": 231}, "global_step": 231},
+               "ps:1": {"ps_stats": {"applied_updates": 232}, "global_step": 232}}
+    assert backup_workers("sync", 2, None, 3) == 1 and backup_workers("sync", None, None, 3) == 0
+    assert backup_workers("async", 2, None, 3) == 0
+    noted = check_copies({"mode": "sync", "reports": reports, "backup_workers": 1})
+    assert [(f.kind, f.fails) for f in noted] == [("shards_differ", False)]
+    failed = check_copies({"mode": "sync", "reports": reports, "backup_workers": 0})
+    assert [(f.kind, f.fails) for f in failed] == [("shards_differ", True)]

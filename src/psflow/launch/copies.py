@@ -132,7 +132,7 @@ def check_copies(summary: Mapping[str, Any], num_shards: int | None = None) -> l
                                     "(its ps ended without a final report); it was not checked.", False))
             continue
         findings += _check_pair(shard, copies[shard])
-    findings += _check_shards(str(summary.get("mode") or "async"), copies)
+    findings += _check_shards(str(summary.get("mode") or "async"), copies, int(summary.get("backup_workers") or 0))
     return sorted(findings, key=lambda f: (not f.fails, _ORDER.index(f.kind), f.shard))
 
 
@@ -195,7 +195,15 @@ def _applied_by_differs(p: CopyCounts, b: CopyCounts) -> list[str]:
             if (pn := p.applied_by.get(w, {}).get(a, 0)) != (bn := b.applied_by.get(w, {}).get(a, 0))]
 
 
-def _check_shards(mode: str, copies: Mapping[int, list[CopyCounts]]) -> list[Finding]:
+def backup_workers(mode: str, replicas_to_aggregate: int | None, total_num_replicas: int | None, replicas: int) -> int:
+    """Sync mode's backup workers (M - N): 0 in the other modes, and when every gradient is waited for."""
+    if mode != "sync":
+        return 0
+    total = total_num_replicas or replicas
+    return max(0, total - (replicas_to_aggregate or total))
+
+
+def _check_shards(mode: str, copies: Mapping[int, list[CopyCounts]], backups: int = 0) -> list[Finding]:
     speakers = {s: representative(cs) for s, cs in copies.items() if cs}
     if len(speakers) < 2:
         return []
@@ -207,7 +215,12 @@ def _check_shards(mode: str, copies: Mapping[int, list[CopyCounts]]) -> list[Fin
             continue
         which = f"its {'serving copy' if c.role in ('serving', 'only') else c.role + ' copy'}, on {c.task}"
         if mode == "sync":
-            if c.version != ref.version:
+            if c.version != ref.version and backups:
+                out.append(Finding(shard, SHARDS_DIFFER, f"shard {shard} is at version {c.version} ({which}), shard "
+                                   f"{ref_shard} at {ref.version}: with backup workers each shard averages the first "
+                                   "fresh gradients it receives (as TensorFlow's per-variable accumulators do), so the "
+                                   "steps near the end may land on some shards only.", False, c.task))
+            elif c.version != ref.version:
                 out.append(Finding(shard, SHARDS_DIFFER, f"shard {shard} is at version {c.version} ({which}), shard "
                                    f"{ref_shard} at {ref.version}: in sync mode every shard takes every step.", True, c.task))
             continue

@@ -69,7 +69,7 @@ from psflow.launch.controller import (
     describe_exit,
 )
 from psflow.launch.coordinator import Coordinator
-from psflow.launch.copies import Finding, check_copies, verdict
+from psflow.launch.copies import Finding, backup_workers, check_copies, verdict
 from psflow.launch.logdirlock import hold_run
 from psflow.launch.plan import LaunchPlan, TaskPlan, added_worker
 from psflow.launch.restart import RestartPolicy, restart_group
@@ -447,7 +447,9 @@ def read_ledger(finished: RunFinished, reports: Mapping[str, Mapping[str, Any]],
     num_ps = sum(1 for t in plan.task_names() if t.startswith("ps:"))
     if not num_ps:
         return [], finished
-    findings = check_copies({"mode": plan.config.mode, "reports": reports}, num_shards=num_ps)
+    replicas = sum(1 for t in plan.task_names() if t.split(":")[0] in ("chief", "worker"))
+    backups = backup_workers(plan.config.mode, plan.config.replicas_to_aggregate, plan.config.total_num_replicas, replicas)
+    findings = check_copies({"mode": plan.config.mode, "reports": reports, "backup_workers": backups}, num_shards=num_ps)
     status, root = verdict(finished.status, finished.root_cause, findings)
     if status == finished.status:
         return findings, finished

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow.launch.controller import TaskRecord, signal_name
-from psflow.launch.copies import Finding, shard_copies
+from psflow.launch.copies import Finding, backup_workers, shard_copies
 from psflow.launch.metrics import job_rate, run_metrics, task_metrics, trainer_figures
 from psflow.launch.plan import LaunchPlan
 from psflow.timeline import job_shares
@@ -51,6 +51,9 @@ def build_summary(
         "status": status,
         "root_cause": root_cause,
         "mode": plan.config.mode,
+        "backup_workers": backup_workers(plan.config.mode, plan.config.replicas_to_aggregate,
+                                         plan.config.total_num_replicas,
+                                         sum(1 for t in plan.task_names() if t.split(":")[0] in ("chief", "worker"))),
         "strategy": plan.config.strategy,
         "global_step": max(steps, default=0),
         "metrics": metrics,  # the script's task.report(name=number), as named (the chief's first)
