@@ -117,7 +117,6 @@ class K8sSettings:
     def __post_init__(self) -> None:
         for name in ("image_pull_secrets", "tolerations", "node_selector"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        self._check_scheduling()
         if not self.image or not _IMAGE.match(self.image):
             raise ConfigError(f"--image must name a container image, e.g. registry.example.com/train:1.0; received {self.image!r}.")
         for flag, value in (("--volume-claim", self.volume_claim), ("--namespace", self.namespace),
@@ -135,6 +134,7 @@ class K8sSettings:
             raise ConfigError(f"port must be in 1..65535; received {self.port!r}.")
         if self.image_pull_policy not in (None, "Always", "IfNotPresent", "Never"):
             raise ConfigError(f"--image-pull-policy must be Always, IfNotPresent or Never; received {self.image_pull_policy!r}.")
+        self._check_scheduling()
 
     def _check_scheduling(self) -> None:
         if self.memory is not None and not _QUANTITY.match(self.memory):
