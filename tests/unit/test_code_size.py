@@ -11,14 +11,9 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[2] / "src"
 MAX_FUNCTION_LINES = 80
 MAX_DOCSTRING_LINES = 30
-# Its owner brings ps/ under the rules; until then it is checked on its own below (strict xfail:
-# once it passes, the marker must go).
-PS = SRC / "psflow" / "ps"
 
 
 def offenders(root: Path, *, skip: Path | None = None) -> Iterator[str]:
@@ -58,12 +53,6 @@ def test_offenders_names_long_functions_nested_ones_and_long_module_docstrings_o
 
 
 def test_no_function_or_module_docstring_under_src_is_over_its_size():
-    found = list(offenders(SRC, skip=PS))
+    found = list(offenders(SRC))
     assert not found, "over the size rules (split the function; move the design note to docs/design/):\n" + "\n".join(
         "  " + f for f in found)
-
-
-@pytest.mark.xfail(strict=True, reason="ps/ is being brought under the size rules by its owner; drop this marker then")
-def test_ps_is_within_the_size_rules():
-    found = list(offenders(PS))
-    assert not found, "over the size rules in ps/:\n" + "\n".join("  " + f for f in found)

@@ -15,22 +15,7 @@ has already decided and does not apply it again (see :mod:`psflow.ps.rules`, DUP
 without one raises the loss to the caller (its gradient may have been applied). Without
 ``resolve`` (cluster from flags or TF_CONFIG) a lost connection raises, as it always did.
 
-Failover (``replicas=2``, :mod:`psflow.ps.replication`): shard s lives on a pair of ps, ps:s and
-its backup ps:(s+1 mod P). A lost connection is made again to the ps serving the shard if it answers
-within ``failover_s`` (TrainConfig.primary_failover_s); if it does not (dead, or restarting), to the
-other ps of the pair, and from then on every request for shard s goes there and names the shard
-(``shard``: that ps serves its own shard too). The copy there takes over at once: it holds every
-push the dead one acknowledged, and a resent push it holds already is a DUPLICATE. Routes flip
-either way: after a re-sync the restarted ps holds the copy, and the shard comes back to it if the
-survivor dies too. A ps that answers that it does not serve the shard (NotServingError: it
-restarted and is re-syncing, or holds only the backup copy; a ps that restarted within
-``failover_s`` is reconnected to) gets the request routed to the other ps of the pair and resent
-(nothing was decided), until ``connect_timeout_s`` has passed. Such a client reconnects with or
-without ``resolve``.
-
-Waits: while the caller is blocked on a ps (connecting, sending, awaiting a reply), ``awaiting``
-names it (``"ps:1"``); the task's heartbeats say so, in every mode, and the launcher's watchdog
-takes the task for waiting, not hung: a frozen ps is the one it dumps and restarts.
+The whole design note: ``docs/design/ps-client.md``.
 """
 
 from __future__ import annotations

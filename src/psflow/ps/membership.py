@@ -8,32 +8,7 @@ coordinator (:mod:`psflow.launch.coordinator`, the ``members`` of its address bo
 
 The semantics of a resize (``psflow scale RUN --workers N``):
 
-- **Who**: the training replicas are the chief (if the job has a chief task) then the workers; a
-  resize keeps replicas ``0 .. R-1``: it adds the next indices or retires the highest ones. The
-  chief (or ``worker:0`` acting as chief) is never retired.
-- **Sync quorum** (``replicas_to_aggregate`` N of ``total_num_replicas`` M): the number of backup
-  workers, ``M - N`` as launched, is kept; M follows the membership. With R replicas a step needs
-  ``N' = max(1, R - (M - N))`` gradients out of ``M' = R``. Without backups (N = M, the default)
-  every member contributes to every step. The quorum counts *joined* members only: a worker added
-  by a resize counts from its readiness (PS_READY) on, so the job never waits for a process that
-  is still starting.
-- **A retiring worker's in-flight gradient**: a push that reaches the shard before the shard learns
-  of the resize is taken like any other (async: applied; sync: held). At the resize a retired
-  worker's gradient still held for the step is dropped with it (as a lost worker's is: its batch is
-  not trained), and later requests of a retired worker are refused; its PS_DONE or lost connection
-  changes nothing.
-- **Ssp**: the slowest clock is taken over joined, live members: a retired worker never holds the
-  others back. A joining worker starts at the slowest clock of the live members (the current
-  minimum), as a restarted worker does: it pulls the newest values, so it is as fresh as they are.
-- **Data shards**: the data is split into as many shards as the job had training replicas at launch
-  (S, fixed for the whole run). Replica r reads shard ``r mod S`` with its own data position (kept
-  by the ps, as for restarts). So a worker added past S reads the shard of replica ``r mod S``
-  again, from that shard's start (those examples are then seen twice per epoch: once per replica
-  reading them); a retired replica's shard is not read while it is retired, and a replica added
-  back resumes it from its last applied batch (exactly once per replica, across restarts and
-  resizes). Re-sharding the data over the new count is not done.
-- **A restarted worker** keeps the semantics it had (:mod:`psflow.ps.rules`: REJOINED); a worker
-  added back after it was retired is a new attempt of it, and joins as a restarted one does.
+The whole design note: ``docs/design/ps-membership.md``.
 
 Example:
     >>> scaled_quorum(None, None, launch=3, now=5)

@@ -13,34 +13,8 @@ Invariants of a :class:`Placement` (checked on construction, so ``from_dict`` in
 * the pieces of one split parameter live on distinct shards, each in ``[0, num_shards)``;
 * ``pieces`` is ordered by parameter (in ``params`` order), then by first row.
 
-Strategies:
-
-* ``balanced`` (psflow's default): the parameters laid end to end in model order, cut into
-  ``num_shards`` runs of equal bytes; a cut that falls inside a tensor splits it at the nearest row
-  boundary (dim 0), so every shard holds its fair share of the bytes to within one row. More
-  precisely, the units are the rows of each *cuttable* tensor (``shape[0] >= 2`` and more than
-  ``split_bytes`` bytes, :data:`BALANCED_SPLIT_BYTES` when None) and every other tensor whole; a unit
-  goes to the shard whose byte range holds its midpoint. So no shard exceeds the fair share by more
-  than the largest unit, a tensor is split only where a cut falls (at most ``num_shards - 1`` extra
-  pieces in all), and the shards follow model order like ``contiguous``: backward produces the last
-  layers' gradients first, so the last shard's push leaves while backward still runs on the
-  earlier layers (the overlap), which a size-sorted placement (``greedy``) gives up.
-* ``round_robin`` (TensorFlow's default, kept for compatibility): the i-th variable goes to shard
-  ``i % num_shards``. Pieces of a split parameter count as variables, as TF's partitioned variables
-  do, so they continue the count. Blind to sizes: on a conv net with 2 shards every weight lands
-  on ps:0 and every bias on ps:1.
-* ``greedy`` (TF's ``GreedyLoadBalancingStrategy`` with a byte-size load function): largest first,
-  each onto the shard with the fewest bytes so far; ties go to the lowest shard index.
-* ``contiguous``: parameters in model order, cut into ``num_shards`` runs of about equal bytes (a
-  parameter goes to the shard whose byte range holds its midpoint), never splitting a tensor.
-
-For ``round_robin``, ``greedy`` and ``contiguous``, ``split_bytes`` splits every tensor above that
-size into ``min(num_shards, shape[0])`` nearly equal row ranges before placing them (TF's
-``fixed_size_partitioner``); ``balanced`` splits only where its cuts fall.
-
-:func:`imbalance` and :func:`imbalance_message` are the check and the text of the warning
-(:class:`ImbalancedPlacementWarning`) that the chief's task gives once, from ``psflow.task``, when a
-placement leaves one shard with most of the bytes.
+The strategies (round-robin, greedy by bytes, balanced, splitting large tensors) and why each:
+``docs/design/ps-placement.md``.
 """
 
 from __future__ import annotations

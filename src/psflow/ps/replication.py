@@ -23,41 +23,7 @@ plus the optimizer's slots are two to three (Adam: values, exp_avg, exp_avg_sq).
 is elementwise and deterministic on CPU, so re-running it on the backup gives the same bits for a
 third to a half of the bytes; and the backup then keeps the optimizer state without any extra copy.
 
-Ordering and acknowledgement. The primary queues each event under the store's lock, so the queue's
-order is the order of its sequence numbers (:class:`Outbox`). The :class:`Forwarder` ships what is
-queued as one batch at a time (shipped by the first request that waits for it: a sync step's pushes
-and its aggregated update cross together, one round trip per step) and records the backup's answer,
-the last sequence number it holds. A request that changed the shard (a push, a clock, PS_DONE, a readiness) and a
-pull are answered to the worker only once the backup holds every event up to the state the reply
-shows (:meth:`Forwarder.wait_acked`): a push is acknowledged once its backup has it. The backup
-refuses a batch that skips a number (:func:`check_next`: a gap means a lost batch, and applying
-past it would diverge in silence) and skips events it holds already (a batch resent after a
-reconnect).
-
-States of a forwarder (one per shard copy that has a backup: the serving copy's)::
-
-    starting --init (or full state) acked--> replicating
-    any --the view moved on (the authority dropped its backup, or a new term)--> dropped
-    (dropped: its waiters are released and see the new view; nothing is queued any more.)
-
-Every message a forwarder sends carries its term. A backup that knows a newer term refuses it
-(StaleTermError): the forwarder asks the authority for the views (``on_stale``). A backup that does
-not answer for ``failover_s`` (at once when nothing listens at its address: its process died) is
-reported to the authority (``on_unreachable``), which may record the shard alone; until it does,
-the forwarder keeps trying and the waiting replies wait: a copy never decides on its own to go on
-without its backup. Which copy serves, and when a copy is a backup, is the authority's alone
-(:mod:`psflow.ps.views`); the ps's service carries the views out.
-
-States of one shard's copy on a ps (:class:`Role`; the ps's service keeps one per shard it holds)::
-
-    serving    the view names this ps serving (attempt 0: its own shard; or it was the synced backup
-               of the term before, promoted)
-    backup     the view names it backup, and it holds the init or a full state of that term
-    resyncing  anything else: a restarted ps, a backup of a new term waiting for the state, a copy the
-               view no longer names; it refuses every request (the client routes to the other copy)
-
-A refusal is retryable (:class:`~psflow.errors.NotServingError`): the client routes the shard to the
-other ps of its pair and sends the request again (nothing was decided by the refusing ps).
+The whole design note: ``docs/design/ps-replication.md``.
 """
 
 from __future__ import annotations

@@ -21,16 +21,7 @@ checked before it is applied or held, outside the lock, it is refused (the reply
 or fails the run; it is not recorded, so a backup never sees it. The chief's initial values are
 checked the same way.
 
-A sync pull of a newer version waits at most ``timeout_s`` (``sync_timeout_s``); the error names
-the workers still missing. ``version`` of shard 0 is the job's ``global_step``: every worker push
-reaches every shard. Exact stop and checkpoint steps, and the workers' data positions, are kept in
-``progress`` (:mod:`psflow.ps.progress`), updated under the same lock as the values.
-
-Replication (``ps_replicas = 2``, :mod:`psflow.ps.replication`): a primary's store hands every
-event its rules record, with the push's data position and the update an APPLY applied, to its
-:class:`~psflow.ps.replication.Forwarder` under the lock (so in sequence order); a backup's store
-is fed those batches by :meth:`ParameterStore.follow`, which steps its own rules with each event
-and carries the decisions out with the shipped update. Without replication nothing of this runs.
+The whole design note: ``docs/design/ps-store.md``.
 """
 
 from __future__ import annotations

@@ -14,28 +14,13 @@ A shard's view is ``(term, serving, backup, state)``; states::
     alone        no backup; the serving copy acknowledges alone
     lost         the serving copy died while no synced copy existed: acknowledged updates are gone
 
-:class:`ViewBook` (pure; the authority) changes views on these events only, each recorded with its
-cause (``story``)::
+:class:`ViewBook` (pure; the authority) changes views on four events only (a ps down, a ps up, a
+serving copy's report that its backup is unreachable, or that it caught up), each recorded with its
+cause (``story``). The copies' rules (:func:`accepts_records`, :func:`serves`, :func:`takes_over`,
+:func:`keeps_serving`, :class:`Lease`) fence every message by its term.
 
-    ps_down(p)             p exited (the backend said so) or its heartbeat was lost past the hang timeout:
-                           p serving, backup synced   -> term+1, the backup serves, alone
-                           p serving, no synced copy  -> term+1, lost
-                           p the backup               -> term+1, alone
-    ps_up(p)               p (re)started empty: each shard of its pair that is alone gets p as
-                           backup -> term+1, catching-up
-    unreachable(p, s, t)   the serving copy p of shard s (in term t) cannot reach its backup:
-                           term+1, alone (the backup must join again: its copy missed records)
-    caught_up(p, s, t)     the serving copy p says its backup of term t holds everything: synced
-
-Every message between copies carries the term (:func:`accepts_records`); a copy that sees a higher
-term than it knows asks the authority for the view before doing anything else; a copy that is not
-named in the view stops serving at once. A serving copy that acknowledges alone (not synced) does so
-only while its :class:`Lease` from the authority is fresh, so a copy cut off from both its backup
-and the authority stops acknowledging.
-
-Invariants (checked after every step of ``tests/unit/test_views_simulation.py``): at most one copy
-serves a shard in a term; after any change of the serving copy it holds every acknowledged update;
-the version a shard shows never goes back.
+The whole note (the events' transitions, fencing, the invariants the simulation checks):
+``docs/design/ps-views.md``; the guarantee as users see it: ``docs/replication.md``.
 """
 
 from __future__ import annotations
