@@ -15,7 +15,7 @@ psflow renders): a failed pod's index is retried as a new pod (annotation
 eviction); a pod the test ``disrupts`` (preempted, evicted: it ends with 137 and a ``DisruptionTarget``
 condition) is replaced with the same failure count, uncounted, where a ``podFailurePolicy`` ``Ignore``
 rule names that condition. Time moves one step per ``list_namespaced_pod``: a pod is Pending, then Running, then
-its container ends, ``runs_for`` steps after it was made (per job type, default 2), with the exit code
+its container ends, ``runs_for`` steps after it was made (per task or job type, default 2), with the exit code
 the test scripted for its (task, attempt) (default 0); a ps pod ends cleanly only once no chief or
 worker pod is left running, as a psflow ps exits when the workers are done (a scripted failure ends it
 at its time).
@@ -73,7 +73,7 @@ class FakeCluster:
         self.messages = messages or {}
         self.reasons = reason or {}
         self.waiting = waiting or {}  # (task, attempt) -> (reason, message): its container never starts
-        self.runs_for = runs_for or {}  # job type -> steps from its pod's creation to its exit
+        self.runs_for = runs_for or {}  # task or job type -> steps from its pod's creation to its exit
         self.disrupts = set(disrupts or ())  # (task, attempt): its first pod is disrupted at its time
         self.objects: dict[str, dict[str, dict[str, Any]]] = {"Secret": {}, "Service": {}, "Job": {},
                                                               "PodDisruptionBudget": {}}
@@ -137,7 +137,8 @@ class FakeCluster:
                 continue
             if pod["phase"] == "Pending":
                 pod["phase"] = "Running"
-            elif pod["phase"] == "Running" and self.step - pod["born"] >= self.runs_for.get(pod["labels"]["psflow.io/job"], 2):
+            elif pod["phase"] == "Running" and self.step - pod["born"] >= self.runs_for.get(
+                    self.task_of(pod), self.runs_for.get(pod["labels"]["psflow.io/job"], 2)):
                 key = (self.task_of(pod), pod["attempt"])
                 if key in self.disrupts:
                     self.disrupts.discard(key)

@@ -330,3 +330,18 @@ def test_a_disrupted_ps_with_one_copy_rolls_the_job_back_and_under_never_fails_t
     assert result.exit_code == 1 and result.root_cause == "ps:0", result.summary
     assert "restarts together, and --restart never does not restart" in result.summary["reason"]
     assert not cluster.objects["Job"]
+
+
+def test_an_allreduce_ranks_restart_restarts_every_rank_as_locally(tmp_path, monkeypatch):
+    from psflow.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("import psflow\n")
+    plan = replace(make_plan("train.py", num_ps=0, num_workers=3, logdir="runs/k", config=TrainConfig(strategy="allreduce"),
+                             restart=RestartPolicy.parse("on-failure", max_restarts=2)), run_id="20260101-120000-abc123")
+    cluster = FakeCluster(exits={("worker:2", 0): 1}, runs_for={"worker": 6, "worker:2": 2})
+    result = backend(cluster).run(plan)
+    assert result.exit_code == 0, result.summary
+    assert final_attempts(cluster) == {"worker:0": 1, "worker:1": 1, "worker:2": 1}  # a rank cannot rejoin a running group
+    (group,) = [e for e in events_of(tmp_path) if e["event"] == "group_restart"]
+    assert group["group"] == "the all-reduce group" and sorted(group["stopped"]) == ["worker:0", "worker:1"]
