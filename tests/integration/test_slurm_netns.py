@@ -180,3 +180,14 @@ def test_losing_the_batch_host_ends_the_allocation_and_fails_the_run_at_once(slu
     assert s["status"] == "failed" and s["root_cause"] == "ps:0", s
     wait_until_gone(slurm, job_id)
     assert_nothing_left(slurm, s)
+
+
+def test_a_psflow_script_under_the_users_own_srun_trains_across_the_hosts(slurm, tmp_path):
+    # Off loopback every task needs the job's secret; srun passes the environment to each task.
+    env = task_env(SLURM_CONF=slurm.conf, PSFLOW_SECRET="7f" * 16, PSFLOW_BASE_PORT="23456", PSFLOW_CONNECT_TIMEOUT_S="30")
+    r = subprocess.run(slurm.argv("srun", "--nodes=3", "--ntasks=3", "--unbuffered", str(Path(PSFLOW).parent / "python"),
+                                  "-u", SOFTMAX, "--epochs", "1", "--init", "zeros", "--logdir", str(tmp_path / "byhand")),
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "worker=0, final accuracy = " in r.stdout and "worker=1, final accuracy = " in r.stdout
+    assert (tmp_path / "byhand" / "checkpoints").is_dir(), "the chief (worker:0) saved no checkpoint"
