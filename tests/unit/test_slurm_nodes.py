@@ -99,3 +99,48 @@ def test_a_job_ended_node_fail_lost_a_node_even_if_none_is_down_now():
                                                 ("PENDING", []), ("TIMEOUT", [])])
 def test_no_node_lost_when_the_job_keeps_its_nodes_or_ends_otherwise(state, current):
     assert node_failure("7", state, ["n1", "n2"], current, {"n1": {"state": "MIXED"}, "n2": {"state": "IDLE"}}) is None
+
+
+class _LosingCli:
+    """Slurm's answers for a job on n1-n3 that then loses nodes: ``job`` and ``nodes`` are set by the test."""
+
+    def __init__(self) -> None:
+        self.job_answer = ("RUNNING", "None", "n[1-3]")
+        self.node_states: dict[str, dict[str, str]] = {}
+
+    def submit(self, script: Path) -> str:
+        return "4242"
+
+    def job(self, job_id: str) -> tuple[str, str, str]:
+        return self.job_answer
+
+    def nodes(self, names) -> dict[str, dict[str, str]]:  # noqa: ANN001
+        return {n: self.node_states[n] for n in names if n in self.node_states}
+
+
+def test_the_backend_reports_a_lost_nodes_task_and_fails_the_run_once_the_allocation_goes(tmp_path):
+    from psflow.launch.plan import make_plan
+    from psflow.launch.slurm import SlurmBackend
+
+    lines: list[str] = []
+    cli = _LosingCli()
+    backend = SlurmBackend(nodes=3, echo=lines.append, cli=cli)  # type: ignore[arg-type]
+    backend.open(make_plan(SOFTMAX, num_ps=1, num_workers=2, logdir=str(tmp_path / "run")))
+    backend._task_node = {"ps:0": "n1", "worker:0": "n2", "worker:1": "n3"}  # as start() records them
+    # n3 lost: the job goes on without it; worker:1 exits with a report saying so, the others have none.
+    cli.job_answer = ("RUNNING", "None", "n[1-2]")
+    backend._check_job()
+    assert backend.nodes == ["n1", "n2"] and backend.failed_by() is None and backend.ended_by() is None
+    report = backend.error_report("worker:1")
+    assert report is not None and report["exception"] == "NodeFailure"
+    assert report["message"] == "node n3 failed; Slurm job 4242 goes on without it"
+    assert backend.error_report("worker:0") is None
+    assert sum("node n3 failed" in line for line in lines) == 1
+    backend._check_job()  # seen again: said once
+    assert sum("node n3 failed" in line for line in lines) == 1
+    # n1 lost too, the batch script's: the job ends, the run fails once, ps:0 blamed by the others' reports.
+    cli.job_answer, cli.node_states = ("FAILED", "JobLaunchFailure", ""), {"n1": {"state": "DOWN", "reason": "psu"}}
+    backend._check_job()
+    assert backend.failed_by() == ("ps:0", "node n1 (psu) failed; Slurm job 4242 ended (FAILED)")
+    assert backend.failed_by() is None and backend.ended_by() is None  # a failure, told once; never a stop
+    assert backend.error_report("worker:0")["blame"] == "ps:0"  # type: ignore[index]
