@@ -443,6 +443,7 @@ class ShardCopies:
         if forwarder.replaced:
             raise TrainingError(f"ps:{self.shard} could not send shard {shard}'s state to ps:{asker}: "
                                 f"{forwarder.degraded or 'the view moved on'}.")
+        self._ship_backlog(store, forwarder)
         with self._takeover_lock:
             if self.views[shard].term != term:
                 raise StaleTermError(f"shard {shard}'s view moved past term {term} while ps:{asker} loaded its state.")
@@ -455,6 +456,18 @@ class ShardCopies:
             log.warning("ps:%d: ps:%d holds shard %d's backup again (state at step %d, record %d; caught up at record %d, "
                         "term %d).", self.shard, asker, shard, store.version, seq, caught, term)
         return Reply({"seq": seq, "version": store.version})
+
+    def _ship_backlog(self, store: ParameterStore, forwarder: Forwarder, *, small: int = 64, rounds: int = 20) -> None:
+        """Before replies wait for a new backup: ship the records acknowledged alone while it loaded the
+        state (the backlog, megabytes of gradients), round after round, until what is left is small,
+        so that the first replies that wait do not wait for the whole backlog to cross."""
+        for _ in range(rounds):
+            target = store.seq
+            if target - forwarder.outbox.acked_seq <= small:
+                return
+            forwarder.wait_acked(target, self.failover_s + 60.0)  # ships what is queued itself
+            if forwarder.replaced:
+                return
 
     def resync(self, timeout_s: float) -> None:
         """A restarted ps (``attempt >= 1``, replicas=2): tell the authority it is up (it becomes the
