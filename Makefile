@@ -1,4 +1,4 @@
-# psflow: `make demo` runs the distributed MNIST job; `make test` runs every test.
+# psflow: `make demo` runs the distributed MNIST job; `make test` runs the core suite, `make test-long` the rest (CI runs both).
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -10,7 +10,7 @@ STAMP   := $(VENV)/.psflow-setup
 # dependencies or the dev extra keeps it and never swaps in a CUDA build from an index.
 TORCH   := torch==2.13.0
 
-.PHONY: setup setup-runtime demo test test-fast bench mutate clean bench-hangs-30m
+.PHONY: setup setup-runtime demo test test-long test-fast bench mutate clean bench-hangs-30m
 
 setup-runtime: $(RUNTIME)
 
@@ -33,9 +33,21 @@ $(STAMP): $(RUNTIME)
 demo: setup-runtime
 	$(BIN)/psflow run --ps 1 --workers 2 --logdir runs/demo examples/mnist_softmax.py -- --epochs 8 --init zeros --print_every 2
 
+# The suite runs on TEST_WORKERS pytest-xdist workers. Most of a test's time is its processes starting,
+# registering and waiting on each other, so more workers than cores pay: 4 on this 2-core machine.
+# --dist loadgroup keeps the tests of one module-scoped fixture (a trained run, a Slurm cluster, the
+# namespace hosts) on one worker, so it is set up once (tests/conftest.py). Tests marked `long` (the
+# benchmarks' smoke runs and the longest end-to-end runs) are `make test-long`'s; CI runs both.
+# `TEST_WORKERS=0 make test` runs it serially (pytest -n 0 is no xdist at all).
+TEST_WORKERS ?= 4
+PYTEST_XDIST  = -n $(TEST_WORKERS) --dist loadgroup
+
 test: setup
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q $(PYTEST_XDIST) -m "not long" tests
+
+test-long: setup
+	$(BIN)/python -m pytest -q $(PYTEST_XDIST) -m long tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q tests/unit

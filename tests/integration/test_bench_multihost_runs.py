@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import ROOT, task_env
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.long]  # a benchmark's smoke run: make test-long
 
 
 def test_multihost_benchmark_throughput_part_runs_one_and_two_ps_across_hosts_and_reports_the_ratio():

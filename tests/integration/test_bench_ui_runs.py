@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, task_env
+
+pytestmark = pytest.mark.long  # a benchmark's smoke run: make test-long
 
 
 def test_ui_benchmark_quick_run_reports_every_request():

@@ -7,7 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, task_env
+
+pytestmark = pytest.mark.long  # benchmarks' smoke runs: make test-long
 
 
 def test_transport_benchmark_quick_run_completes_and_reports_every_size():

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import SOFTMAX, log_tails, read_summary, run_psflow
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.long]  # 40 s of faults per run, 30-80 s a test: make test-long
 
 EPOCHS = 8
 STEPS_PER_EPOCH = 600  # 60,000 examples in batches of 100, over both workers' shards

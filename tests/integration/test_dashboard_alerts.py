@@ -13,7 +13,7 @@ import pytest
 from conftest import PSFLOW, ROOT, SOFTMAX, log_tails, task_env
 from dashboard import start_dashboard, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]  # runs that restart, fail and stall for the alerts, 30-40 s each: make test-long
 
 
 @pytest.fixture

@@ -69,6 +69,7 @@ def train_watching_the_url(env: dict[str, str]) -> tuple[subprocess.CompletedPro
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), seen
 
 
+@pytest.mark.long  # two runs through the S3 stand-in, ~80 s: make test-long
 def test_a_run_with_its_logdir_on_s3_puts_every_file_there_and_a_second_run_restores_from_its_checkpoints(s3_env):
     r, seen = train_watching_the_url(s3_env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -42,6 +42,7 @@ def launch(home: Path, logdir: Path, procs: list, *flags: str, epochs: int) -> s
     return p
 
 
+@pytest.mark.long  # a run scaled up and down, 35-65 s a mode: make test-long
 @pytest.mark.parametrize("mode_flags,epochs", [
     ((), 6),
     (("--mode", "sync", "--sync-timeout", "600"), 3),
