@@ -38,13 +38,15 @@ demo: setup-runtime
 # --dist loadgroup keeps the tests of one module-scoped fixture (a trained run, a Slurm cluster, the
 # namespace hosts) on one worker, so it is set up once (tests/conftest.py). Tests marked `long` (the
 # benchmarks' smoke runs and the longest end-to-end runs) are `make test-long`'s; CI runs both.
-# `TEST_WORKERS=0 make test` runs it serially (pytest -n 0 is no xdist at all).
+# Tests marked `serial` (timing-sensitive under the parallel run's load) run after it, alone.
+# `TEST_WORKERS=0 make test` runs the parallel part serially too (pytest -n 0 is no xdist at all).
 TEST_WORKERS ?= 4
 PYTEST_XDIST  = -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m pytest -q $(PYTEST_XDIST) -m "not long" tests
+	$(BIN)/python -m pytest -q $(PYTEST_XDIST) -m "not long and not serial" tests
+	$(BIN)/python -m pytest -q -m "serial and not long" tests
 
 test-long: setup
 	$(BIN)/python -m pytest -q $(PYTEST_XDIST) -m long tests

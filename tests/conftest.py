@@ -5,7 +5,8 @@
   fixture is set up once, on one worker, and its tests share it as they do in a serial run. The
   module's other tests are spread over the workers like any.
 - Tests marked ``long`` (the benchmarks' smoke runs and the longest end-to-end runs) are left to
-  ``make test-long``; CI runs both targets.
+  ``make test-long``; CI runs both targets. Tests marked ``serial`` (timing-sensitive under the
+  parallel run's load, each with its reason) run after the parallel part, alone.
 
 Without xdist (``pytest tests/unit/...``) nothing changes: the groups are only read by ``--dist loadgroup``.
 

@@ -303,6 +303,9 @@ def test_a_lost_worker_without_backups_holds_the_step_until_its_deadline_then_fa
     assert st["lost_workers"] == [1] and st["done_workers"] == []
 
 
+# Serial: under the parallel suite's load worker:2's second gradient can miss every quorum while the others
+# wait for its death (seen once under xdist: died.wait timed out), a race of the threads, not a slow deadline.
+@pytest.mark.serial
 def test_a_lost_worker_with_backups_no_longer_counts_once_the_others_finish_at_different_times() -> None:
     """N = 2 of M = 3: worker:2 dies after 2 steps; worker:0 finishes after 6 steps (PS_DONE);
     worker:1 goes on to 12 steps alone. Without knowing worker:2 is gone, worker:1 would wait for a

@@ -121,6 +121,9 @@ def test_copies_partitioned_from_each_other_go_on_alone_only_at_the_authoritys_w
             same_copies(serving, backup)
 
 
+# Serial: under the parallel suite's load the restarted backup's 1 s lease lapsed and it loaded the state a
+# third time (seen once under xdist), which the exact count of loads below reads as a failure.
+@pytest.mark.serial
 def test_the_serving_copy_acknowledges_while_a_replaced_backup_loads_the_state(monkeypatch) -> None:  # noqa: ANN001
     steps = 4000  # a few seconds of training: longer than the loads below
     with InprocCluster(2, 2, TrainConfig(mode="async", ps_replicas=2, **FAST)) as c:

@@ -319,6 +319,7 @@ def test_on_a_terminal_the_launcher_keeps_a_live_table_of_the_tasks(tmp_path):
     assert "(succeeded, async)" in out  # the final table
 
 
+@pytest.mark.long  # ~35 s: make test-long
 def test_a_killed_ps_is_the_root_cause_and_the_summary_keeps_the_last_global_step(tmp_path):
     logdir = tmp_path / "pskill"
     p = subprocess.Popen([PSFLOW, "run", "--ps", "1", "--workers", "2", "--logdir", str(logdir), SOFTMAX, "--",

@@ -23,6 +23,7 @@ def run(logdir, epochs: int, env) -> subprocess.CompletedProcess:
                            "--init", "zeros", "--batch_size", "300"], capture_output=True, text=True, timeout=200, env=task_env(**env), cwd=ROOT)
 
 
+@pytest.mark.long  # two runs through the S3 stand-in, ~27 s: make test-long
 def test_two_ps_write_their_shards_to_s3_the_chief_the_manifest_and_a_second_run_resumes_from_it(s3_env, tmp_path):
     from psflow import checkpoint
 

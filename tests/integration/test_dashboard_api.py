@@ -292,6 +292,7 @@ def test_psflow_run_prints_where_the_dashboard_shows_it(tmp_path, dashboard):
     assert r.returncode == 0 and "psflow: dashboard:" not in r.stdout
 
 
+@pytest.mark.long  # three runs, stopped and restarted through the API, ~35 s: make test-long
 def test_restart_through_the_api_stops_the_run_and_launches_its_plan_again(tmp_path, dashboard):
     with dashboard.client() as api:
         run_id = api.post("/api/runs", json=TRAIN).json()["run_id"]
@@ -383,6 +384,7 @@ def test_a_slowed_worker_is_named_a_persistent_straggler(tmp_path, dashboard, pr
     assert launcher.wait(timeout=120) == 130
 
 
+@pytest.mark.long  # ~30 s: make test-long
 def test_dump_all_tasks_reads_every_tasks_stacks_back_grouped(tmp_path, dashboard, procs):
     from conftest import SOFTMAX, log_tails
 

@@ -20,6 +20,7 @@ def psflow(home: Path, *args: str, timeout_s: float = 120) -> subprocess.Complet
     return psflow_in(home, *args, timeout_s=timeout_s)
 
 
+@pytest.mark.long  # a run stopped and started again, ~28 s: make test-long
 def test_stop_then_restart_a_real_run_through_the_job_store(tmp_path, procs):
     home, logdir = tmp_path / "home", tmp_path / "run"
     db = home / "jobs.db"
