@@ -575,9 +575,9 @@ def _prepare_process(env: dict[str, str], tenv: TaskEnv, cfg: TrainConfig, spec:
     if cfg.timeline:
         timeline.start(str(task_id), tenv.attempt, skew_us=clock_skew_us(tenv.clock_skew, task_id))  # before any connection
     if task_id.job == "ps":
-        from psflow.ps.service import warm_up
+        from psflow.ps.service import build_optimizers_without_dynamo
 
-        warm_up()  # torch's lazy imports, in the background, while the cluster assembles
+        build_optimizers_without_dynamo()  # PS_INIT's optimizer no longer waits for torch._dynamo's import
     atexit.register(_quick_interpreter_exit)
 
 

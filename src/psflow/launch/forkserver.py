@@ -70,10 +70,9 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 def serve(sock: socket.socket) -> None:
     """Import the preloads, then fork a task per request until the client hangs up.
 
-    Not preloaded: ``torch._dynamo``, which a ps imports when it builds its first ``torch.optim``
-    optimizer (~1.2 s; see ``psflow.ps.service.warm_up``). Imported here, it would delay every task;
-    imported by the ps right after the fork, it overlaps the workers' own start (measured: 0.3-0.6 s
-    sooner from launch to result).
+    Not preloaded: ``torch._dynamo`` (~1.2 s of CPU), which no task needs to start: a ps builds its
+    ``torch.optim`` optimizers without it (``psflow.ps.service.build_optimizers_without_dynamo``).
+    Imported here, it would delay every task.
     """
     import importlib
 

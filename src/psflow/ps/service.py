@@ -47,23 +47,36 @@ _ROUTED = frozenset({Op.PS_READY, Op.PS_PULL, Op.PS_PUSH, Op.PS_CLOCK, Op.PS_DON
 _TIMED = {Op.PS_PUSH: "push", Op.PS_PULL: "pull"}
 
 
-def warm_up() -> None:
-    """Start, in a daemon thread, the imports a ps needs once the chief initializes it.
+# The torch.optim.Optimizer methods that torch wraps in torch._disable_dynamo (see build_optimizers_without_dynamo).
+_DYNAMO_DISABLED = ("add_param_group", "state_dict", "load_state_dict", "zero_grad")
 
-    Building the first ``torch.optim`` optimizer imports ``torch._dynamo`` (about 1.2 s of CPU);
-    done on PS_INIT, that delay sits between the chief's start and everyone's first step. Done
-    here, it overlaps the tasks' registration and the workers' data loading.
+
+def build_optimizers_without_dynamo() -> None:
+    """Let this ps build, save and load its optimizers without importing ``torch._dynamo``.
+
+    ``torch.optim.Optimizer.__init__`` calls ``add_param_group``, which torch wraps in
+    ``torch._disable_dynamo``: its first call imports ``torch._dynamo`` (about 1.2 s of CPU, sympy
+    included) to wrap the method in ``torch._dynamo.disable``, and caches that in the method's
+    ``__dynamo_disable`` attribute. The chief's PS_INIT waited for that import: 40-45% of the softmax
+    job's launch to first step, even imported ahead in a thread (which then slowed the ps's serving
+    threads, the GIL being one). A ps never runs its optimizer under ``torch.compile``, the only place
+    where the wrapper differs, so the cache of those methods is filled here with the methods
+    themselves: the same eager call, no import. Should torch rename the attribute, this is unused
+    and the import comes back on PS_INIT: slower, never wrong. The update itself
+    (:class:`psflow.ps.update.DirectStep`) calls torch's functional kernels, which import nothing in
+    eager mode; its fallback, ``Optimizer.step()`` (the first update of Adam or of SGD with
+    momentum), still imports ``torch._dynamo``, once, as before.
     """
+    import sys
 
-    def build() -> None:
-        import torch
+    import torch
 
-        try:
-            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-        except Exception as e:  # a warm-up only: the real optimizer, built on PS_INIT, reports real problems
-            logging.getLogger("psflow.ps").debug("optimizer warm-up failed: %r", e)
-
-    threading.Thread(target=build, name="psflow-warm-up", daemon=True).start()
+    if "torch._dynamo" in sys.modules:
+        return  # imported already: the wrapper costs nothing more
+    for name in _DYNAMO_DISABLED:
+        method = getattr(getattr(torch.optim.Optimizer, name), "__wrapped__", None)
+        if method is not None and not hasattr(method, "__dynamo_disable"):
+            setattr(method, "__dynamo_disable", method)  # noqa: B010 - torch reads exactly this name
 
 
 class PsService(ShardCopies):

@@ -1,7 +1,7 @@
 """A ps task for tests/integration/test_hostile_clients.py: the seeds' flags, then serve.
 
-It does the ps's one-time imports (what ``warm_up`` does in the background) before it prints
-``serving``, so that a test can take the task's memory baseline after them.
+It builds an optimizer once, as the ps does on PS_INIT, before it prints ``serving``, so that a
+test can take the task's memory baseline after that.
 """
 
 from __future__ import annotations
