@@ -45,8 +45,8 @@ PYTEST_XDIST  = -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m pytest -q $(PYTEST_XDIST) -m "not long and not serial" tests
-	$(BIN)/python -m pytest -q -m "serial and not long" tests
+	$(BIN)/python -m pytest -q $(PYTEST_XDIST) -m "not long and not serial" tests; parallel=$$?; \
+	$(BIN)/python -m pytest -q -m "serial and not long" tests && exit $$parallel
 
 test-long: setup
 	$(BIN)/python -m pytest -q $(PYTEST_XDIST) -m long tests
