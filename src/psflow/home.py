@@ -25,7 +25,9 @@ ENV = {HOME_ENV: "where psflow keeps its own state, the job store jobs.db among 
        UI_TOKEN_ENV: "the dashboard's token for requests that change anything (default: a fresh one, printed at start)",
        ALERT_WEBHOOK_ENV: "a webhook the launcher tells when its run fails, stalls or restarts a task (psflow run "
                           "--alert-webhook sets it)",
-       ALERT_STALL_ENV: "seconds a run's global step may stand still before the launcher alerts a stall (default 300)"}
+       ALERT_STALL_ENV: "seconds a run's global step may stand still before the launcher alerts a stall (default 300)",
+       "PSFLOW_PROCESS_TAG": "set by the launcher on every task it starts (launcher pid, run, task, attempt) and read back "
+                             "from /proc by the launcher alone: what a task's helpers inherit, so they end with the run"}
 
 
 def psflow_home(env: Mapping[str, str] | None = None) -> Path:

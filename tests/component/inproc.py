@@ -34,6 +34,7 @@ from psflow.config import TrainConfig
 from psflow.optim import OptimizerSpec
 from psflow.ps.authority import ViewAuthority, ViewClient
 from psflow.ps.client import PsClient
+from psflow.ps.replication import Role
 from psflow.ps.service import PsService, default_save
 from psflow.server import Server
 from psflow.train.trainer import Trainer
@@ -167,6 +168,14 @@ class InprocCluster:
         server.start()
         self.servers[tid], self.services[index] = server, service
         return service
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Every backup copy has applied the records it holds (it applies them on a thread of its own,
+        after acknowledging them): call before reading a backup's state."""
+        for service in self.services:
+            for shard, role in list(service.roles.items()):
+                if role is Role.BACKUP:
+                    service._drain(shard, timeout_s)
 
     def client(self) -> PsClient:
         """A separate connection to every ps shard (for status), as an evaluator would hold."""

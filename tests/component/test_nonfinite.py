@@ -60,6 +60,7 @@ def test_nan_pushes_are_refused_and_the_job_trains_on(mode: str, caplog: pytest.
             run_threads([lambda: train(trainers[0], models[0], 0, max_steps=MAX_STEPS), lambda: poisoned(trainers[1])],
                         timeout_s=WAIT_S)
         statuses = c.status()
+        c.settle()
         for shard, service in enumerate(c.services):
             primary, backup = service.store, c.services[1 - shard].backups[shard]
             assert all(torch.isfinite(v).all() for v in primary.values.values())

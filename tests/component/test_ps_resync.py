@@ -85,6 +85,7 @@ def test_a_restarted_ps_resyncs_and_becomes_the_survivors_backup(mode: str) -> N
         assert events == ["killed ps:0", "ps:0 re-synced"]
         assert survivor.roles == {0: Role.SERVING, 1: Role.SERVING}  # the survivor stays primary: no flip-flop
         assert restarted.roles == {0: Role.BACKUP, 1: Role.BACKUP}
+        c.settle()
         for shard in (0, 1):
             p = survivor.store_of(shard)
             b = restarted.store if shard == 0 else restarted.backups[1]
@@ -149,5 +150,6 @@ def test_a_restarted_ps_refuses_requests_until_it_has_resynced() -> None:
         restarted.resync(30.0)
         assert restarted.roles == {0: Role.BACKUP, 1: Role.BACKUP}
         t.step(lambda: F.cross_entropy(model(x), y))
+        restarted._drain(0, 10.0)  # the backup holds the step's records; it applies them on its own thread
         assert restarted.store.version == c.services[1].store_of(0).version == 5
         t.close()

@@ -38,6 +38,7 @@ def run_job(c: InprocCluster, workers: int, optimizer: optim.OptimizerSpec) -> N
 
 
 def assert_backups_match(c: InprocCluster) -> None:
+    c.settle()
     for shard, primary in enumerate(c.services):
         backup = c.services[(shard + 1) % len(c.services)].backups[shard]
         p, b = primary.store, backup
