@@ -77,18 +77,19 @@ def test_stopped_tasks_go_on_where_they_stopped_with_nothing_restarted_or_lost(t
     assert report["batches_applied"] == EPOCHS * STEPS_PER_EPOCH, report
 
 
-def test_partitions_and_long_stalls_of_ps_copies_trip_failover_and_lose_nothing(tmp_path: Path) -> None:
-    """The faults that split a shard before: the copies of a shard cut off from each other, and a ps
-    stopped past backup_failover_s (5 s). Every copy of every shard must end equal, nothing lost."""
+def test_partitions_of_ps_copies_past_the_backup_failover_lose_nothing(tmp_path: Path) -> None:
+    """The fault that split a shard before: the copies of a shard cut off from each other for longer
+    than backup_failover_s (5 s). Every copy of every shard must end equal, nothing lost. (Long
+    SIGSTOPs of ps copies are the nemesis benchmark's, beside kills and partitions.)"""
     logdir = tmp_path / "partitions"
     epochs = 30
-    r, context = chaos(logdir, "--kinds", "partition=2,stop=1", "--targets", "ps", "--stall", "6", "--max-faults", "2",
+    r, context = chaos(logdir, "--kinds", "partition", "--targets", "ps", "--stall", "6", "--max-faults", "2",
                        "--seed", "1", epochs=epochs)
     assert r.returncode == 0, context
     report = json.loads((logdir / "chaos.json").read_text())
     faults = report["faults"]
     assert faults["injected"] >= 1 and faults["survived"] == faults["injected"], faults
-    assert "partition" in faults["by_kind"], faults
+    assert faults["by_kind"] == {"partition": faults["injected"]}, faults
     assert "cannot reach its backup" in context, context  # a serving copy went on alone, at the launcher's word
     ledger = report["ledger"]
     assert ledger["lost"] == 0 and ledger["applied"] == epochs * STEPS_PER_EPOCH, ledger
