@@ -53,8 +53,15 @@ def test_psflow_ui_binds_off_loopback_only_when_told_twice(tmp_path):
         settings_for("0.0.0.0", allow_remote=False, env={"PSFLOW_UI_TOKEN": "t" * 32})
     with pytest.raises(ConfigError, match="needs a token of your own"):
         settings_for("0.0.0.0", allow_remote=True, env={})
-    remote = settings_for("0.0.0.0", allow_remote=True, env={"PSFLOW_UI_TOKEN": "chosen", "PSFLOW_HOME": str(tmp_path)})
-    assert remote.token == "chosen" and remote.auth_reads  # reads need the token too
+    for short in ("chosen", "x" * 15):  # off loopback a token must be long enough not to be guessed
+        with pytest.raises(ConfigError, match=f"is {len(short)} characters long;.* at least 16 characters. Generate one: "
+                                              "export PSFLOW_UI_TOKEN=.*secrets.token_urlsafe"):
+            settings_for("0.0.0.0", allow_remote=True, env={"PSFLOW_UI_TOKEN": short})
+    chosen = "c" * 16
+    remote = settings_for("0.0.0.0", allow_remote=True, env={"PSFLOW_UI_TOKEN": chosen, "PSFLOW_HOME": str(tmp_path)})
+    assert remote.token == chosen and remote.auth_reads  # reads need the token too
+    short_local = settings_for("127.0.0.1", allow_remote=False, env={"PSFLOW_UI_TOKEN": "abc", "PSFLOW_HOME": str(tmp_path)})
+    assert short_local.token == "abc"  # on loopback the user's own token is theirs to choose
 
 
 def test_a_page_of_runs_filters_by_state_and_search_and_counts_them_all(tmp_path):

@@ -1,9 +1,9 @@
 """``psflow ui``: serve the dashboard and its API (:mod:`psflow.platform.api`) with uvicorn.
 
 Binds 127.0.0.1 by default. Any other address is refused unless the user says so twice: an explicit
-``allow_remote`` (``--allow-remote``) and a token of their own (``PSFLOW_UI_TOKEN``); then every
-request, reads included, needs the token. On loopback a fresh token is made when none is set, and
-printed with the URL (in its ``#token=`` fragment, which browsers never send to the server).
+``allow_remote`` (``--allow-remote``) and a token of their own (``PSFLOW_UI_TOKEN``) of at least
+``MIN_REMOTE_TOKEN_CHARS`` characters; then every request, reads included, needs the token. On
+loopback a fresh token is made when none is set, and printed with the URL (in its ``#token=`` fragment, which browsers never send to the server).
 
 Every request, reads included, must give a ``Host`` the dashboard answers to (loopback names, the
 bound address, ``--allowed-host`` names; :mod:`psflow.platform.hosts`): DNS rebinding cannot reach it.
@@ -33,6 +33,10 @@ from psflow.platform.api import UiSettings, create_app
 from psflow.platform.uifile import remove_ui, write_ui
 
 
+MIN_REMOTE_TOKEN_CHARS = 16  # a dashboard reachable off this machine: a token short enough to guess is none
+_MAKE_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address or ``localhost``) is only reachable from this machine."""
     if host == "localhost":
@@ -50,7 +54,8 @@ def settings_for(host: str, *, allow_remote: bool, scripts: tuple[Path, ...] = (
     ``Host`` may give (``--allowed-host``).
 
     Raises:
-        ConfigError: a non-loopback ``host`` without ``allow_remote``, or without a token of the user's own;
+        ConfigError: a non-loopback ``host`` without ``allow_remote``, or without a token of the user's own
+            of at least ``MIN_REMOTE_TOKEN_CHARS`` characters;
             an ``allowed_hosts`` entry that is not a host name.
     """
     token = ui_token(env)
@@ -60,7 +65,11 @@ def settings_for(host: str, *, allow_remote: bool, scripts: tuple[Path, ...] = (
                           f"otherwise: add --allow-remote (and set {UI_TOKEN_ENV}), or use an SSH tunnel to 127.0.0.1.")
     if remote and token is None:
         raise ConfigError(f"--host {host} --allow-remote needs a token of your own: set {UI_TOKEN_ENV} to a long "
-                          "random string (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))').")
+                          f"random string (e.g. {_MAKE_TOKEN}).")
+    if remote and token is not None and len(token) < MIN_REMOTE_TOKEN_CHARS:
+        raise ConfigError(f"--host {host} --allow-remote: {UI_TOKEN_ENV} is {len(token)} characters long; a dashboard "
+                          f"reachable from other machines needs a token of at least {MIN_REMOTE_TOKEN_CHARS} characters. "
+                          f"Generate one: export {UI_TOKEN_ENV}=$({_MAKE_TOKEN})")
     for d in scripts:
         if not d.is_dir():
             raise ConfigError(f"--scripts {d}: not a directory. Give the directory whose .py files the form may start.")
