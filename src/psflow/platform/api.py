@@ -16,7 +16,8 @@ scripts from a CDN). :func:`create_app` puts together its routers, by who may ca
 Security: every request, reads included, must name the dashboard in its ``Host`` header
 (:mod:`psflow.platform.hosts`), or it gets a 400 (DNS rebinding). Every POST needs the token
 (``Authorization: Bearer TOKEN`` or ``X-Psflow-Token``, compared with :func:`hmac.compare_digest`);
-with ``auth_reads`` (a non-loopback bind) every read needs it too. A started run's script must be a
+with ``auth_reads`` (a non-loopback bind) every read needs it too. A body is strict JSON
+(:mod:`psflow.platform.jsonbody`: NaN or infinity is a 422 naming the field). A started run's script must be a
 ``.py`` file under one of ``script_roots``; its arguments are argv (no shell). Files are served
 through :mod:`psflow.platform.runfiles` only: nothing outside a run's log directory.
 
@@ -48,6 +49,7 @@ from psflow.errors import ConfigError, PsflowError
 from psflow.home import ALERT_WEBHOOK_ENV, HOME_ENV, JOBS_DB, UI_TOKEN_ENV
 from psflow.platform.hosts import LOOPBACK_NAMES, HostAllowlist
 from psflow.platform.jobstore import RUN_STATES, JobStore, JobStoreError
+from psflow.platform.jsonbody import FiniteJsonRoute
 from psflow.platform.runfiles import RunFileError, checkpoint_path, checkpoints, log_path, read_log
 
 STATIC = Path(__file__).parent / "static"
@@ -199,11 +201,11 @@ def _refused_file(request: Request, e: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(e)}, status_code=404)
 
 
-health_routes = APIRouter()  # open to every request the Host allowlist admits
-read_routes = APIRouter(dependencies=[Depends(need_token_to_read)])  # the store, read
-run_page_routes = APIRouter(dependencies=[Depends(need_token_to_read)])  # a run's files and views
-change_routes = APIRouter(dependencies=[Depends(need_token)])  # start, stop, restart, scale, dump, restore
-stream_routes = APIRouter(dependencies=[Depends(need_token_to_read)])  # live: the run page's stream, /metrics
+health_routes = APIRouter(route_class=FiniteJsonRoute)  # open to every request the Host allowlist admits
+read_routes = APIRouter(route_class=FiniteJsonRoute, dependencies=[Depends(need_token_to_read)])  # the store, read
+run_page_routes = APIRouter(route_class=FiniteJsonRoute, dependencies=[Depends(need_token_to_read)])  # a run's files and views
+change_routes = APIRouter(route_class=FiniteJsonRoute, dependencies=[Depends(need_token)])  # start, stop, restart, scale, dump, restore
+stream_routes = APIRouter(route_class=FiniteJsonRoute, dependencies=[Depends(need_token_to_read)])  # live: the run page's stream, /metrics
 
 
 # -- reads ------------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from psflow.platform.alerts import AlertBook, AlertWatcher, check_webhook
 from psflow.platform.api import UiSettings, create_app
 from psflow.platform.uifile import remove_ui, write_ui
 
-
 MIN_REMOTE_TOKEN_CHARS = 16  # a dashboard reachable off this machine: a token short enough to guess is none
 _MAKE_TOKEN = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
