@@ -65,3 +65,58 @@ def test_a_non_finite_number_in_any_body_is_a_422_naming_the_field(client, numbe
 def test_a_body_that_is_not_json_at_all_keeps_fastapis_own_422(client):
     r = client.post("/api/runs/run-x/scale", content="{nope", headers={"Content-Type": "application/json"})
     assert r.status_code == 422 and r.json()["detail"][0]["type"] == "json_invalid"
+
+
+def _schema(tmp_path, *, auth_reads: bool) -> dict:
+    from fastapi.testclient import TestClient
+
+    from psflow.platform.api import UiSettings, create_app
+
+    app = create_app(UiSettings(home=tmp_path, token=TOKEN, auth_reads=auth_reads))
+    return TestClient(app, base_url="http://127.0.0.1").get("/openapi.json").json()
+
+
+def test_the_openapi_document_declares_the_token_on_the_routes_that_need_it(tmp_path):
+    local = _schema(tmp_path, auth_reads=False)
+    schemes = local["components"]["securitySchemes"]
+    assert schemes["token"] == {"type": "http", "scheme": "bearer", "description": schemes["token"]["description"]}
+    assert schemes["token_header"]["in"] == "header" and schemes["token_header"]["name"] == "X-Psflow-Token"
+    token = [{"token": []}, {"token_header": []}]
+    for path, ops in local["paths"].items():
+        for method, op in ops.items():
+            if path == "/api/health":
+                assert "security" not in op  # open to any request the Host allowlist admits
+            elif method == "post":
+                assert op["security"] == token, (method, path)
+            else:  # a read: the token, or nothing on a loopback dashboard
+                assert op["security"] == [*token, {}], (method, path)
+    remote = _schema(tmp_path, auth_reads=True)
+    for path, ops in remote["paths"].items():
+        for method, op in ops.items():
+            assert path == "/api/health" or op["security"] == token, (method, path)
+
+
+def test_the_openapi_document_types_the_main_answers(tmp_path):
+    doc = _schema(tmp_path, auth_reads=False)
+    schemas = doc["components"]["schemas"]
+
+    def answer(method: str, path: str) -> dict:
+        responses = doc["paths"][path][method]["responses"]
+        (ok,) = [v for k, v in responses.items() if k.startswith("2")]
+        ref = ok["content"]["application/json"]["schema"]["$ref"]
+        return schemas[ref.rsplit("/", 1)[1]]
+
+    assert set(answer("get", "/api/runs")["properties"]) == {"runs", "total", "limit", "offset"}
+    row = schemas["RunRow"]["properties"]
+    assert {"id", "state", "script", "args", "logdir", "backend", "tasks", "loss"} <= set(row)
+    assert row["state"]["enum"] == ["pending", "running", "succeeded", "failed", "stopped", "abandoned"]
+    assert set(answer("get", "/api/runs/{run_id}")["properties"]) == {"run", "attempts", "events", "controls"}
+    assert "failure" in schemas["RunOnPage"]["properties"]
+    for path in ("/api/runs", "/api/runs/{run_id}/restart", "/api/runs/{run_id}/checkpoints/{name}/restore"):
+        assert {"run_id", "logdir"} <= set(answer("post", path)["required"]), path
+    assert set(answer("post", "/api/runs/{run_id}/scale")["required"]) == {"run_id", "request_id", "workers"}
+    for path in ("/api/runs/{run_id}/stop", "/api/runs/{run_id}/dump"):
+        assert set(answer("post", path)["required"]) == {"run_id", "request_id"}, path
+    assert set(answer("get", "/api/health")["required"]) == {"ok", "job_store"}
+    assert set(answer("get", "/api/summary")["required"]) == {"runs", "by_state"}
+    assert set(answer("get", "/api/runs/{run_id}/summary")["required"]) == {"run_id", "state", "summary"}

@@ -41,12 +41,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from psflow.errors import ConfigError, PsflowError
 from psflow.home import ALERT_WEBHOOK_ENV, HOME_ENV, JOBS_DB, UI_TOKEN_ENV
+from psflow.platform import apimodels as answers
 from psflow.platform.hosts import LOOPBACK_NAMES, HostAllowlist
 from psflow.platform.jobstore import RUN_STATES, JobStore, JobStoreError
 from psflow.platform.jsonbody import FiniteJsonRoute
@@ -155,7 +157,21 @@ def create_app(settings: UiSettings) -> FastAPI:
     for router in (health_routes, read_routes, run_page_routes, change_routes, stream_routes):
         app.include_router(router)
     app.mount("/", StaticFiles(directory=STATIC, html=True), name="static")
+    app.openapi = lambda: _openapi(app, settings)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI, settings: UiSettings) -> dict[str, Any]:
+    """FastAPI's schema, saying that a read may go without the token where this dashboard allows it
+    (an empty security requirement: no ``auth_reads``)."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        if not settings.auth_reads:
+            for operations in schema["paths"].values():
+                get = operations.get("get") or {}
+                if get.get("security"):
+                    get["security"].append({})
+    return app.openapi_schema or {}
 
 
 # -- who may ask ------------------------------------------------------------------------------------
@@ -167,26 +183,33 @@ def _settings(request: Request) -> UiSettings:
 Settings = Annotated[UiSettings, Depends(_settings)]
 
 
-def _authorized(request: Request, settings: UiSettings) -> bool:
-    given = request.headers.get("x-psflow-token", "")
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        given = auth[7:].strip()
+# The token's two ways in, declared in /openapi.json as alternatives (the checks below read them).
+_bearer = HTTPBearer(auto_error=False, scheme_name="token", description="the dashboard's token: printed by psflow ui "
+                     f"at start (#token=...) or set in {UI_TOKEN_ENV}")
+_token_header = APIKeyHeader(name="X-Psflow-Token", auto_error=False, scheme_name="token_header",
+                             description="the same token, in a header of its own")
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+TokenHeader = Annotated[str | None, Depends(_token_header)]
+
+
+def _authorized(settings: UiSettings, bearer: HTTPAuthorizationCredentials | None, header: str | None) -> bool:
+    given = bearer.credentials.strip() if bearer is not None else (header or "")
     return hmac.compare_digest(given.encode(), settings.token.encode())
 
 
-def need_token(request: Request, settings: Settings) -> None:
+def need_token(settings: Settings, bearer: Bearer, header: TokenHeader) -> None:
     """Every request that changes something carries the token."""
-    if not _authorized(request, settings):
+    if not _authorized(settings, bearer, header):
         raise HTTPException(401, detail=f"This request changes something: it needs the dashboard's token "
                                         f"(Authorization: Bearer TOKEN), printed by psflow ui at start or set in "
                                         f"{UI_TOKEN_ENV}.")
 
 
-def need_token_to_read(request: Request, settings: Settings) -> None:
-    """With ``auth_reads`` (a dashboard reachable off this machine), reads carry it too."""
+def need_token_to_read(settings: Settings, bearer: Bearer, header: TokenHeader) -> None:
+    """With ``auth_reads`` (a dashboard reachable off this machine), reads carry it too (/openapi.json
+    says a read may go without it otherwise: :func:`_openapi`)."""
     if settings.auth_reads:
-        need_token(request, settings)
+        need_token(settings, bearer, header)
 
 
 def the_run(db: JobStore, run_id: str, *, metrics: bool = False) -> dict[str, Any]:
@@ -209,12 +232,12 @@ stream_routes = APIRouter(route_class=FiniteJsonRoute, dependencies=[Depends(nee
 
 
 # -- reads ------------------------------------------------------------------------------------------
-@health_routes.get("/api/health")
+@health_routes.get("/api/health", response_model=answers.Health)
 def health(settings: Settings) -> dict[str, Any]:
     return {"ok": True, "job_store": str(settings.db_path)}
 
 
-@read_routes.get("/api/summary")
+@read_routes.get("/api/summary", response_model=answers.StoreSummary)
 def summary_of_store(db: Db) -> dict[str, Any]:
     counts = dict.fromkeys(RUN_STATES, 0)
     for row in db.conn.execute("SELECT state, COUNT(*) FROM runs GROUP BY state"):  # type: ignore[union-attr]
@@ -222,7 +245,7 @@ def summary_of_store(db: Db) -> dict[str, Any]:
     return {"runs": sum(counts.values()), "by_state": counts}
 
 
-@read_routes.get("/api/runs")
+@read_routes.get("/api/runs", response_model=None, responses={200: {"model": answers.RunList}})
 def list_runs(db: Db, state: Literal[RUN_STATES] | None = None,  # type: ignore[valid-type]
               q: Annotated[str | None, Query(max_length=200)] = None,
               limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
@@ -230,7 +253,7 @@ def list_runs(db: Db, state: Literal[RUN_STATES] | None = None,  # type: ignore[
     return {"runs": [_row(r) for r in runs], "total": total, "limit": limit, "offset": offset}
 
 
-@read_routes.get("/api/runs/{run_id}")
+@read_routes.get("/api/runs/{run_id}", response_model=None, responses={200: {"model": answers.RunPage}})
 def get_run(run_id: str, db: Db, after: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
     run = the_run(db, run_id, metrics=True)
     events = db.events(run_id, after_id=after)
@@ -265,7 +288,7 @@ def get_stragglers(run_id: str, db: Db, windows: Annotated[int, Query(ge=1, le=1
     return {"run_id": run_id, **find_stragglers(steps, StragglerRules(windows=windows, span_s=span_s))}
 
 
-@read_routes.get("/api/runs/{run_id}/summary")
+@read_routes.get("/api/runs/{run_id}/summary", response_model=answers.RunSummary)
 def get_summary(run_id: str, db: Db) -> dict[str, Any]:
     run = the_run(db, run_id)
     return {"run_id": run_id, "state": run["state"], "summary": run.get("summary")}
@@ -345,7 +368,8 @@ def get_stacks(run_id: str, db: Db, request: Annotated[int | None, Query(ge=1)] 
 
 
 # -- changes ----------------------------------------------------------------------------------------
-@change_routes.post("/api/runs/{run_id}/checkpoints/{name}/restore", status_code=201)
+@change_routes.post("/api/runs/{run_id}/checkpoints/{name}/restore", status_code=201, response_model=answers.RunStarted,
+                    response_model_exclude_none=True)
 def restore_here(run_id: str, name: str, db: Db, request: Request, settings: Settings) -> dict[str, Any]:
     from psflow.platform.launching import plan_of, restore_spec, seed_checkpoint, start_detached
 
@@ -363,7 +387,7 @@ def restore_here(run_id: str, name: str, db: Db, request: Request, settings: Set
     return {"run_id": plan.run_id, "restores": run_id, "checkpoint": name, "logdir": plan.logdir}
 
 
-@change_routes.post("/api/runs", status_code=201)
+@change_routes.post("/api/runs", status_code=201, response_model=answers.RunStarted, response_model_exclude_none=True)
 def start_run(form: StartRun, request: Request, settings: Settings) -> dict[str, Any]:
     from psflow.launch.gpus import GpuRequestError
     from psflow.launch.restart import RestartPolicy
@@ -390,7 +414,7 @@ def start_run(form: StartRun, request: Request, settings: Settings) -> dict[str,
     return {"run_id": plan.run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
 
 
-@change_routes.post("/api/runs/{run_id}/stop", status_code=202)
+@change_routes.post("/api/runs/{run_id}/stop", status_code=202, response_model=answers.ControlAsked)
 def stop_run(run_id: str, db: Db) -> dict[str, Any]:
     from psflow.platform.runcontrol import ask_stop
 
@@ -401,7 +425,7 @@ def stop_run(run_id: str, db: Db) -> dict[str, Any]:
     return {"run_id": run_id, "request_id": asked.request_id}
 
 
-@change_routes.post("/api/runs/{run_id}/scale", status_code=202)
+@change_routes.post("/api/runs/{run_id}/scale", status_code=202, response_model=answers.ScaleAsked)
 def scale_run(run_id: str, form: ScaleRun, db: Db) -> dict[str, Any]:
     from psflow.launch.control import check_workers
     from psflow.platform.runcontrol import ScaleRefused, ask_scale
@@ -418,7 +442,7 @@ def scale_run(run_id: str, form: ScaleRun, db: Db) -> dict[str, Any]:
     return {"run_id": run_id, "request_id": request_id, "workers": form.workers}
 
 
-@change_routes.post("/api/runs/{run_id}/dump", status_code=202)
+@change_routes.post("/api/runs/{run_id}/dump", status_code=202, response_model=answers.ControlAsked)
 def dump_run(run_id: str, db: Db) -> dict[str, Any]:
     the_run(db, run_id)
     try:
@@ -428,7 +452,8 @@ def dump_run(run_id: str, db: Db) -> dict[str, Any]:
     return {"run_id": run_id, "request_id": request_id}
 
 
-@change_routes.post("/api/runs/{run_id}/restart", status_code=202)
+@change_routes.post("/api/runs/{run_id}/restart", status_code=202, response_model=answers.RunStarted,
+                    response_model_exclude_none=True)
 def restart_run(run_id: str, db: Db, request: Request, settings: Settings) -> dict[str, Any]:
     from psflow.launch.logdirlock import run_lock
     from psflow.platform.launching import plan_of, spec_of_run, start_detached
