@@ -32,13 +32,12 @@ from typing import Any
 import torch
 
 from psflow.errors import ConfigError
-
-SUMMARIES_DIR = "summaries"
+from psflow.rundir import RunDir
 
 
 def summary_dir(logdir: str | os.PathLike[str], task: object) -> Path:
     """The event-file directory of ``task`` (a TaskId or ``"worker:1"``) under ``logdir``."""
-    return Path(logdir) / SUMMARIES_DIR / str(task).replace(":", "-")
+    return RunDir(logdir).summaries_of(task)
 
 
 class EventWriter:

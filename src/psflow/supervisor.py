@@ -58,6 +58,7 @@ from psflow.checkpoint import (
 from psflow.config import check_logdir
 from psflow.errors import CheckpointError, ConfigError, PsflowError, TrainingError
 from psflow.launch import errorreport
+from psflow.rundir import DONE_FILE
 from psflow.summary import EventWriter
 from psflow.train.modes import mode_of
 
@@ -66,7 +67,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("psflow")
 
-DONE_FILE = "DONE"
 RUNS_DIR = Path("runs")  # where a run that names no logdir gets its own (as psflow run's runs/<run id>)
 
 

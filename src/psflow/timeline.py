@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from psflow.rundir import RunDir, task_of_stem
+
 STEP_PHASES = ("forward", "backward", "compute", "push", "wait", "pull", "allreduce", "optimizer")  # a step (ps: push..pull; all-reduce: allreduce, optimizer)
 PS_PHASES = ("receive", "apply", "wait", "send")  # a ps's work on a request
-TRACE_FILE = "timeline.json"
-TASK_DIR = "timeline"
 
 ACTIVE: Timeline | None = None  # this process's recorder; None: the timeline is off
 
@@ -105,9 +105,8 @@ class Timeline:
 
     def write(self, logdir: str | os.PathLike[str]) -> Path:
         """Write this process's spans to ``LOGDIR/timeline/<task>.<attempt>.json``; returns the path."""
-        out = Path(logdir) / TASK_DIR
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{self.task.replace(':', '-')}.{self.attempt}.json"
+        path = RunDir(logdir).timeline_of(self.task, self.attempt)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         clock = self.clock.to_dict() if self.clock is not None else None
         tmp.write_text(json.dumps({"task": self.task, "attempt": self.attempt, "os_pid": os.getpid(), "clock": clock,
@@ -250,8 +249,8 @@ def _task_order(name: str) -> tuple[int, int, int]:
 def write_trace(logdir: str | os.PathLike[str]) -> Path | None:
     """Merge ``LOGDIR/timeline/*.json`` into ``LOGDIR/timeline.json``; None if no task wrote one.
     Called by the launcher once every task has exited."""
-    root = Path(logdir)
-    paths = sorted((root / TASK_DIR).glob("*.json"), key=lambda p: _task_order(p.stem.replace("-", ":", 1)))
+    run = RunDir(logdir)
+    paths = sorted(run.timeline.glob("*.json"), key=lambda p: _task_order(task_of_stem(p.stem)))
     files = []
     for p in paths:
         try:
@@ -260,7 +259,7 @@ def write_trace(logdir: str | os.PathLike[str]) -> Path | None:
             continue  # a task killed while writing: its spans are lost, the others' are not
     if not files:
         return None
-    out = root / TRACE_FILE
+    out = run.trace
     out.write_text(json.dumps(merge(files)))
     return out
 

@@ -26,9 +26,7 @@ from psflow.checkpoint.files import fsync_dir, fsync_file, tmp_path, unlink_quie
 from psflow.checkpoint.format import FINAL_RE, MANIFEST_NAME, is_url
 from psflow.checkpoint.reader import Checkpoint, latest_checkpoint, read_checkpoint
 from psflow.errors import CheckpointError, ConfigError
-
-# A run's logdir keeps its checkpoint root here (the Supervisor saves under it).
-CHECKPOINTS_DIR = "checkpoints"
+from psflow.rundir import CHECKPOINTS_DIR
 
 
 def write_tensors_file(

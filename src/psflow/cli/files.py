@@ -11,6 +11,7 @@ import click
 
 from psflow.cli.group import main
 from psflow.errors import PsflowError
+from psflow.rundir import RunDir
 
 
 def _live_status(logdir: str) -> dict:
@@ -18,13 +19,13 @@ def _live_status(logdir: str) -> dict:
     import time
 
     from psflow.launch.liveness import assess
-    from psflow.launch.status import STATUS_FILE, headline, read_status
+    from psflow.launch.status import headline, read_status
 
     try:
         state = read_status(logdir)
     except (OSError, ValueError) as e:
         raise click.ClickException(
-            f"Cannot read {logdir}/{STATUS_FILE}: {e}. Give the --logdir of a `psflow run` (it writes that file)."
+            f"Cannot read {RunDir(logdir).status}: {e}. Give the --logdir of a `psflow run` (it writes that file)."
         ) from e
     state.update(headline(state))
     return assess(state, now_unix=time.time())
@@ -38,14 +39,14 @@ def summary(summary: str) -> None:
     from pathlib import Path
 
     p = Path(summary)
-    p = p / "summary.json" if p.is_dir() else p
+    p = RunDir(p).summary if p.is_dir() else p
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:
         _no_summary(p, "the launcher writes it when the run ends")
         return
     except (OSError, ValueError) as e:
-        _no_summary(p, f"it cannot be read ({e}); the run's logs are in {p.parent / 'logs'}")
+        _no_summary(p, f"it cannot be read ({e}); the run's logs are in {RunDir(p.parent).logs}")
         return
     if not isinstance(data, dict):
         _no_summary(p, f"it holds a JSON {type(data).__name__}, not the launcher's summary")

@@ -13,10 +13,11 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import click
+
+from psflow.rundir import RunDir
 
 if TYPE_CHECKING:
     from psflow.launch.plan import LaunchPlan, TaskPlan
@@ -58,7 +59,7 @@ class Console:
         """Start pumping one attempt's output (a daemon thread, returned started) into the task's log
         ``LOGDIR/logs/<task>.log`` (a new file for attempt 0, appended to by later attempts) and here."""
         color = COLORS[plan.task_names().index(task.task) % len(COLORS)]
-        log_file = open(Path(plan.logdir) / "logs" / f"{task.file_stem}.log", "w" if attempt == 0 else "a")  # noqa: SIM115 (the pump closes it)
+        log_file = open(RunDir(plan.logdir).log(task.task), "w" if attempt == 0 else "a")  # noqa: SIM115 (the pump closes it)
         thread = threading.Thread(target=self.pump, args=(task.task, stream, log_file, color), daemon=True)
         thread.start()
         return thread

@@ -29,10 +29,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from psflow.rundir import task_stem
+
 
 def path_for(directory: str | os.PathLike[str], task: str) -> Path:
     """Where ``task``'s report lies in ``directory``: ``worker:1`` -> ``DIR/worker-1.json``."""
-    return Path(directory) / f"{str(task).replace(':', '-')}.json"
+    return Path(directory) / f"{task_stem(task)}.json"
 
 
 def build(task: str, exc: BaseException, tb: TracebackType | None = None) -> dict[str, Any]:

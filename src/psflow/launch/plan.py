@@ -22,10 +22,10 @@ from psflow.cluster import TaskId
 from psflow.config import TrainConfig, check_logdir
 from psflow.errors import ConfigError
 from psflow.fault import check_faults, parse_faults
-from psflow.launch import errorreport
 from psflow.launch.contract import TaskEnv
 from psflow.launch.restart import JOBS, RestartPolicy
 from psflow.launch.watchdog import HangPolicy
+from psflow.rundir import RunDir, task_stem
 from psflow.threads import host_cores, threads_per_task
 
 
@@ -41,7 +41,7 @@ class TaskPlan:
 
     @property
     def file_stem(self) -> str:
-        return self.task.replace(":", "-")
+        return task_stem(self.task)
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def make_plan(
     tasks = []
     for name in names:
         contract = TaskEnv(task=TaskId.parse(name), train_config=config, logdir=logdir, num_threads=threads,
-                           error_file=str(errorreport.path_for(Path(logdir) / "errors", name)), fail_at=fail_at or None)
+                           error_file=str(RunDir(logdir).error_report(name)), fail_at=fail_at or None)
         env = {**contract.render(), **(extra_env or {})}
         tasks.append(TaskPlan(name, (python, "-u", script, *script_args), tuple(sorted(env.items()))))
     return LaunchPlan(run_id=run_id, logdir=logdir, tasks=tuple(tasks), config=config, restart=restart, hangs=hangs,
@@ -146,5 +146,5 @@ def added_worker(plan: LaunchPlan, task: str) -> TaskPlan:
     replicas = sum(1 for t in plan.tasks if t.job in ("chief", "worker"))
     env = dict(template.env)
     env.update(TaskEnv(task=TaskId.parse(task), data_shards=replicas,
-                       error_file=str(errorreport.path_for(Path(plan.logdir) / "errors", task))).render())
+                       error_file=str(RunDir(plan.logdir).error_report(task))).render())
     return TaskPlan(task, template.argv, tuple(sorted(env.items())))

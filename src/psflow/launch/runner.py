@@ -77,6 +77,7 @@ from psflow.launch.runstore import RunStore, file_store
 from psflow.launch.summary import build_summary
 from psflow.ps.authority import ViewAuthority
 from psflow.ps.views import ShardView, Sync
+from psflow.rundir import RunDir
 from psflow.server import Server
 from psflow.timeline import write_trace
 
@@ -388,7 +389,7 @@ class Runner:
             how += f" ({x.cause[len('killed ('):-1]})" if x.cause.startswith("killed (") else ""
             how += f", on attempt {x.attempt} (after {x.attempt} restart{'s' if x.attempt != 1 else ''})" if x.attempt else ""
         echo(click.style(f"psflow: the run failed. Root cause: {root} exited with code {code}{how}", fg="red", bold=True))
-        errors = Path(plan.logdir) / "errors"
+        errors = RunDir(plan.logdir).errors
         if report:
             echo(f"  {report.get('exception')}: {report.get('message')}")
             shown_by = self.console.traceback_shown_by(str(report.get("traceback", "")))
@@ -399,7 +400,7 @@ class Runner:
         elif root in final and final[root].hang is not None:
             echo(f"  {final[root].cause}")
         else:
-            log = Path(plan.logdir) / "logs" / f"{root.replace(':', '-')}.log"
+            log = RunDir(plan.logdir).log(root)
             echo(f"  (no error report; last lines of {log}:)")
             echo(_tail(log))
         for t, x in controller.final_exits():
@@ -458,7 +459,7 @@ def read_ledger(finished: RunFinished, reports: Mapping[str, Mapping[str, Any]],
 
 def write_secret(logdir: Path) -> Path:
     """A fresh job secret in ``logdir/.secret`` (0600): every task proves it holds it."""
-    secret_file = logdir / ".secret"
+    secret_file = RunDir(logdir).secret
     secret_file.touch(mode=0o600)
     secret_file.write_bytes(secrets.token_hex(32).encode())
     return secret_file

@@ -34,9 +34,7 @@ from psflow.launch.control import ControlRequest
 from psflow.launch.controller import exit_cause, signal_name
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.status import RunStatus
-
-EVENTS_FILE = "events.jsonl"
-SUMMARY_FILE = "summary.json"
+from psflow.rundir import RunDir
 
 
 class RunStore(ABC):
@@ -117,7 +115,7 @@ class FileRunStore(RunStore):
         self.logdir = Path(logdir)
         self.status = RunStatus(run_id, tasks, logdir, mode=mode, strategy=strategy)
         self._lock = threading.Lock()
-        self._events = self.logdir / EVENTS_FILE
+        self._events = RunDir(logdir).events
         self._events.write_text("")
         self.event("run_started", run_id=run_id, tasks=list(tasks))
 
@@ -162,7 +160,7 @@ class FileRunStore(RunStore):
         self.status.finished(status)
 
     def summary(self, summary: dict[str, Any]) -> None:
-        (self.logdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+        RunDir(self.logdir).summary.write_text(json.dumps(summary, indent=1))
 
     def snapshot(self) -> dict[str, Any]:
         return self.status.snapshot()

@@ -24,14 +24,13 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from psflow.launch.controller import exit_cause, signal_name
 from psflow.launch.liveness import process_identity
 from psflow.launch.metrics import job_rate
+from psflow.rundir import RunDir
 
-STATUS_FILE = "status.json"
 # Trainers report the first nine; a ps reports global_step, pushes, stale_dropped and resyncing (with replicas:
 # a copy still loading, or a shard of its pairs not synced; psflow chaos waits for it before it hits a ps).
 _PROGRESS_KEYS = ("global_step", "local_step", "examples", "train_time_s", "wall_time_s", "examples_per_sec",
@@ -44,7 +43,7 @@ class RunStatus:
     def __init__(self, run_id: str, tasks: Sequence[str], logdir: str | os.PathLike[str], *,
                  mode: str = "async", strategy: str = "ps", min_interval_s: float = 0.5,
                  heartbeat_s: float = 5.0) -> None:
-        self.path = Path(logdir) / STATUS_FILE
+        self.path = RunDir(logdir).status
         self.min_interval_s = min_interval_s
         self.heartbeat_s = heartbeat_s  # written at least this often, changed or not: a reader tells a live launcher
         self._lock = threading.Lock()
@@ -201,7 +200,7 @@ def headline(state: dict[str, Any]) -> dict[str, Any]:
 
 def read_status(logdir: str | os.PathLike[str]) -> dict[str, Any]:
     """Read ``LOGDIR/status.json`` (raises FileNotFoundError or json.JSONDecodeError)."""
-    return json.loads((Path(logdir) / STATUS_FILE).read_text())
+    return json.loads(RunDir(logdir).status.read_text())
 
 
 def render(state: dict[str, Any]) -> Any:

@@ -9,13 +9,13 @@ and the controller's task records; the rate and the script's metrics follow the 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from psflow.launch.controller import TaskRecord, signal_name
 from psflow.launch.copies import Finding, backup_workers, shard_copies
 from psflow.launch.metrics import job_rate, run_metrics, task_metrics, trainer_figures
 from psflow.launch.plan import LaunchPlan
+from psflow.rundir import RunDir
 from psflow.timeline import job_shares
 
 
@@ -100,5 +100,5 @@ def task_entry(plan: LaunchPlan, record: TaskRecord, address: str | None) -> dic
                    **({"retired": True} if x.retired else {}),
                    **({"hang": x.hang.to_dict()} if x.hang is not None else {})}
                   for x in record.exits],
-        "log": str(Path(plan.logdir) / "logs" / f"{record.task.replace(':', '-')}.log"),
+        "log": str(RunDir(plan.logdir).log(record.task)),
     }

@@ -39,10 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from psflow.errors import ConfigError
+from psflow.rundir import CHECKPOINTS_DIR, DONE_FILE, LOGS_DIR, SECRET_FILE, STATUS_FILE, SUMMARY_FILE
 
-DONE_FILE = "DONE"  # psflow.supervisor.DONE_FILE (not imported: the launcher does not import torch)
-CHECKPOINTS = "checkpoints"
-_NEVER = (".secret",)  # the job secret stays on this machine
+_NEVER = (SECRET_FILE,)  # the job secret stays on this machine
 _PROBE_TIMEOUT_S = 5
 
 
@@ -98,7 +97,7 @@ def staging_dir(url: str, home: Path) -> Path:
 
 def checkpoint_url(url: str) -> str:
     """Where a URL logdir's checkpoints go: ``<url>/checkpoints``."""
-    return f"{url.rstrip('/')}/{CHECKPOINTS}"
+    return f"{url.rstrip('/')}/{CHECKPOINTS_DIR}"
 
 
 class LogdirSyncer:
@@ -145,7 +144,7 @@ class LogdirSyncer:
         out = []
         for path in sorted(self.local.rglob("*")):
             rel = path.relative_to(self.local).as_posix()
-            if not path.is_file() or rel in _NEVER or path.name.endswith(".tmp") or rel.startswith(f"{CHECKPOINTS}/"):
+            if not path.is_file() or rel in _NEVER or path.name.endswith(".tmp") or rel.startswith(f"{CHECKPOINTS_DIR}/"):
                 continue
             if rel == DONE_FILE and not final:
                 continue  # published last, by the final pass
@@ -201,7 +200,7 @@ class LogdirSyncer:
         self.sync_once(final=True)
 
 
-def download(url: str, into: Path, *, names: tuple[str, ...] = ("status.json", "summary.json", "DONE", "logs")) -> Path:
+def download(url: str, into: Path, *, names: tuple[str, ...] = (STATUS_FILE, SUMMARY_FILE, DONE_FILE, LOGS_DIR)) -> Path:
     """Copy a URL logdir's ``names`` (files or folders) into the local directory ``into``; returns it.
 
     Raises:

@@ -46,6 +46,7 @@ from psflow.launch.backend import RunResult
 from psflow.launch.logdirlock import LogdirLock
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.restart import RestartPolicy
+from psflow.rundir import RunDir
 
 BACKENDS = ("local", "slurm")
 LAUNCHER_LOG = "launcher.log"
@@ -156,7 +157,7 @@ def seed_checkpoint(checkpoint_dir: Path, logdir: Path) -> Path:
     under a temporary name first: a copy cut short never looks whole."""
     import shutil
 
-    root = logdir / "checkpoints"
+    root = RunDir(logdir).checkpoints
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_dir.name
     temp = root / f"{checkpoint_dir.name}.partial"

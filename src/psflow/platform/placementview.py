@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from psflow.rundir import RunDir
+
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
              "int8": 1, "uint8": 1, "bool": 1}
 
@@ -43,7 +45,7 @@ def newest_placement(logdir: Path) -> dict[str, Any] | None:
     from psflow import checkpoint
     from psflow.errors import PsflowError
 
-    for path in checkpoint.list_checkpoints(logdir / "checkpoints"):
+    for path in checkpoint.list_checkpoints(RunDir(logdir).checkpoints):
         try:
             ckpt = checkpoint.read_checkpoint(path)
         except PsflowError:

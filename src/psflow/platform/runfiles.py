@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow.errors import PsflowError
+from psflow.rundir import RunDir
 
 _CKPT = re.compile(r"ckpt-\d{1,20}")
 
@@ -60,8 +61,8 @@ def log_path(run: dict[str, Any], task: str) -> Path:
     tasks = list(run.get("tasks") or {})
     if task not in tasks:
         raise RunFileError(f"{task!r} is not a task of run {run.get('id')}. Its tasks: {', '.join(tasks)}.")
-    logdir = Path(run["logdir"])
-    return inside(logdir, logdir / "logs" / f"{task.replace(':', '-')}.log")
+    run_dir = RunDir(run["logdir"])
+    return inside(run_dir.path, run_dir.log(task))
 
 
 def read_log(path: Path, *, offset: int | None, max_bytes: int) -> LogChunk:
@@ -90,8 +91,8 @@ def checkpoint_path(run: dict[str, Any], name: str) -> Path:
     """
     if not _CKPT.fullmatch(name):
         raise RunFileError(f"{name!r} is not a checkpoint name (ckpt-<step>, as the checkpoints list gives them).")
-    logdir = Path(run["logdir"])
-    path = inside(logdir, logdir / "checkpoints" / name)
+    run_dir = RunDir(run["logdir"])
+    path = inside(run_dir.path, run_dir.checkpoint(name))
     if not path.is_dir():
         raise RunFileError(f"Run {run.get('id')} has no checkpoint {name}.")
     return path
@@ -103,7 +104,7 @@ def checkpoints(run: dict[str, Any]) -> list[dict[str, Any]]:
     from psflow import checkpoint
 
     out = []
-    for path in checkpoint.list_checkpoints(Path(run["logdir"]) / "checkpoints"):
+    for path in checkpoint.list_checkpoints(RunDir(run["logdir"]).checkpoints):
         try:
             ckpt = checkpoint.read_checkpoint(path)
         except PsflowError as e:
@@ -142,9 +143,9 @@ def root_cause_of(run: dict[str, Any]) -> dict[str, Any] | None:
     tasks = run.get("tasks") or {}
     if not root or root not in tasks:  # none yet, or a finding (a sentence), not a task
         return errorreport.describe_root_cause(root)
-    logdir = Path(run["logdir"])
+    run_dir = RunDir(run["logdir"])
     try:
-        report = errorreport.read(inside(logdir, errorreport.path_for(logdir / "errors", root)))
+        report = errorreport.read(inside(run_dir.path, run_dir.error_report(root)))
     except RunFileError:
         report = None
     return errorreport.describe_root_cause(root, report, (tasks.get(root) or {}).get("exit_cause"))

@@ -22,9 +22,10 @@ from typing import Any
 from psflow.errors import ConfigError
 from psflow.home import jobs_db_path
 from psflow.launch.liveness import assess
-from psflow.launch.status import STATUS_FILE, headline, read_status
+from psflow.launch.status import headline, read_status
 from psflow.platform.jobstore import FINAL_STATES, JobStore, JobStoreError
 from psflow.platform.runfiles import root_cause_of
+from psflow.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def status_of(ref: RunRef) -> dict[str, Any]:
     try:
         state = read_status(ref.logdir)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"Cannot read {ref.logdir / STATUS_FILE}: {e}. Give the --logdir of a `psflow run` "
+        raise ConfigError(f"Cannot read {RunDir(ref.logdir).status}: {e}. Give the --logdir of a `psflow run` "
                           f"(it writes that file) or a run id (`psflow runs` lists them).") from e
     state.update(headline(state))
     state["failure"] = _logdir_failure(ref.logdir, state)
@@ -121,14 +122,14 @@ def _logdir_failure(logdir: Path, state: dict[str, Any]) -> dict[str, Any] | Non
     from psflow.launch import errorreport
 
     try:
-        root = json.loads((logdir / "summary.json").read_text()).get("root_cause")
+        root = json.loads(RunDir(logdir).summary.read_text()).get("root_cause")
     except (OSError, ValueError, AttributeError):
         return None
     task = (state.get("tasks") or {}).get(root) if isinstance(root, str) else None
     if task is None:
         return errorreport.describe_root_cause(root if isinstance(root, str) else None)
     exits = task.get("exits") or []
-    return errorreport.describe_root_cause(root, errorreport.read(logdir / "errors", root),
+    return errorreport.describe_root_cause(root, errorreport.read(RunDir(logdir).error_report(root)),
                                            exits[-1].get("cause") if exits else None)
 
 
@@ -176,15 +177,15 @@ def log_files(ref: RunRef, task: str | None) -> list[tuple[str, Path]]:
     Raises:
         ConfigError: ``task`` is not one of the run's, or the run's logs are gone.
     """
-    logs = ref.logdir / "logs"
+    run_dir = RunDir(ref.logdir)
     tasks = ref.tasks or _logdir_tasks(ref.logdir)
     if task is not None:
         if tasks and task not in tasks:
             raise ConfigError(f"--task {task!r} is not a task of this run. Its tasks: {', '.join(tasks)}.")
         tasks = [task]
-    if not logs.is_dir():
-        raise ConfigError(f"The run's logs are not at {logs} (the log directory was moved or deleted).")
-    return [(t, logs / f"{t.replace(':', '-')}.log") for t in tasks]
+    if not run_dir.logs.is_dir():
+        raise ConfigError(f"The run's logs are not at {run_dir.logs} (the log directory was moved or deleted).")
+    return [(t, run_dir.log(t)) for t in tasks]
 
 
 def is_over(ref: RunRef) -> Callable[[], bool]:
@@ -250,5 +251,5 @@ def _logdir_tasks(logdir: Path) -> list[str]:
     try:
         return list(read_status(logdir).get("tasks") or {})
     except (OSError, ValueError):
-        return sorted(p.stem.replace("-", ":", 1) for p in (logdir / "logs").glob("*-*.log"))
+        return RunDir(logdir).logged_tasks()
 

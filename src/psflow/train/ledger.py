@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from psflow.rundir import RunDir, task_of_stem
+
 _WIDTH = 12  # digits per counter: a line keeps its length, so an in-place rewrite never leaves a tail
 
 
@@ -39,9 +41,8 @@ class PushLedger:
     """The ledger file of one trainer attempt under ``logdir`` (created at once, with zero counts)."""
 
     def __init__(self, logdir: str | Path, task: str, worker: int, attempt: int) -> None:
-        folder = Path(logdir) / "ledger"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"{task.replace(':', '-')}.{attempt}"
+        self.path = RunDir(logdir).ledger_of(task, attempt)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.worker, self.attempt = worker, attempt
         self.sent = self.acknowledged = 0
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -79,7 +80,7 @@ def read_ledgers(logdir: str | Path) -> list[LedgerEntry]:
         ValueError: a ledger file that does not hold one ledger line (names the file and what it holds).
     """
     out = []
-    for path in sorted((Path(logdir) / "ledger").glob("*.*")):
+    for path in sorted(RunDir(logdir).ledger.glob("*.*")):
         stem, _, attempt_text = path.name.rpartition(".")
         text = path.read_text()
         parts = text.split()
@@ -87,6 +88,5 @@ def read_ledgers(logdir: str | Path) -> list[LedgerEntry]:
             raise ValueError(f"{path} is not a push ledger (expected 'worker attempt sent acknowledged'); it holds "
                              f"{text[:80]!r}. Remove the file or the run's ledger/ folder and run again.")
         worker, attempt, sent, acked = (int(p) for p in parts)
-        job, _, index = stem.rpartition("-")
-        out.append(LedgerEntry(f"{job}:{index}", worker, attempt, sent, acked))
+        out.append(LedgerEntry(task_of_stem(stem), worker, attempt, sent, acked))
     return sorted(out, key=lambda e: (e.task, e.attempt))
