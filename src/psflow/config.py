@@ -13,108 +13,94 @@ Modes:
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass
 
 from psflow.errors import ConfigError
+from psflow.modes import Mode
+from psflow.validation import checked
 
-MODES = ("async", "sync", "ssp")
+MODES = tuple(Mode)
 STRATEGIES = ("ps", "allreduce")
 # psflow.ps.placement.STRATEGIES (not imported: this module stays free of torch); the first is the default.
 PLACEMENTS = ("balanced", "round_robin", "greedy", "contiguous")
 # What a ps does with a push holding NaN or inf (psflow.ps.finite): the first is the default.
 NONFINITE = ("refuse", "fail", "apply")
 
+Count = Annotated[int, Field(ge=1)]
 
-@dataclass(frozen=True)
+
+def _seconds(default: float, meaning: str) -> Any:
+    return Field(default, gt=0, allow_inf_nan=False, description=f"seconds: {meaning}")
+
+
+# strict: a value of the wrong type is refused, not converted (True is no count, "3" no number).
+# A field's description says what it means; a refused value's ConfigError quotes it (psflow.validation).
+@checked
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class TrainConfig:
-    mode: str = "async"
-    strategy: str = "ps"
-    replicas_to_aggregate: int | None = None  # sync: N; None = every worker
-    total_num_replicas: int | None = None  # sync: M; None = every worker
-    staleness: int = 4  # ssp: how far a worker may run ahead of the slowest
-    sync_timeout_s: float = 60.0  # sync/ssp: the longest wait for a step before the job fails
-    placement: str = "balanced"  # equal bytes per ps shard; "round_robin" is TensorFlow's layout
-    split_bytes: int | None = None  # split tensors above this many bytes across ps shards
-    ready_timeout_s: float = 120.0  # non-chief: the longest wait for the chief to initialize the ps
-    # ps: once every worker is done or lost, how long it waits for a lost one to come back before it fails
-    lost_worker_timeout_s: float = 300.0
-    progress_every_s: float = 1.0  # trainers: how often a task sends its counters to the launcher's live status
-    heartbeat_every_s: float = 1.0  # every launched task: how often its heartbeat thread tells the launcher it lives
+    mode: Mode = Field(Mode.ASYNC, strict=False)  # text or a Mode
+    strategy: Literal[STRATEGIES] = "ps"  # type: ignore[valid-type]
+    replicas_to_aggregate: Count | None = Field(None, description=(
+        "sync: N, the gradients averaged each step; None for every worker"))
+    total_num_replicas: Count | None = Field(None, description=(
+        "sync: M, the workers that push each step (M - N are backups); None for every worker"))
+    staleness: int = Field(4, ge=0, description="ssp: how many steps a worker may run ahead of the slowest")
+    sync_timeout_s: float = _seconds(60.0, "sync/ssp: the longest wait for a step before the job fails")
+    # equal bytes per ps shard; "round_robin" is TensorFlow's layout
+    placement: Literal[PLACEMENTS] = "balanced"  # type: ignore[valid-type]
+    split_bytes: int | None = Field(None, ge=0, description=(
+        "tensors above this many bytes are split across ps shards; None: never"))
+    ready_timeout_s: float = _seconds(120.0, "non-chief: the longest wait for the chief to initialize the ps")
+    lost_worker_timeout_s: float = _seconds(300.0, (
+        "ps: once every worker is done or lost, how long it waits for a lost one to come back before it fails"))
+    progress_every_s: float = _seconds(1.0, "trainers: how often a task sends its counters to the launcher's live status")
+    heartbeat_every_s: float = _seconds(1.0, (
+        "every launched task: how often its heartbeat thread tells the launcher it lives"))
     log_placement: bool = False
-    # ps: copies of each shard. 2: shard s's primary ps:s forwards every applied update to its backup
-    # ps:(s+1 mod P) and acknowledges a push once the backup holds it (psflow.ps.replication)
-    ps_replicas: int = 1
-    # ps_replicas=2, clients: a shard's serving ps that does not answer again within this routes the shard to the other copy
-    primary_failover_s: float = 2.0
-    # ps_replicas=2, ps: a backup that does not answer for this long leaves its shard to go on with one copy (degraded)
-    backup_failover_s: float = 5.0
-    # All-reduce off loopback: gloo's store and connections are not covered by the job secret.
-    allow_unauthenticated_allreduce: bool = False
-    # trainers: keep LOGDIR/ledger/<task>.<attempt> (pushes sent and acknowledged; psflow.train.ledger), for psflow chaos
-    push_ledger: bool = False
+    # 2: shard s's primary ps:s forwards every applied update to its backup ps:(s+1 mod P) and
+    # acknowledges a push once the backup holds it (psflow.ps.replication)
+    ps_replicas: int = Field(1, ge=1, le=2, description="copies of each shard: 1, or 2 for a backup on the next ps")
+    primary_failover_s: float = _seconds(2.0, (
+        "ps_replicas=2, clients: a shard's serving ps that does not answer again within this routes the shard to "
+        "the other copy"))
+    backup_failover_s: float = _seconds(5.0, (
+        "ps_replicas=2, ps: a backup that does not answer for this long leaves its shard to go on with one copy"))
+    allow_unauthenticated_allreduce: bool = Field(False, description=(
+        "true or false: all-reduce off loopback, where gloo's store and connections are not covered by the job secret"))
+    push_ledger: bool = Field(False, description=(
+        "trainers: keep LOGDIR/ledger/<task>.<attempt> (pushes sent and acknowledged), for psflow chaos"))
     # Gradients on the wire: "none", "fp16", "bf16" or "topk:RATIO" (with error feedback on the worker;
-    # psflow.wire.compress). compress_pull: pulled values come back in fp16/bf16 too.
+    # psflow.wire.compress); checked by _settings_agree.
     compress: str = "none"
-    compress_pull: bool = False
-    # Every task records where its time goes; the launcher merges it into LOGDIR/timeline.json (psflow.timeline)
-    timeline: bool = False
-    # ps: a pushed gradient holding NaN or inf is "refuse"d (not applied; counted and logged per worker),
-    # makes the run "fail" (naming the worker and step), or is applied as any other ("apply": no check).
+    compress_pull: bool = Field(False, description="true or false: pulled values come back in fp16/bf16 too")
+    timeline: bool = Field(False, description=(
+        "true or false: every task records where its time goes, merged into LOGDIR/timeline.json"))
     # The same check covers the chief's initial values (psflow.ps.finite).
-    nonfinite: str = "refuse"
-    # nonfinite="refuse": a worker whose pushes to a shard are refused this many times in a row fails the run
-    nonfinite_limit: int = 10
+    nonfinite: Literal[NONFINITE] = Field("refuse", description=(  # type: ignore[valid-type]
+        "what the ps does with a pushed gradient holding NaN or inf. refuse: not applied, counted and logged per "
+        "worker; fail: the run fails, naming the worker and step; apply: applied as any other, no check"))
+    nonfinite_limit: int = Field(10, ge=1, description=(
+        "nonfinite=refuse: a worker whose pushes to a shard are refused this many times in a row fails the run"))
 
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"Unknown mode {self.mode!r}. Allowed: {', '.join(MODES)}.")
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"Unknown strategy {self.strategy!r}. Allowed: {', '.join(STRATEGIES)}.")
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(f"Unknown placement {self.placement!r}. Allowed: {', '.join(PLACEMENTS)}.")
-        for name in ("replicas_to_aggregate", "total_num_replicas"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ConfigError(f"{name} must be a positive integer; received {v!r}.")
-        if self.ps_replicas not in (1, 2) or isinstance(self.ps_replicas, bool):
-            raise ConfigError(f"ps_replicas must be 1 (no copy) or 2 (a backup of each shard on the next ps); "
-                              f"received {self.ps_replicas!r}.")
-        if not isinstance(self.allow_unauthenticated_allreduce, bool):
-            raise ConfigError(
-                f"allow_unauthenticated_allreduce must be true or false; received {self.allow_unauthenticated_allreduce!r}."
-            )
+    @model_validator(mode="after")
+    def _settings_agree(self) -> TrainConfig:
+        """The rules between fields (each raises its own ConfigError)."""
         from psflow.wire.compress import Compression
 
         compression = Compression.parse(self.compress)  # raises ConfigError naming the forms allowed
-        if not isinstance(self.timeline, bool):
-            raise ConfigError(f"timeline must be true or false; received {self.timeline!r}.")
-        if not isinstance(self.compress_pull, bool):
-            raise ConfigError(f"compress_pull must be true or false; received {self.compress_pull!r}.")
         if self.compress_pull and compression.pull_dtype() is None:
             raise ConfigError(f"compress_pull sends the parameters back in the gradients' precision, which compress="
                               f"{self.compress!r} does not have. Use compress fp16 or bf16 with it, or drop compress_pull.")
         if self.compress != "none" and self.strategy != "ps":
             raise ConfigError(f"compress={self.compress!r} applies to --strategy ps (gradients pushed to parameter "
                               "servers); all-reduce sends them uncompressed. Drop --compress, or use --strategy ps.")
-        if self.nonfinite not in NONFINITE:
-            raise ConfigError(f"Unknown nonfinite {self.nonfinite!r}. Allowed: {', '.join(NONFINITE)} (refuse: a push "
-                              "holding NaN or inf is not applied; fail: it fails the run; apply: it is applied).")
-        if not isinstance(self.nonfinite_limit, int) or isinstance(self.nonfinite_limit, bool) or self.nonfinite_limit < 1:
-            raise ConfigError(f"nonfinite_limit must be an integer >= 1 (refused pushes of one worker in a row before "
-                              f"the run fails); received {self.nonfinite_limit!r}.")
-        if not isinstance(self.staleness, int) or isinstance(self.staleness, bool) or self.staleness < 0:
-            raise ConfigError(f"staleness must be an integer >= 0; received {self.staleness!r}.")
-        if self.split_bytes is not None and (not isinstance(self.split_bytes, int) or self.split_bytes < 0):
-            raise ConfigError(f"split_bytes must be an integer >= 0 or None; received {self.split_bytes!r}.")
-        for name in ("sync_timeout_s", "ready_timeout_s", "lost_worker_timeout_s", "progress_every_s", "heartbeat_every_s",
-                     "primary_failover_s", "backup_failover_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise ConfigError(f"{name} must be a positive number of seconds; received {v!r}.")
+        return self
 
     def resolved(self, num_workers: int) -> TrainConfig:
         """Fill N and M from the worker count and check them against it."""
@@ -132,17 +118,14 @@ class TrainConfig:
         return replace(self, replicas_to_aggregate=n, total_num_replicas=m)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "mode": self.mode.value}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ConfigError(f"Unknown training setting(s) {sorted(unknown)}. Known: {sorted(known)}.")
+        """Raises ConfigError naming a setting that is unknown or invalid."""
         return cls(**d)
 
     @classmethod

@@ -92,7 +92,7 @@ def test_the_timeline_setting_must_be_a_bool(bad) -> None:
     from psflow.config import TrainConfig
     from psflow.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="timeline must be true or false"):
+    with pytest.raises(ConfigError, match=r"timeline must be a valid boolean; received .* \(true or false"):
         TrainConfig(timeline=bad)
 
 

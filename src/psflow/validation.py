@@ -1,0 +1,139 @@
+"""The one validation scheme for configs, plans and request bodies: pydantic, with psflow's errors.
+
+A value that users fill in (``TrainConfig``, the chaos schedule, a launch's policies) is a pydantic
+dataclass or model: its fields declare their types and bounds, and a field's ``description`` says
+what the value means (the error quotes it after the bound it broke). Rules between fields stay in a
+``model_validator(mode="after")`` that raises :class:`~psflow.errors.ConfigError` with its own message.
+
+This module is the one place that turns pydantic's ``ValidationError`` into a ``ConfigError`` of
+psflow's shape: the field, what is allowed, the value received, and what the field means:
+
+    TrainConfig: sync_timeout_s must be > 0; received 0 (seconds: the longest wait for a sync or ssp step).
+
+Entry points: :func:`checked` (a class decorator: the class raises ``ConfigError`` where pydantic
+would raise ``ValidationError``), :func:`validate` (a mapping into a model) and :func:`config_error`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ArgsKwargs
+
+from psflow.errors import ConfigError
+
+T = TypeVar("T")
+
+_UNKNOWN = ("extra_forbidden", "unexpected_keyword_argument")
+
+
+def _place(loc: tuple[int | str, ...]) -> str:
+    """``('cluster', 'ps', 0)`` as ``cluster.ps[0]``."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _fields(model: type) -> Mapping[str, Any]:
+    return getattr(model, "__pydantic_fields__", {}) or {}
+
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _reason(error: Mapping[str, Any]) -> str:
+    ctx = error.get("ctx") or {}
+    if error["type"] in _BOUNDS and ctx:
+        bound = next(iter(ctx.values()))
+        if isinstance(bound, float) and bound.is_integer():
+            bound = int(bound)
+        return f"must be {_BOUNDS[error['type']]} {bound}"
+    msg = str(error["msg"])
+    for said, meant in (("Input should be", "must be"), ("Input is", "is"), ("Value should", "must")):
+        if msg.startswith(said):
+            return meant + msg[len(said):]
+    return msg[:1].lower() + msg[1:]
+
+
+def _sentence(error: Mapping[str, Any], what: str, model: type | None) -> str:
+    loc = tuple(error.get("loc", ()))
+    place = _place(loc)
+    known = _fields(model) if model is not None else {}
+    if error["type"] in _UNKNOWN:
+        allowed = f" Known: {', '.join(known)}." if known else " Drop it."
+        return f"{what} has no setting {place!r} (received {error['input']!r}).{allowed}"
+    if error["type"] == "missing":
+        return f"{what}: {place} is required and missing."
+    value = error.get("input")
+    received = "" if isinstance(value, (ArgsKwargs, Mapping)) and loc else f"; received {value!r}"
+    info = known.get(loc[0]) if loc and isinstance(loc[0], str) else None
+    meaning = f" ({info.description})" if info is not None and info.description else ""
+    return f"{what}: {place or 'the value'} {_reason(error)}{received}{meaning}."
+
+
+def config_error(error: ValidationError, *, what: str, model: type | None = None) -> ConfigError:
+    """The ``ConfigError`` that says what ``error`` found, in psflow's shape.
+
+    Args:
+        error: pydantic's report.
+        what: the name of the value validated, as the user knows it (``"TrainConfig"``, ``"psflow chaos"``).
+        model: the dataclass or model validated; its fields' descriptions say what is allowed.
+
+    Returns:
+        The ``ConfigError`` a rule raised itself (a ``model_validator`` that raised one), as it
+        was; otherwise one naming the first field that is wrong, the value received and what is
+        allowed, and the other fields that are wrong too.
+    """
+    errors = error.errors(include_url=False)
+    for e in errors:
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):
+            return cause
+    text = _sentence(errors[0], what, model)
+    others = [_place(tuple(e["loc"])) for e in errors[1:]]
+    if others:
+        text += f" Also wrong: {', '.join(o or 'the value' for o in others)}."
+    return ConfigError(text)
+
+
+def checked(cls: type[T]) -> type[T]:
+    """Make a pydantic dataclass raise ``ConfigError`` (from :func:`config_error`) on invalid fields.
+
+    Example:
+        >>> from pydantic import Field
+        >>> from pydantic.dataclasses import dataclass
+        >>> @checked
+        ... @dataclass(frozen=True)
+        ... class Timeouts:
+        ...     connect_s: float = Field(60.0, gt=0, description="seconds to retry a connection")
+        >>> Timeouts(connect_s=-1)
+        Traceback (most recent call last):
+        psflow.errors.ConfigError: Timeouts: connect_s must be > 0; received -1 (seconds to retry a connection).
+    """
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except ValidationError as e:
+            raise config_error(e, what=cls.__name__, model=cls) from e
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+def validate(model: type[BaseModel], data: object, *, what: str) -> Any:
+    """``model`` from ``data`` (a mapping, e.g. parsed JSON or TOML).
+
+    Raises:
+        ConfigError: from :func:`config_error`.
+    """
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise config_error(e, what=what, model=model) from e
