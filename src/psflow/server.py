@@ -11,8 +11,9 @@ Invariants:
   ``max_handshaking`` connections are in their handshake at once; a connection past that cap is
   answered ERROR {"kind": "busy"} and closed at once, without a thread (clients retry it);
 - a malformed, oversized or unauthenticated frame closes only that connection, with an ERROR frame
-  saying why when the stream still allows it; an unknown op or a failing handler gets an ERROR
-  reply and the connection stays usable;
+  saying why when the stream still allows it; so does a request whose tensors its route does not
+  admit (``register(admit=...)``), refused before their bytes are received or allocated for; an
+  unknown op or a failing handler gets an ERROR reply and the connection stays usable;
 - ``stop()`` closes the listener and every connection; handler threads are daemons.
 """
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("psflow.server")
+_DRAIN_S = 1.0  # how long a refused frame's peer may go on sending before its connection is reset
 
 
 @dataclass
@@ -54,11 +56,17 @@ class Reply:
 Handler = Callable[[Request], Reply]
 
 
+# Checks a request's tensors (its sender, meta and tensor list) before their bytes are received:
+# raises FrameError to refuse the request and close its connection.
+Admit = Callable[[str, dict[str, Any], list[TensorSpec]], None]
+
+
 @dataclass
 class _Route:
     handler: Handler
     reuse_buffers: bool
     frame: bytes | None = None  # a constant reply, encoded once (register_constant): sent as it is
+    admit: Admit | None = None
 
 
 class Server:
@@ -130,10 +138,13 @@ class Server:
         if self._routes_pending is not None:
             self._routes_pending.set()
 
-    def register(self, op: int, handler: Handler, *, reuse_buffers: bool = False) -> None:
+    def register(self, op: int, handler: Handler, *, reuse_buffers: bool = False, admit: Admit | None = None) -> None:
         """Route ``op`` to ``handler``. With ``reuse_buffers`` the received tensors are reused
-        between requests of one connection, so the handler must not keep references to them."""
-        self.routes[int(op)] = _Route(handler, reuse_buffers)
+        between requests of one connection, so the handler must not keep references to them.
+        ``admit(peer, meta, specs)`` sees a request that carries tensors before their bytes are
+        received (or memory allocated for them), and refuses it by raising FrameError: the request
+        is answered ERROR and its connection closed, as a malformed frame's."""
+        self.routes[int(op)] = _Route(handler, reuse_buffers, admit=admit)
 
     def register_constant(self, op: int, meta: dict[str, Any]) -> None:
         """Answer ``op`` with the same OK reply every time, encoded once: no handler, no meta to encode
@@ -262,8 +273,13 @@ class Server:
                 def alloc(spec: TensorSpec) -> torch.Tensor:
                     return _cached(cache, spec)
 
+                def admit(op: int, meta: dict[str, Any], specs: list[TensorSpec]) -> None:
+                    route = self.routes.get(op)
+                    if route is not None and route.admit is not None:
+                        route.admit(conn.peer, meta, specs)
+
                 while not self._stopped.is_set():
-                    if not self._serve_one(conn, cache, alloc):
+                    if not self._serve_one(conn, cache, alloc, admit):
                         return
             except OSError:  # stop() closed the socket under a request (settimeout on a closed fd)
                 return
@@ -281,15 +297,17 @@ class Server:
             conn.close()
 
     def _serve_one(self, conn: Connection, cache: dict[str, torch.Tensor],
-                   alloc: Callable[[TensorSpec], torch.Tensor]) -> bool:
+                   alloc: Callable[[TensorSpec], torch.Tensor],
+                   admit: Callable[[int, dict[str, Any], list[TensorSpec]], None]) -> bool:
         """Serve one request. Returns False when the connection should close."""
         tl = timeline.ACTIVE  # psflow run --timeline: receive and send spans (off: this branch only)
         try:
-            frame = conn.recv(alloc=alloc)
+            frame = conn.recv(alloc=alloc, admit=admit)
             if tl is not None:
                 tl.add("receive", f"receive {_op_name(frame.op)}", conn.header_us, tl.now(), peer=conn.peer)
         except FrameError as e:
             self._refuse(conn, str(e))
+            conn.drain_and_close(_DRAIN_S)  # the peer may still be sending the payload: let it read why
             return False
         except TransportError:
             return False

@@ -37,6 +37,7 @@ from psflow.ps.views import Sync
 from psflow.server import Reply, Request, Server
 from psflow.wire import compress
 from psflow.wire.conn import Resolve
+from psflow.wire.frame import FrameError, TensorSpec
 from psflow.wire.ops import Op
 
 log = logging.getLogger("psflow.ps")
@@ -120,6 +121,7 @@ class PsService(ShardCopies):
         self.on_save: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         # Called with this ps's own shard's version after each push it applied there, before the reply (--fail-at ps:K@step=N:kill).
         self.after_push: Callable[[int], None] | None = None
+        self._sizes: dict[int, tuple[dict[str, Any], dict[str, tuple[int, int]]]] = {}  # shard -> (values, their sizes)
         routes = {
             Op.PS_INIT: self._init,
             Op.PS_READY: self._ready,
@@ -135,7 +137,8 @@ class PsService(ShardCopies):
         for op, fn in routes.items():
             # A push's gradients are applied (async) or copied (sync) before the handler returns, so
             # the connection's receive buffers can be reused: no fresh allocation (and page faults) per step.
-            server.register(op, self._checked(op, fn), reuse_buffers=op == Op.PS_PUSH)
+            server.register(op, self._checked(op, fn), reuse_buffers=op == Op.PS_PUSH,
+                            admit=self._admit_push if op == Op.PS_PUSH else None)
 
     def _checked(self, op: Op, handler: Callable[[Request], Reply]) -> Callable[[Request], Reply]:
         """``handler`` behind the op's request schema: a request it does not admit gets a clean
@@ -172,6 +175,38 @@ class PsService(ShardCopies):
                 record(timed, clock() - start)
 
         return serve_timed
+
+    def _admit_push(self, peer: str, meta: dict[str, Any], specs: list[TensorSpec]) -> None:
+        """A push's tensors, before their bytes are received: each must be the size the shard's
+        parameter under its name takes (at most that, compressed with top-k). An uninitialized shard's
+        keys are unknown yet: the frame limit bounds its push (the handler then refuses it).
+
+        Raises:
+            FrameError: a tensor larger or smaller than its parameter, or one the shard does not
+                have; the server answers ERROR and closes the connection, nothing received or applied.
+        """
+        shard = meta.get("shard", self.shard)
+        store = self._copies().get(shard) if isinstance(shard, int) else None
+        if store is None or not store.initialized:
+            return
+        values = store.values
+        cached = self._sizes.get(shard)
+        if cached is None or cached[0] is not values:  # a re-sync replaces the values: measure them again
+            cached = self._sizes[shard] = (values, {k: (v.numel(), v.nbytes) for k, v in values.items()})
+        kind = meta.get("compress", "none")
+        kind = kind if isinstance(kind, str) else "none"
+        for spec in specs:
+            declared = spec.nbytes
+            bound = compress.push_bytes(kind, spec.name, cached[1])
+            if bound is not None and (declared == bound[0] or (declared < bound[0] and not bound[1])):
+                continue
+            what = (f"declares {declared} bytes ({str(spec.dtype).removeprefix('torch.')} {list(spec.shape)}), but "
+                    f"its parameter on shard {shard} takes {bound[0]} bytes{'' if bound[1] else ' at most'}"
+                    if bound is not None else f"({declared} bytes) is none of shard {shard}'s parameters "
+                    f"({', '.join(sorted(cached[1])[:5])}{', ...' if len(cached[1]) > 5 else ''})")
+            raise FrameError(f"PS_PUSH from {peer} refused before its payload was received: tensor {spec.name!r} "
+                             f"{what}{'' if kind == 'none' else f' (compress={kind})'}. Nothing was applied and the "
+                             "connection is closed. Every worker must build the same model with the same placement.")
 
     def _maybe_new_member(self, peer: str) -> bool:
         """``peer`` is a worker this ps does not count (yet): one a scale request may have added."""
@@ -390,7 +425,7 @@ class PsService(ShardCopies):
         # Push-pull in one round trip: reply with the values after this update. In sync mode an
         # accepted gradient (or a duplicate of one) waits for its step to complete (a stale one gets
         # the newest values now).
-        wait_for_step = store.config.mode == "sync" and result.get("applied")
+        wait_for_step = store.mode.waits_for_quorum and result.get("applied")
         start = tl.now() if tl is not None else 0.0
         current, values = store.pull(
             min_version=version + 1 if wait_for_step else 0,

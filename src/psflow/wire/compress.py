@@ -200,6 +200,29 @@ def decode(kind: str, tensors: Mapping[str, torch.Tensor], like: Mapping[str, to
     return out
 
 
+def push_bytes(kind: str, name: str, sizes: Mapping[str, tuple[int, int]]) -> tuple[int, bool] | None:
+    """What a push's tensor ``name`` may declare on a shard whose parameters are ``sizes`` (key ->
+    (elements, bytes)): ``(bytes, exact)``, where ``exact`` says the declaration must be that size,
+    not at most that. None: ``name`` is none of the tensors a push of ``kind`` carries for it.
+
+    Read from a frame's tensor list before its payload is received, so that a peer cannot make the
+    ps hold more memory for a push than the shard's own gradients take (``decode`` checks the rest).
+
+    Example:
+        >>> push_bytes("topk", "w#i", {"w": (7850, 31400)})
+        (62800, False)
+    """
+    if kind == "topk":
+        key, suffix = name[:-2], name[-2:]
+        size = sizes.get(key) if suffix in (INDEX_SUFFIX, VALUE_SUFFIX) else None
+        # at most one entry per element: int64 (or int32) indices, float32 values
+        return None if size is None else (size[0] * (8 if suffix == INDEX_SUFFIX else 4), False)
+    size = sizes.get(name)
+    if size is None:
+        return None
+    return (size[0] * 2, True) if kind in HALF_DTYPES else (size[1], True)
+
+
 def _cast(key: str, kind: str, t: torch.Tensor, dense: torch.Tensor) -> None:
     want = HALF_DTYPES[kind]
     if str(t.dtype).removeprefix("torch.") != want or t.shape != dense.shape:

@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 
 NamedTensors = Sequence[tuple[str, "torch.Tensor"]]
 Allocator = Callable[[TensorSpec], "torch.Tensor | None"]
+# Called with a frame's op, meta and tensors once its meta is read, before a byte of its payload is:
+# raises FrameError to refuse the frame (a tensor larger than its op may carry).
+Admit = Callable[[int, dict[str, Any], list[TensorSpec]], None]
 _IOV_MAX = 512
 _RECV_BUF = 64 * 1024
 _SMALL = _RECV_BUF // 2  # a frame without payload whose meta is at most this takes recv's short path
@@ -221,9 +224,11 @@ class Connection:
         self._rpos += n
         return out
 
-    def recv(self, alloc: Allocator | None = None) -> Frame:
+    def recv(self, alloc: Allocator | None = None, admit: Admit | None = None) -> Frame:
         """Receive one frame. ``alloc(spec)`` may return a destination tensor (same dtype and
-        shape) to receive into; otherwise a fresh tensor is allocated."""
+        shape) to receive into; otherwise a fresh tensor is allocated. ``admit(op, meta, specs)``
+        sees a frame that carries a payload before any of it is received or allocated for, and
+        refuses it by raising FrameError (the stream is then out of step: close the connection)."""
         try:
             rbuf, pos, end = self._rbuf, self._rpos, self._rend
             if end - pos < HEADER_SIZE:
@@ -265,6 +270,8 @@ class Connection:
                 self._recv_exact(memoryview(buf))
                 meta_raw = bytes(buf)
             meta, specs = decode_meta(meta_raw, payload_len, self.limits)
+            if admit is not None and payload_len:
+                admit(op, meta, specs)
             tensors = self._receive_tensors(specs, alloc)
             meta.pop("t", None)
             return Frame(op, meta, tensors)
@@ -308,6 +315,22 @@ class Connection:
             raise RemoteError(f"{self.peer}: {reply.meta.get('error', 'unknown error')}",
                               kind if isinstance(kind, str) else None)
         return reply
+
+    def drain_and_close(self, timeout_s: float) -> None:
+        """Close after a refusal that left the peer's frame unread: stop sending, then read and drop
+        what the peer still sends (into the fixed receive buffer) until it closes or ``timeout_s``
+        passed. Closing with unread bytes would reset the connection, and the peer would lose the
+        ERROR frame sent before instead of reading it once its own send is done."""
+        end = time.monotonic() + timeout_s
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            while (left := end - time.monotonic()) > 0:
+                self.sock.settimeout(left)
+                if not self.sock.recv_into(self._rbuf):
+                    break
+        except OSError:  # reset, timed out, or closed by stop()
+            pass
+        self.close()
 
     def close(self) -> None:
         try:
