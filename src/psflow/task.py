@@ -127,6 +127,7 @@ class Task:
         if self.is_ps:
             from psflow.fault import crashing_save, parse_faults, ps_step_kill
             from psflow.ps.authority import ViewClient
+            from psflow.ps.saveroot import SaveRoot
             from psflow.ps.service import PsService, default_save
 
             # ps_replicas=2: the launcher's coordinator decides which copy of each shard serves (by hand there is none).
@@ -134,7 +135,10 @@ class Task:
             self.ps_service = PsService(server, task_id.index, cluster, resolve=self.resolve,
                                         failover_s=config.backup_failover_s, attempt=attempt, replicas=config.ps_replicas,
                                         authority=authority)
-            self.ps_service.on_save = crashing_save(default_save(self.ps_service), parse_faults(self.fail_at), str(task_id))
+            # PS_SAVE writes inside the run's checkpoint directory only (psflow.ps.saveroot)
+            where = SaveRoot(str(task_id), checkpoint_dir=checkpoint_dir, logdir=logdir)
+            self.ps_service.on_save = crashing_save(default_save(self.ps_service, where), parse_faults(self.fail_at),
+                                                    str(task_id))
             self.ps_service.after_push = ps_step_kill(parse_faults(self.fail_at), str(task_id))
             if attempt >= 1 and config.ps_replicas == 2:
                 self.ps_service.start_resync(config.ready_timeout_s)  # serves nothing until its copies are back

@@ -32,6 +32,7 @@ from psflow.ps.copies import NO_VIEW, ShardCopies, initialize_store, ps_name
 from psflow.ps.latency import LatencyBook
 from psflow.ps.replication import Role
 from psflow.ps.rules import Act
+from psflow.ps.saveroot import SaveRoot
 from psflow.ps.store import ParameterStore
 from psflow.ps.views import Sync
 from psflow.server import Reply, Request, Server
@@ -489,17 +490,22 @@ class PsService(ShardCopies):
         return Reply(self.on_save(req.meta))
 
 
-def default_save(service: PsService) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """The PS_SAVE handler: this shard writes its own checkpoint file (no parameter leaves the ps)."""
+def default_save(service: PsService, where: SaveRoot | None = None) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The PS_SAVE handler: this shard writes its own checkpoint file (no parameter leaves the ps),
+    under a root inside ``where`` only (default: the first root a PS_SAVE names; see
+    :mod:`psflow.ps.saveroot`); a root outside it is refused with a ConfigError, nothing written."""
     from psflow import checkpoint
 
+    where = where or SaveRoot(f"ps:{service.shard}")
+
     def save(meta: dict[str, Any]) -> dict[str, Any]:
+        root = where.check(str(meta["root"]))
         exact = int(meta["step"]) if meta.get("exact") else None
         shard = int(meta.get("shard", service.shard))
         version, tensors, positions = service.store_of(shard).checkpoint_state(
             exact, timeout_s=float(meta.get("timeout_s", service.store.config.sync_timeout_s)))
         record = checkpoint.write_shard(
-            str(meta["root"]),  # a directory, or a URL (Path would fold its //)
+            root,  # a directory, or a URL (Path would fold its //)
             int(meta["step"]),
             shard,
             int(meta["num_shards"]),
