@@ -79,3 +79,30 @@ def wait_for(fetch, check, *, what: str, timeout_s: float = 120.0, context=lambd
             return value
         time.sleep(0.2)
     raise AssertionError(f"{what}: not within {timeout_s} s; last seen {str(value)[:2000]}\n{context()}")
+
+
+# Chromium's own line for every answer that is not 2xx and every refused connection: the tests check
+# the answers themselves (a refused form is a 422 on purpose), so these are not the page's errors.
+NETWORK_LINE = "Failed to load resource:"
+
+
+class WatchedBrowser:
+    """A Playwright browser whose every page reports its console errors and uncaught errors into
+    ``errors`` (the ``browser`` fixture fails the test on any at teardown); otherwise the browser."""
+
+    def __init__(self, browser) -> None:  # noqa: ANN001
+        self._browser = browser
+        self.errors: list[str] = []
+
+    def new_page(self, **kwargs):  # noqa: ANN003, ANN201
+        page = self._browser.new_page(**kwargs)
+        page.on("console", lambda m: self._console(page, m))
+        page.on("pageerror", lambda e: self.errors.append(f"{page.url}: uncaught {e}"))
+        return page
+
+    def _console(self, page, message) -> None:  # noqa: ANN001
+        if message.type == "error" and not message.text.startswith(NETWORK_LINE):
+            self.errors.append(f"{page.url}: console error: {message.text}")
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._browser, name)

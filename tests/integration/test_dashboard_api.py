@@ -41,7 +41,7 @@ def _run(client, run_id: str) -> dict:
 def test_a_run_started_through_the_api_is_watched_survives_a_dashboard_restart_and_is_stopped(tmp_path, dashboard):
     with dashboard.client() as api:
         started = api.post("/api/runs", json=TRAIN)
-        assert started.status_code == 201, started.text
+        assert started.status_code == 202 and started.json()["state"] == "starting", started.text
         run_id, logdir = started.json()["run_id"], started.json()["logdir"]
         assert logdir == str(tmp_path / "runs" / run_id)
 
@@ -322,7 +322,7 @@ def test_restart_through_the_api_stops_the_run_and_launches_its_plan_again(tmp_p
         assert {"epoch", "batch_index"} <= set(first["data_position"]["worker:0"])
         assert api.post(f"/api/runs/{new_id}/checkpoints/ckpt-9/restore").status_code == 404
         restored = api.post(f"/api/runs/{new_id}/checkpoints/{first['name']}/restore")
-        assert restored.status_code == 201, restored.text
+        assert restored.status_code == 202, restored.text
         third = restored.json()
         assert third["logdir"] == str(tmp_path / "runs" / third["run_id"]) and third["checkpoint"] == first["name"]
         log = Path(third["logdir"]) / "logs" / "worker-0.log"
@@ -435,7 +435,7 @@ def _sse(response, deadline: float):
 def test_the_live_stream_pushes_a_real_runs_task_states_and_metric_points_and_ends_with_it(tmp_path, dashboard):
     with dashboard.client() as api:
         started = api.post("/api/runs", json=TRAIN)
-        assert started.status_code == 201, started.text
+        assert started.status_code == 202 and started.json()["state"] == "starting", started.text
         run_id = started.json()["run_id"]
         states_seen: list[dict[str, str]] = []
         loss_points = 0

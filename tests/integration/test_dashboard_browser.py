@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-from dashboard import TOKEN, start_dashboard, wait_for
+from dashboard import TOKEN, WatchedBrowser, start_dashboard, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -30,14 +30,16 @@ def chromium() -> str:
 
 @pytest.fixture
 def browser(chromium: str):  # noqa: ANN201
-    """A headless Chromium driven by Playwright, closed after the test."""
+    """A headless Chromium driven by Playwright, closed after the test; the test fails on any console
+    error or uncaught error of its pages (a JavaScript error is a bug even where the page goes on)."""
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as pw:
-        launched = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+        launched = WatchedBrowser(pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True))
         try:
             yield launched
         finally:
             launched.close()
+        assert not launched.errors, "JavaScript errors on the dashboard's pages:\n" + "\n".join(launched.errors)
 
 
 def desktop_page(browser, url: str):  # noqa: ANN001, ANN201
@@ -90,7 +92,7 @@ def test_start_watch_read_a_log_survive_a_dashboard_restart_and_stop_from_the_br
         assert page.evaluate("document.body.dataset.live") == "sse"
         assert any(f"/api/runs/{run_id}/stream" in u for u in requests), requests
         polled = [u for u in requests if f"/api/runs/{run_id}/metrics" in u or u.endswith(f"/api/runs/{run_id}")]
-        assert not polled, polled
+        assert len(polled) <= 1, polled  # one look before the stream opens (the metrics it asks for), then none
         page.wait_for_selector("#straggler-verdict")
         # the ps card: ps:0's live push rate and p99 (pushed with the run page)
         page.wait_for_function("(() => { const r = document.querySelector('#ps-health tr[data-ps-requests=\"ps:0\"]');"

@@ -106,7 +106,7 @@ def test_the_openapi_document_types_the_main_answers(tmp_path):
         ref = ok["content"]["application/json"]["schema"]["$ref"]
         return schemas[ref.rsplit("/", 1)[1]]
 
-    assert set(answer("get", "/api/runs")["properties"]) == {"runs", "total", "limit", "offset"}
+    assert {"runs", "total", "limit", "offset"} <= set(answer("get", "/api/runs")["properties"])
     row = schemas["RunRow"]["properties"]
     assert {"id", "state", "script", "args", "logdir", "backend", "tasks", "loss"} <= set(row)
     assert row["state"]["enum"] == ["pending", "running", "succeeded", "failed", "stopped", "abandoned"]

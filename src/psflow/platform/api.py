@@ -9,7 +9,8 @@ scripts from a CDN). :func:`create_app` puts together its routers, by who may ca
 - ``run_page_routes``: a run's files and views: ``tasks/{task}/log``, ``placement``, ``checkpoints``
   (``.../{name}/export``: safetensors), ``stacks`` (the last dump, grouped);
 - ``change_routes`` (POST): start a run (``/api/runs``: 422 naming what was wrong), ``stop``,
-  ``restart``, ``scale`` ``{"workers": N}``, ``dump``, ``checkpoints/{name}/restore``;
+  ``restart``, ``scale`` ``{"workers": N}``, ``dump``, ``checkpoints/{name}/restore``; a start,
+  restart or restore answers at once (202, the run recorded ``pending`` while its launcher starts);
 - ``stream_routes``: ``/api/runs/{run}/stream`` (Server-Sent Events, :mod:`psflow.platform.livestream`)
   and ``/metrics`` (Prometheus).
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import os
+import sqlite3
 import tempfile
 import threading
 import time
@@ -69,7 +71,6 @@ class UiSettings:
         runs_root: where the log directories of runs started here go (``runs_root/<run id>``).
         auth_reads: every request needs the token, reads too (a dashboard reachable off this machine).
         stop_wait_s: a restart's longest wait for the old run to stop.
-        start_wait_s: a start's longest wait for the new run's launcher to record it.
         alert_webhook: where alerts go (failed, stalled, restarted; :mod:`psflow.platform.alerts`), if anywhere.
         alert_stall_s: how long a running run's global step may stand still before it is a stall.
         stream_poll_s: how often an open live stream (``/api/runs/{run}/stream``) reads the store.
@@ -82,7 +83,6 @@ class UiSettings:
     runs_root: Path | None = None
     auth_reads: bool = False
     stop_wait_s: float = 120.0
-    start_wait_s: float = 60.0
     alert_webhook: str | None = None
     alert_stall_s: float = 300.0
     stream_poll_s: float = 1.0
@@ -368,7 +368,7 @@ def get_stacks(run_id: str, db: Db, request: Annotated[int | None, Query(ge=1)] 
 
 
 # -- changes ----------------------------------------------------------------------------------------
-@change_routes.post("/api/runs/{run_id}/checkpoints/{name}/restore", status_code=201, response_model=answers.RunStarted,
+@change_routes.post("/api/runs/{run_id}/checkpoints/{name}/restore", status_code=202, response_model=answers.RunStarted,
                     response_model_exclude_none=True)
 def restore_here(run_id: str, name: str, db: Db, request: Request, settings: Settings) -> dict[str, Any]:
     from psflow.platform.launching import plan_of, restore_spec, seed_checkpoint, start_detached
@@ -382,12 +382,12 @@ def restore_here(run_id: str, name: str, db: Db, request: Request, settings: Set
         raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
     seed_checkpoint(source, Path(str(spec.logdir)))
     plan, proc = start_detached(spec, env=_launcher_env(settings))
-    _recorded(settings, plan.run_id, plan.logdir, proc)
-    _reap(proc, request.app.state.launchers)
-    return {"run_id": plan.run_id, "restores": run_id, "checkpoint": name, "logdir": plan.logdir}
+    _starting(settings, request, spec, plan, proc)
+    return {"run_id": plan.run_id, "state": "starting", "restores": run_id, "checkpoint": name, "logdir": plan.logdir,
+            "launcher_pid": proc.pid}
 
 
-@change_routes.post("/api/runs", status_code=201, response_model=answers.RunStarted, response_model_exclude_none=True)
+@change_routes.post("/api/runs", status_code=202, response_model=answers.RunStarted, response_model_exclude_none=True)
 def start_run(form: StartRun, request: Request, settings: Settings) -> dict[str, Any]:
     from psflow.launch.gpus import GpuRequestError
     from psflow.launch.restart import RestartPolicy
@@ -409,9 +409,8 @@ def start_run(form: StartRun, request: Request, settings: Settings) -> dict[str,
         raise _unprocessable("gpus_per_worker", str(e)) from e
     except ConfigError as e:
         raise _unprocessable("form", str(e)) from e
-    _recorded(settings, plan.run_id, plan.logdir, proc)
-    _reap(proc, request.app.state.launchers)
-    return {"run_id": plan.run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
+    _starting(settings, request, spec, plan, proc)
+    return {"run_id": plan.run_id, "state": "starting", "logdir": plan.logdir, "launcher_pid": proc.pid}
 
 
 @change_routes.post("/api/runs/{run_id}/stop", status_code=202, response_model=answers.ControlAsked)
@@ -477,8 +476,8 @@ def restart_run(run_id: str, db: Db, request: Request, settings: Settings) -> di
         plan, proc = start_detached(spec, env=_launcher_env(settings))
     except ConfigError as e:  # another restart got there between the look above and now
         raise HTTPException(409, detail=f"Run {run_id} cannot be started again: {e}") from e
-    _reap(proc, request.app.state.launchers)
-    return {"run_id": plan.run_id, "restarts": run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
+    _starting(settings, request, spec, plan, proc)
+    return {"run_id": plan.run_id, "state": "starting", "restarts": run_id, "logdir": plan.logdir, "launcher_pid": proc.pid}
 
 
 # -- live -------------------------------------------------------------------------------------------
@@ -540,32 +539,28 @@ def _launcher_env(settings: UiSettings) -> dict[str, str]:
     return env
 
 
-def _recorded(settings: UiSettings, run_id: str, logdir: str, proc: Any) -> None:
-    """Return once the new run is in the job store (so that its page exists when the caller goes
-    there), or raise a 500 with the launcher's last words if it ended first or took too long."""
-    from psflow.platform.launching import LAUNCHER_LOG
+def _starting(settings: UiSettings, request: Request, spec: Any, plan: Any, proc: Any) -> None:
+    """A launcher just started: its run is recorded ``pending`` now (its page exists at once; the
+    launcher takes the record over), and a thread waits for the launcher, so that it leaves no zombie
+    and a launcher that ended before it recorded the run leaves the run ``failed`` with its last words."""
+    from psflow.platform.launching import record_launch_failure, record_starting
 
-    deadline = time.monotonic() + settings.start_wait_s
-    while time.monotonic() < deadline:
-        with JobStore(settings.db_path) as db:
-            if db.run(run_id, metrics=False) is not None:
-                return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)  # a poll interval: the loop ends on the store's answer or the launcher's exit
     try:
-        said = (Path(logdir) / LAUNCHER_LOG).read_text(errors="replace")[-2000:]
-    except OSError:
-        said = ""
-    how = f"ended with exit code {proc.returncode}" if proc.poll() is not None else \
-        f"has not recorded it within {settings.start_wait_s:g} s"
-    raise HTTPException(500, detail=f"The launcher of run {run_id} {how}. Its output ({logdir}/{LAUNCHER_LOG}):\n{said}")
+        record_starting(settings.db_path, plan, spec, proc.pid)
+    except (JobStoreError, sqlite3.Error):
+        pass  # the store is locked or unwritable: the launcher records the run itself once it can (its page waits)
 
+    def watch() -> None:
+        code = proc.wait()
+        for _ in range(3):  # a store locked for a moment: try again
+            try:
+                record_launch_failure(settings.db_path, plan.run_id, plan.logdir, code)
+                return
+            except (JobStoreError, sqlite3.Error):
+                time.sleep(1.0)  # a retry interval, not a synchronisation
 
-def _reap(proc: Any, launchers: list[Any]) -> None:
-    """Wait for a launcher in a thread, so that it leaves no zombie behind when it ends."""
-    launchers.append(proc)
-    threading.Thread(target=proc.wait, daemon=True, name=f"psflow-reap-{proc.pid}").start()
+    request.app.state.launchers.append(proc)
+    threading.Thread(target=watch, daemon=True, name=f"psflow-launcher-{proc.pid}").start()
 
 
 def _thin(points: list[list[Any]], max_points: int) -> list[list[Any]]:

@@ -96,6 +96,7 @@ class RunStarted(BaseModel):
     run_id: str
     logdir: str
     launcher_pid: int | None = None
+    state: Literal["starting"] = Field("starting", description="recorded pending; its launcher is starting it")
     restores: str | None = Field(None, description="restore: the run whose checkpoint it starts from")
     checkpoint: str | None = Field(None, description="restore: that checkpoint")
     restarts: str | None = Field(None, description="restart: the run it starts again")

@@ -307,6 +307,58 @@ def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapp
     return plan, proc
 
 
+def record_starting(db_path: Path, plan: LaunchPlan, spec: LaunchSpec, launcher_pid: int) -> None:
+    """Record ``plan``'s run as ``pending`` in the job store at once, with a ``launch_requested`` event,
+    so that its page exists while its launcher (``launcher_pid``, :func:`start_detached`) starts; the
+    launcher's own record takes the row over (:meth:`JobStore.add_run`)."""
+    from psflow.launch.liveness import process_identity
+    from psflow.platform.jobstore import JobStore
+    from psflow.platform.sqlrunstore import run_record
+
+    record = run_record(plan, backend=spec.backend, restart_policy=plan.restart)
+    record["launcher"] = process_identity(launcher_pid)
+    if spec.restarted_from:
+        record["restarted_from"] = spec.restarted_from
+    with JobStore(db_path) as db, db.transaction():
+        db.add_run(record, plan.task_names())
+        db.add_event(plan.run_id, "launch_requested", time.time(), {"launcher_pid": launcher_pid,
+                                                                    "after_run": spec.after_run})
+
+
+def record_launch_failure(db_path: Path, run_id: str, logdir: str, exit_code: int) -> bool:
+    """If run ``run_id``'s launcher ended (``exit_code``) before it recorded the run (no ``run_started``
+    event), record the run ``failed``, its root cause the launcher's last words (``LOGDIR/launcher.log``).
+    Returns whether it did."""
+    from psflow.platform.jobstore import JobStore
+
+    with JobStore(db_path) as db, db.transaction():
+        run = db.run(run_id, metrics=False)
+        # "abandoned": a read saw the launcher gone first (jobstore's liveness verdict); it is this failure
+        if run is None or run["state"] not in ("pending", "abandoned") or \
+                any(e["kind"] == "run_started" for e in db.events(run_id)):
+            return False
+        said = _last_words(Path(logdir) / LAUNCHER_LOG)
+        cause = f"its launcher ended with exit code {exit_code} before the run started" + (f": {said}" if said else
+                                                                                         f" (see {logdir}/{LAUNCHER_LOG})")
+        now = time.time()
+        db.add_event(run_id, "launch_failed", now, {"exit_code": exit_code, "output": said})
+        db.set_summary(run_id, {"run_id": run_id, "status": "failed", "root_cause": cause})
+        db.finish_run(run_id, "failed", now)
+        return True
+
+
+def _last_words(log: Path, max_chars: int = 1500) -> str:
+    """A launcher's last words: from its last traceback, else its last ``psflow:`` line, else its last
+    20 lines; at most ``max_chars``."""
+    try:
+        lines = log.read_text(errors="replace")[-20_000:].strip().splitlines()
+    except OSError:
+        return ""
+    starts = ([i for i, line in enumerate(lines) if line.startswith("Traceback")] or
+              [i for i, line in enumerate(lines) if line.startswith("psflow: ")] or [max(0, len(lines) - 20)])
+    return "\n".join(lines[starts[-1]:])[-max_chars:]
+
+
 def _wait_for_stop(spec: LaunchSpec) -> None:
     """A restart's launcher: wait for the run it restarts to end (see :class:`LaunchSpec`'s ``after_run``)."""
     from psflow.home import jobs_db_path

@@ -29,7 +29,9 @@ function headers(extra) {
 }
 
 async function api(path, opts) {
-  const r = await fetch(path, Object.assign({}, opts || {}, {headers: headers((opts || {}).headers)}));
+  let r;
+  try { r = await fetch(path, Object.assign({}, opts || {}, {headers: headers((opts || {}).headers)})); }
+  catch (e) { const err = new Error("The dashboard cannot be reached: " + e.message); err.status = 0; throw err; }
   let body = null;
   try { body = await r.json(); } catch (e) { body = null; }
   if (!r.ok) {
@@ -56,6 +58,11 @@ function num(v, digits) {
 }
 function when(unix) { return unix ? new Date(unix * 1000).toLocaleString() : ""; }
 function badge(state) { return `<span class="state ${esc(state)}">${esc(state)}</span>`; }
+// An error said to the user; one that is not the API's answer (no status) is a bug of this page: the console says it too.
+function report(e) {
+  if (e.status === undefined) console.error(e);
+  toast(e.message);
+}
 function toast(text) {
   const t = document.getElementById("toast");
   t.textContent = text; t.classList.add("show");
@@ -112,18 +119,20 @@ function runsPage() {
   const PAGE = 100;
   let offset = 0;
   const load = async () => {
+    const mine = view;
     const q = new URLSearchParams({limit: String(PAGE), offset: String(offset)});
     if (state.value) q.set("state", state.value);
     if (search.value.trim()) q.set("q", search.value.trim());
     try {
       const page = await api("/api/runs?" + q);
+      if (view !== mine) return;  // the page was left while the answer came
       const shown = page.runs.length ? `${offset + 1}-${offset + page.runs.length} of ` : "";
       document.getElementById("runs-count").textContent = `${shown}${page.total} run${page.total === 1 ? "" : "s"}`;
       document.getElementById("newer-btn").disabled = offset === 0;
       document.getElementById("older-btn").disabled = offset + page.runs.length >= page.total;
       document.querySelector("#runs-table tbody").innerHTML = page.runs.map(runRow).join("") ||
         `<tr><td colspan="8" class="muted">No runs${state.value || search.value ? " match" : " yet: start one"}.</td></tr>`;
-    } catch (e) { toast(e.message); }
+    } catch (e) { if (view === mine) report(e); }
     storeSummary();
   };
   const picked = new Set();
@@ -204,7 +213,18 @@ function runPage(runId) {
   document.getElementById("scale-btn").onclick = () => scaleRun(runId);
   chartControls();
   drawCharts();
-  liveRun(runId);
+  firstLook(runId);
+}
+
+// The run read once before its live stream opens, so that the stream asks for every metric its tasks
+// report from the start: one stream, not one reopened as soon as the script's own metrics are seen.
+async function firstLook(runId) {
+  const mine = view;
+  try {
+    const page = await api(`/api/runs/${encodeURIComponent(runId)}`);
+    if (view === mine) learnMetrics(runId, page.run, false);
+  } catch (e) { /* the stream, or the polling after it, says what is wrong */ }
+  if (view === mine) liveRun(runId);
 }
 
 // The charts' settings (x, smoothing, log y): every chart is redrawn from the points it has.
@@ -225,7 +245,7 @@ function chartControls() {
 // Every metric the run's tasks report (their latest metrics name them), offered in the picker; one
 // not seen before is drawn if it is the script's own (or the basics). A change of the drawn set
 // reopens the live stream for those names (its first message carries their history).
-function learnMetrics(runId, run) {
+function learnMetrics(runId, run, reopen = true) {
   const names = new Set(Object.values(run.tasks).flatMap(t => Object.keys(t.metrics || {})));
   const fresh = [...names].filter(n => !view.known.has(n));
   if (!fresh.length) return;
@@ -233,7 +253,7 @@ function learnMetrics(runId, run) {
   const added = fresh.filter(n => drawnByDefault(n) && !view.touched.has(n) && !view.metrics.includes(n));
   view.metrics = view.metrics.concat(added);
   drawPicker(runId);
-  if (added.length) relive(runId);
+  if (added.length && reopen) relive(runId);
 }
 
 function drawPicker(runId) {
@@ -304,7 +324,7 @@ async function scaleRun(runId) {
     const r = await api(`/api/runs/${encodeURIComponent(runId)}/scale`, {method: "POST",
       headers: {"Content-Type": "application/json"}, body: JSON.stringify({workers})});
     toast(`scale to ${r.workers} workers requested (request ${r.request_id})`);
-  } catch (e) { toast(e.message); }
+  } catch (e) { report(e); }
 }
 
 async function control(runId, what) {
@@ -313,21 +333,25 @@ async function control(runId, what) {
     const r = await api(`/api/runs/${encodeURIComponent(runId)}/${what}`, {method: "POST"});
     if (what === "restart") { toast(`restarting as ${r.run_id}`); location.hash = `#/run/${encodeURIComponent(r.run_id)}`; }
     else toast(`stop requested (request ${r.request_id})`);
-  } catch (e) { toast(e.message); }
+  } catch (e) { report(e); }
 }
 
 async function refreshRun(runId) {
   if (!view || view.runId !== runId) return;
+  const mine = view;
   let page;
   try { page = await api(`/api/runs/${encodeURIComponent(runId)}`); }
-  catch (e) { document.getElementById("run-headline").textContent = e.message; return; }
-  await showRun(runId, page, true);
+  catch (e) { if (view === mine) document.getElementById("run-headline").textContent = e.message; return; }
+  if (view === mine) await showRun(runId, page, true);
 }
 
 // Draw a run page (GET /api/runs/ID's answer, polled or pushed); the charts' points come with it when polled.
 async function showRun(runId, page, withMetrics) {
   const run = page.run;
-  document.getElementById("run-state").innerHTML = badge(run.state);
+  // recorded by the dashboard, its launcher not up yet: "starting" (launch_requested, no run_started yet)
+  const asked = (page.events || []).find(e => e.kind === "launch_requested");
+  const starting = run.state === "pending" && asked && !(page.events || []).some(e => e.kind === "run_started");
+  document.getElementById("run-state").innerHTML = badge(starting ? "starting" : run.state);
   const live = run.state === "running" || run.state === "pending";
   document.getElementById("stop-btn").disabled = !live;
   document.getElementById("scale-btn").disabled = !live;
@@ -337,7 +361,9 @@ async function showRun(runId, page, withMetrics) {
     `${esc(run.script)} ${esc((run.args || []).join(" "))} · ${esc(run.mode)} · ${esc(run.strategy)} · ${esc(run.backend)}` +
     ` · step ${num(run.global_step)} · ${num(run.examples_per_sec)} examples/s` +
     (run.restarted_from ? ` · restarts <a href="#/run/${encodeURIComponent(run.restarted_from)}">${esc(run.restarted_from)}</a>` : "") +
-    (run.note ? `<div>${esc(run.note)}</div>` : "") + rootCause(run);
+    (run.note ? `<div>${esc(run.note)}</div>` : "") +
+    (starting ? `<div id="run-starting">starting: its launcher (pid ${esc(asked.data.launcher_pid)}) is setting the run up` +
+      `${asked.data.after_run ? ", once run " + esc(asked.data.after_run) + " has stopped" : ""}</div>` : "") + rootCause(run);
   for (const a of document.querySelectorAll("#run-headline a.root-task")) a.onclick = ev => { ev.preventDefault(); openLog(a.dataset.task); };
   storeSummary();
   learnMetrics(runId, run);
@@ -434,10 +460,12 @@ function drawSummary(run) {
 }
 
 async function refreshMetrics(runId) {
+  const mine = view;
   const q = new URLSearchParams({after: String(view.after)});
   for (const key of view.metrics) q.append("name", key);
   let m;
   try { m = await api(`/api/runs/${encodeURIComponent(runId)}/metrics?${q}`); } catch (e) { return; }
+  if (view !== mine) return;
   addPoints(m.series);
   drawCharts();
 }
@@ -477,6 +505,7 @@ function drawCharts() {
 }
 
 async function refreshLog(runId) {
+  const mine = view;
   const task = view.logTask;
   if (!task) return;
   document.getElementById("log-task").textContent = task;
@@ -486,8 +515,8 @@ async function refreshLog(runId) {
   if (view.logOffset !== null) q.set("offset", String(view.logOffset));
   let chunk;
   try { chunk = await api(`/api/runs/${encodeURIComponent(runId)}/tasks/${encodeURIComponent(task)}/log?${q}`); }
-  catch (e) { document.getElementById("log-view").textContent = e.message; return; }
-  if (task !== view.logTask) return;
+  catch (e) { if (view === mine) document.getElementById("log-view").textContent = e.message; return; }
+  if (view !== mine || task !== view.logTask) return;
   if (view.logOffset !== null && chunk.offset !== view.logOffset) view.logText = "";  // rotated
   view.logText = (view.logText + chunk.text).slice(-400000);
   view.logOffset = chunk.next_offset;
@@ -499,6 +528,7 @@ async function refreshLog(runId) {
 }
 
 async function dumpAll(runId) {
+  const mine = view;
   const el = document.getElementById("stacks");
   let asked;
   try { asked = await api(`/api/runs/${encodeURIComponent(runId)}/dump`, {method: "POST"}); }
@@ -507,7 +537,9 @@ async function dumpAll(runId) {
   for (let i = 0; i < 60; i++) {  // about 30 s, then whatever has come
     await new Promise(r => setTimeout(r, 500));
     let s;
+    if (view !== mine) return;  // the page was left
     try { s = await api(`/api/runs/${encodeURIComponent(runId)}/stacks?request=${asked.request_id}`); } catch (e) { continue; }
+    if (view !== mine) return;
     drawStacks(s);
     if ((s.state === "done" || s.state === "refused") && s.waiting_for.length === 0 && Object.keys(s.tasks).length) return;
     if (s.state === "refused") return;
@@ -584,7 +616,9 @@ async function refreshCheckpoints(runId, run) {
   if (view._ckptState === run.state && view._ckptAt && Date.now() - view._ckptAt < 10000) return;
   view._ckptState = run.state; view._ckptAt = Date.now();
   let c;
+  const mine = view;
   try { c = await api(`/api/runs/${encodeURIComponent(runId)}/checkpoints`); } catch (e) { el.textContent = e.message; return; }
+  if (view !== mine) return;  // the page was left while the answer came
   el.innerHTML = c.checkpoints.length ? `<table><thead><tr><th>checkpoint</th><th class="num">step</th><th class="num">bytes</th><th></th></tr></thead><tbody>${
     c.checkpoints.map(k => `<tr><td>${esc(k.name)}<div class="muted">${k.ok ? esc(Object.entries(k.data_position || {}).map(([w, p]) =>
         `${w}: epoch ${p.epoch}, batch ${p.batch_index}`).join("; ")) : ""}</div></td><td class="num">${k.ok ? num(k.step) : "corrupt"}</td>
@@ -594,9 +628,11 @@ async function refreshCheckpoints(runId, run) {
   for (const b of el.querySelectorAll("button[data-ckpt]")) b.onclick = () => download(runId, b.dataset.ckpt);
   for (const b of el.querySelectorAll("button[data-restore]")) b.onclick = () => restoreHere(runId, b.dataset.restore);
   const pl = document.getElementById("placement");
+  if (!c.checkpoints.some(k => k.ok)) { pl.innerHTML = `<p class="muted">The placement is read from the newest checkpoint: none yet.</p>`; return; }
   let p;
   try { p = await api(`/api/runs/${encodeURIComponent(runId)}/placement`); }
   catch (e) { pl.innerHTML = `<p class="muted">${esc(e.message)}</p>`; return; }
+  if (view !== mine) return;
   pl.dataset.rows = String(p.rows.length);
   pl.innerHTML = `<p class="muted">from ${esc(p.checkpoint)} (step ${num(p.step)}): ${p.shards.map(s =>
       `shard ${s.shard} ${num(s.bytes)} B (${num(s.share * 100, 1)}%)`).join(", ")}</p>
@@ -610,7 +646,7 @@ async function restoreHere(runId, name) {
   try {
     const r = await api(`/api/runs/${encodeURIComponent(runId)}/checkpoints/${encodeURIComponent(name)}/restore`, {method: "POST"});
     location.hash = `#/run/${encodeURIComponent(r.run_id)}`;
-  } catch (e) { toast(e.message); }
+  } catch (e) { report(e); }
 }
 
 async function download(runId, name) {
@@ -632,7 +668,9 @@ function comparePage(ids) {
     <div class="grid">${CHARTS.map(([key, label]) =>
       `<section class="card"><h2>${esc(label)} by global step</h2><div id="cmp-${key}" class="chart" data-points="0"></div></section>`).join("")}</div>`;
   const load = async () => {
+    const mine = view;
     const runs = await Promise.all(ids.map(id => api(`/api/runs/${encodeURIComponent(id)}`).catch(e => ({error: e.message, id}))));
+    if (view !== mine) return;  // the page was left while the answers came
     document.querySelector("#compare-table tbody").innerHTML = runs.map(p => p.error ? `<tr><td>${esc(p.id)}</td><td colspan="5">${esc(p.error)}</td></tr>` : `
       <tr><td><a href="#/run/${encodeURIComponent(p.run.id)}">${esc(p.run.id)}</a></td><td>${badge(p.run.state)}</td>
       <td>${esc([p.run.script.split("/").pop()].concat(p.run.args || []).join(" "))}</td><td class="num">${num(p.run.global_step)}</td>
@@ -640,6 +678,7 @@ function comparePage(ids) {
       <td>${esc(Object.entries(p.run.metrics || {}).map(([k, v]) => `${k}=${typeof v === "number" ? num(v, 4) : v}`).join(" "))}</td></tr>`).join("");
     const series = await Promise.all(ids.map(id => api(`/api/runs/${encodeURIComponent(id)}/metrics?` +
       CHARTS.map(([k]) => "name=" + k).join("&")).catch(() => ({series: {}}))));
+    if (view !== mine) return;
     for (const [key, label] of CHARTS) {
       // one curve per run: its workers' points merged, by global step (the mean where several share one)
       const curves = series.map(m => {
