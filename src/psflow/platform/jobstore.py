@@ -39,14 +39,21 @@ from psflow.launch.control import KINDS as CONTROL_KINDS
 from psflow.launch.controller import signal_name
 from psflow.launch.liveness import assess
 from psflow.launch.status import headline
+from psflow.platform import metricstore
 from psflow.platform.schema import LATEST, JobStoreError, migrate
 
-__all__ = ["FINAL_STATES", "RUN_STATES", "JobStore", "JobStoreError"]
+__all__ = ["FINAL_STATES", "RUN_STATES", "JobStore", "JobStoreError", "RunKey", "run_key"]
 
 RUN_STATES = ("pending", "running", "succeeded", "failed", "stopped", "abandoned")
 FINAL_STATES = ("succeeded", "failed", "stopped", "abandoned")
 _RUN_JSON = ("args", "cluster", "restart_policy", "launcher", "summary", "launch")
 _TASK_JSON = ("identity", "progress")
+RunKey = tuple[float, str]  # a run's place in the runs list: (created_unix, id)
+
+
+def run_key(run: dict[str, Any]) -> RunKey:
+    """A run's place in the runs list (newest first): its creation time, then its id."""
+    return float(run["created_unix"]), str(run["id"])
 
 
 class JobStore:
@@ -211,8 +218,7 @@ class JobStore:
         """``task`` was heard from: its last progress figures, and metric ``points`` (name, value, step)."""
         self._db.execute("UPDATE tasks SET progress = ?, heartbeat_unix = ? WHERE run_id = ? AND name = ?",
                          (json.dumps(progress), at, run_id, task))
-        self._db.executemany("INSERT INTO metrics (run_id, task, name, time_unix, step, value) VALUES (?, ?, ?, ?, ?, ?)",
-                             [(run_id, task, name, at, step, value) for name, value, step in points])
+        metricstore.write(self._db, run_id, task, at, points)
 
     def task_exited(self, run_id: str, task: str, attempt: int, at: float, code: int, cause: str) -> None:
         self._db.execute("UPDATE tasks SET state = 'exited', exit_code = ?, exit_cause = ? WHERE run_id = ? AND name = ?",
@@ -337,28 +343,30 @@ class JobStore:
         return out
 
     def run_page(self, *, state: str | None = None, search: str | None = None, limit: int = 50,
-                 offset: int = 0, metrics: bool = False) -> tuple[list[dict[str, Any]], int]:
-        """One page of runs, newest first, and how many runs match in all: the HTTP API's runs list.
+                 offset: int = 0, before: RunKey | None = None, after: RunKey | None = None,
+                 metrics: bool = False) -> tuple[list[dict[str, Any]], int]:
+        """One page of runs, newest first (by creation time, then id), and how many runs match in all:
+        the HTTP API's runs list.
 
         ``state`` keeps the runs recorded in that state; ``search`` the runs whose id, script,
-        arguments or backend hold it (case-insensitive). Only the page's runs are read in full (tasks,
-        the liveness check), so a page costs about the same with 10 runs or 100,000. Each task's last
-        progress figures (loss, global step, examples/sec) are in its ``progress``; ``metrics`` adds
-        each task's latest value of every metric (a query over each run's metrics: the page's costliest part).
+        arguments or backend hold it (case-insensitive). The page is the ``limit`` runs older than the
+        key ``before`` (a run's :func:`run_key`), or newer than ``after``, or from ``offset``: the keys
+        walk the index (runs_by_created_id), so every page costs the same however deep. Only the page's
+        runs are read in full (tasks, the liveness check). Each task's last progress figures are in its
+        ``progress``; ``metrics`` adds each task's latest value of every metric.
         """
-        where, args = [], []
-        if state is not None:
-            where.append("state = ?")
-            args.append(state)
-        if search:
-            pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-            where.append("(id LIKE ? ESCAPE '\\' OR script LIKE ? ESCAPE '\\' OR args LIKE ? ESCAPE '\\'"
-                         " OR backend LIKE ? ESCAPE '\\')")
-            args += [pattern] * 4
-        clause = (" WHERE " + " AND ".join(where)) if where else ""
+        clause, args = self._run_filter(state, search)
         total = int(self._db.execute(f"SELECT COUNT(*) FROM runs{clause}", args).fetchone()[0])
-        rows = self._db.execute(f"SELECT * FROM runs{clause} ORDER BY created_unix DESC, id LIMIT ? OFFSET ?",
-                                [*args, limit, offset]).fetchall()
+        join = " AND " if clause else " WHERE "
+        if after is not None:  # the page just newer than `after`: read upwards, shown newest first
+            rows = self._db.execute(f"SELECT * FROM runs{clause}{join}(created_unix, id) > (?, ?)"
+                                    " ORDER BY created_unix, id LIMIT ?", [*args, *after, limit]).fetchall()[::-1]
+        elif before is not None:
+            rows = self._db.execute(f"SELECT * FROM runs{clause}{join}(created_unix, id) < (?, ?)"
+                                    " ORDER BY created_unix DESC, id DESC LIMIT ?", [*args, *before, limit]).fetchall()
+        else:
+            rows = self._db.execute(f"SELECT * FROM runs{clause} ORDER BY created_unix DESC, id DESC LIMIT ? OFFSET ?",
+                                    [*args, limit, offset]).fetchall()
         tasks = self._tasks([r["id"] for r in rows])
         out = []
         for r in rows:
@@ -367,6 +375,28 @@ class JobStore:
                 self._add_metrics(run)
             out.append(run)
         return out, total
+
+    def runs_newer(self, key: RunKey, *, state: str | None = None, search: str | None = None) -> int:
+        """How many runs (matching ``state`` and ``search``) are newer than the run with ``key``: a
+        keyset page's place in the list."""
+        clause, args = self._run_filter(state, search)
+        join = " AND " if clause else " WHERE "
+        return int(self._db.execute(f"SELECT COUNT(*) FROM runs{clause}{join}(created_unix, id) > (?, ?)",
+                                    [*args, *key]).fetchone()[0])
+
+    @staticmethod
+    def _run_filter(state: str | None, search: str | None) -> tuple[str, list[Any]]:
+        where: list[str] = []
+        args: list[Any] = []
+        if state is not None:
+            where.append("state = ?")
+            args.append(state)
+        if search:
+            pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            where.append("(id LIKE ? ESCAPE '\\' OR script LIKE ? ESCAPE '\\' OR args LIKE ? ESCAPE '\\'"
+                         " OR backend LIKE ? ESCAPE '\\')")
+            args += [pattern] * 4
+        return (" WHERE " + " AND ".join(where)) if where else "", args
 
     def run(self, run_id: str, *, metrics: bool = True) -> dict[str, Any] | None:
         """One run (as :meth:`runs` gives them, with metrics by default), or None."""
@@ -399,10 +429,15 @@ class JobStore:
         return [dict(r) for r in self._db.execute(
             "SELECT * FROM attempts WHERE run_id = ? ORDER BY task, attempt", (run_id,))]
 
-    def events(self, run_id: str, *, after_id: int = 0) -> list[dict[str, Any]]:
-        """The run's events after event ``after_id``, oldest first."""
-        return [{**dict(r), "data": json.loads(r["data"])} for r in self._db.execute(
-            "SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id", (run_id, after_id))]
+    def events(self, run_id: str, *, after_id: int = 0, last: int | None = None) -> list[dict[str, Any]]:
+        """The run's events after event ``after_id``, oldest first (only the ``last`` ones, if given)."""
+        if last is not None:
+            rows = self._db.execute("SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id DESC LIMIT ?",
+                                    (run_id, after_id, last)).fetchall()[::-1]
+        else:
+            rows = self._db.execute("SELECT * FROM events WHERE run_id = ? AND id > ? ORDER BY id",
+                                    (run_id, after_id)).fetchall()
+        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 
     def events_since(self, after_id: int, kinds: Sequence[str], *, limit: int = 1000) -> list[dict[str, Any]]:
         """Events of every run after event ``after_id``, of the given kinds, oldest first (alerts)."""
@@ -416,28 +451,39 @@ class JobStore:
     def metrics(self, run_id: str, *, task: str | None = None, name: str | None = None, names: Sequence[str] | None = None,
                 after_unix: float | None = None) -> list[dict[str, Any]]:
         """Metric points of a run, oldest first, optionally of one task, one name (or any of ``names``),
-        and only those recorded after ``after_unix`` (a chart polling for new points)."""
-        sql, args = "SELECT task, name, time_unix, step, value FROM metrics WHERE run_id = ?", [run_id]
-        for col, val in (("task", task), ("name", name)):
-            if val is not None:
-                sql += f" AND {col} = ?"
-                args.append(val)
-        if names:
-            sql += f" AND name IN ({', '.join('?' * len(names))})"
-            args += list(names)
-        if after_unix:
-            sql += " AND time_unix > ?"
-            args.append(after_unix)
-        return [dict(r) for r in self._db.execute(sql + " ORDER BY time_unix, rowid", args)]
+        and only those recorded after ``after_unix``: every point of those series (a chart reads
+        :meth:`chart`, live updates :meth:`metrics_since`). One index range scan per series."""
+        wanted = names if name is None else [n for n in (names or [name]) if n == name]
+        if wanted is not None and not wanted:
+            return []
+        sql = "SELECT task, name, time_unix, step, value, rowid FROM metrics WHERE run_id = ? AND task = ? AND name = ?"
+        rows: list[sqlite3.Row] = []
+        with metricstore.snapshot(self._db):
+            for t, n, _ in metricstore.series(self._db, run_id, task=task, names=wanted):
+                if after_unix:
+                    rows += self._db.execute(sql + " AND time_unix > ?", (run_id, t, n, after_unix)).fetchall()
+                else:
+                    rows += self._db.execute(sql, (run_id, t, n)).fetchall()
+        rows.sort(key=lambda r: (r["time_unix"], r["rowid"]))
+        return [{k: r[k] for k in ("task", "name", "time_unix", "step", "value")} for r in rows]
+
+    def chart(self, run_id: str, *, names: Sequence[str] | None = None, task: str | None = None, x: str = "time",
+              lo: float | None = None, hi: float | None = None, max_points: int = 1000) -> tuple[metricstore.Series, int]:
+        """At most ``max_points`` points per series of the run for x (``time`` or ``step``) in ``[lo, hi]``
+        (min/max buckets, :func:`psflow.platform.metricstore.chart`), and the cursor of the newest
+        point then (:meth:`metrics_since` from it gets only what came after)."""
+        with metricstore.snapshot(self._db):
+            return metricstore.chart(self._db, run_id, names=names, task=task, x=x, lo=lo, hi=hi,
+                                     max_points=max_points), metricstore.top(self._db)
+
+    def metrics_since(self, run_id: str, cursor: int, *, names: Sequence[str] | None = None,
+                      limit: int = 50_000) -> tuple[list[dict[str, Any]], int]:
+        """The run's points written after ``cursor`` (oldest first) and the cursor to ask from next."""
+        return metricstore.since(self._db, run_id, cursor, names=names, limit=limit)
 
     def latest_metrics(self, run_id: str) -> dict[str, dict[str, float | None]]:
         """Each task's latest value of each metric: ``{"worker:0": {"loss": 0.31, ...}}``."""
-        out: dict[str, dict[str, float | None]] = {}
-        # SQLite takes the bare columns of a MAX() aggregate from the row holding the maximum.
-        for r in self._db.execute("SELECT task, name, value, MAX(time_unix) FROM metrics WHERE run_id = ?"
-                                  " GROUP BY task, name", (run_id,)):
-            out.setdefault(r["task"], {})[r["name"]] = r["value"]
-        return out
+        return metricstore.latest(self._db, run_id)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _tasks(self, run_ids: Sequence[str] | None) -> dict[str, dict[str, dict[str, Any]]]:

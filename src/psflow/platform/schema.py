@@ -117,6 +117,50 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         "ALTER TABLE runs ADD COLUMN launch TEXT",  # JSON: what launches the same plan again (restart)
         "ALTER TABLE runs ADD COLUMN restarted_from TEXT",  # the run this one restarted, if any
     )),
+    (4, "what keeps the dashboard fast at any size: the runs list's keyset indexes, each series' count and latest "
+        "point, the extremes of each block of 16, 256 and 4096 points (psflow.platform.metricstore), reads by step", (
+        "CREATE INDEX runs_by_created_id ON runs (created_unix, id)",
+        "CREATE INDEX runs_by_state_created_id ON runs (state, created_unix, id)",
+        "CREATE INDEX metrics_by_step ON metrics (run_id, task, name, step)",
+        """CREATE TABLE metric_series (
+            run_id TEXT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+            task TEXT NOT NULL,
+            name TEXT NOT NULL,
+            n INTEGER NOT NULL,                       -- its points so far
+            time_unix REAL NOT NULL,                  -- its latest point
+            step INTEGER,
+            value REAL,
+            PRIMARY KEY (run_id, task, name)
+        ) WITHOUT ROWID""",
+        """CREATE TABLE metric_blocks (
+            run_id TEXT NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+            task TEXT NOT NULL,
+            name TEXT NOT NULL,
+            level INTEGER NOT NULL,                   -- 0, 1, 2: blocks of 16, 256, 4096 points (16 ** (level + 1))
+            block INTEGER NOT NULL,                   -- the series' points size*block .. size*(block+1)-1, as written
+            n INTEGER NOT NULL,
+            t0 REAL NOT NULL, t1 REAL NOT NULL,       -- its points' earliest and latest time
+            s0 INTEGER, s1 INTEGER,                   -- ... lowest and highest step
+            vmin REAL, tmin REAL, smin INTEGER,       -- its lowest value, where
+            vmax REAL, tmax REAL, smax INTEGER,       -- its highest value, where
+            PRIMARY KEY (run_id, task, name, level, block)
+        ) WITHOUT ROWID""",  # stored in key order: a series' blocks lie together
+        # the points recorded before this version, summed up the same way
+        """INSERT INTO metric_series (run_id, task, name, n, time_unix, step, value)
+            SELECT run_id, task, name, COUNT(*), MAX(time_unix), step, value FROM metrics GROUP BY run_id, task, name""",
+        """CREATE TEMP TABLE ordered AS SELECT run_id, task, name, time_unix, step, value,
+            ROW_NUMBER() OVER (PARTITION BY run_id, task, name ORDER BY rowid) - 1 AS k FROM metrics""",
+        *(f"""INSERT INTO metric_blocks SELECT a.*, b.vmin, b.tmin, b.smin, c.vmax, c.tmax, c.smax FROM
+            (SELECT run_id, task, name, {level} AS level, k / {16 ** (level + 1)} AS block, COUNT(*) AS n, MIN(time_unix),
+             MAX(time_unix), MIN(step), MAX(step) FROM ordered GROUP BY run_id, task, name, block) AS a
+            LEFT JOIN (SELECT run_id, task, name, k / {16 ** (level + 1)} AS block, MIN(value) AS vmin, time_unix AS tmin,
+             step AS smin FROM ordered WHERE value IS NOT NULL GROUP BY run_id, task, name, block) AS b
+             USING (run_id, task, name, block)
+            LEFT JOIN (SELECT run_id, task, name, k / {16 ** (level + 1)} AS block, MAX(value) AS vmax, time_unix AS tmax,
+             step AS smax FROM ordered WHERE value IS NOT NULL GROUP BY run_id, task, name, block) AS c
+             USING (run_id, task, name, block)""" for level in range(3)),
+        "DROP TABLE temp.ordered",
+    )),
 )
 
 LATEST = MIGRATIONS[-1][0]
