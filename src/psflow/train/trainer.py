@@ -48,6 +48,7 @@ from psflow.ps.progress import StepPlan
 from psflow.train.base import TrainerBase
 from psflow.train.ledger import PushLedger
 from psflow.train.modes import UpdateMode, mode_of
+from psflow.train.sender import PushSender
 from psflow.train.towers import Batch, run_step_closure
 from psflow.wire.compress import Compression
 
@@ -278,8 +279,9 @@ class Trainer(TrainerBase):
         """Forward and backward, and the gradients' half of the step's one round trip per shard.
         Returns the loss and the shards sent to.
 
-        A shard's gradients leave as soon as backward has produced all of them (see _on_grad), so
-        the transfer to one shard overlaps the backward pass of the layers that live on the others.
+        A shard's gradients leave as soon as backward has produced all of them (see _on_grad), on
+        the sender's thread (:mod:`psflow.train.sender`), so the transfer to one shard overlaps the
+        backward pass of the layers that live on the others.
         """
         t1 = time.perf_counter()
         for p in self.params.values():
@@ -301,7 +303,9 @@ class Trainer(TrainerBase):
             for shard in [*range(1, self.task.num_ps), 0]:  # shard 0 (the data position) last
                 if shard not in self._sent:
                     self._send_shard(shard)
+            self._join_sends(tl)
         except BaseException:
+            self._join_sends(None, quiet=True)
             self._drain_sent()
             raise
         sent, self._sent = self._sent, None
@@ -359,6 +363,8 @@ class Trainer(TrainerBase):
         self._sent: set[int] | None = None
         self._remaining: dict[int, set[str]] = {}
         self._late: set[int] = set()
+        # Sends each push on a thread of its own (PushSender(threaded=False): on this one, the A/B reference).
+        self.sender = PushSender(f"psflow-push-{self.task.task_id}")
         self.early_pushes = 0
         if self.towers is not None:
             return  # towers average onto the master's .grad after backward: nothing to overlap with
@@ -390,15 +396,34 @@ class Trainer(TrainerBase):
             # Every shard records the worker's data position (the iterator has moved past this batch):
             # shard 0's is where a restarted worker resumes, the others' recognise a batch redone.
             self._position = self.data_source.state_dict()
-        tl = timeline.ACTIVE
-        start = tl.now() if tl is not None else 0.0
-        self.client.send_push(shard, self.worker, self.versions[shard], self._grads(shard), wait_s=self.config.sync_timeout_s,
-                              position=self._position, attempt=self.attempt, seq=self._push_seq)
-        if tl is not None:
-            tl.add("push", f"push ps:{shard}", start, tl.now(), during_backward=during_backward)
+        version, grads, position, seq = self.versions[shard], self._grads(shard), self._position, self._push_seq
+
+        def send() -> None:
+            tl = timeline.ACTIVE
+            start = tl.now() if tl is not None else 0.0
+            self.client.send_push(shard, self.worker, version, grads, wait_s=self.config.sync_timeout_s,
+                                  position=position, attempt=self.attempt, seq=seq)
+            if tl is not None:
+                tl.add("push", f"push ps:{shard}", start, tl.now(), during_backward=during_backward)
+
+        self.sender.submit(shard, send)
         self._sent.add(shard)
         if not during_backward:
             self._late.add(shard)
+
+    def _join_sends(self, tl: timeline.Timeline | None, *, quiet: bool = False) -> None:
+        """Wait until the step's pushes are out (the training thread's share of the sending: a
+        ``push`` span, ``sending``); a shard whose push failed is not sent. Raises the first
+        failure unless ``quiet`` (a step that fails anyway)."""
+        start = tl.now() if tl is not None else 0.0
+        failed, error = self.sender.join()
+        if self._sent is not None:
+            self._sent -= failed
+        self._late -= failed
+        if tl is not None:
+            tl.add("push", "push: sending", start, tl.now())
+        if error is not None and not quiet:
+            raise error
 
     def _drain_sent(self) -> None:
         """The step failed after some shards got their gradients: read those replies so the
@@ -456,6 +481,7 @@ class Trainer(TrainerBase):
             if self._ready or not self.task.is_chief or self.failure is not None:
                 self.client.done(self.worker, attempt=self.attempt, failed=self.failure)
         finally:
+            self.sender.close()
             self.client.close()
             if self._ledger is not None:
                 self._ledger.close()
