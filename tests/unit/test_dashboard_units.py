@@ -308,27 +308,33 @@ def test_the_live_stream_sends_what_changed_then_ends_with_the_run():
     from psflow.platform.livestream import frame, new_points, run_stream
 
     assert frame("end", {"state": "stopped"}) == 'event: end\ndata: {"state":"stopped"}\n\n'
-    assert frame("metrics", {}, event_id="2.5").startswith("event: metrics\nid: 2.5\n")
+    assert frame("metrics", {}, event_id="25").startswith("event: metrics\nid: 25\n")
     rows = [{"task": "worker:0", "name": "loss", "time_unix": t, "step": s, "value": v} for t, s, v in
             ((1.0, 10, 0.9), (2.0, 20, 0.8))]
-    assert new_points(rows, 1.0) == ({"worker:0": {"loss": [[2.0, 20, 0.8]]}}, 2.0)
+    assert new_points(rows) == {"worker:0": {"loss": [[1.0, 10, 0.9], [2.0, 20, 0.8]]}}
 
-    pages = iter([("running", rows[:1]), ("running", rows[:1]), ("running", rows), ("stopped", rows)])
+    # (state, points written so far): the first look sends the history, the later ones what came after the cursor
+    pages = iter([("running", 1), ("running", 1), ("running", 2), ("stopped", 2)])
+    asked: list[int | None] = []
 
-    def look(after: float):
-        state, points = next(pages)
-        return {"run": {"state": state, "tasks": {}}}, [p for p in points if p["time_unix"] > after]
+    def look(cursor: int | None):
+        asked.append(cursor)
+        state, written = next(pages)
+        return {"run": {"state": state, "tasks": {}}}, new_points(rows[cursor or 0:written]), written
 
     async def collect() -> list[str]:
         async def connected() -> bool:
             return False
 
-        return [m async for m in run_stream(look, after=0.0, is_disconnected=connected, closing=threading.Event(),
+        return [m async for m in run_stream(look, cursor=None, is_disconnected=connected, closing=threading.Event(),
                                             poll_s=0.0)]
 
     messages = "".join(asyncio.run(collect()))
     events = [line[7:] for line in messages.splitlines() if line.startswith("event: ")]
     # the unchanged second look sends nothing; the new point and the stopped run are sent, then `end`
+    assert asked == [None, 1, 1, 2]
+    assert [line for line in messages.splitlines() if line.startswith("id: ")] == ["id: 1", "id: 2"]
+    assert '"series":{"worker:0":{"loss":[[2.0,20,0.8]]}}' in messages
     assert events == ["run", "metrics", "metrics", "run", "end"], messages
 
 

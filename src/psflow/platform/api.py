@@ -248,31 +248,68 @@ def summary_of_store(db: Db) -> dict[str, Any]:
 @read_routes.get("/api/runs", response_model=None, responses={200: {"model": answers.RunList}})
 def list_runs(db: Db, state: Literal[RUN_STATES] | None = None,  # type: ignore[valid-type]
               q: Annotated[str | None, Query(max_length=200)] = None,
-              limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
-    runs, total = db.run_page(state=state, search=q, limit=limit, offset=offset)
-    return {"runs": [_row(r) for r in runs], "total": total, "limit": limit, "offset": offset}
+              limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Annotated[int, Query(ge=0)] = 0,
+              before: Annotated[str | None, Query(max_length=400, description="the `older` of a page: the page after it")] = None,
+              after: Annotated[str | None, Query(max_length=400, description="the `newer` of a page: the page before it")] = None,
+              ) -> dict[str, Any]:
+    from psflow.platform.jobstore import run_key
+
+    keys = {k: _run_key(k, v) for k, v in (("before", before), ("after", after)) if v is not None}
+    runs, total = db.run_page(state=state, search=q, limit=limit + 1, offset=offset, **keys)
+    more = len(runs) > limit  # another page beyond this one, the way it was read
+    runs = runs[1:] if more and after is not None else runs[:limit]
+    if runs and keys:
+        offset = db.runs_newer(run_key(runs[0]), state=state, search=q)
+    older = more or after is not None
+    return {"runs": [_row(r) for r in runs], "total": total, "limit": limit, "offset": offset,
+            "older": _key_text(run_key(runs[-1])) if runs and older and offset + len(runs) < total else None,
+            "newer": _key_text(run_key(runs[0])) if runs and offset > 0 else None}
+
+
+def _run_key(param: str, text: str) -> tuple[float, str]:
+    """A runs-list key (``CREATED:ID``, as ``older``/``newer`` give them), or a 422 naming ``param``."""
+    created, _, run_id = text.partition(":")
+    try:
+        return float(created), run_id
+    except ValueError:
+        raise HTTPException(422, detail=[{"loc": ["query", param], "type": "value_error",
+                                          "msg": f"a runs-list key is CREATED:ID, as a page's older or newer gives it; "
+                                                 f"received {text!r}"}]) from None
+
+
+def _key_text(key: tuple[float, str]) -> str:
+    return f"{key[0]!r}:{key[1]}"
 
 
 @read_routes.get("/api/runs/{run_id}", response_model=None, responses={200: {"model": answers.RunPage}})
 def get_run(run_id: str, db: Db, after: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
     run = the_run(db, run_id, metrics=True)
-    events = db.events(run_id, after_id=after)
-    return {"run": _on_page(run), "attempts": db.attempts(run_id), "events": events[-2000:],
+    events = db.events(run_id, after_id=after, last=2000)
+    return {"run": _on_page(run), "attempts": db.attempts(run_id), "events": events,
             "controls": db.controls(run_id)}
 
 
 @read_routes.get("/api/runs/{run_id}/metrics")
 def get_metrics(run_id: str, db: Db, name: Annotated[list[str] | None, Query()] = None, task: str | None = None,
-                after: float = 0.0, max_points: Annotated[int, Query(ge=10, le=100_000)] = 2000) -> dict[str, Any]:
+                x: Literal["time", "step"] = "time", lo: float | None = None, hi: float | None = None,
+                max_points: Annotated[int, Query(ge=10, le=100_000)] = 1000,
+                cursor: Annotated[int | None, Query(ge=0, description="live: only the points after it")] = None,
+                after: float = 0.0) -> dict[str, Any]:
+    """A run's chart data: per series at most ``max_points`` points with x (time or step) in
+    ``[lo, hi]`` (default: all), min/max buckets; ``cursor`` (the answer's, or a stream message's):
+    only the points written since, every one; ``after``: every point after that time."""
+    from psflow.platform.livestream import new_points
+
     the_run(db, run_id)
-    series: dict[str, dict[str, list[list[float | None]]]] = {}
-    for point in db.metrics(run_id, task=task, after_unix=after, names=name):
-        series.setdefault(point["task"], {}).setdefault(point["name"], []).append(
-            [point["time_unix"], point["step"], point["value"]])
-    for per_task in series.values():
-        for key, points in per_task.items():
-            per_task[key] = _thin(points, max_points)
-    return {"run_id": run_id, "series": series}
+    if cursor is not None:
+        points, cursor = db.metrics_since(run_id, cursor, names=name)
+        series = new_points(p for p in points if task is None or p["task"] == task)
+    elif after:
+        series = new_points(db.metrics(run_id, task=task, after_unix=after, names=name))
+        series = {t: {k: _thin(v, max_points) for k, v in per.items()} for t, per in series.items()}
+    else:
+        series, cursor = db.chart(run_id, names=name, task=task, x=x, lo=lo, hi=hi, max_points=max_points)
+    return {"run_id": run_id, "series": series, "cursor": cursor, "x": x}
 
 
 @read_routes.get("/api/runs/{run_id}/stragglers")
@@ -484,26 +521,32 @@ def restart_run(run_id: str, db: Db, request: Request, settings: Settings) -> di
 @stream_routes.get("/api/runs/{run_id}/stream", response_class=StreamingResponse,
                    responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"}})
 def stream_run(run_id: str, request: Request, db: Db, settings: Settings,
-               name: Annotated[list[str] | None, Query()] = None, after: float = 0.0) -> StreamingResponse:
-    from psflow.platform.livestream import run_stream
+               name: Annotated[list[str] | None, Query()] = None,
+               cursor: Annotated[int | None, Query(ge=0, description="only the points after it (no history)")] = None,
+               ) -> StreamingResponse:
+    from psflow.platform.livestream import Look, new_points, run_stream
 
     the_run(db, run_id)  # a 404 now, not an empty stream
-    try:  # a reconnecting EventSource names the last metrics message it got
-        after = max(after, float(request.headers.get("last-event-id") or 0.0))
+    try:  # a reconnecting EventSource names the last metrics message it got: its cursor
+        cursor = int(request.headers.get("last-event-id") or "") if request.headers.get("last-event-id") else cursor
     except ValueError:
         pass
 
-    def look(since: float) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    def look(since: int | None) -> Look:
         with JobStore(settings.db_path) as store:
             run = store.run(run_id, metrics=True)
             if run is None:
-                return None, []
+                return None, {}, since or 0
             page = {"run": _on_page(run), "attempts": store.attempts(run_id),
-                    "events": store.events(run_id)[-2000:], "controls": store.controls(run_id)}
-            return page, store.metrics(run_id, after_unix=since, names=name)
+                    "events": store.events(run_id, last=2000), "controls": store.controls(run_id)}
+            if since is None:  # the first look: the history, a bounded chart of each series
+                history, newest = store.chart(run_id, names=name)
+                return page, history, newest
+            points, newest = store.metrics_since(run_id, since, names=name)
+            return page, new_points(points), newest
 
-    body = run_stream(look, after=after, is_disconnected=request.is_disconnected, closing=request.app.state.closing,
-                      poll_s=settings.stream_poll_s, thin=lambda points: _thin(points, 2000))
+    body = run_stream(look, cursor=cursor, is_disconnected=request.is_disconnected, closing=request.app.state.closing,
+                      poll_s=settings.stream_poll_s)
     return StreamingResponse(body, media_type="text/event-stream",
                              headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 

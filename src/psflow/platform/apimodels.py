@@ -67,7 +67,9 @@ class RunList(BaseModel):
     runs: list[RunRow]
     total: int = Field(description="runs that match, on every page")
     limit: int
-    offset: int
+    offset: int = Field(description="runs newer than this page's first")
+    older: str | None = Field(None, description="the next page, older runs: ?before=older")
+    newer: str | None = Field(None, description="the page before, newer runs: ?after=newer")
 
 
 class RunOnPage(RunRecord):

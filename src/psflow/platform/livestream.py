@@ -5,9 +5,11 @@ it: one look every ``poll_s`` per open stream (a thread-pool read), and a messag
 
 - ``run``: the run page (what ``GET /api/runs/{run}`` answers: the run, its tasks' states and
   attempts, events, controls), sent when it changed since the last one sent;
-- ``metrics``: metric points newer than the last sent (``{"series": {task: {name: [[time, step, value], ...]}}}``,
-  the shape of ``GET /api/runs/{run}/metrics``); each carries ``id:`` = its newest point's time, so a
-  browser that reconnects (``Last-Event-ID``) gets only what came after;
+- ``metrics``: metric points (``{"series": {task: {name: [[time, step, value], ...]}}, "cursor": N}``,
+  the shape of ``GET /api/runs/{run}/metrics``): the first carries each series' history as a bounded
+  chart (min/max buckets; ``"history": true``), the later ones only the points written since the last
+  one, read from its cursor (a rowid range scan: what is new, not the run's length). Each carries
+  ``id:`` = its cursor, so a browser that reconnects (``Last-Event-ID``) gets only what came after;
 - ``end``: the run is over and its last state and points were sent; the stream closes (a browser's
   EventSource must close too, or it would reconnect).
 
@@ -38,43 +40,38 @@ def frame(event: str, data: Any, event_id: str | None = None) -> str:
     return f"{head}data: {json.dumps(data, default=str, separators=(',', ':'))}\n\n"
 
 
-def new_points(points: Iterable[Mapping[str, Any]], after: float) -> tuple[dict[str, dict[str, list[list[Any]]]], float]:
-    """``points`` (the store's rows) newer than ``after`` as series per task and name, and the newest time."""
-    series: dict[str, dict[str, list[list[Any]]]] = {}
-    newest = after
+Series = dict[str, dict[str, list[list[Any]]]]
+Look = tuple[dict[str, Any] | None, Series, int]  # the run page (None: gone), metric points, the cursor after them
+
+
+def new_points(points: Iterable[Mapping[str, Any]]) -> Series:
+    """``points`` (the store's rows, in order) as series per task and name."""
+    series: Series = {}
     for p in points:
-        if p["time_unix"] <= after:
-            continue
         series.setdefault(p["task"], {}).setdefault(p["name"], []).append([p["time_unix"], p["step"], p["value"]])
-        newest = max(newest, p["time_unix"])
-    return series, newest
+    return series
 
 
-async def run_stream(look: Callable[[float], tuple[dict[str, Any] | None, list[dict[str, Any]]]], *, after: float,
-                     is_disconnected: Callable[[], Any], closing: threading.Event, poll_s: float = 1.0,
-                     keepalive_s: float = 15.0,
-                     thin: Callable[[list[list[Any]]], list[list[Any]]] | None = None) -> AsyncIterator[str]:
-    """The stream's messages. ``look(after)`` (run on a thread) returns the run page (None: the run is
-    gone) and the metric points newer than ``after``; ``thin`` caps each series of a message (the first
-    one carries the whole history so far)."""
+async def run_stream(look: Callable[[int | None], Look], *, cursor: int | None, is_disconnected: Callable[[], Any],
+                     closing: threading.Event, poll_s: float = 1.0, keepalive_s: float = 15.0) -> AsyncIterator[str]:
+    """The stream's messages. ``look(cursor)`` (run on a thread) returns the run page (None: the run is
+    gone), the metric points written after ``cursor`` (None: the history, bounded) and the cursor
+    after them."""
     from starlette.concurrency import run_in_threadpool
 
     sent_page: str | None = None
     last_sent = time.monotonic()
     while not closing.is_set() and not await is_disconnected():
-        page, points = await run_in_threadpool(look, after)
+        history = cursor is None
+        page, series, cursor = await run_in_threadpool(look, cursor)
         out = []
         if page is not None:
             text = json.dumps(page, default=str, sort_keys=True)
             if text != sent_page:
                 sent_page = text
                 out.append(frame("run", page))
-        series, newest = new_points(points, after)
-        if series:
-            after = newest
-            if thin is not None:
-                series = {task: {k: thin(v) for k, v in per.items()} for task, per in series.items()}
-            out.append(frame("metrics", {"series": series}, event_id=repr(newest)))
+        if series or history:
+            out.append(frame("metrics", {"series": series, "cursor": cursor, "history": history}, event_id=str(cursor)))
         over = page is None or page["run"]["state"] in END_STATES
         if over:
             out.append(frame("end", {"state": None if page is None else page["run"]["state"]}))
