@@ -35,7 +35,9 @@ iproute2, no sshd and no apt) or Slurm cannot be brought up. Every namespace, ss
 it starts is stopped on exit (also on Ctrl-C or an error).
 
 Run: ``.venv/bin/python benchmarks/bench_multihost.py [--quick] [--reps N] [--parts throughput,straggler,launch]
-[--workers 1,2,3] [--ps-links-only 3] [--steps S] [--target G] [--backends local,slurm,ssh]``.
+[--workers 1,2,3] [--ps-links-only 3] [--steps S] [--target G] [--backends local,slurm,ssh] [--ab-push-thread]``
+(``--ab-push-thread``: each throughput configuration also with its pushes sent on the training thread,
+interleaved, the reference for the push thread of ``psflow.train.sender``).
 The markdown report goes to stdout, progress to stderr. Nothing here asserts on a timing.
 """
 
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -194,34 +197,57 @@ def hosts_flag(h: Hosts, count: int) -> list[str]:
 
 
 PS_ONLY = " (only the ps links limited)"
+INLINE = " [pushes on the training thread]"
 
 
-def config_name(ps: int, workers: int, ps_links_only: bool = False) -> str:
-    return f"{ps} ps, {workers} worker{'s' if workers > 1 else ''}" + (PS_ONLY if ps_links_only else "")
+def config_name(ps: int, workers: int, ps_links_only: bool = False, inline: bool = False) -> str:
+    return (f"{ps} ps, {workers} worker{'s' if workers > 1 else ''}" + (PS_ONLY if ps_links_only else "")
+            + (INLINE if inline else ""))
+
+
+def rate_bits(rate: str) -> float:
+    """tc's ``100mbit`` as bits per second."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if m is None:
+        raise SystemExit(f"--rate takes a tc rate such as 100mbit or 50mbit; received {rate!r}.")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def link_use(examples_per_sec: float, ps: int, workers: int, ps_links_only: bool, rate: str) -> float:
+    """The busiest limited link's bits per second over its rate: a ps's link carries its share of
+    every worker's pull (the parameters split evenly: balanced placement), a worker's its own push."""
+    steps_per_s = examples_per_sec / 100  # batch 100 per worker step
+    ps_link = steps_per_s * CNN_BYTES / ps * 8
+    worker_link = 0.0 if ps_links_only else steps_per_s / workers * CNN_BYTES * 8
+    return max(ps_link, worker_link) / rate_bits(rate)
 
 
 def part_throughput(h: Hosts, worker_counts: list[int], ps_only_counts: list[int], reps: int, warmup: int, steps: int,
-                    rate: str, workdir: Path) -> dict[str, list[dict[str, Any]]]:
-    """Every (ps, workers) configuration, interleaved; each run's links set just before it starts."""
+                    rate: str, workdir: Path, *, ab_inline: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """Every (ps, workers) configuration, interleaved; each run's links set just before it starts.
+    With ``ab_inline`` each also runs with its pushes sent on the training thread (the reference)."""
 
-    def case(ps: int, workers: int, ps_links_only: bool) -> Callable[[], dict[str, Any]]:
+    def case(ps: int, workers: int, ps_links_only: bool, inline: bool = False) -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
             h.unlimit()
             for i in range(1, (ps if ps_links_only else h.n) + 1):
                 h.limit(i, rate)
             t0 = time.monotonic()
             r = run_job(["--ps", str(ps), "--workers", str(workers), *hosts_flag(h, ps + workers)],
-                        ["--warmup", str(warmup), "--steps", str(steps)], workdir, netns=h.ns(1))
+                        ["--warmup", str(warmup), "--steps", str(steps), *(["--push_inline"] if inline else [])],
+                        workdir, netns=h.ns(1))
             out = throughput(list(r["workers"].values()))
-            log(f"  {config_name(ps, workers, ps_links_only)}: {out['examples_per_sec']:,.1f} ex/s "
+            log(f"  {config_name(ps, workers, ps_links_only, inline)}: {out['examples_per_sec']:,.1f} ex/s "
                 f"({time.monotonic() - t0:.0f} s)")
             return out
         return run
 
     h.limit(1, rate)
     log(f"throughput: links at {rate}: {h.qdisc(1)}")
-    cases = {config_name(ps, w): case(ps, w, False) for w in worker_counts for ps in (1, 2)}
-    cases.update({config_name(ps, w, True): case(ps, w, True) for w in ps_only_counts for ps in (1, 2)})
+    variants = (False, True) if ab_inline else (False,)
+    cases = {config_name(ps, w, False, i): case(ps, w, False, i) for w in worker_counts for i in variants for ps in (1, 2)}
+    cases.update({config_name(ps, w, True, i): case(ps, w, True, i)
+                  for w in ps_only_counts for i in variants for ps in (1, 2)})
     try:
         return harness.interleaved(cases, reps, warmup=0)
     finally:
@@ -232,16 +258,24 @@ def report_throughput(res: dict[str, list[dict[str, Any]]], worker_counts: list[
                       settings: dict[str, Any]) -> str:
     eps = {name: median([r["examples_per_sec"] for r in runs]) for name, runs in res.items()}
     step = {name: median([r["per_worker_step_s"] for r in runs]) for name, runs in res.items()}
+    shape = {config_name(ps, w, only, i): (ps, w, only) for w in {*worker_counts, *ps_only_counts}
+             for only in (False, True) for i in (False, True) for ps in (1, 2)}
     rows = [[name, f"{eps[name]:,.0f}", harness.spread([r["examples_per_sec"] for r in runs], ",.0f"),
-             f"{median([r['median_step_ex_per_sec'] for r in runs]):,.0f}", f"{step[name] * 1000:,.0f}"]
+             f"{median([r['median_step_ex_per_sec'] for r in runs]):,.0f}", f"{step[name] * 1000:,.0f}",
+             f"{link_use(eps[name], *shape[name], settings['rate']):.0%}"]
             for name, runs in res.items()]
 
-    def ratio(w: int, ps_links_only: bool) -> list[str]:
-        one, two = config_name(1, w, ps_links_only), config_name(2, w, ps_links_only)
-        return [f"{w} worker{'s' if w > 1 else ''}{PS_ONLY if ps_links_only else ''}: 2 ps / 1 ps",
-                f"{eps[two] / eps[one]:.2f}", f"{step[one] / step[two]:.2f}"]
+    def ratio(w: int, ps_links_only: bool, inline: bool = False) -> list[str]:
+        one, two = config_name(1, w, ps_links_only, inline), config_name(2, w, ps_links_only, inline)
+        return [f"{w} worker{'s' if w > 1 else ''}{PS_ONLY if ps_links_only else ''}{INLINE if inline else ''}: "
+                "2 ps / 1 ps", f"{eps[two] / eps[one]:.2f}", f"{step[one] / step[two]:.2f}"]
 
-    ratios = [ratio(w, False) for w in worker_counts] + [ratio(w, True) for w in ps_only_counts]
+    variants = (False, True) if settings.get("ab_inline") else (False,)
+    ratios = [ratio(w, False, i) for w in worker_counts for i in variants]
+    ratios += [ratio(w, True, i) for w in ps_only_counts for i in variants]
+    if settings.get("ab_inline"):
+        ratios += [[f"{name}: pushes on their own thread / on the training thread", f"{eps[name] / eps[name + INLINE]:.2f}",
+                    f"{step[name + INLINE] / step[name]:.2f}"] for name in res if not name.endswith(INLINE)]
     return "\n".join([
         f"### Throughput: {', '.join(map(str, worker_counts))} worker(s) against 1 and 2 ps, every link at {settings['rate']}",
         "",
@@ -249,9 +283,12 @@ def report_throughput(res: dict[str, list[dict[str, Any]]], worker_counts: list[
          f"per ps); per worker {settings['warmup']} warm-up + {settings['steps']} timed steps of batch 100, 1 torch "
          "thread; one task per namespace host, ps first (ps:0 on h1 with the launcher). Every host's link is limited "
          "unless the row says only the ps links are. examples/sec = examples of every worker / span of their timed "
-         "windows; \"median step\" = sum over workers of 100 / the worker's median step time; medians over rounds."),
+         "windows; \"median step\" = sum over workers of 100 / the worker's median step time; medians over rounds. "
+         f"Link use: the busiest limited link's bits per second over {settings['rate']} (a ps's link carries its "
+         "share of every pull, a worker's its own push)."),
         "",
-        md_table(["configuration", "examples/sec", "spread", "ex/s (median step)", "median ms/step per worker"], rows),
+        md_table(["configuration", "examples/sec", "spread", "ex/s (median step)", "median ms/step per worker",
+                  "link use"], rows),
         "",
         md_table(["ratio (same run)", "examples/sec", "median step time"], ratios),
         "",
@@ -464,6 +501,8 @@ def main() -> None:
     p.add_argument("--ps-links-only", default=None,
                    help="worker counts also run with only the ps hosts' links limited (default 3; quick none)")
     p.add_argument("--rate", default="100mbit", help="every host's link (tc tbf rate; default 100mbit)")
+    p.add_argument("--ab-push-thread", action="store_true",
+                   help="throughput part: each configuration also with its pushes sent on the training thread (A/B)")
     p.add_argument("--slow-rate", default="10mbit", help="the straggler's link (default 10mbit)")
     p.add_argument("--target", type=int, default=None, help="straggler part: global step to reach (default 14, quick 4)")
     p.add_argument("--accuracy", type=float, default=None,
@@ -528,9 +567,10 @@ def main() -> None:
                     sections += ["### Throughput", "", f"Skipped: no network-namespace hosts here ({no_hosts}).", ""]
                 else:
                     log(f"throughput: workers {worker_counts} x ps 1,2, {reps} round(s), {warmup} + {steps} steps")
-                    res = part_throughput(h, worker_counts, ps_only_counts, reps, warmup, steps, args.rate, workdir)
-                    sections.append(report_throughput(res, worker_counts, ps_only_counts, {"reps": reps, "warmup": warmup,
-                                                                           "steps": steps, "rate": args.rate}))
+                    res = part_throughput(h, worker_counts, ps_only_counts, reps, warmup, steps, args.rate, workdir,
+                                          ab_inline=args.ab_push_thread)
+                    sections.append(report_throughput(res, worker_counts, ps_only_counts, {
+                        "reps": reps, "warmup": warmup, "steps": steps, "rate": args.rate, "ab_inline": args.ab_push_thread}))
             if "straggler" in parts:
                 if h is None:
                     sections += ["### Straggler", "", f"Skipped: no network-namespace hosts here ({no_hosts}).", ""]

@@ -195,6 +195,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stop_file", default="", help="with --target_accuracy: the file the chief creates to stop the job")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (the example's default)")
     p.add_argument("--split_bytes", type=int, default=None, help="the Trainer's split_bytes (default: the config's)")
+    p.add_argument("--push_inline", action="store_true",
+                   help="A/B reference: send each push on the training thread (PushSender(threaded=False))")
     args = p.parse_args(argv)
     if min(args.warmup, args.steps, args.target_step, args.start_step) < 0 or args.steps < 1:
         p.error(f"step counts must be >= 0 and --steps >= 1; received {vars(args)}")
@@ -217,6 +219,10 @@ def main() -> None:
     model = cnn()
     settings = {} if args.split_bytes is None else {"split_bytes": args.split_bytes}
     trainer = pf.Trainer(model, pf.optim.Adam(lr=LR), task, **settings)
+    if args.push_inline:
+        from psflow.train.sender import PushSender
+
+        trainer.sender = PushSender(threaded=False)
     train = pf.data.mnist("train", flatten=False).shard(task)
     batches = train.batches(BATCH, epochs=EPOCHS, seed=task.replica_index)
     if args.target_accuracy:
