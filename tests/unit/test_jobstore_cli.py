@@ -150,3 +150,20 @@ def test_status_by_id_shows_each_restart_as_the_launchers_status_does(tmp_path):
     r = _cli(tmp_path, "status", "cccccc")
     assert r.exit_code == 0, r.output
     assert "attempt" in r.output and "worker:1 attempt 0: killed (SIGKILL) after" in r.output and "; restarted" in r.output
+
+
+def test_the_runs_table_folds_only_the_script_to_a_terminals_width_and_keeps_whole_rows_when_piped():
+    from psflow.platform.views import runs_text
+
+    runs = [{"id": f"2026-run-{i}", "state": "succeeded", "global_step": 1200 * i, "examples_per_sec": 51234.5,
+             "created_unix": 1.7e9, "script": "examples/a_script_with_a_rather_long_name.py", "args": ["--epochs", "3"]}
+            for i in range(3)]
+    piped = runs_text(runs).splitlines()
+    assert len(piped) == 2 + 3 and piped[0].split() == ["id", "state", "progress", "examples/s", "started", "script"]
+    assert piped[2].split()[:5] == ["2026-run-0", "succeeded", "step", "0", "51,234"]
+    assert piped[4].endswith("examples/a_script_with_a_rather_long_name.py --epochs 3")
+    narrow = runs_text(runs, width=100).splitlines()
+    assert max(len(line) for line in narrow) <= 100 and len(narrow) > 5
+    start = piped[0].index("script")
+    folded = "".join(line[start:] for line in narrow[2:2 + (len(narrow) - 2) // 3])
+    assert folded == "examples/a_script_with_a_rather_long_name.py --epochs 3"

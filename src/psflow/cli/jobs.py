@@ -37,18 +37,18 @@ def status(run: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON (each with its tasks and metrics).")
 def runs(state: str | None, as_json: bool) -> None:
     """List the runs recorded in the job store ($PSFLOW_HOME/jobs.db, default ~/.psflow), newest first."""
-    from rich.console import Console
+    import shutil
 
     from psflow.platform import views
 
     with _store_errors():
-        found = views.list_runs(state=state)
+        found = views.list_runs(state=state, metrics=as_json)  # the table shows no metrics: not read for it
     if as_json:
         click.echo(json.dumps(views.runs_json(found), indent=1, default=str))
     elif not found:
         click.echo("psflow: no runs recorded" + (f" in state {state}" if state else "") + ".")
-    else:  # piped: wide enough for whole rows (a terminal's own width otherwise)
-        Console(width=None if sys.stdout.isatty() else 200).print(views.runs_table(found))
+    else:  # piped: whole rows (a terminal's own width otherwise)
+        click.echo(views.runs_text(found, shutil.get_terminal_size().columns if sys.stdout.isatty() else None))
 
 
 @main.command()

@@ -48,13 +48,13 @@ def open_store(path: Path | None = None) -> JobStore | None:
     return JobStore(path, read_only=True) if path.exists() else None
 
 
-def list_runs(*, state: str | None = None, path: Path | None = None) -> list[dict[str, Any]]:
-    """Every recorded run, newest first, each with its tasks' latest metrics."""
+def list_runs(*, state: str | None = None, path: Path | None = None, metrics: bool = True) -> list[dict[str, Any]]:
+    """Every recorded run, newest first, each with its tasks' latest metrics (unless ``metrics`` is False)."""
     db = open_store(path)
     if db is None:
         return []
     with db:
-        return db.runs(state=state, metrics=True)
+        return db.runs(state=state, metrics=metrics)
 
 
 def find(ref: str, *, path: Path | None = None) -> RunRef:
@@ -133,29 +133,34 @@ def _logdir_failure(logdir: Path, state: dict[str, Any]) -> dict[str, Any] | Non
                                            exits[-1].get("cause") if exits else None)
 
 
-def runs_table(runs: Sequence[dict[str, Any]]) -> Any:
-    """A rich Table of runs: id, state, progress, examples/s, started, script."""
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
-    def widest(texts: Any, least: int) -> int:
-        return max((len(t) for t in texts), default=least)
-
-    # Only the script gives way on a narrow screen: an id, a state or a figure cut short says nothing.
-    table = Table(expand=False, box=box.SIMPLE_HEAD, show_edge=False)
-    table.add_column("id", no_wrap=True, min_width=widest((r["id"] for r in runs), 2))
-    table.add_column("state", no_wrap=True, min_width=widest((r["state"] for r in runs), 5))
-    table.add_column("progress", no_wrap=True, min_width=widest((progress_text(r) for r in runs), 8))
-    table.add_column("examples/s", justify="right", no_wrap=True, min_width=10)
-    table.add_column("started", no_wrap=True, min_width=19)
-    table.add_column("script", overflow="fold")
+def runs_text(runs: Sequence[dict[str, Any]], width: int | None = None) -> str:
+    """The runs as a table of plain text: id, state, progress, examples/s, started, script; ``width``:
+    the terminal's (the script column folds to fit; None: whole rows). Formatted here rather than by
+    rich: a thousand rows in milliseconds, not a second."""
+    rows = []
     for r in runs:
         started = r.get("started_unix") or r.get("created_unix")
-        shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else ""
-        table.add_row(Text(r["id"]), Text(r["state"]), Text(progress_text(r)), f"{r.get('examples_per_sec') or 0:,.0f}",
-                      shown, Text(" ".join([r.get("script") or "", *r.get("args", [])])))
-    return table
+        rows.append((r["id"], r["state"], progress_text(r), f"{r.get('examples_per_sec') or 0:,.0f}",
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "",
+                     " ".join([r.get("script") or "", *r.get("args", [])])))
+    head = ("id", "state", "progress", "examples/s", "started", "script")
+    widths = [max([len(head[i])] + [len(row[i]) for row in rows]) for i in range(5)]
+    lead = sum(widths) + 3 * 5 + 1  # the columns before the script, their gaps and the margin
+    room = max(10, (width or 10**6) - lead - 1)
+    widths.append(min(room, max([len(head[5])] + [len(row[5]) for row in rows])))
+
+    def line(cells: Sequence[str], first: bool = True) -> list[str]:
+        script = cells[5]
+        parts = [script[i:i + widths[5]] for i in range(0, len(script), widths[5])] or [""]
+        fixed = [c.rjust(w) if i == 3 else c.ljust(w) for i, (c, w) in enumerate(zip(cells[:5], widths))]
+        out = [" " + "   ".join([*fixed, parts[0].ljust(widths[5])]).rstrip()]
+        blank = " " * lead
+        return out + [blank + p for p in parts[1:]]
+
+    lines = line(head) + ["─" * (lead + widths[5])]
+    for row in rows:
+        lines += line(row)
+    return "\n".join(lines)
 
 
 def progress_text(run: dict[str, Any]) -> str:
