@@ -53,3 +53,55 @@ def test_the_scale_control_adds_then_retires_a_worker(tmp_path, browser, artifac
         assert launcher.wait(timeout=120) == 130
     finally:
         ui.stop()
+
+
+def test_the_heaviest_runs_page_draws_its_charts_bounded_and_a_zoom_asks_for_the_range(tmp_path, browser, artifacts):  # noqa: F811
+    """A finished run of 200,000 metric points (2 workers x 5 metrics x 20,000 reports, a loss spike at
+    60 %): its page draws each chart from at most 1,000 points per task, with the spike, in well under
+    the deadline; dragging over the loss chart asks for that range at full resolution."""
+    import json
+    import random
+    import time
+
+    from psflow.platform import metricstore
+    from psflow.platform.jobstore import JobStore
+
+    home, rng, run_id = tmp_path / "home", random.Random(0), "20260101-000000-heavy"
+    home.mkdir()
+    with JobStore(home / "jobs.db") as db, db.transaction():
+        db.add_run({"id": run_id, "script": "x.py", "logdir": str(tmp_path / "run"), "created_unix": 1.7e9},
+                   ["ps:0", "worker:0", "worker:1"])
+        for k in range(20_000):
+            for task in ("worker:0", "worker:1"):
+                metricstore.write(db.conn, run_id, task, 1.7e9 + k, [  # type: ignore[arg-type]
+                    (name, 50.0 if name == "loss" and k == 12_000 else rng.random(), k * 10)
+                    for name in ("loss", "accuracy", "examples_per_sec", "global_step", "local_step")])
+        db.finish_run(run_id, "succeeded", 1.7e9 + 20_000)
+    ui = start_dashboard(home, tmp_path / "runs")
+    try:
+        started = time.monotonic()  # a fresh page, straight to the run (reads are open on loopback)
+        page = desktop_page(browser, f"{ui.url}#/run/{run_id}")
+        page.wait_for_selector('#chart-loss[data-points]:not([data-points="0"]) canvas')
+        page.wait_for_selector('#chart-examples_per_sec[data-points]:not([data-points="0"]) canvas')
+        drawn_s = time.monotonic() - started
+        (artifacts / "12-heavy-run.json").write_text(json.dumps({"load_to_charts_drawn_s": round(drawn_s, 3)}))
+        page.screenshot(path=str(artifacts / "12-heavy-run.png"), full_page=True)
+        assert 0 < int(page.get_attribute("#chart-loss", "data-points")) <= 2 * 1000
+        assert drawn_s < 10, drawn_s  # under 1 s on a quiet machine (BENCHMARKS.md); this one is shared
+        highest = page.evaluate("Math.max(...view.series.loss['worker:0'].map(p => p[2]))")
+        assert highest == 50.0  # the spike survived the downsampling
+
+        box = page.locator("#chart-loss .u-over").bounding_box()
+        assert box is not None
+        page.mouse.move(box["x"] + box["width"] * 0.55, box["y"] + box["height"] / 2)
+        page.mouse.down()
+        page.mouse.move(box["x"] + box["width"] * 0.57, box["y"] + box["height"] / 2, steps=5)
+        page.mouse.up()
+        page.wait_for_selector('#chart-loss[data-zoomed="1"]')
+        zoom = page.evaluate("view.zoom.loss['worker:0']")
+        gaps = {round(b[0] - a[0], 6) for a, b in zip(zoom, zoom[1:])}
+        assert 10 < len(zoom) <= 1000 and gaps == {1.0}, (len(zoom), sorted(gaps)[:5])  # every point of the range
+        page.dblclick("#chart-loss .u-over")
+        page.wait_for_selector('#chart-loss[data-zoomed="0"]')
+    finally:
+        ui.stop()

@@ -117,19 +117,24 @@ function runsPage() {
   const state = document.getElementById("state-filter");
   const search = document.getElementById("search");
   const PAGE = 100;
-  let offset = 0;
+  // the page shown: the newest (key null), or the one older ("before") or newer ("after") than a key the
+  // last answer gave (keyset pages: each costs the same however deep)
+  let key = null, older = null, newer = null;
   const load = async () => {
     const mine = view;
-    const q = new URLSearchParams({limit: String(PAGE), offset: String(offset)});
+    const q = new URLSearchParams({limit: String(PAGE)});
+    if (key) q.set(key[0], key[1]);
     if (state.value) q.set("state", state.value);
     if (search.value.trim()) q.set("q", search.value.trim());
     try {
       const page = await api("/api/runs?" + q);
       if (view !== mine) return;  // the page was left while the answer came
-      const shown = page.runs.length ? `${offset + 1}-${offset + page.runs.length} of ` : "";
+      if (key && !page.runs.length) { key = null; return load(); }  // its runs are gone: the newest page
+      older = page.older; newer = page.newer;
+      const shown = page.runs.length ? `${page.offset + 1}-${page.offset + page.runs.length} of ` : "";
       document.getElementById("runs-count").textContent = `${shown}${page.total} run${page.total === 1 ? "" : "s"}`;
-      document.getElementById("newer-btn").disabled = offset === 0;
-      document.getElementById("older-btn").disabled = offset + page.runs.length >= page.total;
+      document.getElementById("newer-btn").disabled = !newer;
+      document.getElementById("older-btn").disabled = !older;
       document.querySelector("#runs-table tbody").innerHTML = page.runs.map(runRow).join("") ||
         `<tr><td colspan="8" class="muted">No runs${state.value || search.value ? " match" : " yet: start one"}.</td></tr>`;
     } catch (e) { if (view === mine) report(e); }
@@ -144,10 +149,10 @@ function runsPage() {
   });
   compare.onclick = () => { location.hash = "#/compare/" + [...picked].map(encodeURIComponent).join(","); };
   view = {picked};
-  document.getElementById("newer-btn").onclick = () => { offset = Math.max(0, offset - PAGE); load(); };
-  document.getElementById("older-btn").onclick = () => { offset += PAGE; load(); };
-  state.addEventListener("change", () => { offset = 0; load(); });
-  search.addEventListener("input", () => { offset = 0; load(); });
+  document.getElementById("newer-btn").onclick = () => { if (newer) { key = ["after", newer]; load(); } };
+  document.getElementById("older-btn").onclick = () => { if (older) { key = ["before", older]; load(); } };
+  state.addEventListener("change", () => { key = null; load(); });
+  search.addEventListener("input", () => { key = null; load(); });
   every(load);
 }
 
@@ -171,7 +176,7 @@ function runRow(r) {
 
 // -- one run -----------------------------------------------------------------------------------------
 function runPage(runId) {
-  view = {runId, series: {}, after: 0, charts: {}, logTask: null, logOffset: null, logText: "", lastEvent: 0,
+  view = {runId, series: {}, cursor: null, zoom: {}, charts: {}, logTask: null, logOffset: null, logText: "", lastEvent: 0,
           metrics: CHARTS.map(([key]) => key), known: new Set(), touched: new Set(), chartSettings: chartSettings()};
   app.innerHTML = `
     <div class="toolbar">
@@ -234,6 +239,7 @@ function chartControls() {
   const log = document.getElementById("chart-log"), shown = document.getElementById("chart-smoothing-value");
   x.value = s.x; sm.value = String(s.smoothing); log.checked = s.log; shown.textContent = s.smoothing.toFixed(2);
   const changed = () => {
+    if (x.value !== view.chartSettings.x) view.zoom = {};  // a zoom is a range of the x it was asked on
     view.chartSettings = {x: x.value, smoothing: Number(sm.value), log: log.checked};
     shown.textContent = view.chartSettings.smoothing.toFixed(2);
     saveChartSettings(view.chartSettings);
@@ -275,7 +281,7 @@ function drawPicker(runId) {
 function relive(runId) {
   if (stream) { stream.close(); stream = null; }
   clearInterval(timer); timer = null;
-  view.series = {}; view.after = 0;
+  view.series = {}; view.cursor = null;
   drawCharts();
   liveRun(runId);
 }
@@ -302,9 +308,11 @@ function liveRun(runId) {
     finally { drawing = false; }
   };
   es.addEventListener("run", ev => { if (!mine()) return; next = JSON.parse(ev.data); if (!drawing) draw(); });
-  es.addEventListener("metrics", ev => {
+  es.addEventListener("metrics", ev => {  // the history (bounded) first, then only what is new
     if (!mine()) return;
-    addPoints(JSON.parse(ev.data).series);
+    const m = JSON.parse(ev.data);
+    addPoints(m.series);
+    view.cursor = m.cursor;
     drawCharts();
   });
   es.addEventListener("end", () => { es.close(); if (stream === es) stream = null; });
@@ -459,14 +467,18 @@ function drawSummary(run) {
   el.innerHTML = `<dl class="kv">${rows.filter(([, v]) => v !== "").map(([k, v]) => `<dt>${esc(k)}</dt><dd>${esc(v)}</dd>`).join("")}</dl>`;
 }
 
+// Polled: the charts' history once (a bounded number of points per series), then from its cursor only
+// the points written since.
 async function refreshMetrics(runId) {
   const mine = view;
-  const q = new URLSearchParams({after: String(view.after)});
+  const q = new URLSearchParams();
+  if (view.cursor !== null) q.set("cursor", String(view.cursor));
   for (const key of view.metrics) q.append("name", key);
   let m;
   try { m = await api(`/api/runs/${encodeURIComponent(runId)}/metrics?${q}`); } catch (e) { return; }
   if (view !== mine) return;
   addPoints(m.series);
+  view.cursor = m.cursor;
   drawCharts();
 }
 
@@ -474,9 +486,24 @@ function addPoints(series) {
   for (const [task, per] of Object.entries(series)) {
     for (const [name, points] of Object.entries(per)) {
       const s = ((view.series[name] = view.series[name] || {})[task] = view.series[name][task] || []);
-      for (const p of points) { s.push(p); if (p[0] > view.after) view.after = p[0]; }
+      for (const p of points) s.push(p);
     }
   }
+}
+
+// A range chosen on a chart (dragged over it) is asked for at full resolution, up to the bound; a
+// double click goes back to the whole run.
+async function zoomChart(key, lo, hi) {
+  const mine = view;
+  if (lo === null) { delete view.zoom[key]; drawCharts(); return; }
+  const q = new URLSearchParams({name: key, x: view.chartSettings.x, lo: String(lo), hi: String(hi)});
+  let m;
+  try { m = await api(`/api/runs/${encodeURIComponent(view.runId)}/metrics?${q}`); } catch (e) { report(e); return; }
+  if (view !== mine) return;
+  const per = {};
+  for (const [task, series] of Object.entries(m.series)) if (series[key]) per[task] = series[key];
+  view.zoom[key] = per;
+  drawCharts();
 }
 
 // A card per drawn metric (in the order drawn), each chart redrawn from view.series.
@@ -500,7 +527,10 @@ function drawCharts() {
       card.querySelector(".chart").id = "chart-" + key;
       box.appendChild(card);
     }
-    view.charts[key] = drawMetricChart(card.querySelector(".chart"), key, view.series[key], view.chartSettings, view.charts[key]);
+    const el = card.querySelector(".chart");
+    el.dataset.zoomed = view.zoom[key] ? "1" : "0";
+    view.charts[key] = drawMetricChart(el, key, view.zoom[key] || view.series[key], view.chartSettings, view.charts[key],
+      (lo, hi) => zoomChart(key, lo, hi));
   }
 }
 

@@ -78,7 +78,8 @@ function chartData(per, settings) {
 }
 
 // Draw (or redraw) metric `name`'s chart in `el`; returns the uPlot (kept by the caller for the next draw).
-function drawMetricChart(el, name, per, settings, chart) {
+// onZoom(lo, hi): a range of x dragged over (onZoom(null) on a double click: the whole run again).
+function drawMetricChart(el, name, per, settings, chart, onZoom) {
   const {data, series, points} = chartData(per || {}, settings);
   el.dataset.points = String(points);
   el.dataset.x = settings.x;
@@ -94,9 +95,14 @@ function drawMetricChart(el, name, per, settings, chart) {
   if (chart && chart._shape === shape && Math.abs(chart.width - width) < 2) { chart.setData(data); return chart; }
   if (chart) chart.destroy();
   el.innerHTML = "";
+  const zoomed = u => {  // a drag: uPlot zooms its scale to the selection; the points of that range are asked for
+    if (!onZoom || u.select.width < 2) return;
+    onZoom(u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x"));
+  };
   chart = new uPlot({width, height: 220, legend: {show: true},
     scales: {x: {time: settings.x === "time"}, y: settings.log ? {distr: 3} : {}},
-    axes: [settings.x === "step" ? {label: "step"} : {}, {size: 60}], series}, data, el);
+    axes: [settings.x === "step" ? {label: "step"} : {}, {size: 60}], series, hooks: {setSelect: [zoomed]}}, data, el);
+  el.ondblclick = () => { if (onZoom) onZoom(null, null); };
   chart._shape = shape;
   return chart;
 }
