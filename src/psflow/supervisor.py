@@ -61,6 +61,7 @@ from psflow.launch import errorreport
 from psflow.rundir import DONE_FILE
 from psflow.summary import EventWriter
 from psflow.train.modes import mode_of
+from psflow.wire.conn import ConnectStopped
 
 if TYPE_CHECKING:
     from psflow.train.base import TrainerBase
@@ -611,6 +612,7 @@ class Supervisor:
     # -- end -------------------------------------------------------------------------------
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         failing = exc_type is not None
+        stopped = _stopped_reconnecting(exc)
         try:
             # Its training is over: not a hang for the watchdog (closing the trainer then says so for good).
             with self.trainer.waiting("the end of its loop: hooks, summaries, the final checkpoint"):
@@ -623,6 +625,14 @@ class Supervisor:
             # its PS_DONE says why it stops: a failing task is waited for (a restart), not counted finished
             failed = None if exc is None else errorreport.one_line(exc)
             self._quietly(failing, "closing the trainer", lambda: self.trainer.close(failed=failed))
+        if stopped is not None:
+            # SIGTERM came while a ps was unreachable: the script's code after its loop would wait for the
+            # ps again, past the launcher's grace. End now, as the stop asked, with SIGTERM's exit status.
+            newest = f"step {self._last_saved_step}" if self._last_saved_step is not None else "none"
+            self._say(f"stopped by SIGTERM while a ps was unreachable ({stopped}); the newest checkpoint is {newest}"
+                      f"{' (no final one: the values live on the ps)' if self.is_chief else ''}; exiting with "
+                      f"status {128 + signal.SIGTERM}, as a stopped task")
+            raise SystemExit(128 + signal.SIGTERM) from exc
 
     def _end(self, failing: bool, exc_type: type[BaseException] | None) -> None:
         for hook in self.hooks:
@@ -728,6 +738,9 @@ class Supervisor:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._terminated = True
         self.request_stop("SIGTERM")
+        client = getattr(self.trainer, "client", None)
+        if client is not None and hasattr(client, "stop_reason"):
+            client.stop_reason = "SIGTERM"  # a reconnect to a ps that is down gives up now, not at its deadline
 
     def _restore_sigterm(self) -> None:
         if self._previous_term is not None:
@@ -749,6 +762,16 @@ class Supervisor:
             "last_loss": self.last_loss,
             "stop_reason": self._stop_reason,
         })
+
+
+def _stopped_reconnecting(exc: BaseException | None) -> ConnectStopped | None:
+    """The ConnectStopped that ``exc`` is or was raised from (a stop request ended a reconnect), else None."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, ConnectStopped):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def due_checkpoint_step(global_step: int, last_step: int, every: int | None) -> int | None:

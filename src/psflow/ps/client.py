@@ -91,6 +91,10 @@ class PsClient:
         self.addresses = [cluster.address(TaskId("ps", i)) for i in range(self.num_shards)]
         self._secret, self._limits, self._resolve = secret, limits, resolve
         self._cluster = cluster
+        # Why this task is stopping (SIGTERM), set by its Supervisor's signal handler: a plain attribute,
+        # read by each reconnect's backoff, which then gives up at once (ConnectStopped) instead of
+        # retrying for connect_timeout_s past the launcher's grace.
+        self.stop_reason: str | None = None
         # Pushes sent and not answered yet that the ps deduplicates (they carry ``seq``): shard ->
         # (meta, gradients), resent once on a fresh connection if the connection drops before the reply.
         self._unanswered: dict[int, tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]] = {}
@@ -137,7 +141,11 @@ class PsClient:
 
     def _connect(self, shard: int, address: str) -> Connection:
         return connect(address, secret=self._secret, task=str(self.task), peer=f"ps:{shard}",
-                       deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve)
+                       deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve,
+                       should_stop=self._stopping)
+
+    def _stopping(self) -> str | None:
+        return self.stop_reason
 
     def _conn(self, shard: int) -> Connection:
         """The shard's connection; reconnected (where the shard listens now) if it was lost."""
@@ -152,6 +160,8 @@ class PsClient:
             except PsflowError as e:
                 log.warning("%s: cannot ask where ps:%d listens now (%s); trying its last address %s.",
                             self.task, shard, e, address)
+            log.warning("%s: reconnecting to ps:%d at %s (retrying for up to %g s; a stop request ends it).",
+                        self.task, shard, address, self.connect_timeout_s)
             conn = self._connect(shard, address)
             self.conns[shard] = conn
             self.addresses[shard] = conn.address
@@ -175,13 +185,15 @@ class PsClient:
         try:
             # A refused connection (nothing listens: the ps died) fails over at once, not after failover_s.
             return connect(self._where(serving), secret=self._secret, task=str(self.task), peer=f"ps:{serving}",
-                           deadline_s=self.failover_s, limits=self._limits, resolve=self._resolve, refused_is_gone=True)
+                           deadline_s=self.failover_s, limits=self._limits, resolve=self._resolve, refused_is_gone=True,
+                           should_stop=self._stopping)
         except TransportError as e:
             other = self._reroute(shard)
             log.warning("%s: ps:%d did not answer within %g s (%s); ps:%d serves shard %d now.",
                         self.task, serving, self.failover_s, e, other, shard)
         return connect(self._where(other), secret=self._secret, task=str(self.task), peer=f"ps:{other}",
-                       deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve)
+                       deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve,
+                       should_stop=self._stopping)
 
     def _reroute(self, shard: int) -> int:
         """Route ``shard`` to the other ps of its pair; returns it. Its connection is made again there."""

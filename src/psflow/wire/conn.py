@@ -91,6 +91,10 @@ class PeerLostError(TransportError):
     """The peer closed or reset the connection (its process may have died, or moved to a new address)."""
 
 
+class ConnectStopped(TransportError):
+    """``connect`` gave up because its task was asked to stop (``should_stop``), not at its deadline."""
+
+
 class ServerBusyError(TransportError):
     """The server turned this connection away: too many handshakes were under way (retried by connect)."""
 
@@ -465,6 +469,7 @@ def connect(
     limits: Limits = Limits(),
     resolve: Resolve | None = None,
     refused_is_gone: bool = False,
+    should_stop: Callable[[], str | None] | None = None,
 ) -> Connection:
     """Connect to a psflow server, retrying with backoff until ``deadline_s``, and authenticate.
 
@@ -483,8 +488,12 @@ def connect(
             another address, that one is tried at once): PeerGoneError. For a failover, where the
             peer's copy elsewhere serves as soon as this one is known dead; a task's first connection
             (its peer may not listen yet) keeps retrying.
+        should_stop: the reason this task was asked to stop (SIGTERM), or None: checked after each
+            failed attempt and through the backoff between them, so a stop ends the retries within
+            ~50 ms, once at least one attempt was made (with a handshake of 1 s at most once stopping).
 
     Raises:
+        ConnectStopped: ``should_stop`` named a reason and the last attempt failed.
         TransportError: the address stayed unreachable (or busy) until the deadline.
         PeerGoneError: with ``refused_is_gone``, the address refused the connection.
         ClusterError: the server is another task than ``peer`` (not retried without ``resolve``).
@@ -496,9 +505,11 @@ def connect(
     t_end = time.monotonic() + deadline_s
     delay, last = 0.02, None
     while True:
+        # A task that is stopping has a grace to end in: an attempt must not outlast it.
+        handshake_s = handshake_timeout_s if should_stop is None or not should_stop() else min(handshake_timeout_s, 1.0)
         try:
-            conn = _attempt(address, name, secret, task, peer, handshake_timeout_s, limits,
-                            min(handshake_timeout_s, max(0.05, t_end - time.monotonic())))
+            conn = _attempt(address, name, secret, task, peer, handshake_s, limits,
+                            min(handshake_s, max(0.05, t_end - time.monotonic())))
             conn.set_timeout(None)
             return conn
         except (OSError, ServerBusyError) as e:  # refused, unreachable, or flooded with handshakes: wait and retry
@@ -515,17 +526,34 @@ def connect(
                 raise
             last = e  # another task answers at the old address: the peer moved, ask where to
         if time.monotonic() + delay > t_end:
+            _backoff(0.0, name, address, last, should_stop)  # a stop request is the reason to name, not the deadline
             where = " (the address the launcher's coordinator gave last)" if resolve is not None else ""
             raise TransportError(
                 f"Cannot reach {name} at {address}{where} after {deadline_s:.1f} s (last error: {last}). "
                 "Is that task running and is the address right? Raise the wait with connect_timeout_s "
                 "(PSFLOW_CONNECT_TIMEOUT_S)."
             ) from last
-        time.sleep(delay)  # backoff between connection attempts, not synchronisation
+        _backoff(delay, name, address, last, should_stop)
         delay = min(delay * 2, 1.0)
         if resolve is not None:
             assert peer is not None
             address = _resolved(resolve, peer, address)
+
+
+def _backoff(delay_s: float, name: str, address: str, last: BaseException | None,
+             should_stop: Callable[[], str | None] | None) -> None:
+    """Wait ``delay_s`` between connection attempts (not a synchronisation), in slices that look at
+    ``should_stop``: a stop request (set by a signal handler: a flag, no lock) ends the wait."""
+    end = time.monotonic() + delay_s
+    while True:
+        reason = should_stop() if should_stop is not None else None
+        if reason:
+            raise ConnectStopped(f"Stopped ({reason}) while reconnecting to {name} at {address}: it was still "
+                                 f"unreachable (last error: {last}).") from last
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, 0.05))
 
 
 def _resolved(resolve: Resolve, peer: str, address: str) -> str:
