@@ -5,7 +5,8 @@ Events go in (:class:`TaskStarted`, :class:`TaskExited`, :class:`TaskReported`, 
 :class:`RunFailed`, :class:`TimeAdvanced`), each with its unix time; decisions come out (:class:`StartTask`,
 :class:`StopTasks`, :class:`RestartTask`, :class:`DumpStacks`, :class:`RunFinished`). No I/O and no
 clock: a test steps a whole run by hand; :mod:`psflow.launch.runner` feeds it what the backend saw
-and carries out what it decides. The rules (failures and the root cause, draining, stops, restarts
+and carries out what it decides. It is the one source of the run's state: each change it makes goes
+to its subscriber (the stores, the alerts: :mod:`psflow.launch.subscribers`). The rules (failures and the root cause, draining, stops, restarts
 and restart groups, hangs, scaling), each with its reason: ``docs/design/run-controller.md``.
 
 Run phases::
@@ -38,6 +39,7 @@ from typing import Any
 
 from psflow.launch.restart import TRAINING_JOBS, RestartGroup, RestartPolicy
 from psflow.launch.rootcause import TaskExit, root_cause
+from psflow.launch.subscribers import RunSubscriber, TaskChange
 from psflow.launch.watchdog import Hang, HangPolicy, StackDump, Watchdog
 
 # ------------------------------------------------------------------------------------------ events
@@ -307,10 +309,11 @@ class RunController:
 
     def __init__(self, tasks: Sequence[str], *, grace_s: float, ps_exit_timeout_s: float,
                  policy: RestartPolicy | None = None, hangs: HangPolicy | None = None,
-                 group: RestartGroup | None = None) -> None:
+                 group: RestartGroup | None = None, subscriber: RunSubscriber | None = None) -> None:
         if not tasks:
             raise ValueError("A run needs at least one task; received none.")
         self.names = list(tasks)
+        self.subscriber = subscriber or RunSubscriber()  # told every state change (psflow.launch.subscribers)
         self.grace_s = grace_s
         self.ps_exit_timeout_s = ps_exit_timeout_s
         self.policy = policy or RestartPolicy()
@@ -337,7 +340,8 @@ class RunController:
         """The first decisions of the run: start every task, attempt 0."""
         if self.phase != "new":
             raise RuntimeError(f"RunController.start called twice (the run is {self.phase}).")
-        self.now, self.phase = at, "running"
+        self.now = at
+        self._set_phase("running")
         return [StartTask(t, 0) for t in self.names]
 
     def handle(self, event: Event) -> list[Decision]:
@@ -381,6 +385,7 @@ class RunController:
         rec = self._record(e.task)
         if e.attempt != rec.attempt:
             return []  # a late notice of an attempt already replaced
+        self._tell(TaskChange(e.task, "started", e.attempt, e.at, handle=e.handle))
         if rec.state == "retiring":  # retired by a scale request while it was being started
             rec.handle, rec.started_at = e.handle, e.at
             return [StopTasks((e.task,), self.grace_s, f"{e.task} is retired by a scale request")] + self._finish_if_done()
@@ -403,6 +408,8 @@ class RunController:
             rec.exits.append(exit_)
             rec.state, rec.hang = "retired", None
             self._exit_order.append((e.task, exit_))
+            self._tell(TaskChange(e.task, "exited", e.attempt, e.at, exit=exit_))
+            self._tell(TaskChange(e.task, "retired", e.attempt, e.at))
             return self._maybe_drain(e.at)
         # Killed by the watchdog: the hang is its cause (one that ended by itself after the dump has its own).
         hang = rec.hang if rec.hang is not None and rec.hang.attempt == e.attempt and rec.hang.killed else None
@@ -414,6 +421,7 @@ class RunController:
         rec.state, rec.hang = "exited", None
         self.watchdog.forget(e.task)
         self._exit_order.append((e.task, exit_))
+        self._tell(TaskChange(e.task, "exited", e.attempt, e.at, exit=exit_, hang=None if hang is None else hang.to_dict()))
         if stopped or (hang is not None and self.phase == "stopping"):
             return []
         if self._regroup is not None and self.group is not None and e.task in self.group.members:
@@ -436,7 +444,7 @@ class RunController:
         """Every training task exited 0 (or was retired): the others get ``ps_exit_timeout_s`` to exit."""
         training = [r for r in self.records.values() if r.job in TRAINING_JOBS and r.state != "retired"]
         if self.phase == "running" and all(self._exited_cleanly(r) for r in training):
-            self.phase = "draining"
+            self._set_phase("draining")
             self._drain_deadline = at + self.ps_exit_timeout_s
             self._cancel_restarts()  # training is over: a ps waiting for its restart is not needed
         return []
@@ -474,6 +482,7 @@ class RunController:
             else:
                 rec.attempt, rec.handle, rec.hang = rec.attempt + 1, None, None
             rec.state, rec.started_at = "starting", None
+            self._tell(TaskChange(task, "added", rec.attempt, self.now))
             out.append(StartTask(task, rec.attempt))
         retire = now[workers:]
         for task in retire:
@@ -489,6 +498,7 @@ class RunController:
                     rec.exits[-1].restarted = False
                     self.restarts -= 1
                 rec.state = "retired"
+                self._tell(TaskChange(task, "retired", rec.attempt, self.now))
         live = tuple(t for t in retire if self.records[t].state == "retiring" and self.records[t].started_at is not None)
         if live:
             out.append(StopTasks(live, self.grace_s, f"retiring {', '.join(live)} (a scale request to {workers} workers)",
@@ -501,7 +511,7 @@ class RunController:
 
     def _on_stop_requested(self, e: StopRequested) -> list[Decision]:
         self.stopped_by = self.stopped_by or e.reason
-        self.phase = "stopping"
+        self._set_phase("stopping")
         self._cancel_regroup()
         self._cancel_restarts()
         for rec in self.records.values():
@@ -527,6 +537,7 @@ class RunController:
         rec = self._record(e.task)
         if rec.hang is not None and rec.hang.attempt == e.attempt:
             rec.hang.stacks, rec.hang.unavailable = e.stacks, e.unavailable
+            self._tell(TaskChange(e.task, "hung", e.attempt, e.at, hang=rec.hang.to_dict()))
         return []
 
     # -- rules -------------------------------------------------------------------------------------
@@ -578,6 +589,7 @@ class RunController:
         exit_.restarted = True
         self.restarts += 1
         rec.state, rec.attempt, rec.restart_due = "backoff", rec.attempt + 1, self.now + after_s
+        self._tell(TaskChange(rec.task, "restarting", rec.attempt, self.now, after_s=after_s, reason=exit_.cause))
         return RestartTask(rec.task, rec.attempt, after_s, describe_exit(exit_.code))
 
     def _quick_exits(self, rec: TaskRecord) -> int:
@@ -632,6 +644,8 @@ class RunController:
             rec.exits[-1].restarted = True
             self.restarts += 1
             rec.state, rec.attempt, rec.restart_due = "backoff", rec.attempt + 1, self.now + after_s
+            self._tell(TaskChange(rec.task, "restarting", rec.attempt, self.now, after_s=after_s,
+                                  reason=rec.exits[-1].cause))
             out.append(RestartTask(rec.task, rec.attempt, after_s, cause, group=self.group.what))
         return out
 
@@ -646,7 +660,7 @@ class RunController:
 
     def _fail(self, task: str, code: int, cause: str | None = None) -> list[Decision]:
         self.first_failure = self.first_failure or task
-        self.phase = "stopping"
+        self._set_phase("stopping")
         self._cancel_regroup()
         self._cancel_restarts()
         live = self._live()
@@ -665,7 +679,7 @@ class RunController:
     def _drain_deadline_passed(self) -> list[Decision]:
         if self.phase != "draining" or self._drain_deadline is None or self.now < self._drain_deadline:
             return []
-        self.phase = "stopping"
+        self._set_phase("stopping")
         left = self._live()
         if not left:
             return []
@@ -682,7 +696,7 @@ class RunController:
         else:
             status, code = "succeeded", 0
         self.result = RunFinished(status, self.root_cause() if self.first_failure else None, code)
-        self.phase = "finished"
+        self._set_phase("finished")
         return [self.result]
 
     def root_cause(self) -> str | None:
@@ -703,6 +717,14 @@ class RunController:
         return [(t, x) for t, x in self._exit_order if not x.restarted]
 
     # -- helpers -----------------------------------------------------------------------------------
+    def _tell(self, change: TaskChange) -> None:
+        self.subscriber.on_task_state(change)
+
+    def _set_phase(self, phase: str) -> None:
+        if phase != self.phase:
+            self.phase = phase
+            self.subscriber.on_run_state(phase, self.now)
+
     def _record(self, task: str) -> TaskRecord:
         rec = self.records.get(task)
         if rec is None:

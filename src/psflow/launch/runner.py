@@ -15,11 +15,12 @@ The I/O shell of :class:`psflow.launch.controller.RunController`. It
    tasks' plans, the coordinator's expected tasks and membership, which the ps read, and the run
    store follow), where the backend can (``Backend.scale_refusal``); a :class:`~psflow.launch.controller.DumpStacks` decision becomes the backend's
    ``dump_stacks`` (SIGUSR1), whose location goes back to the controller and into the run store;
-4. records it all in the run store it is handed (:mod:`psflow.launch.runstore`: ``status.json``,
-   ``events.jsonl``, ``summary.json``; the platform's adds the job store), and,
-   once the controller has finished the run, reads the ledger over every ps shard copy
-   (:mod:`psflow.launch.copies`: copies or shards that disagree fail a run whose tasks all
-   succeeded), then prints the root cause first, then what the other failed tasks said.
+4. makes the run store's members the controller's subscribers (:mod:`psflow.launch.subscribers`),
+   which learn every state change from it; the runner records only the rest (registrations,
+   progress, other events, control answers). Once the run is over it reads the ledger over every
+   ps shard copy (:mod:`psflow.launch.copies`: copies that disagree fail a run whose tasks all
+   succeeded), puts the root cause in words once, hands every subscriber the same
+   :class:`~psflow.launch.subscribers.RunOutcome`, and prints the root cause, then the others' errors.
 
 Signals: the first Ctrl-C or SIGTERM asks the run to stop (every task gets SIGTERM, then SIGKILL
 after the plan's ``grace_s``); a second one interrupts the launcher at once, and still nothing it
@@ -44,6 +45,7 @@ from typing import Any
 
 import click
 
+from psflow.launch import errorreport
 from psflow.launch.backend import Backend, RunResult
 from psflow.launch.contract import TaskEnv
 from psflow.launch.control import ControlRequest, check_workers
@@ -74,6 +76,7 @@ from psflow.launch.logdirlock import hold_run
 from psflow.launch.plan import LaunchPlan, TaskPlan, added_worker
 from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import RunStore, file_store
+from psflow.launch.subscribers import RunOutcome, Subscribers
 from psflow.launch.summary import build_summary
 from psflow.ps.authority import ViewAuthority
 from psflow.ps.views import ShardView, Sync
@@ -145,8 +148,10 @@ class Runner:
             self._views = (ViewAuthority(server, num_ps, on_change=_view_event(store))
                            if plan.config.strategy == "ps" and plan.config.ps_replicas == 2 and num_ps >= 2 else None)
             address = server.start()
+            subscribers = Subscribers(store.members(), warn=self.console.warn)
             controller = RunController(plan.task_names(), grace_s=plan.grace_s, ps_exit_timeout_s=plan.ps_exit_timeout_s,
-                                       policy=self.policy or plan.restart, hangs=plan.hangs, group=group)
+                                       policy=self.policy or plan.restart, hangs=plan.hangs, group=group,
+                                       subscriber=subscribers)
             launcher = TaskEnv(coordinator=address, secret_file=str(secret_file)).render()
             envs = {tp.task: {**dict(tp.env), **launcher} for tp in plan.tasks}
             self._scaling = _Scaling(plan, coord, envs, launcher)
@@ -158,13 +163,13 @@ class Runner:
                 server.stop()
         tasks_done = finished
         findings, finished = read_ledger(finished, coord.reports, self._scaling.plan)
+        failure = failure_in_words(controller, finished.root_cause)
         summary = build_summary(self._scaling.plan, coord.reports, coord.addresses, controller.records, time.time() - t0,
-                                finished.status, finished.root_cause, findings)
+                                finished.status, finished.root_cause, findings, failure=failure)
         if plan.config.timeline:  # every task has exited: merge their spans into one trace
             write_trace(plan.logdir)
-        store.summary(summary)
-        store.finished(finished.status)
-        self.console.final_table(store.snapshot())
+        subscribers.on_run_end(RunOutcome(finished.status, finished.exit_code, finished.root_cause, failure, summary))
+        self.console.final_table({**store.snapshot(), "failure": None})  # the root cause follows, in full
         self._print_restarts(controller)
         if tasks_done.root_cause is not None:
             self._print_root_cause(plan, controller, tasks_done.root_cause)
@@ -201,7 +206,7 @@ class Runner:
                 pending.extend(controller.handle(RunFailed(failed[0], controller.records[failed[0]].attempt, failed[1],
                                                            time.time())))
             for exited in exits:
-                pending.extend(self._exited(exited, controller, store))
+                pending.extend(self._exited(exited, controller))
             while True:
                 try:
                     pending.extend(controller.handle(signs.get_nowait()))
@@ -250,8 +255,6 @@ class Runner:
         retired = before[workers:]
         sc.grow(added)
         self.backend.replan(sc.plan)
-        if added:
-            store.tasks_added(added)
         # SIGTERM the retiring workers before the ps can learn of it: each then ends its step and says PS_DONE
         # (exit 0) rather than having its next push refused as a retired worker's.
         for d in decisions:
@@ -259,9 +262,6 @@ class Runner:
                 self._carry_out(d, sc.tasks, controller, store, sc.envs)
         decisions = [d for d in decisions if not isinstance(d, StopTasks)]
         sc.coord.scale([t for t in controller.names if controller.records[t].state not in ("retired", "retiring")])
-        for t in retired:
-            if controller.records[t].state == "retired":  # nothing ran: retired at once
-                store.task_retired(t)
         what = (f"adding {', '.join(added)}" if added else "") + ("; " if added and retired else "") + \
                (f"retiring {', '.join(retired)}" if retired else "")
         self.console.warn(f"{request.describe()}: {len(before)} -> {workers} workers: {what or 'nothing to change'}.")
@@ -291,7 +291,6 @@ class Runner:
         if isinstance(d, StartTask):
             env = {**envs[d.task], **TaskEnv(attempt=d.attempt).render()}  # PSFLOW_ATTEMPT from the first restart on
             handle = self.backend.start(tasks[d.task], d.attempt, env)
-            store.task_started(d.task, d.attempt, handle)
             return controller.handle(TaskStarted(d.task, d.attempt, time.time(), handle))
         if isinstance(d, StopTasks):
             if d.warning:
@@ -299,17 +298,16 @@ class Runner:
             store.event("stop", tasks=list(d.tasks), grace_s=d.grace_s, reason=d.reason)
             self.backend.stop(d.tasks, d.grace_s)
         elif isinstance(d, DumpStacks):
-            return self._dump_stacks(d, controller, store)
+            return self._dump_stacks(d, controller)
         elif isinstance(d, RestartTask):
             x = controller.records[d.task].exits[-1]
             why = f"; {d.group} restarts from its newest checkpoint after {d.reason}" if d.group else ""
             self.console.warn(f"{_ended(d.task, x)}{why}; restarting it as attempt {d.attempt} in {d.after_s:.1f} s "
                               f"(restart {d.attempt} of {controller.policy.max_restarts} for this task).")
-            store.task_restarting(d.task, d.attempt, d.after_s, x.cause)
         return []
 
-    def _dump_stacks(self, d: DumpStacks, controller: RunController, store: RunStore) -> list[Decision]:
-        """Have the hung task write its stacks into its log; tell the controller and the store where."""
+    def _dump_stacks(self, d: DumpStacks, controller: RunController) -> list[Decision]:
+        """Have the hung task write its stacks into its log; tell the controller where (its subscribers learn it)."""
         self.console.warn(d.reason)
         stacks, unavailable = None, None
         try:
@@ -322,13 +320,11 @@ class Runner:
             unavailable = f"the signal failed: {e}"
         out = controller.handle(StacksDumped(d.task, d.attempt, time.time(), stacks, unavailable))
         hang = controller.records[d.task].hang
-        if hang is not None and hang.attempt == d.attempt:
-            store.task_hung(d.task, hang.to_dict())
-            if stacks is not None:
-                self.console.warn(f"{d.task}: stacks of every thread in {stacks}.")
+        if hang is not None and hang.attempt == d.attempt and stacks is not None:
+            self.console.warn(f"{d.task}: stacks of every thread in {stacks}.")
         return out
 
-    def _exited(self, e: TaskExited, controller: RunController, store: RunStore) -> list[Decision]:
+    def _exited(self, e: TaskExited, controller: RunController) -> list[Decision]:
         out: list[Decision] = []
         if e.code != 0:  # the report first: the controller may finish the run on this exit
             report = self.backend.error_report(e.task)
@@ -338,15 +334,11 @@ class Runner:
         if lost is not None:  # a shard's copies are both gone: no restart brings its acknowledged updates back
             out += controller.handle(TaskReported(e.task, e.attempt, {"task": e.task, "exception": "ShardLost",
                                                                       "message": lost, "time_unix": e.at}, e.at))
-        hang = controller.killed_hang(e.task, e.attempt)
-        store.task_exited(e.task, e.attempt, e.code, e.at, oom_killed=e.oom_killed,
-                          hang=None if hang is None else hang.to_dict())
         out += controller.handle(e)
         if lost is not None:
             out += controller.handle(RunFailed(e.task, e.attempt, lost, e.at))
         x = controller.records[e.task].exits[-1] if controller.records[e.task].exits else None
         if x is not None and x.attempt == e.attempt and x.retired:
-            store.task_retired(e.task)
             self.console.echo(f"psflow: {e.task} (attempt {e.attempt}) retired ({x.cause}).")
         if x is not None and x.attempt == e.attempt and x.not_restarted:
             self.console.warn(f"{_ended(e.task, x)}; not restarted: {x.not_restarted}.")
@@ -455,6 +447,15 @@ def read_ledger(finished: RunFinished, reports: Mapping[str, Mapping[str, Any]],
     if status == finished.status:
         return findings, finished
     return findings, dataclasses.replace(finished, status=status, root_cause=root, exit_code=1)
+
+
+def failure_in_words(controller: RunController, root: str | None) -> dict[str, Any] | None:
+    """The run's root cause in words (:func:`psflow.launch.errorreport.describe_root_cause`), put once
+    for every subscriber: the root task's last attempt's error report and how it ended, as the
+    controller recorded them; a finding that failed the run as it is; None when nothing failed."""
+    rec = controller.records.get(root) if root else None
+    x = rec.exits[-1] if rec is not None and rec.exits else None
+    return errorreport.describe_root_cause(root, x.report if x else None, x.cause if x else None)
 
 
 def write_secret(logdir: Path) -> Path:

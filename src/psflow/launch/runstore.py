@@ -1,8 +1,11 @@
 """The run store: where a run's state is kept while it goes on and after it ended.
 
-One interface (:class:`RunStore`), written by the runner (:mod:`psflow.launch.runner`) and the
-coordinator's callbacks (from the launcher server's threads: implementations are thread-safe), read
-by ``psflow status`` / ``psflow summary`` and, later, the dashboard. What it records:
+One interface (:class:`RunStore`), read by ``psflow status`` / ``psflow summary`` and the dashboard.
+A store subscribes to the run controller's state changes (a :class:`~psflow.launch.subscribers.RunSubscriber`:
+tasks started, exited, hung, restarting, added, retired; the run's end with its outcome) and is
+written by the runner (:mod:`psflow.launch.runner`) and the coordinator's callbacks (from the
+launcher server's threads: implementations are thread-safe) for the rest: registrations, progress
+reports, the history's other events, control requests. What it records:
 
 - each attempt of each task: started (pid), registered (address), its progress reports, a hang the
   watchdog caught (kind, how long it was quiet, where its stacks were dumped: log and line), its exit
@@ -16,7 +19,7 @@ by ``psflow status`` / ``psflow summary`` and, later, the dashboard. What it rec
 job store (SQLite, :class:`psflow.platform.sqlrunstore.SqliteRunStore`) implements the same
 interface, and the platform hands the Runner a :class:`CompositeRunStore` that writes a run to both
 (:mod:`psflow.platform.recording`; launch/ never imports it): the files are the run's own record (its
-live table, its errors are the run's); a copy that fails is warned about once and never stops the run.
+live table); a store that fails is warned about once and never stops the run.
 """
 
 from __future__ import annotations
@@ -34,11 +37,39 @@ from psflow.launch.control import ControlRequest
 from psflow.launch.controller import exit_cause, signal_name
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.status import RunStatus
+from psflow.launch.subscribers import RunOutcome, RunSubscriber, TaskChange
 from psflow.rundir import RunDir
 
 
-class RunStore(ABC):
-    """A run's state: written as it happens, read by the CLI and the dashboard."""
+class RunStore(RunSubscriber, ABC):
+    """A run's state: written as it happens, read by the CLI and the dashboard. As a subscriber, each
+    state change the controller makes goes to the method that records it (:meth:`on_task_state`)."""
+
+    def on_task_state(self, change: TaskChange) -> None:
+        c = change
+        if c.state == "started":
+            self.task_started(c.task, c.attempt, c.handle)
+        elif c.state == "exited" and c.exit is not None:
+            x = c.exit
+            hang = dict(c.hang) if c.hang is not None else (x.hang.to_dict() if x.hang is not None else None)
+            self.task_exited(c.task, c.attempt, x.code, x.at, oom_killed=x.oom_killed, hang=hang)
+        elif c.state == "hung" and c.hang is not None:
+            self.task_hung(c.task, dict(c.hang))
+        elif c.state == "restarting":
+            self.task_restarting(c.task, c.attempt, c.after_s or 0.0, c.reason or "")
+        elif c.state == "added":
+            self.tasks_added([c.task])
+        elif c.state == "retired":
+            self.task_retired(c.task)
+
+    def on_run_end(self, outcome: RunOutcome) -> None:
+        """The summary, then the end state: the run's last word to this store."""
+        self.summary(dict(outcome.summary))
+        self.finished(outcome.status)
+
+    def members(self) -> list[RunStore]:
+        """The stores this one writes to (itself; a composite: each of its own), each a subscriber."""
+        return [self]
 
     @abstractmethod
     def task_started(self, task: str, attempt: int, handle: Any) -> None:
@@ -159,6 +190,11 @@ class FileRunStore(RunStore):
         self.event("run_finished", status=status)
         self.status.finished(status)
 
+    def on_run_end(self, outcome: RunOutcome) -> None:
+        self.summary(dict(outcome.summary))
+        self.event("run_finished", status=outcome.status)
+        self.status.finished(outcome.status, failure=outcome.failure)
+
     def summary(self, summary: dict[str, Any]) -> None:
         RunDir(self.logdir).summary.write_text(json.dumps(summary, indent=1))
 
@@ -190,6 +226,15 @@ class CompositeRunStore(RunStore):
         self.copies = copies
         self.warn = warn
         self._warned: set[int] = set()
+
+    def members(self) -> list[RunStore]:
+        return [self.primary, *self.copies]
+
+    def on_task_state(self, change: TaskChange) -> None:
+        self._all("on_task_state", change)
+
+    def on_run_end(self, outcome: RunOutcome) -> None:
+        self._all("on_run_end", outcome)
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> None:
         getattr(self.primary, method)(*args, **kwargs)

@@ -23,7 +23,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from psflow.launch.controller import exit_cause, signal_name
@@ -133,9 +133,12 @@ class RunStatus:
         self._update(task, state="restarting", restart_unix=round(time.time() + after_s, 3))
         self.write(force=True)
 
-    def finished(self, state: str) -> None:
+    def finished(self, state: str, *, failure: Mapping[str, Any] | None = None) -> None:
+        """The run ended in ``state``; ``failure``: its root cause in words (the launcher's, computed once)."""
         with self._lock:
             self._state["state"] = state
+            if failure is not None:
+                self._state["failure"] = dict(failure)
             self._dirty = True
         self.write(force=True)
 

@@ -22,7 +22,7 @@ from psflow.timeline import job_shares
 def build_summary(
     plan: LaunchPlan, reports: Mapping[str, Mapping[str, Any]], addresses: Mapping[str, str],
     records: Mapping[str, TaskRecord], wall_s: float, status: str, root_cause: str | None,
-    findings: Sequence[Finding] = (),
+    findings: Sequence[Finding] = (), *, failure: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run's summary.json.
 
@@ -35,6 +35,8 @@ def build_summary(
         status: ``succeeded``, ``failed`` or ``stopped`` (the controller's verdict).
         root_cause: the task that caused a failure, if any (or the ledger's finding that failed the run).
         findings: the ledger's findings over the ps's shard copies (:func:`psflow.launch.copies.check_copies`).
+        failure: the root cause in words (:func:`psflow.launch.errorreport.describe_root_cause`), as
+            the runner put it once for every reader.
     """
     # A task stopped or killed has no final report: its last live progress counts (see launch.metrics).
     figures = trainer_figures(reports)
@@ -50,6 +52,7 @@ def build_summary(
         "run_id": plan.run_id,
         "status": status,
         "root_cause": root_cause,
+        **({"failure": dict(failure)} if failure is not None else {}),
         "mode": plan.config.mode,
         "backup_workers": backup_workers(plan.config.mode, plan.config.replicas_to_aggregate,
                                          plan.config.total_num_replicas,
