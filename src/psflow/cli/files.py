@@ -15,20 +15,14 @@ from psflow.rundir import RunDir
 
 
 def _live_status(logdir: str) -> dict:
-    """LOGDIR/status.json as it stands now (see psflow.launch.liveness), or a ClickException."""
-    import time
-
-    from psflow.launch.liveness import assess
-    from psflow.launch.status import headline, read_status
+    """LOGDIR's status as ``psflow status LOGDIR`` shows it (:func:`psflow.platform.views.status_of`),
+    or a ClickException."""
+    from psflow.platform import views
 
     try:
-        state = read_status(logdir)
-    except (OSError, ValueError) as e:
-        raise click.ClickException(
-            f"Cannot read {RunDir(logdir).status}: {e}. Give the --logdir of a `psflow run` (it writes that file)."
-        ) from e
-    state.update(headline(state))
-    return assess(state, now_unix=time.time())
+        return views.status_of(views.RunRef(Path(logdir), None))
+    except PsflowError as e:
+        raise click.ClickException(str(e)) from e
 
 
 @main.command()

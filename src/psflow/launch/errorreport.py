@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from psflow.rundir import task_stem
+from psflow.rundir import RunDir, task_stem
 
 
 def path_for(directory: str | os.PathLike[str], task: str) -> Path:
@@ -141,6 +141,26 @@ def describe_root_cause(root_cause: str | None, report: Mapping[str, Any] | None
     message = f"{how}it left no error report (killed, or it died before psflow could write one): its log says more"
     return {"task": root_cause, "exception": None, "message": message, "traceback_tail": "",
             "text": f"{root_cause}: {message}"}
+
+
+def recorded_failure(record: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The root cause in words as the launcher put it, once, at the run's end (``failure`` in
+    ``status.json``, ``summary.json`` and the job store's summary); None where the record has none."""
+    failure = record.get("failure") if isinstance(record, Mapping) else None
+    return dict(failure) if isinstance(failure, Mapping) else None
+
+
+def failure_from_files(run_dir: RunDir, root: str | None, exit_cause: str | None = None) -> dict[str, Any] | None:
+    """The root cause in words of a run whose record does not carry it (recorded before the launcher
+    put it there, or by a backend that ran outside the Runner): the root task's error report read
+    from the run's ``errors/``, and how its last attempt ended. A report whose path leads out of the
+    run's directory (a planted symlink) is not read."""
+    if not root or ":" not in root or " " in root:  # none, or a finding (a sentence)
+        return describe_root_cause(root)
+    path = run_dir.error_report(root)
+    base = run_dir.path.resolve()
+    report = read(path) if base in path.resolve().parents else None
+    return describe_root_cause(root, report, exit_cause)
 
 
 def ignore_stop_requests() -> None:

@@ -14,10 +14,10 @@ A pure core under a thin I/O shell:
   It starts from the newest event in the store: history is not alerted again when the dashboard starts.
 
 A launcher given a webhook (``psflow run --alert-webhook``, ``PSFLOW_ALERT_WEBHOOK``) tells its own
-run's alerts with the same book, dashboard or not (:mod:`psflow.platform.runalerts`). Whichever of
-the two comes first claims the alert in the job store (:meth:`JobStore.claim_alert`, keyed by
-:func:`alert_key`: run, kind, and the restarted task's attempt or the stalled step) and sends it;
-the other skips it.
+run's alerts with the same book, dashboard or not (:mod:`psflow.platform.runalerts`). Both send
+through one :class:`AlertSender`: whichever comes first claims the alert in the job store
+(:meth:`JobStore.claim_alert`, keyed by :func:`alert_key`: run, kind, and the restarted task's
+attempt or the stalled step) and sends it; the other skips it.
 
 Called by :mod:`psflow.platform.uiserver` and :mod:`psflow.platform.runalerts`.
 """
@@ -129,8 +129,64 @@ def check_webhook(url: str) -> str:
     return url
 
 
+class AlertSender:
+    """The one way an alert leaves psflow: claimed in the job store, then POSTed to the webhook.
+
+    The dashboard's watcher and a launcher's own alerts (:mod:`psflow.platform.runalerts`) both send
+    through one, each as its ``source`` (``dashboard``, ``launcher``): whichever claims an alert
+    first (:meth:`JobStore.claim_alert`, keyed by :func:`alert_key`) tells it, the other skips it. A
+    store that cannot be read does not stop the alert (told twice rather than lost); a webhook that
+    refuses it is warned about (``warn``), never raised.
+
+    Args:
+        url: the webhook.
+        db_path: the job store (None: ``$PSFLOW_HOME/jobs.db``).
+        source: who sends: recorded with the claim and in the body.
+        warn: where a lost alert or an unreadable store is said.
+        send: posts one JSON body (default: urllib, 5 s timeout); tests and other transports swap it.
+        link: makes a link to a run's page (the dashboard's URL), added to each alert.
+    """
+
+    def __init__(self, url: str, *, db_path: Path | None, source: str, warn: Callable[[str], None],
+                 send: Callable[[str, bytes], None] | None = None, link: Callable[[str], str] | None = None) -> None:
+        self.url, self.db_path, self.source, self.warn = check_webhook(url), db_path, source, warn
+        self.send = send or post_json
+        self.link = link
+        self.sent = 0
+        self.failed = 0
+
+    def tell(self, alert: Alert) -> bool:
+        """Claim ``alert`` and POST it; False where another sender claimed it first or the webhook refused it."""
+        if not self._claimed(alert):
+            return False
+        body = {**asdict(alert), "detail": dict(alert.detail), "source": self.source}
+        if self.link is not None:
+            body["url"] = self.link(alert.run_id)
+            body["text"] = f"{alert.text} ({body['url']})"
+        try:
+            self.send(self.url, json.dumps(body, default=str).encode())
+        except Exception as e:  # noqa: BLE001 (a webhook's failure never touches the run or the dashboard)
+            self.failed += 1
+            self.warn(f"the webhook {self.url} refused or could not be reached ({e}); lost: {alert.text}")
+            return False
+        self.sent += 1
+        return True
+
+    def _claimed(self, alert: Alert) -> bool:
+        import sqlite3
+
+        from psflow.platform.jobstore import JobStore, JobStoreError
+
+        try:
+            with JobStore(self.db_path) as db:
+                return db.claim_alert(alert.run_id, alert.kind, alert_key(alert), time.time(), self.source)
+        except (JobStoreError, sqlite3.Error) as e:
+            self.warn(f"cannot claim {alert.kind} in the job store ({e}); telling it anyway")
+            return True
+
+
 class AlertWatcher:
-    """The dashboard's thread that turns the store's news into webhook POSTs.
+    """The dashboard's thread that turns the store's news into webhook POSTs (through an :class:`AlertSender`).
 
     Args:
         db_path: the job store.
@@ -144,10 +200,8 @@ class AlertWatcher:
     def __init__(self, db_path: Path, url: str, book: AlertBook, *, poll_s: float = 2.0,
                  link: Callable[[str], str] | None = None, send: Callable[[str, bytes], None] | None = None) -> None:
         self.db_path, self.url, self.book, self.poll_s = db_path, check_webhook(url), book, poll_s
-        self.link = link
-        self.send = send or post_json
-        self.sent = 0
-        self.failed = 0
+        self.sender = AlertSender(url, db_path=db_path, source="dashboard", send=send, link=link,
+                                  warn=lambda m: print(f"psflow ui: alerts: {m}", file=sys.stderr, flush=True))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="psflow-alerts", daemon=True)
         self._cursor: int | None = None
@@ -170,8 +224,7 @@ class AlertWatcher:
                 print(f"psflow ui: alerts: cannot read the job store ({e}); trying again", file=sys.stderr, flush=True)
                 alerts = []
             for alert in alerts:
-                if self._claimed(alert):
-                    self._tell(alert)
+                self.sender.tell(alert)
             self._stop.wait(self.poll_s)
 
     def _look(self, db: Any) -> list[Alert]:
@@ -187,33 +240,6 @@ class AlertWatcher:
         live, _ = db.run_page(state="running", limit=1000)
         steps = {r["id"]: int(r.get("global_step") or 0) for r in live if r["state"] == "running"}
         return self.book.on_events(events, causes) + self.book.on_look(steps, time.time())
-
-    def _claimed(self, alert: Alert) -> bool:
-        """Whether the dashboard is first to tell ``alert`` (the run's launcher may have told it)."""
-        import sqlite3
-
-        from psflow.platform.jobstore import JobStore, JobStoreError
-
-        try:
-            with JobStore(self.db_path) as db:
-                return db.claim_alert(alert.run_id, alert.kind, alert_key(alert), time.time(), "dashboard")
-        except (JobStoreError, sqlite3.Error) as e:
-            print(f"psflow ui: alerts: cannot claim {alert.kind} in the job store ({e}); telling it anyway",
-                  file=sys.stderr, flush=True)
-            return True
-
-    def _tell(self, alert: Alert) -> None:
-        body = {**asdict(alert), "detail": dict(alert.detail)}
-        if self.link is not None:
-            body["url"] = self.link(alert.run_id)
-            body["text"] = f"{alert.text} ({body['url']})"
-        try:
-            self.send(self.url, json.dumps(body, default=str).encode())
-            self.sent += 1
-        except (OSError, urllib.error.URLError, ValueError) as e:
-            self.failed += 1
-            print(f"psflow ui: alerts: the webhook {self.url} refused or could not be reached ({e}); "
-                  f"lost: {alert.text}", file=sys.stderr, flush=True)
 
 
 def post_json(url: str, body: bytes) -> None:

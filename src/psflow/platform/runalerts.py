@@ -4,15 +4,13 @@ a task, whether or not a dashboard runs (``psflow run --alert-webhook URL`` or `
 :class:`AlertingRunStore` is one more copy in the launcher's :class:`~psflow.launch.runstore.CompositeRunStore`:
 it sees what the runner records as it happens and decides with the dashboard's rules
 (:class:`psflow.platform.alerts.AlertBook`): a restart decided (``task_restarting``), the run
-finished ``failed`` (with the summary's root cause in words: the exception, its message and its
-traceback's tail, read from the root task's error report), the global step standing still for ``stall_s``
+finished ``failed`` (with the root cause in words the runner put once: the exception, its message
+and its traceback's tail), the global step standing still for ``stall_s``
 (looked at on the runner's ticks, about once a second). Alerts go out from a thread of its own, so the
 run loop never waits on the network; at the run's end the queue is given ``flush_s`` to drain.
 
-Each alert is claimed in the job store first (:meth:`JobStore.claim_alert`, keyed run + kind + task
-attempt or step): the dashboard's watcher (:class:`psflow.platform.alerts.AlertWatcher`) claims the
-same keys, so a run watched by both is told once. A store that cannot be read does not stop the
-alert (told twice rather than lost).
+Each alert goes out through an :class:`~psflow.platform.alerts.AlertSender`, as the dashboard's
+watcher's do: claimed in the job store first, so a run watched by both is told once.
 
 Made by :func:`alerting_store` for :func:`psflow.launch.runner.recorded_store` and
 :mod:`psflow.platform.launching`.
@@ -20,17 +18,17 @@ Made by :func:`alerting_store` for :func:`psflow.launch.runner.recorded_store` a
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from psflow.launch.runstore import RunStore
-from psflow.platform.alerts import Alert, AlertBook, alert_key, check_webhook, post_json
+from psflow.launch.subscribers import RunOutcome
+from psflow.platform.alerts import Alert, AlertBook, AlertSender, check_webhook
+from psflow.rundir import RunDir
 
 
 class AlertingRunStore(RunStore):
@@ -51,8 +49,9 @@ class AlertingRunStore(RunStore):
                  flush_s: float = 15.0) -> None:
         self.run_id, self.url, self.db_path = run_id, check_webhook(url), db_path
         self.book = AlertBook(stall_s=stall_s)
-        self.warn, self.send, self.flush_s = warn, send or post_json, flush_s
-        self.sent = 0
+        self.warn, self.flush_s = warn, flush_s
+        self.sender = AlertSender(url, db_path=db_path, source="launcher", send=send,
+                                  warn=lambda m: warn(f"psflow: alerts: {m}"))
         self._step = 0
         self._root_cause: dict[str, Any] | None = None
         self._last_look = -float("inf")
@@ -80,6 +79,10 @@ class AlertingRunStore(RunStore):
 
     def summary(self, summary: dict[str, Any]) -> None:
         self._root_cause = root_cause_in_summary(summary)
+
+    def on_run_end(self, outcome: RunOutcome) -> None:
+        self._root_cause = dict(outcome.failure) if outcome.failure is not None else None  # the launcher's, put once
+        self.finished(outcome.status)
 
     def finished(self, status: str) -> None:
         event = {"kind": "run_finished", "run_id": self.run_id, "data": {"status": status}}
@@ -116,40 +119,22 @@ class AlertingRunStore(RunStore):
 
     def _send_loop(self) -> None:
         while (alert := self._queue.get()) is not None:
-            if not self._claimed(alert):
-                continue  # the dashboard told it already
-            body = {**asdict(alert), "detail": dict(alert.detail), "source": "launcher"}
-            try:
-                self.send(self.url, json.dumps(body, default=str).encode())
-                self.sent += 1
-            except Exception as e:  # noqa: BLE001 (a webhook's failure never touches the run)
-                self.warn(f"psflow: alerts: the webhook {self.url} refused or could not be reached ({e}); lost: {alert.text}")
-
-    def _claimed(self, alert: Alert) -> bool:
-        import sqlite3
-
-        from psflow.platform.jobstore import JobStore, JobStoreError
-
-        try:
-            with JobStore(self.db_path) as db:
-                return db.claim_alert(alert.run_id, alert.kind, alert_key(alert), time.time(), "launcher")
-        except (JobStoreError, sqlite3.Error) as e:
-            self.warn(f"psflow: alerts: cannot claim {alert.kind} in the job store ({e}); telling it anyway")
-            return True
+            self.sender.tell(alert)  # skipped where the dashboard told it already
 
 
 def root_cause_in_summary(summary: dict[str, Any]) -> dict[str, Any] | None:
-    """The root cause in words (:func:`psflow.launch.errorreport.describe_root_cause`) from a run's
-    summary: the root task's entry names its log (``LOGDIR/logs/worker-1.log``), so its error report
-    lies in ``LOGDIR/errors``, and its last exit's cause."""
+    """The root cause in words from a run's summary: as the launcher put it (``failure``); for a
+    summary without it, from the root task's error report (its entry names its log,
+    ``LOGDIR/logs/worker-1.log``, so the run's directory) and its last exit's cause."""
     from psflow.launch import errorreport
 
+    if (stored := errorreport.recorded_failure(summary)) is not None:
+        return stored
     root = summary.get("root_cause")
     entry = next((t for t in summary.get("tasks") or [] if isinstance(t, dict) and t.get("task") == root), None)
     if not isinstance(root, str) or entry is None or not entry.get("log"):
         return errorreport.describe_root_cause(root if isinstance(root, str) else None)
-    report = errorreport.read(Path(str(entry["log"])).parent.parent / "errors", root)
-    return errorreport.describe_root_cause(root, report, entry.get("cause"))
+    return errorreport.failure_from_files(RunDir(Path(str(entry["log"])).parent.parent), root, entry.get("cause"))
 
 
 def alerting_store(run_id: str, *, warn: Callable[[str], None], env: dict[str, str] | None = None,

@@ -134,18 +134,17 @@ def dump_lines(run: dict[str, Any], log: str, line: int, *, max_lines: int = 500
 
 
 def root_cause_of(run: dict[str, Any]) -> dict[str, Any] | None:
-    """A failed run's root cause in words (:func:`psflow.launch.errorreport.describe_root_cause`): the
-    root task's error report (``LOGDIR/errors/worker-1.json``, inside the run's directory only), or
-    how it ended where it left none; None while the run has no root cause."""
+    """A failed run's root cause in words (:func:`psflow.launch.errorreport.describe_root_cause`), as
+    its launcher put it at the run's end (in its summary); for a run recorded without it, from the
+    root task's error report (inside the run's directory only) or how it ended where it left none.
+    None while the run has no root cause."""
     from psflow.launch import errorreport
 
+    stored = errorreport.recorded_failure(run.get("summary"))
+    if stored is not None:
+        return stored
     root = run.get("root_cause")
     tasks = run.get("tasks") or {}
     if not root or root not in tasks:  # none yet, or a finding (a sentence), not a task
         return errorreport.describe_root_cause(root)
-    run_dir = RunDir(run["logdir"])
-    try:
-        report = errorreport.read(inside(run_dir.path, run_dir.error_report(root)))
-    except RunFileError:
-        report = None
-    return errorreport.describe_root_cause(root, report, (tasks.get(root) or {}).get("exit_cause"))
+    return errorreport.failure_from_files(RunDir(run["logdir"]), root, (tasks.get(root) or {}).get("exit_cause"))

@@ -116,21 +116,29 @@ def status_of(ref: RunRef) -> dict[str, Any]:
 
 
 def _logdir_failure(logdir: Path, state: dict[str, Any]) -> dict[str, Any] | None:
-    """The root cause in words of a run read from its logdir: ``summary.json`` names it once the run ended."""
+    """The root cause in words of a run read from its logdir, as its launcher put it at the run's end
+    (``status.json``, else ``summary.json``); for a run recorded without it, from the root task's
+    error report. None while the run goes on (no summary yet)."""
     import json
 
     from psflow.launch import errorreport
 
+    if (stored := errorreport.recorded_failure(state)) is not None:
+        return stored
     try:
-        root = json.loads(RunDir(logdir).summary.read_text()).get("root_cause")
-    except (OSError, ValueError, AttributeError):
+        summary = json.loads(RunDir(logdir).summary.read_text())
+    except (OSError, ValueError):
         return None
+    if not isinstance(summary, dict):
+        return None
+    if (stored := errorreport.recorded_failure(summary)) is not None:
+        return stored
+    root = summary.get("root_cause")
     task = (state.get("tasks") or {}).get(root) if isinstance(root, str) else None
     if task is None:
         return errorreport.describe_root_cause(root if isinstance(root, str) else None)
     exits = task.get("exits") or []
-    return errorreport.describe_root_cause(root, errorreport.read(RunDir(logdir).error_report(root)),
-                                           exits[-1].get("cause") if exits else None)
+    return errorreport.failure_from_files(RunDir(logdir), root, exits[-1].get("cause") if exits else None)
 
 
 def runs_text(runs: Sequence[dict[str, Any]], width: int | None = None) -> str:
