@@ -103,6 +103,7 @@ def _failed_run(c: RunController) -> None:
 
 
 def test_every_subscriber_gets_the_same_root_cause_put_in_words_once(tmp_path: Path) -> None:
+    from psflow.platform import views
     from psflow.platform.jobstore import JobStore
     from psflow.platform.runalerts import AlertingRunStore
     from psflow.platform.runfiles import root_cause_of
@@ -131,6 +132,7 @@ def test_every_subscriber_gets_the_same_root_cause_put_in_words_once(tmp_path: P
 
     status = json.loads(run_dir.status.read_text())
     assert status["state"] == "failed" and status["failure"] == failure
+    assert views.status_of(views.find(str(tmp_path), path=tmp_path / "jobs.db"))["failure"] == failure  # psflow status LOGDIR
     assert json.loads(run_dir.summary.read_text())["failure"] == failure
     with JobStore(tmp_path / "jobs.db", read_only=True) as db:
         run = db.run("run-1")

@@ -110,5 +110,6 @@ class Subscribers(RunSubscriber):
                 log.exception("psflow: %s.%s failed", type(sub).__name__, method)
                 if i not in self._warned:
                     self._warned.add(i)
-                    self.warn(f"cannot record the run in {type(sub).__name__} ({type(e).__name__}: {e}); "
-                              f"the run goes on, and its files in the logdir are complete.")
+                    others = ", ".join(type(o).__name__ for o in self.subscribers if o is not sub) or "none"
+                    self.warn(f"cannot record the run in {type(sub).__name__} ({type(e).__name__}: {e}); the run "
+                              f"goes on, recorded by the others ({others}).")
