@@ -7,9 +7,10 @@ merge of every task's file into one ``LOGDIR/timeline.json`` that Perfetto (ui.p
 Who records what (categories; a span's name says more, e.g. ``push ps:1``):
 
 - a worker's main thread (:mod:`psflow.train.trainer`): ``step``, and in it ``forward``,
-  ``backward`` (``compute`` with several devices), ``push`` per shard (during backward when a
-  shard's gradients are ready early), ``wait`` (the sync quorum, the ssp bound, or in async mode
-  the ps's reply until its first byte) and ``pull`` (the values' bytes, per shard);
+  ``backward`` (``compute`` with several devices), ``push`` (waiting for the last push to be out),
+  ``wait`` (the sync quorum, the ssp bound, or in async mode the ps's reply until its first byte)
+  and ``pull`` (the values' bytes, per shard); its push thread (:mod:`psflow.train.sender`):
+  ``push`` per shard, beside backward when a shard's gradients are ready early;
 - an all-reduce rank's main thread (:mod:`psflow.train.allreduce`): ``step``, ``forward``,
   ``backward``, ``allreduce`` and ``optimizer``; DDP's bucket all-reduces on a track of their own;
 - a ps's connection threads (:mod:`psflow.server`, :mod:`psflow.ps.service`): ``receive``,
