@@ -8,8 +8,10 @@ from pathlib import Path
 import click
 import pytest
 
-from psflow.launch.local import LocalBackend, rotate_logs
+from psflow.launch.backend import rotate_logs
+from psflow.launch.local import LocalBackend
 from psflow.launch.plan import make_plan
+from psflow.launch.runner import Runner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,7 +22,7 @@ def test_a_rerun_into_the_same_logdir_keeps_the_earlier_logs(tmp_path: Path) -> 
     logdir = tmp_path / "run"
     for n in ("1", "2", "3"):
         plan = make_plan(str(script), [n], num_ps=1, num_workers=1, logdir=str(logdir))
-        result = LocalBackend(echo=lambda line: None, preload=False, keep_logs=1).run(plan)
+        result = Runner(LocalBackend(echo=lambda line: None, preload=False, keep_logs=1)).run(plan)
         assert result.exit_code == 0, result.summary
     logs = logdir / "logs"
     assert (logs / "worker-0.log").read_text() == "run 3 worker:0\n"
@@ -42,7 +44,7 @@ def test_a_script_that_raises_at_import_shows_one_traceback_of_its_own_frames(tm
     script.write_text("import psflow\nraise ValueError('boom at import')\n")
     lines: list[str] = []
     plan = make_plan(str(script), num_ps=1, num_workers=2, logdir=str(tmp_path / "run"))
-    result = LocalBackend(echo=lines.append, preload=True).run(plan)
+    result = Runner(LocalBackend(echo=lines.append, preload=True)).run(plan)
     out = click.unstyle("\n".join(lines))
     root = result.root_cause  # every task fails alike: the one whose report is oldest
     assert result.exit_code == 1 and root in plan.task_names(), out

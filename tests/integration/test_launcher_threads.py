@@ -10,6 +10,7 @@ import pytest
 
 from psflow.launch.local import LocalBackend
 from psflow.launch.plan import make_plan
+from psflow.launch.runner import Runner
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,7 +29,7 @@ def task_threads(tmp_path: Path, *, preload: bool, args: tuple[str, ...] = (), *
     script.write_text(SCRIPT)
     lines: list[str] = []
     plan = make_plan(str(script), list(args), num_ps=1, num_workers=2, logdir=str(tmp_path / f"run-{preload}"), **plan_kw)
-    result = LocalBackend(echo=lines.append, preload=preload).run(plan)
+    result = Runner(LocalBackend(echo=lines.append, preload=preload)).run(plan)
     assert result.exit_code == 0, "\n".join(lines)
     found = {}
     for log in (tmp_path / f"run-{preload}" / "logs").glob("*-?.log"):

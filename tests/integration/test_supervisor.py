@@ -378,9 +378,9 @@ def test_sigterm_to_the_launcher_leaves_a_final_checkpoint_and_no_task_process(t
 
 EVAL_JOB = """
 import sys
-from psflow.launch import LocalBackend, make_plan
+from psflow.launch import LocalBackend, Runner, make_plan
 plan = make_plan(sys.argv[1], sys.argv[3:], num_ps=1, num_workers=2, evaluator=True, logdir=sys.argv[2])
-sys.exit(LocalBackend().run(plan).exit_code)
+sys.exit(Runner(LocalBackend()).run(plan).exit_code)
 """
 
 

@@ -11,6 +11,8 @@ from click.testing import CliRunner
 
 import psflow.launch
 from psflow.cli import main
+from psflow.launch.console import Console
+from psflow.launch.runner import Runner
 
 
 @pytest.fixture
@@ -144,12 +146,13 @@ def test_the_restart_policy_reaches_the_plan(script, tmp_path, monkeypatch):
 
     class Recorder:
         def __init__(self, **kwargs: object) -> None:
-            pass
+            self.console = Console()
 
-        def run(self, plan, *, store=None):
-            seen["plan"], seen["store"] = plan, store
-            raise SystemExit(0)
+    def record(self, plan):
+        seen["plan"], seen["store"] = plan, self.make_store
+        raise SystemExit(0)
 
+    monkeypatch.setattr(Runner, "run", record)
     monkeypatch.setattr(psflow.launch, "LocalBackend", Recorder)
     r = run("--workers", "2", "--logdir", str(tmp_path / "run"), "--restart", "on-failure,ps=never", "--max-restarts", "2",
             "--max-restarts-per-run", "3", "--restart-backoff", "0.5", "--restart-backoff-max", "4",

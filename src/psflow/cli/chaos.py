@@ -42,7 +42,7 @@ def chaos(every_s: float, duration: str, seed: int, kinds_text: str, targets: st
 
     from psflow.chaos.harness import passed, run_chaos
     from psflow.chaos.schedule import ChaosSchedule, ChaosSettings, parse_kinds, parse_stall
-    from psflow.launch import LocalBackend
+    from psflow.launch.assemble import BackendOptions
 
     ctx = click.get_current_context()
     opts["script_args"] = _script_args(ctx, opts["script"], opts["script_args"])
@@ -71,7 +71,7 @@ def chaos(every_s: float, duration: str, seed: int, kinds_text: str, targets: st
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     try:
-        report = run_chaos(plan, settings, baseline=base, make_backend=lambda: LocalBackend(preload=preload, live=live),
+        report = run_chaos(plan, settings, baseline=base, options=BackendOptions(preload=preload, live=live),
                            echo=click.echo)
     except PsflowError as e:
         raise click.ClickException(str(e)) from e

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from psflow.cli.group import _k8s_options, k8s_more, main
-from psflow.cli.run import _checkpoint_env, _k8s_settings
+from psflow.cli.run import _checkpoint_env
 from psflow.config import TrainConfig
 from psflow.errors import PsflowError
 from psflow.launch.restart import RestartPolicy
@@ -38,12 +38,13 @@ def tfjob(num_ps: int, num_workers: int, chief: bool, logdir: str | None, mode: 
     import secrets
 
     from psflow.launch import make_plan
+    from psflow.launch.assemble import k8s_settings
     from psflow.launch.k8s import render_tfjob, to_yaml
 
     try:
-        settings = _k8s_settings(image=k8s_image, volume_claim=k8s_volume_claim, namespace=k8s_namespace,
-                                 gpus_per_worker=gpus_per_worker, ttl_s=k8s_ttl_s, env_secret=k8s_env_secret,
-                                 **k8s_more(more))
+        settings = k8s_settings(image=k8s_image, volume_claim=k8s_volume_claim, namespace=k8s_namespace,
+                                gpus_per_worker=gpus_per_worker, ttl_s=k8s_ttl_s, env_secret=k8s_env_secret,
+                                **k8s_more(more))
         config = TrainConfig(**({"mode": mode} if mode else {}))
         plan = make_plan(script, [a for a in script_args if a != "--"], num_ps=num_ps, num_workers=num_workers,
                          chief=chief, logdir=logdir, config=config, restart=RestartPolicy.parse(restart),

@@ -140,15 +140,17 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
             plan = dataclasses.replace(plan, logdir_url=logdir_url)
         k8s = {"image": k8s_image, "volume_claim": k8s_volume_claim, "namespace": k8s_namespace,
                "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s, "env_secret": k8s_env_secret, **k8s_given}
-        if hosts is not None or ssh_config is not None:
-            runner = _ssh_backend(backend, hosts, ssh_config, dry_run=dry_run, live=live, coordinator_host=coordinator_host)
-        else:
-            runner = _backend(backend, nodes, dry_run, preload=preload, live=live, k8s=k8s, coordinator_host=coordinator_host)
+        from psflow.launch.assemble import BackendOptions, assemble_run
+        from psflow.platform.recording import recording
+
+        options = BackendOptions(name=backend, hosts=hosts, ssh_config=ssh_config, nodes=nodes,
+                                 coordinator_host=coordinator_host, preload=preload, live=live, dry_run=dry_run, k8s=k8s)
+        assembled = assemble_run(plan, options, store=recording)
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     if dry_run:
         try:
-            click.echo(runner.script(plan), nl=False)
+            click.echo(assembled.backend.script(plan), nl=False)
         except PsflowError as e:  # what the rendering checks (k8s: a claim, or checkpoints on a URL)
             raise click.UsageError(str(e)) from e
         return
@@ -170,7 +172,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     if ui_url:  # a psflow ui serving this PSFLOW_HOME shows the run
         click.echo(f"psflow: dashboard: {ui_url}#/run/{plan.run_id}")
     try:
-        result = _run_to_end(runner, plan, logdir_url)
+        result = _run_to_end(assembled, logdir_url)
     except PsflowError as e:
         raise click.ClickException(str(e)) from e
     click.echo(final_line(result.summary))
@@ -179,18 +181,21 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     sys.exit(result.exit_code)
 
 
-def _run_to_end(backend: Any, plan: Any, logdir_url: str | None) -> Any:
-    """Run ``plan`` on ``backend``, recorded in the job store (and alerts); a URL logdir's files are
-    uploaded as they are written. Returns the RunResult."""
-    from psflow.platform.recording import recording
+def _run_to_end(assembled: Any, logdir_url: str | None) -> Any:
+    """Run the assembled plan to its end; a URL logdir's files are uploaded as they are written.
+    Returns the RunResult."""
+    plan = assembled.plan
+    if type(assembled.backend).__name__ == "K8sBackend":  # Kubernetes: K8sBackend follows the run itself
+        from psflow.platform.recording import recording
 
+        return assembled.backend.run(plan, store=recording(assembled.backend))
     if logdir_url is None:
-        return backend.run(plan, store=recording(backend))
+        return assembled.runner.run(plan)
     from psflow.launch.urllogdir import LogdirSyncer
 
     click.echo(f"psflow: logdir {logdir_url}: files staged in {plan.logdir}, uploaded every 5 s and at the end")
     with LogdirSyncer(Path(plan.logdir), logdir_url, warn=lambda m: click.echo(f"psflow: warning: {m}", err=True)):
-        return backend.run(plan, store=recording(backend))
+        return assembled.runner.run(plan)
 
 
 def _url_logdir(url: str, checkpoint_dir: str | None, *, backend: str, hosts: str | None,
@@ -244,35 +249,6 @@ def _plan(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: s
     return plan, policy, hangs, config
 
 
-def _backend(name: str, nodes: int | None, dry_run: bool, *, preload: bool, live: bool | None,
-             k8s: dict[str, Any] | None = None, coordinator_host: str | None = None) -> Any:
-    """The backend ``psflow run --backend NAME`` runs on (a LocalBackend, SlurmBackend or K8sBackend).
-
-    Raises:
-        ConfigError: a Slurm option (--nodes, --dry-run) for a local run; a Kubernetes option for another backend.
-    """
-    k8s = k8s or {}
-    if coordinator_host is not None and name != "slurm":
-        raise ConfigError(f"--coordinator-host is for --backend slurm and --hosts; this run is {name}.")
-    if name == "k8s":
-        from psflow.launch.k8swatch import K8sBackend
-
-        return K8sBackend(_k8s_settings(**k8s))
-    if any(v for k, v in k8s.items() if k not in ("namespace", "ttl_s")):
-        raise ConfigError("--image, --volume-claim, --gpus-per-worker, --env-secret and the other Kubernetes options "
-                          "(--memory, --toleration, ...) are for --backend k8s; this run is " + name + ".")
-    if name == "slurm":
-        from psflow.launch.slurm import SlurmBackend
-
-        return SlurmBackend(nodes=nodes or 1, live=live, coordinator_host=coordinator_host)
-    if nodes is not None or dry_run:
-        raise ConfigError(f"{'--nodes' if nodes is not None else '--dry-run'} is for --backend slurm; this run is local."
-                          + ("" if nodes is not None else " (--backend k8s --dry-run prints Kubernetes manifests.)"))
-    from psflow.launch import LocalBackend
-
-    return LocalBackend(preload=preload, live=live)
-
-
 def _checkpoint_env(checkpoint_dir: str | None) -> dict[str, str] | None:
     """The tasks' PSFLOW_CHECKPOINT_DIR for ``--checkpoint-dir`` (a local directory made absolute)."""
     if checkpoint_dir is None:
@@ -282,35 +258,6 @@ def _checkpoint_env(checkpoint_dir: str | None) -> dict[str, str] | None:
     # a URL as given (psflow.checkpoint.is_url's rule, without importing torch into the launcher)
     where = checkpoint_dir if "://" in checkpoint_dir else str(Path(checkpoint_dir).resolve())
     return TaskEnv(checkpoint_dir=where).render()
-
-
-def _ssh_backend(backend: str, hosts: str | None, ssh_config: str | None, *, dry_run: bool, live: bool | None,
-                 coordinator_host: str | None = None) -> Any:
-    """The SshBackend of ``psflow run --hosts H:N,... [--ssh-config FILE]``.
-
-    Raises:
-        ConfigError: --hosts with another --backend or --dry-run; --ssh-config without --hosts; a bad --hosts.
-    """
-    from psflow.launch.ssh import SshBackend
-
-    if hosts is None:
-        raise ConfigError("--ssh-config is for --hosts (tasks started over ssh); give --hosts HOST:SLOTS,...")
-    if backend != "local" or dry_run:
-        raise ConfigError(f"--hosts starts the tasks over ssh; it does not go with {'--dry-run' if dry_run else '--backend ' + backend}.")
-    return SshBackend(hosts, ssh_config=ssh_config, live=live, coordinator_host=coordinator_host)
-
-
-def _k8s_settings(*, image: str | None, volume_claim: str | None, **rest: Any) -> Any:
-    """The Kubernetes settings of ``--image``, ``--volume-claim`` and the other k8s options.
-
-    Raises:
-        ConfigError: --image or --volume-claim missing, or a bad value (see K8sSettings).
-    """
-    from psflow.launch.k8s import K8sSettings
-
-    if not image:
-        raise ConfigError("--backend k8s needs --image IMAGE: a container image with Python, psflow and the script.")
-    return K8sSettings(image=image, volume_claim=volume_claim, **rest)  # no claim: checked with the plan
 
 
 def _restart_policy(spec: str | None, **budgets: int | float | None) -> RestartPolicy:

@@ -1,6 +1,6 @@
 """SlurmBackend: the tasks of a plan as steps of one Slurm job.
 
-Implements :class:`psflow.launch.backend.Backend` (``psflow run --backend slurm --nodes K``). The
+A :class:`psflow.launch.backend.ProcessBackend` (``psflow run --backend slurm --nodes K``). The
 mapping in brief (each choice, and why: ``docs/design/slurm.md``):
 
 - one allocation per run, held by the script of :func:`batch_script` (``--dry-run`` prints it)
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import re
 import shlex
 import signal
@@ -42,23 +41,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from psflow.cluster import expand_slurm_nodelist
 from psflow.errors import ClusterError, ConfigError
-from psflow.launch import errorreport
-from psflow.launch.backend import Backend, RunResult, drain, log_end
+from psflow.launch.backend import ProcessBackend
 from psflow.launch.console import Console
 from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import die_with_parent
-from psflow.launch.local import prepare_logdir
 from psflow.launch.nodenet import coordinator_address, local_interfaces, resolve, route_source
 from psflow.launch.plan import LaunchPlan, TaskPlan
-from psflow.launch.watchdog import StackDump
-
-if TYPE_CHECKING:
-    from psflow.launch.runstore import RunStore
 
 _WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING")  # not running yet, may still run
 _RUNNING = ("RUNNING",)
@@ -362,13 +355,12 @@ class SlurmCli:
 # ------------------------------------------------------------------------------------ the backend
 
 
-class SlurmBackend(Backend):
+class SlurmBackend(ProcessBackend):
     """Every task of a plan as a step of one Slurm job (see the module's docstring).
 
     Args:
         nodes: nodes to ask for; the tasks are spread round-robin over them.
         echo, live: the console (see :class:`psflow.launch.console.Console`).
-        register_timeout_s: the rendezvous deadline, for :meth:`run`.
         queue_timeout_s: the longest wait for the job to start running.
         hold_timeout_s, sbatch_args: see :class:`SlurmSettings`.
         coordinator_host: the address the nodes reach the launcher at (default: chosen from the
@@ -377,22 +369,20 @@ class SlurmBackend(Backend):
         keep_logs: logs of earlier runs into the same log dir kept per task.
 
     Example:
-        >>> SlurmBackend(nodes=3).run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
+        >>> Runner(SlurmBackend(nodes=3)).run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
         0
     """
 
     def __init__(
         self, *, nodes: int = 1, echo: Callable[[str], None] | None = None, live: bool | None = None,
-        register_timeout_s: float = 120.0, queue_timeout_s: float = 3600.0, hold_timeout_s: float = 60.0,
+        queue_timeout_s: float = 3600.0, hold_timeout_s: float = 60.0,
         sbatch_args: Sequence[str] = (), job_check_s: float = 5.0, keep_logs: int = 5, cli: SlurmCli | None = None,
         coordinator_host: str | None = None,
     ) -> None:
-        super().__init__(Console(echo, live=live))
+        super().__init__(Console(echo, live=live), keep_logs=keep_logs)
         self.settings = SlurmSettings(nodes=nodes, hold_timeout_s=hold_timeout_s, sbatch_args=tuple(sbatch_args))
-        self.register_timeout_s = register_timeout_s
         self.queue_timeout_s = queue_timeout_s
         self.job_check_s = job_check_s
-        self.keep_logs = keep_logs
         self.cli = cli or SlurmCli()
         self.job_id: str | None = None
         self.nodes: list[str] = []  # the allocation's nodes still up: a task (re)starts on one of them
@@ -402,11 +392,8 @@ class SlurmBackend(Backend):
         self._failed: tuple[str, str] | None = None  # (task blamed, why) once the allocation went with a node
         self._failed_told = False
         self._lost_at = 0.0  # when the first node loss was seen (the time of the reports it makes)
-        self._plan: LaunchPlan | None = None
-        self._procs: dict[str, subprocess.Popen[str]] = {}  # task -> its current attempt's srun client
         self._steps: dict[str, str] = {}  # task -> its current attempt's step name
-        self._started: list[subprocess.Popen[str]] = []
-        self._exits: queue.Queue[TaskExited] = queue.Queue()
+        self._stopping: dict[str, str] = {}  # during a stop: the job's steps, name -> JOB.STEP
         self._lock = threading.Lock()
         self._ended: str | None = None  # why the job ended under the run, until ended_by() takes it
         self._ended_told = self._closing = False
@@ -418,24 +405,16 @@ class SlurmBackend(Backend):
         """The batch script :meth:`open` submits for ``plan`` (``psflow run --dry-run`` prints it)."""
         return batch_script(plan, self.settings)
 
-    def run(self, plan: LaunchPlan, *, store: Callable[[LaunchPlan], RunStore] | None = None) -> RunResult:
-        """Run ``plan`` to its end under the default rules (see :class:`psflow.launch.runner.Runner`);
-        ``store`` as :meth:`psflow.launch.local.LocalBackend.run`'s."""
-        from psflow.launch.runner import Runner
-
-        return Runner(self, register_timeout_s=self.register_timeout_s, store=store).run(plan)
-
     # -- the Backend seam ----------------------------------------------------------------------------
     def scale_refusal(self) -> str | None:
         return ("a Slurm job's tasks are fixed when its allocation starts (one srun step for the whole cluster), so "
                 "workers cannot join or leave it; cancel it (psflow stop RUN) and submit it again with --workers N")
 
     def open(self, plan: LaunchPlan) -> None:
-        prepare_logdir(Path(plan.logdir), self.keep_logs)
+        super().open(plan)
         sdir = slurm_dir(plan)
         sdir.mkdir(parents=True, exist_ok=True)
-        self._plan = plan
-        self._procs, self._steps, self._started, self._exits = {}, {}, [], queue.Queue()
+        self._steps = {}
         self._ended, self._ended_told, self._closing = None, False, False
         self._task_node, self._lost, self._failed, self._failed_told, self._lost_at = {}, None, None, False, 0.0
         self._heartbeat(force=True)
@@ -476,32 +455,11 @@ class SlurmBackend(Backend):
         with self._lock:
             self._notes.append((kind, data))
 
-    def start(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> int:
-        plan = self._require_plan()
-        index = plan.task_names().index(task.task)
-        full = {k: v for k, v in os.environ.items() if not _is_job_variable(k)}
-        full.pop("PSFLOW_SECRET", None)  # the launcher's own, if any: tasks read the run's secret file
-        node = node_of(index, self.nodes)
-        self._task_node[task.task] = node
-        full.update({**TaskEnv(bind_host=node).render(), **env})  # the plan's own bind host wins
-        if full.get("PSFLOW_NUM_THREADS"):  # a fresh interpreter's torch reads it at import
-            full["OMP_NUM_THREADS"] = full["PSFLOW_NUM_THREADS"]
-        if attempt > 0:  # the last attempt's report was read when it exited
-            errorreport.path_for(Path(plan.logdir) / "errors", task.task).unlink(missing_ok=True)
-        argv = step_argv(str(self.job_id), node, task, attempt, threads=plan.threads, cwd=os.getcwd())
-        p = subprocess.Popen(argv, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, text=True, bufsize=1, preexec_fn=die_with_parent)
-        self._procs[task.task], self._steps[task.task] = p, step_name(task.task, attempt)
-        self._started.append(p)
-        pump = self.console.follow(plan, task, attempt, p.stdout)
-        threading.Thread(target=self._watch, args=(task.task, attempt, p, pump), daemon=True).start()
-        return p.pid
-
     def poll(self, timeout_s: float = 0.0) -> list[TaskExited]:
         self._heartbeat()
         if time.monotonic() - self._checked_at >= self.job_check_s:
             self._check_job()
-        return drain(self._exits, timeout_s)
+        return super().poll(timeout_s)
 
     def ended_by(self) -> str | None:
         with self._lock:
@@ -511,56 +469,69 @@ class SlurmBackend(Backend):
             return self._ended
 
     def stop(self, tasks: Sequence[str], grace_s: float) -> None:
-        live = {t: self._procs[t] for t in tasks if t in self._procs and self._procs[t].poll() is None}
-        if not live:
+        if self.job_id is None or not any(self.running(t) is not None for t in tasks):
             return
         try:
-            steps = self.cli.steps(str(self.job_id)) if self.job_id else {}
+            self._stopping = self.cli.steps(str(self.job_id))
         except ClusterError as e:  # then the srun clients end their steps
             self.console.warn(f"cannot list the steps of Slurm job {self.job_id}: {e}")
-            steps = {}
-        for t, p in live.items():
-            step = steps.get(self._steps[t])
-            if step is not None:
-                try:
-                    self.cli.cancel(step, "TERM")
-                except ClusterError:
-                    _signal_group(p, signal.SIGTERM)
-            else:  # not a step yet (or no more): the srun client ends it
-                _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for t, p in live.items():
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                step = steps.get(self._steps[t])
-                if step is not None:
-                    with contextlib.suppress(ClusterError):
-                        self.cli.cancel(step, "KILL")
-                _kill_client(p)
+            self._stopping = {}
+        try:
+            super().stop(tasks, grace_s)
+        finally:
+            self._stopping = {}
 
-    def dump_stacks(self, task: str) -> StackDump | None:
-        p, name = self._procs.get(task), self._steps.get(task)
-        if p is None or name is None or p.poll() is not None:
-            return None
-        step = self._step_of(name)
+    # -- the steps -----------------------------------------------------------------------------------
+    def _launch(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> tuple[Any, Any]:
+        plan = self._require_plan()
+        index = plan.task_names().index(task.task)
+        full = {k: v for k, v in os.environ.items() if not _is_job_variable(k)}
+        full.pop("PSFLOW_SECRET", None)  # the launcher's own, if any: tasks read the run's secret file
+        node = node_of(index, self.nodes)
+        self._task_node[task.task] = node
+        full.update({**TaskEnv(bind_host=node).render(), **env})  # the plan's own bind host wins
+        if full.get("PSFLOW_NUM_THREADS"):  # a fresh interpreter's torch reads it at import
+            full["OMP_NUM_THREADS"] = full["PSFLOW_NUM_THREADS"]
+        argv = step_argv(str(self.job_id), node, task, attempt, threads=plan.threads, cwd=os.getcwd())
+        p = subprocess.Popen(argv, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, text=True, bufsize=1, preexec_fn=die_with_parent)
+        self._steps[task.task] = step_name(task.task, attempt)
+        return p, p.stdout
+
+    def _terminate(self, task: str, p: Any) -> None:
+        step = self._stopping.get(self._steps[task])
+        if step is not None:
+            try:
+                self.cli.cancel(step, "TERM")
+                return
+            except ClusterError:
+                pass
+        _signal_group(p, signal.SIGTERM)  # not a step yet (or no more), or scancel failed: the srun client ends it
+
+    def _kill(self, task: str, p: Any) -> None:
+        step = self._stopping.get(self._steps[task])
+        if step is not None:
+            with contextlib.suppress(ClusterError):
+                self.cli.cancel(step, "KILL")
+        _kill_client(p)
+
+    def _reap(self, p: Any) -> None:
+        _kill_client(p)
+
+    def _ask_stacks(self, task: str, p: Any) -> bool:
+        step = self._step_of(self._steps[task])
         if step is None:
-            return None
-        log = Path(self._require_plan().logdir) / "logs" / f"{task.replace(':', '-')}.log"
-        where = StackDump(str(log), log_end(log))
+            return False
         self._signal_step(step, signal.SIGUSR1)
         # A frozen task (SIGSTOP) cannot run its handler: resumed, it dumps at once, and the kill that
         # follows the dump still ends it. A running task ignores SIGCONT.
         self._signal_step(step, signal.SIGCONT)
-        return where
+        return True
 
-    def send_signal(self, task: str, signum: int) -> bool:
+    def _signal(self, task: str, p: Any, signum: int) -> bool:
         """``signum`` to every process of ``task``'s running attempt: ``scancel --signal`` to its step
         (see the module docstring); before Slurm lists the step, to its srun client's process group."""
-        p, name = self._procs.get(task), self._steps.get(task)
-        if p is None or name is None or p.poll() is not None:
-            return False
-        step = self._step_of(name)
+        step = self._step_of(self._steps[task])
         if step is None:
             if p.poll() is not None:
                 return False
@@ -599,7 +570,7 @@ class SlurmBackend(Backend):
     def error_report(self, task: str) -> dict[str, Any] | None:
         """The task's own report; for a task whose node was lost, one that says so (its process had no
         chance to write one); for the others of an allocation lost with a node, one that blames it."""
-        own = errorreport.read(Path(self._require_plan().logdir) / "errors", task)
+        own = super().error_report(task)
         with self._lock:
             lost, failed = self._lost, self._failed
         if lost is None:
@@ -612,23 +583,14 @@ class SlurmBackend(Backend):
         return own
 
     def close(self) -> None:
-        grace_s = self._plan.grace_s if self._plan is not None else 0.0
         self._closing = True  # steps end now because the run does: not "ended under the run"
         try:
-            if self.job_id is not None:
-                self.stop(list(self._procs), grace_s)
+            super().close()
         finally:
-            for p in self._started:
-                _kill_client(p)
             if self.job_id is not None and self._plan is not None:
                 self._release()
 
     # -- the job -------------------------------------------------------------------------------------
-    def _require_plan(self) -> LaunchPlan:
-        if self._plan is None:
-            raise RuntimeError("SlurmBackend used before open(plan).")
-        return self._plan
-
     def _heartbeat(self, *, force: bool = False, text: str | None = None) -> None:
         """Tell the batch script the launcher lives (every few seconds), or ``text`` (``end``)."""
         now = time.monotonic()
@@ -716,16 +678,15 @@ class SlurmBackend(Backend):
                        job_state=found.job_state, message=found.message())
         return found.ends_run
 
-    def _watch(self, task: str, attempt: int, p: subprocess.Popen[str], pump: threading.Thread) -> None:
-        code = exit_code_of(p.wait())
-        pump.join(timeout=10)  # the log is whole before the exit is seen
+    def _exited(self, task: str, attempt: int, p: Any, code: int) -> TaskExited:
+        code = exit_code_of(code)
         # Was the step ended by the job's end (scancel, time limit)? Said before its exit is seen, for
         # ended_by: even a task that exits 0 on the SIGTERM does not make a cancelled run succeed.
         self._check_job()
         with self._lock:
             if code == 0 and self._lost is not None and self._task_node.get(task) in self._lost.nodes:
                 code = NODE_LOST_EXIT  # its srun client may say 0; it did not finish
-        self._exits.put(TaskExited(task, attempt, code, time.time()))
+        return TaskExited(task, attempt, code, time.time())
 
     def _release(self) -> None:
         """End the job: ``end`` for the batch script (the job completes), scancel if it lingers."""

@@ -1,6 +1,6 @@
 """SshBackend: the tasks of a plan on a few hosts, each started over ssh.
 
-Implements :class:`psflow.launch.backend.Backend` (``psflow run --hosts h1:2,h2:2 ...``, horovodrun's
+A :class:`psflow.launch.backend.ProcessBackend` (``psflow run --hosts h1:2,h2:2 ...``, horovodrun's
 convention: each host and how many tasks it takes). How a run maps onto the hosts, and why:
 
 - **Placement**: the plan's tasks fill the hosts in order, each up to its slots (:func:`place`): with
@@ -30,32 +30,24 @@ from __future__ import annotations
 
 import contextlib
 import json
-import queue
 import shlex
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from psflow.cluster import is_loopback_host
 from psflow.errors import ConfigError
-from psflow.launch import errorreport
-from psflow.launch.backend import Backend, RunResult, drain, log_end
+from psflow.launch.backend import ProcessBackend
 from psflow.launch.console import Console
 from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import die_with_parent
-from psflow.launch.local import prepare_logdir
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.sshagent import MARK
-from psflow.launch.watchdog import StackDump
-
-if TYPE_CHECKING:
-    from psflow.launch.runstore import RunStore
 
 SSH_FAILED = 255  # ssh's own exit status when the session could not be had
 
@@ -148,7 +140,7 @@ def route_address(host: str) -> str:
 # ------------------------------------------------------------------------------------ the backend
 
 
-class SshBackend(Backend):
+class SshBackend(ProcessBackend):
     """Every task of a plan on a host of ``hosts``, started over ssh (see the module's docstring).
 
     Args:
@@ -158,37 +150,23 @@ class SshBackend(Backend):
         coordinator_host: where the launcher's coordinator listens (default: :func:`route_address`
             of the first host that is not loopback).
         echo, live: the console (see :class:`psflow.launch.console.Console`).
-        register_timeout_s: the rendezvous deadline, for :meth:`run`.
         keep_logs: logs of earlier runs into the same log dir kept per task.
 
     Example:
-        >>> SshBackend("node1:1,node2:2").run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
+        >>> Runner(SshBackend("node1:1,node2:2")).run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
         0
     """
 
     def __init__(self, hosts: str | Sequence[Host], *, ssh_config: str | None = None, ssh: Sequence[str] = ("ssh",),
                  coordinator_host: str | None = None, echo: Callable[[str], None] | None = None, live: bool | None = None,
-                 register_timeout_s: float = 120.0, keep_logs: int = 5) -> None:
-        super().__init__(Console(echo, live=live))
+                 keep_logs: int = 5) -> None:
+        super().__init__(Console(echo, live=live), keep_logs=keep_logs)
         self.hosts = parse_hosts(hosts) if isinstance(hosts, str) else list(hosts)
         self.ssh_config = ssh_config
         self.ssh = tuple(ssh)
         self._coordinator_host = coordinator_host
-        self.register_timeout_s = register_timeout_s
-        self.keep_logs = keep_logs
         self.placement: dict[str, str] = {}
-        self._plan: LaunchPlan | None = None
-        self._procs: dict[str, subprocess.Popen[str]] = {}
-        self._started: list[subprocess.Popen[str]] = []
-        self._exits: queue.Queue[TaskExited] = queue.Queue()
         self._codes: dict[int, int] = {}  # ssh client pid -> the task's exit code, as the agent said
-
-    def run(self, plan: LaunchPlan, *, store: Callable[[LaunchPlan], RunStore] | None = None) -> RunResult:
-        """Run ``plan`` to its end under the default rules (see :class:`psflow.launch.runner.Runner`);
-        ``store`` as :meth:`psflow.launch.local.LocalBackend.run`'s."""
-        from psflow.launch.runner import Runner
-
-        return Runner(self, register_timeout_s=self.register_timeout_s, store=store).run(plan)
 
     # -- the Backend seam ----------------------------------------------------------------------------
     def scale_refusal(self) -> str | None:
@@ -197,9 +175,8 @@ class SshBackend(Backend):
 
     def open(self, plan: LaunchPlan) -> None:
         self.placement = place(plan.task_names(), self.hosts)
-        prepare_logdir(Path(plan.logdir), self.keep_logs)
-        self._plan = plan
-        self._procs, self._started, self._exits, self._codes = {}, [], queue.Queue(), {}
+        super().open(plan)
+        self._codes = {}
         where = ", ".join(f"{t}@{h}" for t, h in self.placement.items())
         self.console.echo(f"psflow: over ssh: {where}")
 
@@ -209,74 +186,43 @@ class SshBackend(Backend):
             self._coordinator_host = route_address(remote[0]) if remote else "127.0.0.1"
         return self._coordinator_host
 
-    def start(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> int:
-        plan = self._require_plan()
+    # -- the sessions --------------------------------------------------------------------------------
+    def _launch(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> tuple[Any, Any]:
         host = self.placement[task.task]
         secret_file = env.get("PSFLOW_SECRET_FILE")
         if not secret_file:
             raise ConfigError("SshBackend.start needs the run's secret file (PSFLOW_SECRET_FILE, set by the runner).")
         secret = Path(secret_file).read_text().strip()
-        if attempt > 0:  # the last attempt's report was read when it exited
-            errorreport.path_for(Path(plan.logdir) / "errors", task.task).unlink(missing_ok=True)
         argv = ssh_argv(host, task.argv[0], ssh=self.ssh, config=self.ssh_config)
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              bufsize=1, start_new_session=True, preexec_fn=die_with_parent)
         assert p.stdin is not None and p.stdout is not None
         header = agent_header(task, {**env, **TaskEnv(attempt=attempt).render()}, host=host, secret=secret, cwd=str(Path.cwd()))
-        # False where ssh ended already (it could not connect): its exit and message come through _watch and the log
+        # False where ssh ended already (it could not connect): its exit and message come through _exited and the log
         _tell(p, header.rstrip("\n"))
-        self._procs[task.task] = p
-        self._started.append(p)
-        pump = self.console.follow(plan, task, attempt, self._lines(task.task, p))
-        threading.Thread(target=self._watch, args=(task.task, attempt, p, pump), daemon=True).start()
-        return p.pid
+        return p, self._lines(task.task, p)
 
-    def poll(self, timeout_s: float = 0.0) -> list[TaskExited]:
-        return drain(self._exits, timeout_s)
+    def _terminate(self, task: str, p: Any) -> None:
+        _tell(p, "TERM")
 
-    def stop(self, tasks: Sequence[str], grace_s: float) -> None:
-        live = {t: self._procs[t] for t in tasks if t in self._procs and self._procs[t].poll() is None}
-        for p in live.values():
-            _tell(p, "TERM")
-        deadline = time.monotonic() + grace_s
-        for p in live.values():
-            if not self.wait_within(p, deadline):  # past the grace, or hurried (a second Ctrl-C)
-                _tell(p, "KILL")
-                try:
-                    p.wait(timeout=10)  # the agent reports the kill, then the session ends
-                except subprocess.TimeoutExpired:
-                    _kill_client(p)
+    def _kill(self, task: str, p: Any) -> None:
+        _tell(p, "KILL")
+        try:
+            p.wait(timeout=10)  # the agent reports the kill, then the session ends
+        except subprocess.TimeoutExpired:
+            _kill_client(p)
 
-    def dump_stacks(self, task: str) -> StackDump | None:
-        p = self._procs.get(task)
-        if p is None or p.poll() is not None:
-            return None
-        log = Path(self._require_plan().logdir) / "logs" / f"{task.replace(':', '-')}.log"
-        where = StackDump(str(log), log_end(log))
+    def _reap(self, p: Any) -> None:
+        _kill_client(p)
+
+    def _ask_stacks(self, task: str, p: Any) -> bool:
         if not _tell(p, "USR1"):
             raise OSError(f"the ssh session of {task} is closed")
-        return where
-
-    def error_report(self, task: str) -> dict[str, Any] | None:
-        return errorreport.read(Path(self._require_plan().logdir) / "errors", task)
-
-    def close(self) -> None:
-        grace_s = self._plan.grace_s if self._plan is not None else 0.0
-        try:
-            self.stop(list(self._procs), grace_s)
-        finally:
-            for p in self._started:
-                _kill_client(p)
-
-    # -- the sessions --------------------------------------------------------------------------------
-    def _require_plan(self) -> LaunchPlan:
-        if self._plan is None:
-            raise RuntimeError("SshBackend used before open(plan).")
-        return self._plan
+        return True
 
     def _lines(self, task: str, p: subprocess.Popen[str]) -> Iterator[str]:
         """The task's output, less the agent's own lines (its report is written to the errors dir, its
-        exit code kept for :meth:`_watch`)."""
+        exit code kept for :meth:`_exited`)."""
         assert p.stdout is not None
         for line in p.stdout:
             if not line.startswith(MARK):
@@ -288,18 +234,15 @@ class SshBackend(Backend):
             elif kind == "report":
                 with contextlib.suppress(ValueError, OSError):
                     report = json.loads(rest)
-                    errors = Path(self._require_plan().logdir) / "errors"
-                    errorreport.path_for(errors, task).write_text(json.dumps(report))
+                    self.error_file(task).write_text(json.dumps(report))
 
-    def _watch(self, task: str, attempt: int, p: subprocess.Popen[str], pump: threading.Thread) -> None:
-        ssh_code = p.wait()
-        pump.join(timeout=10)  # the log and the agent's last lines are read before the exit is seen
-        code = self._codes.get(p.pid)
-        if code is None:  # no word from the agent: the session failed (ssh says why, in the log) or was cut
-            code = ssh_code if ssh_code != 0 else SSH_FAILED
+    def _exited(self, task: str, attempt: int, p: Any, code: int) -> TaskExited:
+        ssh_code, agent_code = code, self._codes.get(p.pid)
+        if agent_code is None:  # no word from the agent: the session failed (ssh says why, in the log) or was cut
+            agent_code = ssh_code if ssh_code != 0 else SSH_FAILED
             if ssh_code == SSH_FAILED:
                 self.console.warn(f"{task}: ssh to {self.placement.get(task)} failed (exit 255); its log has ssh's message.")
-        self._exits.put(TaskExited(task, attempt, code, time.time()))
+        return TaskExited(task, attempt, agent_code, time.time())
 
 
 def _tell(p: subprocess.Popen[str], command: str) -> bool:

@@ -245,13 +245,13 @@ def run_here(spec: LaunchSpec, *, live: bool | None = None, runs_root: Path | No
     with hold_run(plan.logdir, plan.logdir_url, plan.run_id, wait_for_run=spec.restarted_from,
                   wait_s=spec.after_timeout_s if spec.restarted_from else 0.0, queued=queued):
         if plan.logdir_url is None:
-            return plan, _runner(spec, live=live).run(plan)
+            return plan, _runner(spec, plan, live=live).run(plan)
         from psflow.launch.urllogdir import LogdirSyncer, check_url
 
         check_url(plan.logdir_url)  # before any task starts
         Path(plan.logdir).mkdir(parents=True, exist_ok=True)
         with LogdirSyncer(Path(plan.logdir), plan.logdir_url, warn=lambda m: print(f"psflow: warning: {m}", file=sys.stderr)):
-            return plan, _runner(spec, live=live).run(plan)
+            return plan, _runner(spec, plan, live=live).run(plan)
 
 
 def queue_restart(spec: LaunchSpec) -> LogdirLock:
@@ -269,20 +269,13 @@ def queue_restart(spec: LaunchSpec) -> LogdirLock:
     return lock
 
 
-def _runner(spec: LaunchSpec, *, live: bool | None) -> Any:
-    from psflow.launch.runner import Runner
+def _runner(spec: LaunchSpec, plan: LaunchPlan, *, live: bool | None) -> Any:
+    """The runner of ``plan`` on the spec's backend (local or Slurm), recorded in the job store."""
+    from psflow.launch.assemble import BackendOptions, assemble_run
     from psflow.platform.recording import recording
 
-    if spec.backend == "slurm":
-        from psflow.launch.slurm import SlurmBackend
-
-        backend: Any = SlurmBackend(live=live)
-    else:
-        from psflow.launch import LocalBackend
-
-        backend = LocalBackend(live=live)
-    store = recording(backend, restarted_from=spec.restarted_from)
-    return Runner(backend, register_timeout_s=backend.register_timeout_s, store=store)
+    options = BackendOptions(name=spec.backend, live=live)
+    return assemble_run(plan, options, store=lambda b: recording(b, restarted_from=spec.restarted_from)).runner
 
 
 def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapping[str, str] | None = None,
