@@ -118,6 +118,7 @@ def test_a_push_declaring_2_gib_for_a_7850_float_key_is_refused_before_its_bytes
             growth_mib = (rss_kib() - before) / 1024
         finally:
             conn.close()
+        print(f"refused {answered_s * 1000:.0f} ms after the head; RSS growth {growth_mib:.1f} MiB; {sent >> 20} MiB streamed")
         assert growth_mib < 100, f"the process grew by {growth_mib:.0f} MiB while the client streamed {sent >> 20} MiB"
         error = error_of(received)
         assert ("PS_PUSH from worker:1 refused before its payload was received: tensor 'w' declares "
