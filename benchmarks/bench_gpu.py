@@ -93,7 +93,8 @@ def psflow_rate(psflow_args: list[str], script_args: list[str], steps: int, thre
     ps_apply = [t["busy_s"] * t["shares"].get("apply", 0.0) for k, t in (tl.get("tasks") or {}).items() if k.startswith("ps:")]
     steps_done = summary.get("global_step") or 1
     where = (f"compute {step.get('compute', step.get('forward', 0)):.0%}, wait {step.get('wait', 0):.0%}, "
-             f"push+pull {step.get('push', 0) + step.get('pull', 0):.0%}; ps apply {1e3 * sum(ps_apply) / steps_done:.1f} ms per global step, its threads summed")
+             f"push+pull {step.get('push', 0) + step.get('pull', 0):.0%}; "
+             f"ps apply {1e3 * sum(ps_apply) / steps_done:.1f} ms per global step, its threads summed")
     return {"where": where,"examples_per_sec": summary.get("examples_per_sec"), "step_examples_per_sec": summary.get("step_examples_per_sec"),
             "global_step": summary.get("global_step"), "test_accuracy": summary.get("test_accuracy"), "wall_s": round(wall, 1)}
 
