@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from psflow.config import TrainConfig
+from psflow.modes import Mode, PsMode
 from psflow.ps.membership import scaled_quorum
 
 
@@ -83,12 +84,20 @@ class Act(enum.Enum):
 class RuleSettings:
     """What the rules need of the job's settings (from TrainConfig and the step plan)."""
 
-    mode: str = "async"
+    mode: Mode = Mode.ASYNC  # text is taken too: RuleSettings(mode="sync")
     replicas_to_aggregate: int | None = None  # sync: N; None = every worker
     total_num_replicas: int | None = None  # sync: M; None = every worker
     staleness: int = 4
     stop_at: int | None = None  # no update is applied at or past this version
     lost_worker_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+
+    @property
+    def rules(self) -> PsMode:
+        """What the ps does in this mode (when a push is applied, whether clocks are kept)."""
+        return self.mode.ps
 
     @classmethod
     def of(cls, config: TrainConfig, stop_at: int | None = None) -> RuleSettings:
@@ -197,7 +206,7 @@ class ShardRules:
         """A gradient computed from version ``step`` by ``worker``'s attempt ``attempt``; ``push_seq``
         numbers the attempt's pushes (a resent push keeps its number and is a DUPLICATE); ``redone``:
         its batch was applied here already (async, ssp: a DUPLICATE of an APPLY)."""
-        redone = redone and self.settings.mode != "sync"
+        redone = redone and self.settings.rules.applies_each_push
         ev = self._event(On.PUSH, worker, step, attempt=attempt, push_seq=push_seq, redone=redone)
         refused = self._retired(ev, worker, "push") or self._superseded(ev, worker, attempt, "push")
         if refused is not None:
@@ -225,7 +234,7 @@ class ShardRules:
         stop_at = self.settings.stop_at
         if stop_at is not None and self.version >= stop_at:
             out.append(self._decide(ev, Act.STOPPED, workers=(worker,)))
-        elif self.settings.mode != "sync":
+        elif self.settings.rules.applies_each_push:
             self.version += 1
             out.append(self._decide(ev, Act.APPLY, workers=(worker,)))
         elif step < self.version or worker in self.pending:
@@ -279,7 +288,7 @@ class ShardRules:
             self.staying.discard(worker)
         self.clocks.pop(worker, None)
         # Fewer live workers lower the number a step needs; the step may now be complete.
-        out = self._maybe_complete_step(ev) if self.settings.mode == "sync" else []
+        out = self._maybe_complete_step(ev) if self.settings.rules.waits_for_quorum else []
         return self._decided(ev, out + self._release_held(ev))
 
     def worker_lost(self, worker: int) -> list[Decision]:
@@ -321,7 +330,7 @@ class ShardRules:
         if worker in self.clocks:
             self.lost_clocks[worker] = self.clocks.pop(worker)
         out: list[Decision] = []
-        if self.settings.mode == "sync" and self.configured:
+        if self.settings.rules.waits_for_quorum and self.configured:
             if worker in self.pending:
                 self.pending.discard(worker)
                 # Its held gradient left: the same push, resent after a reconnect, is taken again.
@@ -477,7 +486,7 @@ class ShardRules:
                     book.pop(w, None)
             out.append(self._decide(ev, Act.RETIRED, workers=tuple(sorted(gone))))
         self.num_workers = num_workers
-        if self.settings.mode == "sync" and self.configured:
+        if self.settings.rules.waits_for_quorum and self.configured:
             out.extend(self._maybe_complete_step(ev))  # fewer members: the step may be complete now
         return self._decided(ev, out + self._release_held(ev))
 
@@ -556,7 +565,7 @@ class ShardRules:
 
     def lost_hold_message(self, waited_s: float) -> str | None:
         """Sync without backups with a lost worker: why the step is held (else None)."""
-        if self.settings.mode != "sync" or not self.lost or self.has_backups():
+        if not self.settings.rules.waits_for_quorum or not self.lost or self.has_backups():
             return None
         names = ", ".join(f"worker:{w}" for w in sorted(self.lost))
         causes = "; ".join(self._cause(w, closed="killed or crashed?") for w in sorted(self.lost))
@@ -709,7 +718,7 @@ class ShardRules:
         self.joining.discard(worker)
         self.lost.discard(worker)
         clock = None
-        if self.settings.mode == "ssp":
+        if self.settings.rules.keeps_clocks:
             clock = self.resume_clock(worker)
             self.lost_clocks.pop(worker, None)
             self.clocks[worker] = clock
@@ -739,7 +748,7 @@ class ShardRules:
             for w, c in sorted(self.held) if w == worker]
         self.held -= {(w, c) for w, c in self.held if w == worker}
         clock = None
-        if self.settings.mode == "ssp":
+        if self.settings.rules.keeps_clocks:
             clock = self.resume_clock(worker)
             self.lost_clocks.pop(worker, None)
             if worker not in self.lost:

@@ -40,6 +40,7 @@ import torch
 from psflow.checkpoint.keys import ema_key, opt_key_of
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, TrainingError
+from psflow.modes import PsMode
 from psflow.optim import MovingAverage, OptimizerSpec, Schedule, set_lr
 from psflow.ps.finite import NonfiniteBook, describe, nonfinite_keys
 from psflow.ps.progress import Progress, StepPlan
@@ -132,6 +133,11 @@ class ParameterStore:
         self._started_at: float | None = None  # the first tick's time: never-connected workers are counted from it
 
     # -- the rules' state, read --------------------------------------------------------------
+    @property
+    def mode(self) -> PsMode:
+        """What this shard does in the job's update mode (when a push is applied, how a pull reads)."""
+        return self.config.mode.ps
+
     @property
     def version(self) -> int:
         """Updates applied (async/ssp: pushes; sync: steps); shard 0's is the job's global step."""
@@ -236,7 +242,7 @@ class ParameterStore:
                 self._wait(lambda: rules.version >= min_version, timeout_s,
                            lambda: TrainingError(rules.sync_wait_message(min_version, timeout_s)))
             src = self._ema.shadow() if (averages and self._ema) else self.values
-            if self.config.mode == "async" and not averages:
+            if self.mode.reads_in_place and not averages:
                 # Hogwild reads, as TensorFlow's default (use_locking=False): no copy on the hot path.
                 return self.version, src
             return self.version, {k: v.clone() for k, v in src.items()}
@@ -288,7 +294,7 @@ class ParameterStore:
         """The push's decisions, carried out (under the lock)."""
         self.stats.pushes += 1
         reply: dict[str, Any] = {"applied": True}
-        redone = self.config.mode != "sync" and self.progress.applied_already(worker, position, attempt)
+        redone = self.mode.applies_each_push and self.progress.applied_already(worker, position, attempt)
         for d in self.rules.push(worker, version, attempt, push_seq, redone):
             if d.act is Act.SUPERSEDED and d.clock is None:
                 self.stats.superseded += 1
@@ -319,7 +325,7 @@ class ParameterStore:
                         own[k] = torch.empty_like(g)
                     own[k].copy_(g)
                 self.progress.pending(worker, position)
-            elif d.act is Act.APPLY and self.config.mode != "sync":
+            elif d.act is Act.APPLY and self.mode.applies_each_push:
                 self.progress.consumed(worker, position, attempt)  # before _apply: a snapshot it takes includes it
                 self._apply(grads, d)
             else:
@@ -374,8 +380,8 @@ class ParameterStore:
         self.stats.applied_updates += 1
         for w in d.workers:  # a newer attempt's push supersedes the older's (rules): the newest is the sender
             self.stats.count_applied(w, self.rules.attempts.get(w, 0))
-        if self._forwarder is not None:  # async: the connection's buffers are reused; sync: a fresh sum
-            self._ship_updates[d.version] = (dict(grads) if self.config.mode == "sync"
+        if self._forwarder is not None:  # a push arrives in its connection's buffers, reused: copied; a step's average is a fresh sum
+            self._ship_updates[d.version] = (dict(grads) if self.mode.waits_for_quorum
                                              else {k: g.clone() for k, g in grads.items()})
         if self._ema is not None:
             self._ema.update(self.values, num_updates=d.version)
@@ -467,7 +473,7 @@ class ParameterStore:
             self._raise_superseded(decisions)
             self._act(decisions)
             out: dict[str, Any] = {"version": self.version, "data_positions": self.progress.positions_now()}
-            if self.config.mode == "ssp":
+            if self.mode.keeps_clocks:
                 out["clock"] = self.rules.clocks.get(worker, 0)
             return out
 
@@ -726,7 +732,7 @@ class ParameterStore:
                     raise TrainingError(
                         f"The backup of ps shard {self.shard} decided to apply version {d.version} (event {ev.seq}), "
                         "but the primary sent no update for it: the copies diverged; re-sync it.")
-                if self.config.mode == "sync":
+                if self.mode.waits_for_quorum:
                     if d.without_all:
                         self.stats.steps_without_all += 1
                     self.progress.step_applied()
