@@ -47,6 +47,8 @@ _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "l
 
 def _reason(error: Mapping[str, Any]) -> str:
     ctx = error.get("ctx") or {}
+    if error["type"] == "too_short":
+        return f"must hold at least {ctx['min_length']} item{'s' * (ctx['min_length'] != 1)}"
     if error["type"] in _BOUNDS and ctx:
         bound = next(iter(ctx.values()))
         if isinstance(bound, float) and bound.is_integer():
@@ -93,6 +95,9 @@ def config_error(error: ValidationError, *, what: str, model: type | None = None
         cause = (e.get("ctx") or {}).get("error")
         if isinstance(cause, ConfigError):
             return cause
+    # a container whose item was refused is also reported as too short: the item says it
+    errors = [e for e in errors if not any(o is not e and tuple(o["loc"])[:len(e["loc"])] == tuple(e["loc"])
+                                           and len(o["loc"]) > len(e["loc"]) for o in errors)]
     text = _sentence(errors[0], what, model)
     others = [_place(tuple(e["loc"])) for e in errors[1:]]
     if others:
@@ -100,8 +105,10 @@ def config_error(error: ValidationError, *, what: str, model: type | None = None
     return ConfigError(text)
 
 
-def checked(cls: type[T]) -> type[T]:
+def checked(cls: type[T] | None = None, *, what: str | None = None) -> Any:
     """Make a pydantic dataclass raise ``ConfigError`` (from :func:`config_error`) on invalid fields.
+
+    Use as ``@checked`` (errors name the class) or ``@checked(what="psflow chaos")``.
 
     Example:
         >>> from pydantic import Field
@@ -114,14 +121,17 @@ def checked(cls: type[T]) -> type[T]:
         Traceback (most recent call last):
         psflow.errors.ConfigError: Timeouts: connect_s must be > 0; received -1 (seconds to retry a connection).
     """
+    if cls is None:
+        return functools.partial(checked, what=what)
     init = cls.__init__
+    name = what or cls.__name__
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
             init(self, *args, **kwargs)
         except ValidationError as e:
-            raise config_error(e, what=cls.__name__, model=cls) from e
+            raise config_error(e, what=name, model=cls) from e
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls

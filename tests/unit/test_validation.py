@@ -104,3 +104,18 @@ def test_the_mode_is_a_mode_that_reads_as_its_text():
     assert config.mode is Mode.SSP and config.mode == "ssp" and repr(config.mode) == "'ssp'"
     assert TrainConfig.from_json(config.to_json()) == config
     assert config.to_dict()["mode"] == "ssp" and type(config.to_dict()["mode"]) is str
+
+
+def test_a_refused_item_is_named_once_and_an_empty_list_says_how_many_it_needs():
+    from psflow.chaos.schedule import ChaosSettings
+
+    with pytest.raises(ConfigError) as e:
+        ChaosSettings(every_s=1, duration_s=2, targets=("evaluator",))
+    assert str(e.value) == ("psflow chaos: targets[0] must be 'chief', 'worker' or 'ps'; received 'evaluator' "
+                            "(the jobs whose tasks may be hit).")
+    with pytest.raises(ConfigError, match=r"^psflow chaos: targets must hold at least 1 item; received \(\)"):
+        ChaosSettings(every_s=1, duration_s=2, targets=())
+    with pytest.raises(ConfigError, match=r"^psflow chaos: kinds\[1\]\[1\] must be > 0; received 0\.0"):
+        ChaosSettings(every_s=1, duration_s=2, kinds=(("kill", 1.0), ("stop", 0.0)))
+    with pytest.raises(ConfigError, match=r"^psflow chaos: every_s is required and missing\.$"):
+        ChaosSettings(duration_s=2)

@@ -32,62 +32,56 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass
 
 from psflow.errors import ConfigError
+from psflow.validation import checked
 
 KINDS = ("kill", "stop", "partition")
 JOBS = ("chief", "worker", "ps")
 
+Weight = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
-@dataclass(frozen=True)
+
+def _seconds(default: float = ..., *, meaning: str, zero_ok: bool = False) -> Any:  # type: ignore[assignment]
+    """A number of seconds, > 0 (>= 0 with ``zero_ok``); no default: required."""
+    bound = {"ge": 0} if zero_ok else {"gt": 0}
+    return Field(default, **bound, allow_inf_nan=False, description=f"seconds: {meaning}")
+
+
+@checked(what="psflow chaos")
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class ChaosSettings:
-    """What ``psflow chaos`` injects.
+    """What ``psflow chaos`` injects (each field's description says what it means).
 
-    Args:
-        every_s: seconds between faults (the first at ``every_s`` after the job's first step).
-        duration_s: faults are injected during this many seconds from the job's first step.
-        seed: fixes the times' kinds and draws.
-        kinds: each kind with its weight, e.g. ``(("kill", 3.0), ("stop", 1.0))``.
-        targets: the jobs whose tasks may be hit.
-        stall_s: how long a ``stop`` keeps a task stopped (a ``partition`` lasts): the shortest, when
-            ``stall_max_s`` is set, each fault's length then drawn by the seed in [stall_s, stall_max_s].
-        stall_max_s: the longest (None: every fault lasts ``stall_s``).
-        min_up_s: a task is hit only once its current attempt has run this long.
-        settle_s: a ps is hit only once every ps has run this long (the re-sync of the last one hit).
-        max_faults: at most this many faults (None: as many as the slots).
+    ``stall_s`` is how long a ``stop`` keeps a task stopped (a ``partition`` lasts): the shortest, when
+    ``stall_max_s`` is set, each fault's length then drawn by the seed in [stall_s, stall_max_s].
     """
 
-    every_s: float
-    duration_s: float
-    seed: int = 0
-    kinds: tuple[tuple[str, float], ...] = (("kill", 3.0), ("stop", 1.0))
-    targets: tuple[str, ...] = ("chief", "worker")
-    stall_s: float = 1.0
-    stall_max_s: float | None = None
-    min_up_s: float = 2.0
-    settle_s: float = 4.0
-    max_faults: int | None = None
+    every_s: float = _seconds(meaning="between faults (the first at every_s after the job's first step)")
+    duration_s: float = _seconds(meaning="faults are injected during this long from the job's first step")
+    seed: int = Field(0, description="fixes the times, kinds and draws")
+    kinds: tuple[tuple[Literal[KINDS], Weight], ...] = Field(  # type: ignore[valid-type]
+        (("kill", 3.0), ("stop", 1.0)), min_length=1,
+        description="each kind with a positive weight, e.g. kill=3,stop=1")
+    targets: tuple[Literal[JOBS], ...] = Field(  # type: ignore[valid-type]
+        ("chief", "worker"), min_length=1, description="the jobs whose tasks may be hit")
+    stall_s: float = _seconds(1.0, meaning="how long a stop or a partition lasts (the shortest, with stall_max_s)")
+    stall_max_s: float | None = Field(None, allow_inf_nan=False, description=(
+        "seconds: the longest stall, each drawn in [stall_s, stall_max_s]; None: every stall lasts stall_s"))
+    min_up_s: float = _seconds(2.0, zero_ok=True, meaning="a task is hit only once its attempt has run this long")
+    settle_s: float = _seconds(4.0, zero_ok=True, meaning="a ps is hit only once every ps has run this long")
+    max_faults: int | None = Field(None, ge=1, description="at most this many faults; None: as many as the slots")
 
-    def __post_init__(self) -> None:
-        for name in ("every_s", "duration_s", "stall_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise ConfigError(f"psflow chaos: {name} must be a positive number of seconds; received {v!r}.")
-        for name in ("min_up_s", "settle_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
-                raise ConfigError(f"psflow chaos: {name} must be a number of seconds >= 0; received {v!r}.")
-        if not self.kinds or any(k not in KINDS or not (w > 0 and math.isfinite(w)) for k, w in self.kinds):
-            raise ConfigError(f"psflow chaos --kinds: each kind one of {', '.join(KINDS)} with a positive weight "
-                              f"(kill,stop or kill=3,stop=1); received {self.kinds!r}.")
-        if not self.targets or any(t not in JOBS for t in self.targets):
-            raise ConfigError(f"psflow chaos --targets: jobs among {', '.join(JOBS)}; received {self.targets!r}.")
-        if self.stall_max_s is not None and not (math.isfinite(self.stall_max_s) and self.stall_max_s >= self.stall_s):
+    @model_validator(mode="after")
+    def _stalls_agree(self) -> ChaosSettings:
+        if self.stall_max_s is not None and self.stall_max_s < self.stall_s:
             raise ConfigError(f"psflow chaos --stall A-B: B must be a number of seconds >= A; received {self.stall_s:g}-"
                               f"{self.stall_max_s!r}.")
-        if self.max_faults is not None and self.max_faults < 1:
-            raise ConfigError(f"psflow chaos --max-faults must be at least 1; received {self.max_faults!r}.")
+        return self
 
 
 def parse_kinds(text: str) -> tuple[tuple[str, float], ...]:
