@@ -88,3 +88,32 @@ def test_the_runs_list_pages_by_keys_older_and_newer_without_losing_or_repeating
     assert [r["id"] for r in failed["runs"]] == [HEAVY] and failed["older"] is None and failed["newer"] is None
     bad = client.get("/api/runs", params={"before": "yesterday:run-1"})
     assert bad.status_code == 422 and "CREATED:ID" in bad.text
+
+
+def test_stragglers_read_only_the_span_they_judge_and_judge_it_as_over_every_point(tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from psflow.platform.api import UiSettings, create_app
+    from psflow.platform.stragglers import StragglerRules, find_stragglers
+
+    steps: dict[str, list[tuple[float, float]]] = {"worker:0": [], "worker:1": []}
+    with JobStore(tmp_path / "jobs.db") as db, db.transaction():
+        db.add_run({"id": "run-s", "script": "x.py", "logdir": str(tmp_path), "created_unix": 1.0}, ["worker:0", "worker:1"])
+        for k in range(3000):  # worker:1 at half speed for the first 2,500 s, then as fast as worker:0
+            for task, step in (("worker:0", 10 * k), ("worker:1", 5 * k if k < 2500 else 12_500 + 10 * (k - 2500))):
+                db.task_progress("run-s", task, {}, 100.0 + k, [("local_step", step, None)])
+                steps[task].append((100.0 + k, float(step)))
+    client = TestClient(create_app(UiSettings(home=tmp_path, token="t")), base_url="http://127.0.0.1")
+    read, metrics = [], JobStore.metrics
+
+    def counted(self, *args, **kw):
+        points = metrics(self, *args, **kw)
+        read.append(len(points))
+        return points
+
+    monkeypatch.setattr(JobStore, "metrics", counted)
+    for span in (300.0, 1000.0):
+        answer = client.get("/api/runs/run-s/stragglers", params={"windows": 5, "span_s": span}).json()
+        assert {k: v for k, v in answer.items() if k != "run_id"} == find_stragglers(steps, StragglerRules(windows=5, span_s=span))
+    assert read == [2 * 301, 2 * 1001]  # the span, of each worker: not its 6,000 points
+    assert client.get("/api/runs/run-s/stragglers", params={"windows": 5, "span_s": 1000.0}).json()["slowest"] == "worker:1"

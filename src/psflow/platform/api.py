@@ -319,7 +319,9 @@ def get_stragglers(run_id: str, db: Db, windows: Annotated[int, Query(ge=1, le=1
 
     run = the_run(db, run_id)
     steps: dict[str, list[tuple[float, float]]] = {t: [] for t in run["tasks"] if t.startswith(("worker", "chief"))}
-    for p in db.metrics(run_id, name="local_step"):
+    end = db.latest_time(run_id, "local_step")  # only the span judged is read, not the run's history
+    since = end - span_s - 1.0 if end is not None else None
+    for p in db.metrics(run_id, name="local_step", after_unix=since):
         if p["task"] in steps and p["value"] is not None:
             steps[p["task"]].append((p["time_unix"], p["value"]))
     return {"run_id": run_id, **find_stragglers(steps, StragglerRules(windows=windows, span_s=span_s))}

@@ -481,6 +481,10 @@ class JobStore:
         """The run's points written after ``cursor`` (oldest first) and the cursor to ask from next."""
         return metricstore.since(self._db, run_id, cursor, names=names, limit=limit)
 
+    def latest_time(self, run_id: str, name: str) -> float | None:
+        """When the run's tasks last reported metric ``name`` (None: never)."""
+        return metricstore.latest_time(self._db, run_id, name)
+
     def latest_metrics(self, run_id: str) -> dict[str, dict[str, float | None]]:
         """Each task's latest value of each metric: ``{"worker:0": {"loss": 0.31, ...}}``."""
         return metricstore.latest(self._db, run_id)

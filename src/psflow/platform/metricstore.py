@@ -111,6 +111,12 @@ def latest(conn: sqlite3.Connection, run_id: str) -> dict[str, dict[str, float |
     return out
 
 
+def latest_time(conn: sqlite3.Connection, run_id: str, name: str) -> float | None:
+    """The time of the run's latest point of metric ``name``, any task (None: none)."""
+    row = conn.execute("SELECT MAX(time_unix) FROM metric_series WHERE run_id = ? AND name = ?", (run_id, name)).fetchone()
+    return None if row[0] is None else float(row[0])
+
+
 def top(conn: sqlite3.Connection) -> int:
     """The cursor of the newest point in the store (0: none)."""
     return int(conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM metrics").fetchone()[0])
