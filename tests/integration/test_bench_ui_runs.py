@@ -16,5 +16,6 @@ def test_ui_benchmark_quick_run_reports_every_request():
                           "--points", "4000", "--requests", "3"], capture_output=True, text=True, timeout=180,
                          env=task_env(), cwd=ROOT)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    for case in ("runs list (page of 50)", "runs list, search", "run page", "metric series", "task log tail"):
+    for case in ("runs list (100 rows, as the page asks)", "runs list, search", "heavy run: page data",
+                 "heavy run: chart data", "live-update poll", "`psflow runs`", "task log tail"):
         assert case in out.stdout, out.stdout[-3000:]
