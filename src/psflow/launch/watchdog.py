@@ -29,37 +29,36 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ConfigDict, Field, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
 from psflow.errors import ConfigError
+from psflow.validation import checked
 
 
-@dataclass(frozen=True)
+@checked
+@pydantic_dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class HangPolicy:
     """When a task counts as hung or frozen (see the module docstring).
-
-    Args:
-        hang_timeout_s: the progress deadline of training tasks, in seconds; None: no watchdog.
-        heartbeat_timeout_s: the heartbeat deadline of every task; None: ``hang_timeout_s``.
-        dump_wait_s: between asking for a task's stacks and killing it (time for the dump to reach its log).
 
     Raises:
         ConfigError: a deadline that is not a positive number of seconds, or a heartbeat deadline
             without a progress deadline.
     """
 
-    hang_timeout_s: float | None = None
-    heartbeat_timeout_s: float | None = None
-    dump_wait_s: float = 1.0
+    hang_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False, description=(
+        "seconds (--hang-timeout): the progress deadline of training tasks; None: no watchdog"))
+    heartbeat_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False, description=(
+        "seconds (--heartbeat-timeout): the heartbeat deadline of every task; None: hang_timeout_s"))
+    dump_wait_s: float = Field(1.0, ge=0, allow_inf_nan=False, description=(
+        "seconds between asking for a task's stacks and killing it (time for the dump to reach its log)"))
 
-    def __post_init__(self) -> None:
-        for name, flag in (("hang_timeout_s", "--hang-timeout"), ("heartbeat_timeout_s", "--heartbeat-timeout")):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise ConfigError(f"{flag} must be a positive number of seconds; received {v!r}.")
+    @model_validator(mode="after")
+    def _watchdog_on(self) -> HangPolicy:
         if self.heartbeat_timeout_s is not None and self.hang_timeout_s is None:
             raise ConfigError(f"--heartbeat-timeout {self.heartbeat_timeout_s:g} needs --hang-timeout: the watchdog is "
                               "on only with a progress deadline. Add --hang-timeout S.")
-        if not (self.dump_wait_s >= 0 and math.isfinite(self.dump_wait_s)):
-            raise ConfigError(f"dump_wait_s must be >= 0 seconds; received {self.dump_wait_s!r}.")
+        return self
 
     @property
     def enabled(self) -> bool:
