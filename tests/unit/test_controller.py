@@ -289,8 +289,8 @@ def test_draining_cancels_a_pending_restart_and_a_stop_cancels_one_too() -> None
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"kind": "sometimes"}, "Restart policy 'sometimes' is not one of never, on-failure, always, exit-code"),
-    ({"max_restarts": -1}, "max_restarts=-1"),
+    ({"kind": "sometimes"}, "RestartPolicy: kind must be 'never', 'on-failure', 'always' or 'exit-code'; received 'sometimes'"),
+    ({"max_restarts": -1}, "RestartPolicy: max_restarts must be >= 0; received -1"),
     ({"backoff_base_s": 5.0, "backoff_max_s": 1.0}, "backoff_base_s=5.0, backoff_max_s=1.0"),
 ])
 def test_a_bad_policy_is_refused_with_the_value_received(kwargs: dict, message: str) -> None:

@@ -30,11 +30,15 @@ kept waiting a minute each time).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from psflow.errors import ConfigError
+from psflow.validation import checked
 
 TRAINING_JOBS = ("chief", "worker")
 JOBS = ("chief", "ps", "worker", "evaluator")
@@ -43,45 +47,47 @@ _SYNTAX = ("Write POLICY for every job, or JOB=POLICY items separated by commas 
            "e.g. --restart on-failure or --restart worker=on-failure,ps=never.")
 
 
-@dataclass(frozen=True)
+@checked
+@pydantic_dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class RestartPolicy:
     """When a task that exited is started again (see the module docstring for the kinds).
 
-    Args:
-        kind: the policy of every job not in ``by_job``.
-        max_restarts: restarts allowed per task.
-        max_restarts_per_run: restarts allowed for all tasks together (None: no cap).
-        backoff_base_s: the wait before a task's first restart; doubled for each later one in a row
-            (reset once an attempt has run ``backoff_max_s``).
-        backoff_max_s: the longest wait before a restart.
-        by_job: ``{job: kind}`` for the jobs whose kind differs from ``kind`` (kept as sorted pairs).
+    ``by_job``: ``{job: kind}`` for the jobs whose kind differs from ``kind``, given as a mapping or
+    pairs and kept as sorted pairs (two policies written either way are equal).
 
     Raises:
         ConfigError: an unknown kind or job, a negative budget, a backoff outside 0 <= base <= max.
     """
 
-    kind: str = "never"
-    max_restarts: int = 3
-    max_restarts_per_run: int | None = None
-    backoff_base_s: float = 1.0
-    backoff_max_s: float = 60.0
-    by_job: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
+    kind: Literal[POLICIES] = Field("never", description="the policy of every job not in by_job")  # type: ignore[valid-type]
+    max_restarts: int = Field(3, ge=0, description="restarts allowed per task")
+    max_restarts_per_run: int | None = Field(None, ge=0, description=(
+        "restarts allowed for all tasks together; None: no cap"))
+    backoff_base_s: float = Field(1.0, ge=0, allow_inf_nan=False, description=(
+        "seconds before a task's first restart; doubled for each later one in a row (reset once an attempt "
+        "has run backoff_max_s)"))
+    backoff_max_s: float = Field(60.0, ge=0, allow_inf_nan=False, description="the longest wait before a restart, in seconds")
+    by_job: tuple[tuple[str, str], ...] = ()
 
-    def __post_init__(self) -> None:
-        pairs = self.by_job.items() if isinstance(self.by_job, Mapping) else self.by_job
-        object.__setattr__(self, "by_job", tuple(sorted((str(j), str(k)) for j, k in pairs)))
-        for job, kind in ((None, self.kind), *self.by_job):
+    @field_validator("by_job", mode="before")
+    @classmethod
+    def _sorted_pairs(cls, by_job: object) -> object:
+        pairs = by_job.items() if isinstance(by_job, Mapping) else by_job
+        if isinstance(pairs, Iterable) and not isinstance(pairs, str):
+            return tuple(sorted(tuple(p) if isinstance(p, (list, tuple)) else p for p in pairs))  # type: ignore[type-var]
+        return by_job
+
+    @model_validator(mode="after")
+    def _rules(self) -> RestartPolicy:
+        for job, kind in self.by_job:
             if kind not in POLICIES:
-                where = f" for {job}" if job else ""
-                raise ConfigError(f"Restart policy {kind!r}{where} is not one of {', '.join(POLICIES)}.")
-            if job is not None and job not in JOBS:
+                raise ConfigError(f"Restart policy {kind!r} for {job} is not one of {', '.join(POLICIES)}.")
+            if job not in JOBS:
                 raise ConfigError(f"Restart policy for job {job!r}: no such job; the jobs are {', '.join(JOBS)}.")
-        if self.max_restarts < 0 or (self.max_restarts_per_run is not None and self.max_restarts_per_run < 0):
-            raise ConfigError(f"Restart budgets must be >= 0; received max_restarts={self.max_restarts}, "
-                              f"max_restarts_per_run={self.max_restarts_per_run}.")
-        if not 0 <= self.backoff_base_s <= self.backoff_max_s:
+        if self.backoff_base_s > self.backoff_max_s:
             raise ConfigError(f"Restart backoff needs 0 <= backoff_base_s <= backoff_max_s; received "
                               f"backoff_base_s={self.backoff_base_s}, backoff_max_s={self.backoff_max_s}.")
+        return self
 
     @classmethod
     def parse(cls, spec: str | None, **budgets: Any) -> RestartPolicy:
