@@ -251,7 +251,7 @@ def list_runs(db: Db, state: Literal[RUN_STATES] | None = None,  # type: ignore[
               limit: Annotated[int, Query(ge=1, le=500)] = 50, offset: Annotated[int, Query(ge=0)] = 0,
               before: Annotated[str | None, Query(max_length=400, description="the `older` of a page: the page after it")] = None,
               after: Annotated[str | None, Query(max_length=400, description="the `newer` of a page: the page before it")] = None,
-              ) -> dict[str, Any]:
+              ) -> JSONResponse:
     from psflow.platform.jobstore import run_key
 
     keys = {k: _run_key(k, v) for k, v in (("before", before), ("after", after)) if v is not None}
@@ -261,9 +261,10 @@ def list_runs(db: Db, state: Literal[RUN_STATES] | None = None,  # type: ignore[
     if runs and keys:
         offset = db.runs_newer(run_key(runs[0]), state=state, search=q)
     older = more or after is not None
-    return {"runs": [_row(r) for r in runs], "total": total, "limit": limit, "offset": offset,
-            "older": _key_text(run_key(runs[-1])) if runs and older and offset + len(runs) < total else None,
-            "newer": _key_text(run_key(runs[0])) if runs and offset > 0 else None}
+    return JSONResponse({  # plain JSON already: FastAPI's encoder would walk it again (tens of ms for 100 rows)
+        "runs": [_row(r) for r in runs], "total": total, "limit": limit, "offset": offset,
+        "older": _key_text(run_key(runs[-1])) if runs and older and offset + len(runs) < total else None,
+        "newer": _key_text(run_key(runs[0])) if runs and offset > 0 else None})
 
 
 def _run_key(param: str, text: str) -> tuple[float, str]:
@@ -294,7 +295,7 @@ def get_metrics(run_id: str, db: Db, name: Annotated[list[str] | None, Query()] 
                 x: Literal["time", "step"] = "time", lo: float | None = None, hi: float | None = None,
                 max_points: Annotated[int, Query(ge=10, le=100_000)] = 1000,
                 cursor: Annotated[int | None, Query(ge=0, description="live: only the points after it")] = None,
-                after: float = 0.0) -> dict[str, Any]:
+                after: float = 0.0) -> JSONResponse:
     """A run's chart data: per series at most ``max_points`` points with x (time or step) in
     ``[lo, hi]`` (default: all), min/max buckets; ``cursor`` (the answer's, or a stream message's):
     only the points written since, every one; ``after``: every point after that time."""
@@ -309,7 +310,8 @@ def get_metrics(run_id: str, db: Db, name: Annotated[list[str] | None, Query()] 
         series = {t: {k: _thin(v, max_points) for k, v in per.items()} for t, per in series.items()}
     else:
         series, cursor = db.chart(run_id, names=name, task=task, x=x, lo=lo, hi=hi, max_points=max_points)
-    return {"run_id": run_id, "series": series, "cursor": cursor, "x": x}
+    # numbers and names only: sent as they are (FastAPI's encoder took 60 ms over 6,000 points)
+    return JSONResponse({"run_id": run_id, "series": series, "cursor": cursor, "x": x})
 
 
 @read_routes.get("/api/runs/{run_id}/stragglers")
