@@ -17,13 +17,14 @@ would raise ``ValidationError``), :func:`validate` (a mapping into a model) and 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ArgsKwargs
 
-from psflow.errors import ConfigError
+from psflow.errors import ConfigError, PsflowError
 
 T = TypeVar("T")
 
@@ -55,9 +56,9 @@ def _reason(error: Mapping[str, Any]) -> str:
             bound = int(bound)
         return f"must be {_BOUNDS[error['type']]} {bound}"
     msg = str(error["msg"])
-    for said, meant in (("Input should be", "must be"), ("Input is", "is"), ("Value should", "must")):
-        if msg.startswith(said):
-            return meant + msg[len(said):]
+    said = re.match(r"(Input|Value|String|List|Tuple|Dictionary) (should|is) ", msg)
+    if said:  # "Input should be a valid integer" -> "must be a valid integer"
+        return ("must " if said.group(2) == "should" else "is ") + msg[said.end():]
     return msg[:1].lower() + msg[1:]
 
 
@@ -77,23 +78,26 @@ def _sentence(error: Mapping[str, Any], what: str, model: type | None) -> str:
     return f"{what}: {place or 'the value'} {_reason(error)}{received}{meaning}."
 
 
-def config_error(error: ValidationError, *, what: str, model: type | None = None) -> ConfigError:
-    """The ``ConfigError`` that says what ``error`` found, in psflow's shape.
+def config_error(error: ValidationError, *, what: str, model: type | None = None,
+                 error_class: type[PsflowError] = ConfigError, fix: str = "") -> PsflowError:
+    """The psflow error that says what ``error`` found, in psflow's shape.
 
     Args:
         error: pydantic's report.
         what: the name of the value validated, as the user knows it (``"TrainConfig"``, ``"psflow chaos"``).
-        model: the dataclass or model validated; its fields' descriptions say what is allowed.
+        model: the dataclass or model validated; its fields' descriptions say what they mean.
+        error_class: the error to raise (``ConfigError``; ``CheckpointError`` for a checkpoint's records).
+        fix: a sentence that ends the message: what to do.
 
     Returns:
-        The ``ConfigError`` a rule raised itself (a ``model_validator`` that raised one), as it
-        was; otherwise one naming the first field that is wrong, the value received and what is
-        allowed, and the other fields that are wrong too.
+        The psflow error a rule raised itself (a ``model_validator`` that raised one), as it was;
+        otherwise an ``error_class`` naming the first field that is wrong, what is allowed, the
+        value received and what the field means, and the other fields that are wrong too.
     """
     errors = error.errors(include_url=False)
     for e in errors:
         cause = (e.get("ctx") or {}).get("error")
-        if isinstance(cause, ConfigError):
+        if isinstance(cause, PsflowError):
             return cause
     # a container whose item was refused is also reported as too short: the item says it
     errors = [e for e in errors if not any(o is not e and tuple(o["loc"])[:len(e["loc"])] == tuple(e["loc"])
@@ -102,13 +106,15 @@ def config_error(error: ValidationError, *, what: str, model: type | None = None
     others = [_place(tuple(e["loc"])) for e in errors[1:]]
     if others:
         text += f" Also wrong: {', '.join(o or 'the value' for o in others)}."
-    return ConfigError(text)
+    return error_class(f"{text} {fix}" if fix else text)
 
 
-def checked(cls: type[T] | None = None, *, what: str | None = None) -> Any:
+def checked(cls: type[T] | None = None, *, what: str | None = None,
+            error_class: type[PsflowError] = ConfigError, fix: str = "") -> Any:
     """Make a pydantic dataclass raise ``ConfigError`` (from :func:`config_error`) on invalid fields.
 
-    Use as ``@checked`` (errors name the class) or ``@checked(what="psflow chaos")``.
+    Use as ``@checked`` (errors name the class) or ``@checked(what="psflow chaos")``; ``error_class``
+    and ``fix`` as :func:`config_error`'s.
 
     Example:
         >>> from pydantic import Field
@@ -122,7 +128,7 @@ def checked(cls: type[T] | None = None, *, what: str | None = None) -> Any:
         psflow.errors.ConfigError: Timeouts: connect_s must be > 0; received -1 (seconds to retry a connection).
     """
     if cls is None:
-        return functools.partial(checked, what=what)
+        return functools.partial(checked, what=what, error_class=error_class, fix=fix)
     init = cls.__init__
     name = what or cls.__name__
 
@@ -131,7 +137,7 @@ def checked(cls: type[T] | None = None, *, what: str | None = None) -> Any:
         try:
             init(self, *args, **kwargs)
         except ValidationError as e:
-            raise config_error(e, what=name, model=cls) from e
+            raise config_error(e, what=name, model=cls, error_class=error_class, fix=fix) from e
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls

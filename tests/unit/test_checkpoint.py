@@ -206,10 +206,11 @@ def test_shard_record_survives_a_json_round_trip(
     [
         ({"file": "../../etc/passwd"}, "file must be 'shard-00001-of-00002.safetensors'"),
         ({"shard": 2}, "shard must be an int in [0, 2)"),
-        ({"sha256": "xyz"}, "sha256 must be 64 lowercase hex digits"),
-        ({"size_bytes": -1}, "size_bytes must be an int >= 0"),
+        ({"sha256": "xyz"}, "sha256 must match pattern '^[0-9a-f]{64}$'; received 'xyz' (64 lowercase hex digits"),
+        ({"size_bytes": -1}, "size_bytes must be >= 0; received -1"),
+        ({"shard": True}, "shard must be a valid integer; received True"),
         ({"tensor_names": ["a", "a"]}, "tensor_names repeats ['a']"),
-        ({"extra": 1}, "unknown keys ['extra']"),
+        ({"extra": 1}, "A shard record has no setting 'extra' (received 1). Known: shard, num_shards, file"),
     ],
 )
 def test_shard_record_from_dict_rejects_bad_fields_by_name(change: dict[str, Any], complaint: str) -> None:

@@ -18,11 +18,14 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
 from psflow.errors import CheckpointError, ConfigError
+from psflow.validation import checked
 
 FORMAT = "psflow-checkpoint"
 # Version 2 added ``manifest_sha256``: version 1 manifests had no checksum of their own.
@@ -37,7 +40,6 @@ PARTIAL_RE = re.compile(rf"ckpt-{_STEP}\.partial")
 TRASH_RE = re.compile(rf"ckpt-{_STEP}\.trash-[0-9a-f]+")
 SHARD_FILE_RE = re.compile(r"shard-\d{5,}-of-\d{5,}\.safetensors")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_RECORD_KEYS = ("shard", "num_shards", "file", "sha256", "size_bytes", "tensor_names")
 
 
 
@@ -90,57 +92,42 @@ def check_step(step: object) -> None:
 # --------------------------------------------------------------------------- records
 
 
-@dataclass(frozen=True)
+_RECORD_FIX = "A record comes from write_shard; pass it on unchanged (ShardRecord.to_dict / ShardRecord.from_dict)."
+
+
+@checked(what="A shard record", error_class=CheckpointError, fix=_RECORD_FIX)
+@pydantic_dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class ShardRecord:
-    """What one ps task reports to the chief after writing its shard file.
+    """What one ps task reports to the chief after writing its shard file (each field's
+    description says what it holds). ``file`` is always ``shard-{k:05d}-of-{n:05d}.safetensors``,
+    so a record can never point elsewhere."""
 
-    Attributes:
-        shard: Index ``k`` of the shard, ``0 <= k < num_shards``.
-        num_shards: Number of shards ``n`` of the checkpoint.
-        file: File name relative to the checkpoint directory; always
-            ``shard-{k:05d}-of-{n:05d}.safetensors``, so a record can never point elsewhere.
-        sha256: Lowercase hex digest of the whole file.
-        size_bytes: Size of the file.
-        tensor_names: Names of the tensors in the file, in the order they were given.
-    """
+    shard: int = Field(ge=0, description="index k of the shard, 0 <= k < num_shards")
+    num_shards: int = Field(ge=1, description="number of shards n of the checkpoint")
+    file: str = Field(description="the shard's file name, relative to the checkpoint directory")
+    sha256: str = Field(pattern=rf"^{_SHA256_RE.pattern}$", description="64 lowercase hex digits: the whole file's digest")
+    size_bytes: int = Field(ge=0, description="the size of the file")
+    tensor_names: tuple[str, ...] = Field(description="the names of the tensors in the file, in the order given")
 
-    shard: int
-    num_shards: int
-    file: str
-    sha256: str
-    size_bytes: int
-    tensor_names: tuple[str, ...]
+    @field_validator("tensor_names", mode="before")
+    @classmethod
+    def _as_tuple(cls, names: object) -> object:
+        return tuple(names) if isinstance(names, Sequence) and not isinstance(names, str) else names
 
-    def __post_init__(self) -> None:
-        names = self.tensor_names
-        if isinstance(names, Sequence) and not isinstance(names, str):
-            object.__setattr__(self, "tensor_names", tuple(names))
-        problem = self._problem()
-        if problem is not None:
-            raise CheckpointError(
-                f"Invalid shard record: {problem}. A record comes from write_shard; "
-                "pass it on unchanged (ShardRecord.to_dict / ShardRecord.from_dict)."
-            )
-
-    def _problem(self) -> str | None:
-        if not is_int(self.num_shards) or self.num_shards < 1:
-            return f"num_shards must be an int >= 1, received {self.num_shards!r}"
-        if not is_int(self.shard) or not 0 <= self.shard < self.num_shards:
-            return f"shard must be an int in [0, {self.num_shards}), received {self.shard!r}"
+    @model_validator(mode="after")
+    def _consistent(self) -> ShardRecord:
+        problem = None
         expected = shard_file_name(self.shard, self.num_shards)
-        if self.file != expected:
-            return f"file must be {expected!r} for shard {self.shard}, received {self.file!r}"
-        if not isinstance(self.sha256, str) or not _SHA256_RE.fullmatch(self.sha256):
-            return f"sha256 must be 64 lowercase hex digits, received {self.sha256!r}"
-        if not is_int(self.size_bytes) or self.size_bytes < 0:
-            return f"size_bytes must be an int >= 0, received {self.size_bytes!r}"
-        names = self.tensor_names
-        if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
-            return f"tensor_names must be a sequence of str, received {names!r}"
-        if len(set(names)) != len(names):
-            dupes = sorted({n for n in names if names.count(n) > 1})
-            return f"tensor_names repeats {dupes!r}"
-        return None
+        if self.shard >= self.num_shards:
+            problem = f"shard must be an int in [0, {self.num_shards}), received {self.shard!r}"
+        elif self.file != expected:
+            problem = f"file must be {expected!r} for shard {self.shard}, received {self.file!r}"
+        elif len(set(self.tensor_names)) != len(self.tensor_names):
+            dupes = sorted({n for n in self.tensor_names if self.tensor_names.count(n) > 1})
+            problem = f"tensor_names repeats {dupes!r}"
+        if problem is not None:
+            raise CheckpointError(f"A shard record: {problem}. {_RECORD_FIX}")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the record as a JSON-able dict (the form sent to the chief and stored)."""
@@ -165,14 +152,7 @@ class ShardRecord:
                 f"A shard record must be a JSON object, received {type(data).__name__}: "
                 f"{data!r:.200}. Send ShardRecord.to_dict()."
             )
-        missing = [k for k in _RECORD_KEYS if k not in data]
-        unknown = sorted(str(k) for k in data if k not in _RECORD_KEYS)
-        if missing or unknown:
-            raise CheckpointError(
-                f"A shard record has missing keys {missing} and unknown keys {unknown}. "
-                f"Received keys: {sorted(map(str, data))}. Expected exactly {list(_RECORD_KEYS)}."
-            )
-        return cls(**{k: data[k] for k in _RECORD_KEYS})
+        return cls(**data)
 
 
 
