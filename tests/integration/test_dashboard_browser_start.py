@@ -61,6 +61,7 @@ def test_a_run_started_from_the_form_shows_starting_at_once_and_a_failed_launch_
         page.wait_for_url(f"**/#/run/{run_id}")
         page.wait_for_selector("#run-state .state.starting")
         assert f"its launcher (pid {launcher}) is setting the run up" in page.inner_text("#run-starting")
+        assert page.inner_text("#run-logdir") == f"logdir {started['logdir']}"  # where its files go, said on its page
         page.wait_for_selector('#events td:has-text("launch_requested")')
         page.screenshot(path=str(artifacts / "30-run-starting.png"), full_page=True)
 

@@ -4,6 +4,7 @@ bind rules of psflow ui, the Host names it answers to, and a page of runs from a
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -401,3 +402,18 @@ def test_the_dashboard_answers_its_own_names_only(tmp_path):
     assert client.get("/api/health").status_code == 200
     for host in ("localhost:8265", "[::1]:8265", "dash.example"):
         assert client.get("/api/health", headers={"Host": host}).status_code == 200, host
+
+
+def test_runs_started_from_the_dashboard_go_under_runs_as_psflow_runs_do_and_it_says_where(tmp_path, monkeypatch):
+    from psflow.platform.uiserver import _announce
+
+    monkeypatch.chdir(tmp_path)
+    settings = settings_for("127.0.0.1", allow_remote=False, env={"PSFLOW_HOME": str(tmp_path / "home")})
+    assert settings.logdirs == tmp_path / "runs"  # as psflow run's runs/<run id>, not under $PSFLOW_HOME
+    chosen = settings_for("127.0.0.1", allow_remote=False, env={"PSFLOW_HOME": str(tmp_path / "home")},
+                          runs_dir=Path("elsewhere"))
+    assert chosen.logdirs == tmp_path / "elsewhere"
+    (tmp_path / "home").mkdir()
+    said: list[str] = []
+    _announce(settings, ("127.0.0.1", 8265), said.append)
+    assert f"psflow ui: runs started here keep their logdirs in {tmp_path / 'runs'}/<run id>" in "\n".join(said)

@@ -197,7 +197,7 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None) -> None
 @click.option("--scripts", "scripts", multiple=True, type=click.Path(file_okay=False, path_type=Path),
               help="A directory whose .py files the start form may run (repeatable; default: the current directory).")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where runs started from the dashboard keep their logdirs (default $PSFLOW_HOME/runs).")
+              help="Where runs started from the dashboard keep their logdirs (default ./runs, as psflow run's runs/<run id>).")
 @click.option("--alert-webhook", default=None, metavar="URL",
               help="POST a JSON alert (with a 'text' line) here when a run fails, stalls or has a task restarted.")
 @click.option("--alert-stall", "alert_stall_s", type=float, default=300.0, show_default=True,

@@ -68,7 +68,8 @@ class UiSettings:
         home: the psflow home whose ``jobs.db`` is read (the launchers it starts record there too).
         token: the secret every changing request must carry.
         script_roots: a started run's script must lie under one of these directories.
-        runs_root: where the log directories of runs started here go (``runs_root/<run id>``).
+        runs_root: where the log directories of runs started here go (``runs_root/<run id>``; default
+            ``runs`` under the current directory, as ``psflow run``'s ``runs/<run id>``).
         auth_reads: every request needs the token, reads too (a dashboard reachable off this machine).
         stop_wait_s: a restart's longest wait for the old run to stop.
         alert_webhook: where alerts go (failed, stalled, restarted; :mod:`psflow.platform.alerts`), if anywhere.
@@ -94,7 +95,7 @@ class UiSettings:
 
     @property
     def logdirs(self) -> Path:
-        return self.runs_root or self.home / "runs"
+        return self.runs_root or Path.cwd() / "runs"
 
 
 class StartRun(BaseModel):

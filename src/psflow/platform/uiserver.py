@@ -8,7 +8,8 @@ loopback a fresh token is made when none is set, and printed with the URL (in it
 Every request, reads included, must give a ``Host`` the dashboard answers to (loopback names, the
 bound address, ``--allowed-host`` names; :mod:`psflow.platform.hosts`): DNS rebinding cannot reach it.
 
-While it serves, ``$PSFLOW_HOME/ui.json`` says where (url, pid), so ``psflow run`` can print where
+Runs started from it keep their logdirs in ``./runs/<run id>`` (``--runs-dir``), as ``psflow
+run``'s do; it says so at start. While it serves, ``$PSFLOW_HOME/ui.json`` says where (url, pid), so ``psflow run`` can print where
 the dashboard is (:mod:`psflow.platform.uifile`); it is removed at exit, and one whose pid is gone is ignored.
 
 Called by :mod:`psflow.cli`.
@@ -78,7 +79,7 @@ def settings_for(host: str, *, allow_remote: bool, scripts: tuple[Path, ...] = (
         raise ConfigError(f"--alert-stall must be a positive number of seconds; received {alert_stall_s}.")
     return UiSettings(home=psflow_home(env), token=token or secrets.token_urlsafe(24),
                       script_roots=tuple(d.resolve() for d in scripts) or (Path.cwd(),),
-                      runs_root=runs_dir.resolve() if runs_dir else None, auth_reads=remote,
+                      runs_root=(runs_dir or Path("runs")).resolve(), auth_reads=remote,
                       alert_webhook=alert_webhook, alert_stall_s=alert_stall_s,
                       allowed_hosts=hosts.allowed_hosts(host, allowed_hosts, loopback=not remote))
 
@@ -141,6 +142,8 @@ def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) 
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/"
     echo(f"psflow ui: the dashboard is at {url}#token={settings.token}")
+    echo(f"psflow ui: runs started here keep their logdirs in {settings.logdirs}/<run id> (as psflow run's runs/<run id> "
+         "under the directory it starts in; --runs-dir to change); psflow runs and the dashboard list them all")
     echo(f"psflow ui: API at {url}api/runs, OpenAPI schema at {url}openapi.json, Prometheus at {url}metrics")
     echo(f"psflow ui: job store {settings.db_path}; requests that change anything need the token "
          f"(Authorization: Bearer TOKEN{'' if ui_token() else ', or set ' + UI_TOKEN_ENV + ' to choose it'})")

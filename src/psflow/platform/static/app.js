@@ -368,6 +368,7 @@ async function showRun(runId, page, withMetrics) {
   document.getElementById("run-headline").innerHTML =
     `${esc(run.script)} ${esc((run.args || []).join(" "))} · ${esc(run.mode)} · ${esc(run.strategy)} · ${esc(run.backend)}` +
     ` · step ${num(run.global_step)} · ${num(run.examples_per_sec)} examples/s` +
+    `<div id="run-logdir">logdir ${esc(run.logdir)}</div>` +
     (run.restarted_from ? ` · restarts <a href="#/run/${encodeURIComponent(run.restarted_from)}">${esc(run.restarted_from)}</a>` : "") +
     (run.note ? `<div>${esc(run.note)}</div>` : "") +
     (starting ? `<div id="run-starting">starting: its launcher (pid ${esc(asked.data.launcher_pid)}) is setting the run up` +
