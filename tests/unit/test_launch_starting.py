@@ -56,7 +56,7 @@ def test_a_launcher_that_ends_before_it_recorded_the_run_leaves_it_failed_with_i
         assert [e["kind"] for e in db.events("run-new")] == ["launch_requested", "launch_failed"]
 
 
-def test_a_launcher_killed_before_it_recorded_the_run_is_a_failed_launch_not_an_abandoned_run(tmp_path):
+def test_a_launcher_killed_before_it_recorded_the_run_is_a_failed_launch_not_an_abandoned_one(tmp_path):
     import subprocess
     import sys
 
@@ -66,10 +66,30 @@ def test_a_launcher_killed_before_it_recorded_the_run_is_a_failed_launch_not_an_
     record_starting(db_path, plan, spec, proc.pid)
     proc.kill()
     code = proc.wait()
-    with JobStore(db_path) as db:
-        assert db.run("run-new")["state"] == "abandoned"  # a read saw its launcher gone
+    with JobStore(db_path) as db:  # this process (the dashboard) answers for the run until its launcher records it
+        assert db.run("run-new")["state"] == "pending"
     assert record_launch_failure(db_path, "run-new", plan.logdir, code)
     with JobStore(db_path) as db:
         run = db.run("run-new")
         assert run["state"] == "failed" and run["root_cause"] == (
             f"its launcher ended with exit code -9 before the run started (see {plan.logdir}/launcher.log)")
+
+
+def test_with_the_dashboard_gone_a_starting_run_is_abandoned_until_its_launcher_records_it(tmp_path):
+    import subprocess
+    import sys
+
+    spec, plan = _plan(tmp_path)
+    db_path = tmp_path / "jobs.db"
+    dashboard = (f"from pathlib import Path; from psflow.platform.launching import LaunchSpec, plan_of, record_starting; "
+                 f"spec = LaunchSpec.from_json({spec.to_json()!r}); "
+                 f"record_starting(Path({str(db_path)!r}), plan_of(spec), spec, 1)")
+    subprocess.run([sys.executable, "-c", dashboard], check=True, timeout=60)  # it recorded the run, then went away
+    with JobStore(db_path) as db:
+        run = db.run("run-new")
+        assert run["state"] == "abandoned" and run["note"].startswith("abandoned: launcher pid")
+    store = SqliteRunStore(db_path, run_record(plan, backend="local"), plan.task_names(), warn=print)
+    store.close()
+    with JobStore(db_path) as db:  # the launcher, still starting, took its run over
+        run = db.run("run-new")
+        assert run["state"] == "pending" and run["note"] is None and store.failures == 0

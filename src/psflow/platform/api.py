@@ -600,7 +600,7 @@ def _starting(settings: UiSettings, request: Request, spec: Any, plan: Any, proc
 
     def watch() -> None:
         code = proc.wait()
-        for _ in range(3):  # a store locked for a moment: try again
+        for _ in range(30):  # a store locked for a while: try again
             try:
                 record_launch_failure(settings.db_path, plan.run_id, plan.logdir, code)
                 return

@@ -187,13 +187,14 @@ class JobStore:
     def add_run(self, run: dict[str, Any], tasks: Sequence[str]) -> None:
         """A new run, ``pending``, with its tasks. ``run``: id, script, args, logdir, cluster, mode,
         strategy, backend, restart_policy, launcher, created_unix. A run the dashboard recorded while
-        its launcher started (still ``pending``) is taken over by the launcher's own record."""
+        its launcher started (``pending``, or ``abandoned`` if the dashboard went away meanwhile) is
+        taken over by the launcher's own record."""
         row = {**run, **{k: json.dumps(run.get(k)) for k in _RUN_JSON if k in run}, "state": "pending",
                "heartbeat_unix": run["created_unix"]}
         cols = ", ".join(row)
         update = ", ".join(f"{c} = excluded.{c}" for c in row if c != "id")
-        self._db.execute(f"INSERT INTO runs ({cols}) VALUES ({', '.join(':' + c for c in row)}) "
-                         f"ON CONFLICT(id) DO UPDATE SET {update} WHERE runs.state = 'pending'", row)
+        self._db.execute(f"INSERT INTO runs ({cols}) VALUES ({', '.join(':' + c for c in row)}) ON CONFLICT(id) DO "
+                         f"UPDATE SET {update}, note = NULL WHERE runs.state IN ('pending', 'abandoned')", row)
         self._db.executemany("INSERT OR IGNORE INTO tasks (run_id, name, position, state) VALUES (?, ?, ?, 'pending')",
                              [(run["id"], t, i) for i, t in enumerate(tasks)])
 

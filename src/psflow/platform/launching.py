@@ -303,13 +303,17 @@ def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapp
 def record_starting(db_path: Path, plan: LaunchPlan, spec: LaunchSpec, launcher_pid: int) -> None:
     """Record ``plan``'s run as ``pending`` in the job store at once, with a ``launch_requested`` event,
     so that its page exists while its launcher (``launcher_pid``, :func:`start_detached`) starts; the
-    launcher's own record takes the row over (:meth:`JobStore.add_run`)."""
+    launcher's own record takes the row over (:meth:`JobStore.add_run`).
+
+    Until then the run's process of record is this one (the dashboard, which waits for the launcher
+    and records its failure: :func:`record_launch_failure`): a read while the launcher's failure is
+    being recorded does not call the run abandoned, and one after this process is gone does."""
     from psflow.launch.liveness import process_identity
     from psflow.platform.jobstore import JobStore
     from psflow.platform.sqlrunstore import run_record
 
     record = run_record(plan, backend=spec.backend, restart_policy=plan.restart)
-    record["launcher"] = process_identity(launcher_pid)
+    record["launcher"] = process_identity(os.getpid())
     if spec.restarted_from:
         record["restarted_from"] = spec.restarted_from
     with JobStore(db_path) as db, db.transaction():
