@@ -53,6 +53,8 @@ from typing import Any
 import harness
 from harness import REPO, log, md_table
 
+from psflow.rundir import task_stem
+
 PSFLOW = str(REPO / ".venv" / "bin" / "psflow")
 STEPS_SCRIPT = "benchmarks/scripts/failover_steps.py"
 CHILD_TIMEOUT_S = 600
@@ -72,7 +74,7 @@ def events_of(logdir: Path) -> list[dict[str, Any]]:
 
 
 def step_lines(logdir: Path, task: str, attempt: int = 0) -> list[tuple[float, float]]:
-    path = logdir / "steps" / f"{task.replace(':', '-')}.{attempt}"
+    path = logdir / "steps" / f"{task_stem(task)}.{attempt}"
     if not path.exists():
         return []
     return [(float(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if len(line.split()) == 2)]

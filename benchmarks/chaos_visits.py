@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow import checkpoint
+from psflow.rundir import RunDir
 
 RESUME = re.compile(r"resuming its data at epoch (\d+), batch (\d+)")
 
@@ -37,7 +38,7 @@ RESUME = re.compile(r"resuming its data at epoch (\d+), batch (\d+)")
 def worker_visits(logdir: Path) -> list[dict[str, Any]]:
     """One row per worker task: its attempts' applied pushes, resume positions and final position, and the verdict."""
     report = json.loads((logdir / "chaos.json").read_text())
-    ckpt = checkpoint.latest_checkpoint(logdir / "checkpoints")
+    ckpt = checkpoint.latest_checkpoint(RunDir(logdir).checkpoints)
     if ckpt is None:
         raise SystemExit(f"no whole checkpoint under {logdir / 'checkpoints'}: the final data positions are in it")
     positions: dict[str, Any] = ckpt.meta.get("data_position") or {}
@@ -48,7 +49,7 @@ def worker_visits(logdir: Path) -> list[dict[str, Any]]:
         attempts = sorted((r for r in report["ledger"]["attempts"] if r["task"] == task), key=lambda r: r["attempt"])
         applied = [int(r["applied"]) for r in attempts]
         twice = sum(max(0, int(r["applied"]) - int(r["sent"])) for r in attempts)
-        log = (logdir / "logs" / f"{task.replace(':', '-')}.log").read_text(errors="replace")
+        log = RunDir(logdir).log(task).read_text(errors="replace")
         resumed = [int(e) * per_epoch + int(b) for e, b in RESUME.findall(log)]
         resumes_ok = _resumes_match(applied, resumed)
         ok = resumes_ok and final == sum(applied) and twice == 0

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import psflow as pf
+from psflow.rundir import task_stem
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -51,7 +52,7 @@ def main() -> None:
     batches = train.batches(100, epochs=args.epochs, seed=task.replica_index)
     folder = Path(task.logdir) / "steps"
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / f"{str(task.task_id).replace(':', '-')}.{task.attempt}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(folder / f"{task_stem(task.task_id)}.{task.attempt}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         with pf.Supervisor(task, data=batches, max_seconds=args.seconds) as sv:
             for x, y in batches:
