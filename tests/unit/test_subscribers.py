@@ -137,6 +137,9 @@ def test_every_subscriber_gets_the_same_root_cause_put_in_words_once(tmp_path: P
     with JobStore(tmp_path / "jobs.db", read_only=True) as db:
         run = db.run("run-1")
     assert run is not None and run["state"] == "failed" and root_cause_of(run) == failure
+    causes = {t: r.exits[-1].cause for t, r in c.records.items()}  # each exit's cause, as the controller put it
+    assert {t: e["exits"][-1]["cause"] for t, e in status["tasks"].items()} == causes
+    assert {t: e["exit_cause"] for t, e in run["tasks"].items()} == causes
     assert [a["kind"] for a in sent] == ["failed"] and sent[0]["text"].endswith(f"root cause: {failure['text']}")
     assert rec.outcomes[0].failure == failure
     exits = [json.loads(line) for line in run_dir.events.read_text().splitlines()]

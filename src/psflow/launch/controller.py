@@ -234,6 +234,12 @@ def exit_cause(code: int, oom_killed: bool = False) -> str:
     return f"killed ({name}; out of memory?)" if oom_killed else f"killed ({name})"
 
 
+def attempt_cause(code: int, oom_killed: bool = False, hang: Mapping[str, Any] | None = None) -> str:
+    """Why an attempt ended, for a record that has only its exit (:attr:`ExitRecord.cause` for one
+    the controller kept): the watchdog's hang (``hang["cause"]``) where it killed it, else :func:`exit_cause`."""
+    return str(hang["cause"]) if hang else exit_cause(code, oom_killed)
+
+
 @dataclass
 class ExitRecord:
     """One attempt's end, as the controller recorded it."""

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow.launch.control import ControlRequest
-from psflow.launch.controller import exit_cause, signal_name
+from psflow.launch.controller import attempt_cause, signal_name
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.status import RunStatus
 from psflow.launch.subscribers import RunOutcome, RunSubscriber, TaskChange
@@ -52,7 +52,7 @@ class RunStore(RunSubscriber, ABC):
         elif c.state == "exited" and c.exit is not None:
             x = c.exit
             hang = dict(c.hang) if c.hang is not None else (x.hang.to_dict() if x.hang is not None else None)
-            self.task_exited(c.task, c.attempt, x.code, x.at, oom_killed=x.oom_killed, hang=hang)
+            self.task_exited(c.task, c.attempt, x.code, x.at, oom_killed=x.oom_killed, hang=hang, cause=x.cause)
         elif c.state == "hung" and c.hang is not None:
             self.task_hung(c.task, dict(c.hang))
         elif c.state == "restarting":
@@ -85,10 +85,11 @@ class RunStore(RunSubscriber, ABC):
 
     @abstractmethod
     def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False,
-                    hang: dict[str, Any] | None = None) -> None:
+                    hang: dict[str, Any] | None = None, cause: str | None = None) -> None:
         """Attempt ``attempt`` of ``task`` ended with exit code ``code`` (negative: the signal);
         ``oom_killed``: the backend saw evidence of an OOM kill; ``hang``: the watchdog killed it
-        (:meth:`psflow.launch.watchdog.Hang.to_dict`, its ``cause`` is the exit's)."""
+        (:meth:`psflow.launch.watchdog.Hang.to_dict`, its ``cause`` is the exit's); ``cause``: why it
+        ended, as the controller recorded it (None: :func:`~psflow.launch.controller.attempt_cause`)."""
 
     def task_hung(self, task: str, hang: dict[str, Any]) -> None:
         """The watchdog caught ``task`` (:meth:`psflow.launch.watchdog.Hang.to_dict`: kind, quiet
@@ -164,10 +165,11 @@ class FileRunStore(RunStore):
         self.status.on_event("report", {"task": task, "metrics": metrics})
 
     def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False,
-                    hang: dict[str, Any] | None = None) -> None:
-        self.status.exited(task, code, attempt=attempt, at=at, oom_killed=oom_killed, hang=hang)
-        self.event("task_exited", task=task, attempt=attempt, code=code, signal=signal_name(code),
-                   cause=hang["cause"] if hang else exit_cause(code, oom_killed), time_unix=at)
+                    hang: dict[str, Any] | None = None, cause: str | None = None) -> None:
+        cause = cause or attempt_cause(code, oom_killed, hang)
+        self.status.exited(task, code, attempt=attempt, at=at, hang=hang, cause=cause)
+        self.event("task_exited", task=task, attempt=attempt, code=code, signal=signal_name(code), cause=cause,
+                   time_unix=at)
 
     def task_hung(self, task: str, hang: dict[str, Any]) -> None:
         self.status.hung(task, hang)
@@ -257,8 +259,8 @@ class CompositeRunStore(RunStore):
         self._all("report", task, metrics)
 
     def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False,
-                    hang: dict[str, Any] | None = None) -> None:
-        self._all("task_exited", task, attempt, code, at, oom_killed=oom_killed, hang=hang)
+                    hang: dict[str, Any] | None = None, cause: str | None = None) -> None:
+        self._all("task_exited", task, attempt, code, at, oom_killed=oom_killed, hang=hang, cause=cause)
 
     def task_hung(self, task: str, hang: dict[str, Any]) -> None:
         self._all("task_hung", task, hang)

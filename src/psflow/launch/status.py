@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from psflow.launch.controller import exit_cause, signal_name
+from psflow.launch.controller import attempt_cause, signal_name
 from psflow.launch.liveness import process_identity
 from psflow.launch.metrics import job_rate
 from psflow.rundir import RunDir
@@ -85,9 +85,10 @@ class RunStatus:
                 self._progress(task, {"global_step": metrics["global_step"]})
 
     def exited(self, task: str, code: int, *, attempt: int = 0, at: float | None = None, oom_killed: bool = False,
-               hang: dict[str, Any] | None = None) -> None:
+               hang: dict[str, Any] | None = None, cause: str | None = None) -> None:
         """Attempt ``attempt`` of ``task`` ended with ``code``; its exit joins the task's ``exits``
-        (``hang``: the watchdog killed it; its cause is the exit's)."""
+        (``hang``: the watchdog killed it; its cause is the exit's; ``cause``: why it ended, as the
+        controller recorded it, else :func:`~psflow.launch.controller.attempt_cause`)."""
         at = time.time() if at is None else at
         with self._lock:
             entry = self._state["tasks"].get(task)
@@ -95,7 +96,7 @@ class RunStatus:
             if entry is not None:
                 entry["exits"].append({
                     "attempt": attempt, "code": code, "signal": signal_name(code),
-                    "cause": hang["cause"] if hang else exit_cause(code, oom_killed),
+                    "cause": cause or attempt_cause(code, oom_killed, hang),
                     "time_unix": round(at, 3), "ran_s": None if started is None else round(max(0.0, at - started), 3),
                     "restarted": False, **({"hang": hang} if hang else {})})
         self._update(task, state="exited", exit_code=code)

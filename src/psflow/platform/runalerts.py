@@ -100,7 +100,7 @@ class AlertingRunStore(RunStore):
         pass
 
     def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False,
-                    hang: dict[str, Any] | None = None) -> None:
+                    hang: dict[str, Any] | None = None, cause: str | None = None) -> None:
         pass
 
     def task_hung(self, task: str, hang: dict[str, Any]) -> None:

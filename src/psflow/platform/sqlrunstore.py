@@ -36,7 +36,7 @@ from typing import Any
 
 from psflow.home import jobs_db_path
 from psflow.launch.control import ControlRequest
-from psflow.launch.controller import exit_cause, signal_name
+from psflow.launch.controller import attempt_cause, signal_name
 from psflow.launch.liveness import process_identity
 from psflow.launch.metrics import task_metrics
 from psflow.launch.plan import LaunchPlan
@@ -161,8 +161,8 @@ class SqliteRunStore(RunStore):
         self._put(lambda db: db.task_progress(self.run_id, task, snapshot, at, points))
 
     def task_exited(self, task: str, attempt: int, code: int, at: float, *, oom_killed: bool = False,
-                    hang: dict[str, Any] | None = None) -> None:
-        cause = str(hang["cause"]) if hang else exit_cause(code, oom_killed)  # the watchdog's kill: the hang is why
+                    hang: dict[str, Any] | None = None, cause: str | None = None) -> None:
+        cause = cause or attempt_cause(code, oom_killed, hang)
         self._put(lambda db: db.task_exited(self.run_id, task, attempt, at, code, cause))
         self._put(self._event_op("task_exited", {"task": task, "attempt": attempt, "code": code,
                                                  "signal": signal_name(code), "cause": cause,
