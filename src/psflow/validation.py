@@ -73,7 +73,8 @@ def _sentence(error: Mapping[str, Any], what: str, model: type | None) -> str:
         return f"{what}: {place} is required and missing."
     value = error.get("input")
     received = "" if isinstance(value, (ArgsKwargs, Mapping)) and loc else f"; received {value!r}"
-    info = known.get(loc[0]) if loc and isinstance(loc[0], str) else None
+    by_alias = {f.alias: f for f in known.values() if f.alias}
+    info = (known.get(loc[0]) or by_alias.get(loc[0])) if loc and isinstance(loc[0], str) else None
     meaning = f" ({info.description})" if info is not None and info.description else ""
     return f"{what}: {place or 'the value'} {_reason(error)}{received}{meaning}."
 

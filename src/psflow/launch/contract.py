@@ -14,14 +14,16 @@ what to do.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import ConfigDict, Field, PlainValidator
+from pydantic.dataclasses import dataclass
 
 from psflow.cluster import TaskId, parse_address
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
+from psflow.validation import checked
 
 # Every environment variable a psflow task reads, with its meaning (TaskEnv's fields, and TF_CONFIG).
 ENV = {
@@ -54,82 +56,57 @@ ENV = {
 }
 
 
-def _text(name: str, raw: str) -> str:
-    return raw
-
-
-def _task(name: str, raw: str) -> TaskId:
+def _task(name: str, raw: object) -> TaskId:
+    if isinstance(raw, TaskId):
+        return raw
     try:
-        return TaskId.parse(raw)
+        return TaskId.parse(raw)  # type: ignore[arg-type]
     except ConfigError as e:
         raise ConfigError(f"{name} must name one task as 'job:index', e.g. 'worker:1'. Received: {raw!r} ({e}).") from e
 
 
-def _address(name: str, raw: str) -> str:
+def _address(raw: object) -> str:
     try:
-        parse_address(raw)
+        parse_address(raw)  # type: ignore[arg-type]
     except ConfigError as e:
-        raise ConfigError(f"{name} must be the launcher's coordinator as 'host:port'. Received: {raw!r} ({e}).") from e
-    return raw
+        raise ConfigError(f"PSFLOW_COORDINATOR must be the launcher's coordinator as 'host:port'. Received: {raw!r} "
+                          f"({e}).") from e
+    return raw  # type: ignore[return-value]
 
 
-def _train_config(name: str, raw: str) -> TrainConfig:
+def _train_config(raw: object) -> TrainConfig:
+    if isinstance(raw, TrainConfig):
+        return raw
     try:
-        return TrainConfig.from_json(raw)
+        return TrainConfig.from_json(raw)  # type: ignore[arg-type]
     except ConfigError as e:
-        raise ConfigError(f"{name} is not a valid training config: {e} Set it from TrainConfig(...).to_json().") from e
+        raise ConfigError(f"PSFLOW_TRAIN_CONFIG is not a valid training config: {e} "
+                          "Set it from TrainConfig(...).to_json().") from e
 
 
-def _flag(name: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes"):
-        return True
-    if value in ("0", "false", "no"):
-        return False
-    raise ConfigError(f"{name} must be 1 or 0 (true/false, yes/no). Received: {raw!r}.")
-
-
-def _seconds(name: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{name} must be a positive number. Received: {raw.strip()!r}. Give it in seconds, e.g. 30.")
-    return value
-
-
-def _count(name: str, raw: str, *, least: int = 1) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = least - 1
-    if value < least:
-        kind = "a positive integer" if least == 1 else f"an integer >= {least}"
-        raise ConfigError(f"{name} must be {kind}. Received: {raw.strip()!r}.")
-    return value
-
-
-def _port(name: str, raw: str) -> int:
-    value = _count(name, raw)
-    if value > 65535:
-        raise ConfigError(f"{name} must be a port in 1..65535. Received: {raw!r}.")
-    return value
-
-
-def _var(name: str, parse: Callable[[str, str], Any] = _text, render: Callable[[Any], str] = str, *,
-         empty_is_value: bool = False, **kw: Any) -> Any:
-    """A TaskEnv field read from and written to the environment variable ``name``. Text is taken as
-    given; any other value is stripped first, and blank means unset. An empty text is unset too,
-    unless ``empty_is_value`` (an empty bind host means every interface)."""
-    return field(metadata={"env": name, "parse": parse, "render": render, "empty_is_value": empty_is_value}, **kw)
+def _var(name: str, default: Any, **bounds: Any) -> Any:
+    """A TaskEnv field read from and written to the environment variable ``name`` (its alias)."""
+    return Field(default, alias=name, description=ENV[name], **bounds)
 
 
 def _render_flag(value: bool) -> str:
     return "1" if value else "0"
 
 
-@dataclass(frozen=True)
+# How a field's value is written into its variable (str for the rest).
+_RENDER: dict[str, Callable[[Any], str]] = {
+    "train_config": TrainConfig.to_json, "resume": _render_flag, "allow_unauthenticated_allreduce": _render_flag,
+    "chaos": _render_flag, "connect_timeout_s": repr, "handshake_timeout_s": repr,
+}
+# Fields of text taken as given, where any other value is stripped first and blank means unset.
+_TEXT = ("cluster_json", "secret", "secret_file", "logdir", "checkpoint_dir", "error_file", "data_dir", "fail_at",
+         "clock_skew", "bind_host")
+_SECONDS = {"gt": 0, "allow_inf_nan": False}
+
+
+# Not strict: the values are the environment's text ("3", "1", "0.5"), converted to each field's type.
+@checked(what="The task's environment")
+@dataclass(frozen=True, config=ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True))
 class TaskEnv:
     """What the launcher tells a task through its environment (every field optional for a by-hand task).
 
@@ -141,57 +118,58 @@ class TaskEnv:
         True
     """
 
-    task: TaskId | None = _var("PSFLOW_TASK", _task, default=None)
-    coordinator: str | None = _var("PSFLOW_COORDINATOR", _address, default=None)
-    attempt: int = _var("PSFLOW_ATTEMPT", lambda n, r: _count(n, r, least=0), default=0)
-    cluster_json: str | None = _var("PSFLOW_CLUSTER", default=None)  # parsed by init: require_ps follows the strategy
-    secret: str | None = _var("PSFLOW_SECRET", default=None, repr=False)
-    secret_file: str | None = _var("PSFLOW_SECRET_FILE", default=None)
-    train_config: TrainConfig | None = _var("PSFLOW_TRAIN_CONFIG", _train_config, TrainConfig.to_json, default=None)
-    logdir: str | None = _var("PSFLOW_LOGDIR", default=None)
-    checkpoint_dir: str | None = _var("PSFLOW_CHECKPOINT_DIR", default=None)
-    error_file: str | None = _var("PSFLOW_ERROR_FILE", default=None)
-    data_dir: str | None = _var("PSFLOW_DATA_DIR", default=None)
-    fail_at: str | None = _var("PSFLOW_FAIL_AT", default=None)
-    clock_skew: str | None = _var("PSFLOW_CLOCK_SKEW", default=None)  # tests: see clock_skew_us
-    resume: bool | None = _var("PSFLOW_RESUME", _flag, _render_flag, default=None)
-    num_threads: int | None = _var("PSFLOW_NUM_THREADS", _count, default=None)
-    bind_host: str | None = _var("PSFLOW_BIND_HOST", empty_is_value=True, default=None)
-    connect_timeout_s: float = _var("PSFLOW_CONNECT_TIMEOUT_S", _seconds, repr, default=60.0)
-    handshake_timeout_s: float | None = _var("PSFLOW_HANDSHAKE_TIMEOUT_S", _seconds, repr, default=None)
-    max_handshaking: int | None = _var("PSFLOW_MAX_HANDSHAKING", _count, default=None)
-    allow_unauthenticated_allreduce: bool = _var("PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE", _flag, _render_flag, default=False)
-    num_ps: int | None = _var("PSFLOW_NUM_PS", lambda n, r: _count(n, r, least=0), default=None)  # Slurm only
-    base_port: int = _var("PSFLOW_BASE_PORT", _port, default=2222)  # Slurm only
-    data_shards: int | None = _var("PSFLOW_DATA_SHARDS", _count, default=None)  # a scaled job's launch replicas
-    chaos: bool = _var("PSFLOW_CHAOS", _flag, _render_flag, default=False)  # psflow chaos: SIGUSR2 partitions a ps
+    task: Annotated[TaskId, PlainValidator(lambda raw: _task("PSFLOW_TASK", raw))] | None = _var("PSFLOW_TASK", None)
+    coordinator: Annotated[str, PlainValidator(_address)] | None = _var("PSFLOW_COORDINATOR", None)
+    attempt: int = _var("PSFLOW_ATTEMPT", 0, ge=0)
+    cluster_json: str | None = _var("PSFLOW_CLUSTER", None)  # parsed by init: require_ps follows the strategy
+    secret: str | None = Field(None, alias="PSFLOW_SECRET", repr=False)
+    secret_file: str | None = _var("PSFLOW_SECRET_FILE", None)
+    train_config: Annotated[TrainConfig, PlainValidator(_train_config)] | None = _var("PSFLOW_TRAIN_CONFIG", None)
+    logdir: str | None = _var("PSFLOW_LOGDIR", None)
+    checkpoint_dir: str | None = _var("PSFLOW_CHECKPOINT_DIR", None)
+    error_file: str | None = _var("PSFLOW_ERROR_FILE", None)
+    data_dir: str | None = _var("PSFLOW_DATA_DIR", None)
+    fail_at: str | None = _var("PSFLOW_FAIL_AT", None)
+    clock_skew: str | None = _var("PSFLOW_CLOCK_SKEW", None)  # tests: see clock_skew_us
+    resume: bool | None = _var("PSFLOW_RESUME", None)
+    num_threads: int | None = _var("PSFLOW_NUM_THREADS", None, ge=1)
+    bind_host: str | None = _var("PSFLOW_BIND_HOST", None)  # empty: every interface
+    connect_timeout_s: float = _var("PSFLOW_CONNECT_TIMEOUT_S", 60.0, **_SECONDS)
+    handshake_timeout_s: float | None = _var("PSFLOW_HANDSHAKE_TIMEOUT_S", None, **_SECONDS)
+    max_handshaking: int | None = _var("PSFLOW_MAX_HANDSHAKING", None, ge=1)
+    allow_unauthenticated_allreduce: bool = _var("PSFLOW_ALLOW_UNAUTHENTICATED_ALLREDUCE", False)
+    num_ps: int | None = _var("PSFLOW_NUM_PS", None, ge=0)  # Slurm only
+    base_port: int = _var("PSFLOW_BASE_PORT", 2222, ge=1, le=65535)  # Slurm only
+    data_shards: int | None = _var("PSFLOW_DATA_SHARDS", None, ge=1)  # a scaled job's launch replicas
+    chaos: bool = _var("PSFLOW_CHAOS", False)  # psflow chaos: SIGUSR2 partitions a ps
 
     @classmethod
     def parse(cls, env: Mapping[str, str]) -> TaskEnv:
-        """Read every ``PSFLOW_*`` variable of ``env``; absent or blank ones take their default.
+        """Read every ``PSFLOW_*`` variable of ``env``; absent or blank ones take their default
+        (an empty ``PSFLOW_BIND_HOST`` is a value: every interface).
 
         Raises:
             ConfigError: a malformed value; the message names the variable and the value received.
         """
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            name, parse = f.metadata["env"], f.metadata["parse"]
-            if name not in env:
+        values: dict[str, str] = {}
+        for name, info in cls.__pydantic_fields__.items():
+            var = info.alias
+            if var not in env:
                 continue
-            raw = env[name] if parse is _text else env[name].strip()
-            if raw or f.metadata["empty_is_value"]:
-                values[f.name] = parse(name, raw)
+            raw = env[var] if name in _TEXT else env[var].strip()
+            if raw or name == "bind_host":
+                values[var] = raw
         return cls(**values)
 
     def render(self) -> dict[str, str]:
         """The environment variables that carry this value: one per field not at its default."""
-        return {f.metadata["env"]: f.metadata["render"](v) for f in fields(self)
-                if (v := getattr(self, f.name)) != f.default}
+        return {info.alias: _RENDER.get(name, str)(v) for name, info in self.__pydantic_fields__.items()
+                if (v := getattr(self, name)) != info.default}  # type: ignore[misc]
 
     @classmethod
     def variables(cls) -> tuple[str, ...]:
         """The name of every variable TaskEnv reads, in field order."""
-        return tuple(f.metadata["env"] for f in fields(cls))
+        return tuple(str(info.alias) for info in cls.__pydantic_fields__.values())
 
 
 def clock_skew_us(raw: str | None, task: TaskId) -> float:
