@@ -119,3 +119,45 @@ def test_the_run_page_opens_one_live_stream_that_carries_the_scripts_own_metrics
         assert len(streams) == 1 and "name=lr" in streams[0], streams
     finally:
         ui.stop()
+
+
+def test_the_form_offers_each_backend_with_its_own_fields_and_a_run_page_says_why_it_cannot_scale(tmp_path, browser, artifacts):  # noqa: F811
+    from psflow.launch.liveness import process_identity
+    from psflow.platform.jobstore import JobStore
+
+    home = tmp_path / "home"
+    home.mkdir()
+    with JobStore(home / "jobs.db") as db, db.transaction():  # a live Slurm run (this process stands for its launcher)
+        db.add_run({**_record("run-slurm", tmp_path / "run-slurm", time.time()), "backend": "slurm",
+                    "launcher": process_identity(os.getpid())}, TASKS)
+        db.task_started("run-slurm", "worker:0", 0, time.time(), pid=None, scheduler_id="4242.0", identity=None)
+    ui = start_dashboard(home, tmp_path / "runs")
+    try:
+        page = desktop_page(browser, f"{ui.url}#token={TOKEN}")
+        page.click("#nav-new")
+        assert page.locator("#f-backend option").all_inner_texts() == ["local", "slurm", "ssh", "k8s"]
+        shown = {"local": ["#f-gpus"], "slurm": ["#f-nodes", "#f-coordinator"], "ssh": ["#f-hosts", "#f-coordinator"],
+                 "k8s": ["#f-image", "#f-namespace", "#f-claim", "#f-gpus"]}
+        every = sorted({f for fields in shown.values() for f in fields})
+        for backend, fields in shown.items():
+            page.select_option("#f-backend", backend)
+            assert [f for f in every if page.is_visible(f)] == sorted(fields), backend
+        page.fill("#f-script", "mnist_softmax.py")
+        page.select_option("#f-backend", "ssh")
+        page.click("#start-btn")  # the server says what the ssh backend needs, beside the field
+        page.wait_for_selector('.field-error[data-for="hosts"]:has-text("The ssh backend needs hosts")')
+        page.fill("#f-hosts", "node1:2")
+        page.click("#start-btn")
+        page.wait_for_selector('.field-error[data-for="hosts"]:has-text("--hosts gives 2 slot(s) (node1:2) for 3 tasks")')
+        page.select_option("#f-backend", "k8s")
+        page.click("#start-btn")
+        page.wait_for_selector('.field-error[data-for="image"]:has-text("The k8s backend needs image")')
+        page.screenshot(path=str(artifacts / "32-form-k8s.png"), full_page=True)
+
+        page.goto(f"{ui.url}#/run/run-slurm")
+        page.wait_for_selector("#run-state .state.running")
+        page.wait_for_selector('#scale-why:has-text("cannot scale: it runs on the slurm backend")')
+        assert not page.is_visible("#scale-btn") and page.is_visible("#stop-btn")
+        page.screenshot(path=str(artifacts / "33-slurm-run-no-scale.png"), full_page=True)
+    finally:
+        ui.stop()

@@ -125,8 +125,21 @@ def test_a_spec_that_psflow_run_would_refuse_is_refused_before_anything_starts(t
         plan_of(LaunchSpec(script=str(tmp_path / "missing.py")))
     with pytest.raises(ConfigError, match="--ps-replicas 2"):
         plan_of(LaunchSpec(script=str(script), num_ps=1, config={"ps_replicas": 2}))
-    with pytest.raises(ConfigError, match="Backend 'k8s'"):
+    with pytest.raises(ConfigError, match="Backend 'mesos' is not one of local, slurm, ssh, k8s"):
+        plan_of(LaunchSpec(script=str(script), backend="mesos"))
+    # each backend's own needs, checked before anything starts or is reached
+    with pytest.raises(ConfigError, match="The ssh backend needs hosts: HOST:SLOTS"):
+        plan_of(LaunchSpec(script=str(script), backend="ssh"))
+    with pytest.raises(ConfigError, match=r"--hosts gives 2 slot\(s\) \(node1:2\) for 3 tasks"):
+        plan_of(LaunchSpec(script=str(script), backend="ssh", hosts="node1:2"))
+    assert plan_of(LaunchSpec(script=str(script), backend="ssh", hosts="node1:2,node2")).task_names() == [
+        "ps:0", "worker:0", "worker:1"]
+    with pytest.raises(ConfigError, match="--backend k8s needs --image IMAGE"):
         plan_of(LaunchSpec(script=str(script), backend="k8s"))
+    plan_of(LaunchSpec(script=str(script), backend="k8s", k8s={"image": "me/train:1", "namespace": "ml"}))
+    with pytest.raises(ConfigError, match="--nodes' if|--nodes is for --backend slurm"):
+        plan_of(LaunchSpec(script=str(script), backend="local", nodes=2))
+    plan_of(LaunchSpec(script=str(script), backend="slurm", nodes=2))
     with pytest.raises(ConfigError, match="Restart policy 'sometimes'"):
         plan_of(LaunchSpec(script=str(script), restart_policy={"kind": "sometimes"}))
 

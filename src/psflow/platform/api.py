@@ -112,11 +112,19 @@ class StartRun(BaseModel):
     evaluator: bool = False
     mode: Literal["async", "sync", "ssp"] = "async"
     strategy: Literal["ps", "allreduce"] = "ps"
-    backend: Literal["local", "slurm"] = "local"
+    backend: Literal["local", "slurm", "ssh", "k8s"] = "local"
     restart: str = Field("never", max_length=200, description="psflow run --restart syntax: on-failure, worker=always,...")
     max_restarts: int = Field(3, ge=0, le=1000)
-    gpus_per_worker: int = Field(0, ge=0, le=64, description="GPUs each chief and worker sees (local runs; refused "
-                                                              "when this machine has fewer)")
+    gpus_per_worker: int = Field(0, ge=0, le=64, description="GPUs each chief and worker sees (local: refused when "
+                                                              "this machine has fewer; k8s: nvidia.com/gpu per pod)")
+    # each backend's own fields (psflow.platform.startform says which backend takes which)
+    nodes: int | None = Field(None, ge=1, le=10_000, description="slurm: nodes to allocate (default 1)")
+    coordinator_host: str | None = Field(None, max_length=253, description="slurm, ssh: the address the nodes reach "
+                                                                           "the launcher at")
+    hosts: str | None = Field(None, max_length=4096, description="ssh (required): HOST:SLOTS,..., filled in order")
+    image: str | None = Field(None, max_length=1024, description="k8s (required): the container image")
+    namespace: str | None = Field(None, max_length=253, description="k8s: the namespace (default 'default')")
+    volume_claim: str | None = Field(None, max_length=253, description="k8s: a ReadWriteMany claim for the log dir")
 
 
 def _store(request: Request) -> Iterator[JobStore]:
@@ -434,8 +442,13 @@ def start_run(form: StartRun, request: Request, settings: Settings) -> dict[str,
     from psflow.launch.gpus import GpuRequestError
     from psflow.launch.restart import RestartPolicy
     from psflow.platform.launching import LaunchSpec, new_run_id, start_detached
+    from psflow.platform.startform import FormError, field_of, launch_fields
 
     script = _allowed_script(form.script, settings.script_roots)
+    try:
+        backend = launch_fields(form.backend, form.model_dump(), form.gpus_per_worker)
+    except FormError as e:
+        raise _unprocessable(e.field, str(e)) from e
     try:
         policy = RestartPolicy.parse(form.restart, **({"max_restarts": form.max_restarts} if form.restart != "never" else {}))
     except ConfigError as e:
@@ -444,13 +457,13 @@ def start_run(form: StartRun, request: Request, settings: Settings) -> dict[str,
     spec = LaunchSpec(script=str(script), args=tuple(form.args), num_ps=form.ps if form.strategy == "ps" else 0,
                       num_workers=form.workers, chief=form.chief, evaluator=form.evaluator, mode=form.mode,
                       strategy=form.strategy, backend=form.backend, restart_policy=dataclasses.asdict(policy),
-                      run_id=run_id, logdir=str(settings.logdirs / run_id), gpus_per_worker=form.gpus_per_worker)
+                      run_id=run_id, logdir=str(settings.logdirs / run_id), **backend)
     try:
         plan, proc = start_detached(spec, env=_launcher_env(settings))
     except GpuRequestError as e:
         raise _unprocessable("gpus_per_worker", str(e)) from e
     except ConfigError as e:
-        raise _unprocessable("form", str(e)) from e
+        raise _unprocessable(field_of(str(e)), str(e)) from e
     _starting(settings, request, spec, plan, proc)
     return {"run_id": plan.run_id, "state": "starting", "logdir": plan.logdir, "launcher_pid": proc.pid}
 
@@ -625,11 +638,13 @@ def _shown(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def _on_page(run: dict[str, Any]) -> dict[str, Any]:
-    """A run as its page shows it: its record, and its root cause in words once it failed (``failure``:
-    :func:`psflow.platform.runfiles.root_cause_of`)."""
+    """A run as its page shows it: its record, its root cause in words once it failed (``failure``:
+    :func:`psflow.platform.runfiles.root_cause_of`), and why it cannot be scaled, if it cannot
+    (``scale_refusal``: :func:`psflow.platform.runcontrol.scale_refusal`)."""
+    from psflow.platform.runcontrol import scale_refusal
     from psflow.platform.runfiles import root_cause_of
 
-    return {**_shown(run), "failure": root_cause_of(run)}
+    return {**_shown(run), "failure": root_cause_of(run), "scale_refusal": scale_refusal(run)}
 
 
 def _row(run: dict[str, Any]) -> dict[str, Any]:

@@ -77,6 +77,7 @@ class RunOnPage(RunRecord):
 
     tasks: dict[str, dict[str, Any]] = {}
     failure: dict[str, Any] | None = Field(None, description="exception, message, traceback_tail, task")
+    scale_refusal: str | None = Field(None, description="why workers cannot join or leave it (None: they can)")
 
 
 class RunPage(BaseModel):

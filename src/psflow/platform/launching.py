@@ -48,7 +48,7 @@ from psflow.launch.plan import LaunchPlan
 from psflow.launch.restart import RestartPolicy
 from psflow.rundir import RunDir
 
-BACKENDS = ("local", "slurm")
+BACKENDS = ("local", "slurm", "ssh", "k8s")
 LAUNCHER_LOG = "launcher.log"
 
 
@@ -61,7 +61,7 @@ class LaunchSpec:
         args: the script's own arguments, as a list (never a shell line).
         num_ps, num_workers, chief, evaluator: the cluster's shape.
         mode, strategy: ``async|sync|ssp`` and ``ps|allreduce``.
-        backend: ``local`` or ``slurm``.
+        backend: ``local``, ``slurm``, ``ssh`` (``hosts``) or ``k8s`` (``k8s``: its settings, ``image`` first).
         restart_policy: :class:`psflow.launch.restart.RestartPolicy`'s fields (``kind``, ``max_restarts``, ...).
         config: other :class:`psflow.config.TrainConfig` fields (``staleness``, ``ps_replicas``, ...).
         hangs: :class:`psflow.launch.watchdog.HangPolicy`'s fields.
@@ -72,6 +72,10 @@ class LaunchSpec:
         gpus_per_worker: GPUs each chief and worker sees (local: :mod:`psflow.launch.gpus`; 0: none asked).
         logdir_url: ``psflow run --logdir URL``: ``logdir`` is its staging directory; the files are
             uploaded there and the checkpoints are read and written at ``URL/checkpoints``.
+        hosts: ssh: ``HOST:SLOTS,...``, the hosts the tasks go to (``psflow run --hosts``).
+        nodes: slurm: the nodes to allocate.
+        coordinator_host: slurm, ssh: the address the nodes reach the launcher at.
+        k8s: k8s: :class:`psflow.launch.k8s.K8sSettings`' fields (``image``, ``namespace``, ``volume_claim``, ...).
         after_run, after_request, after_timeout_s: a restart's launcher waits up to ``after_timeout_s``
             for run ``after_run`` to end (its stop request ``after_request``) before it starts: the
             wait lives in the launcher's own process, so a restart asked of the dashboard goes on
@@ -99,6 +103,10 @@ class LaunchSpec:
     after_run: str | None = None
     after_request: int | None = None
     after_timeout_s: float = 120.0
+    hosts: str | None = None
+    nodes: int | None = None
+    coordinator_host: str | None = None
+    k8s: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -189,7 +197,37 @@ def plan_of(spec: LaunchSpec, *, runs_root: Path | None = None) -> LaunchPlan:
     plan = make_plan(spec.script, list(spec.args), num_ps=spec.num_ps, num_workers=spec.num_workers, chief=spec.chief,
                      evaluator=spec.evaluator, logdir=logdir, config=config, threads=spec.threads, restart=policy,
                      hangs=HangPolicy(**spec.hangs), extra_env=_url_env(spec.logdir_url))
-    return _with_gpus(dataclasses.replace(plan, run_id=run_id, logdir_url=spec.logdir_url), spec)
+    plan = _with_gpus(dataclasses.replace(plan, run_id=run_id, logdir_url=spec.logdir_url), spec)
+    _check_backend(spec, plan)
+    return plan
+
+
+def backend_options(spec: LaunchSpec, *, live: bool | None = None) -> Any:
+    """The :class:`psflow.launch.assemble.BackendOptions` of ``spec`` (ssh: the local backend's name with ``hosts``)."""
+    from psflow.launch.assemble import BackendOptions
+
+    ssh = spec.backend == "ssh"
+    return BackendOptions(name="local" if ssh else spec.backend, hosts=spec.hosts if ssh else None, nodes=spec.nodes,
+                          coordinator_host=spec.coordinator_host, live=live, k8s=dict(spec.k8s))
+
+
+def _check_backend(spec: LaunchSpec, plan: LaunchPlan) -> None:
+    """Refuse now what the launcher's backend would refuse (nothing is started, nothing is reached).
+
+    Raises:
+        ConfigError: ssh without hosts or with too few slots for the plan's tasks; options another
+            backend's (nodes for a local run, ...); Kubernetes settings without an image or out of bounds.
+    """
+    from psflow.launch.assemble import make_backend
+
+    if spec.backend == "ssh":
+        from psflow.launch.ssh import parse_hosts, place
+
+        if not spec.hosts:
+            raise ConfigError("The ssh backend needs hosts: HOST:SLOTS,... (e.g. node1:2,node2:2), the hosts the tasks "
+                              "are started on over ssh, filled in order.")
+        place(plan.task_names(), parse_hosts(spec.hosts))
+    make_backend(backend_options(spec))
 
 
 def _with_gpus(plan: LaunchPlan, spec: LaunchSpec) -> LaunchPlan:
@@ -270,12 +308,12 @@ def queue_restart(spec: LaunchSpec) -> LogdirLock:
 
 
 def _runner(spec: LaunchSpec, plan: LaunchPlan, *, live: bool | None) -> Any:
-    """The runner of ``plan`` on the spec's backend (local or Slurm), recorded in the job store."""
-    from psflow.launch.assemble import BackendOptions, assemble_run
+    """The runner of ``plan`` on the spec's backend, recorded in the job store."""
+    from psflow.launch.assemble import assemble_run
     from psflow.platform.recording import recording
 
-    options = BackendOptions(name=spec.backend, live=live)
-    return assemble_run(plan, options, store=lambda b: recording(b, restarted_from=spec.restarted_from)).runner
+    return assemble_run(plan, backend_options(spec, live=live),
+                        store=lambda b: recording(b, restarted_from=spec.restarted_from)).runner
 
 
 def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapping[str, str] | None = None,

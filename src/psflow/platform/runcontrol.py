@@ -84,6 +84,17 @@ NOT_SCALABLE = {
 }
 
 
+def scale_refusal(run: dict[str, Any]) -> str | None:
+    """Why workers cannot join or leave run ``run`` (a job store record) on its backend or strategy;
+    None where they can. The run page says it instead of offering the scale control."""
+    backend = str(run.get("backend") or "")
+    if backend in NOT_SCALABLE:
+        return f"it runs on the {backend} backend, and {NOT_SCALABLE[backend]}"
+    if run.get("strategy") == "allreduce":
+        return "all-reduce ranks cannot join or leave a running group (its ranks are fixed at its rendezvous)"
+    return None
+
+
 class ScaleRefused(JobStoreError):
     """A scale request that cannot be carried out (bad count, an ended run, a backend that cannot)."""
 
@@ -109,10 +120,10 @@ def ask_scale(db: JobStore, run_id: str, workers: object, *, source: str) -> int
     if run["state"] not in LIVE_STATES:
         raise ScaleRefused(f"Run {run_id} has already ended ({run['state']}); only a running run can be scaled. "
                            f"Start it again with `psflow restart {run_id}` (same shape), or `psflow run --workers {count} ...`.")
-    backend = str(run.get("backend") or "")
-    if backend in NOT_SCALABLE:
-        raise ScaleRefused(f"Run {run_id} runs on the {backend} backend, and {NOT_SCALABLE[backend]}, so workers cannot "
-                           f"join or leave it. Stop it (`psflow stop {run_id}`) and start it again with --workers {count}.")
+    why = scale_refusal(run)
+    if why is not None:
+        raise ScaleRefused(f"Run {run_id} cannot be scaled: {why}, so workers cannot join or leave it. Stop it "
+                           f"(`psflow stop {run_id}`) and start it again with --workers {count}.")
     return db.request_control(run_id, "scale", source=source, payload={"workers": count})
 
 

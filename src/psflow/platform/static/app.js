@@ -182,8 +182,8 @@ function runPage(runId) {
     <div class="toolbar">
       <h1 id="run-title" style="margin:0">${esc(runId)}</h1> <span id="run-state"></span>
       <span style="flex:1"></span>
-      <label class="muted">workers <input id="scale-n" type="number" min="1" max="256" style="width:4.5em"></label>
-      <button id="scale-btn">Scale</button>
+      <span id="scale-controls"><label class="muted">workers <input id="scale-n" type="number" min="1" max="256" style="width:4.5em"></label>
+      <button id="scale-btn">Scale</button></span><span id="scale-why" class="muted" hidden></span>
       <button id="restart-btn">Restart</button>
       <button id="stop-btn" class="danger">Stop</button>
     </div>
@@ -363,6 +363,11 @@ async function showRun(runId, page, withMetrics) {
   const live = run.state === "running" || run.state === "pending";
   document.getElementById("stop-btn").disabled = !live;
   document.getElementById("scale-btn").disabled = !live;
+  // a backend (or strategy) whose workers cannot join or leave: the page says why instead of offering the control
+  document.getElementById("scale-controls").hidden = !!run.scale_refusal;
+  const why = document.getElementById("scale-why");
+  why.hidden = !run.scale_refusal || !live;
+  why.textContent = run.scale_refusal ? `cannot scale: ${run.scale_refusal}` : "";
   const scaleN = document.getElementById("scale-n");
   if (!scaleN.value) scaleN.value = Object.entries(run.tasks).filter(([n, t]) => n.startsWith("worker:") && t.state !== "retired").length;
   document.getElementById("run-headline").innerHTML =
@@ -755,13 +760,26 @@ function startPage() {
         <div class="muted">split on spaces into a list; never run by a shell</div><div class="field-error" data-for="args"></div></div>
       <label for="f-ps">parameter servers</label><div><input id="f-ps" name="ps" type="number" min="0" value="1"><div class="field-error" data-for="ps"></div></div>
       <label for="f-workers">workers</label><div><input id="f-workers" name="workers" type="number" min="0" value="2"><div class="field-error" data-for="workers"></div></div>
-      <label for="f-gpus">GPUs per worker</label><div><input id="f-gpus" name="gpus_per_worker" type="number" min="0" value="0">
+      <label for="f-gpus" data-backends="local k8s">GPUs per worker</label><div data-backends="local k8s"><input id="f-gpus" name="gpus_per_worker" type="number" min="0" value="0">
         <div class="muted">each chief and worker sees its own; 0 trains on the CPU</div><div class="field-error" data-for="gpus_per_worker"></div></div>
       <label>tasks</label><div><label><input type="checkbox" name="chief"> separate chief</label>
         <label><input type="checkbox" name="evaluator"> evaluator</label></div>
       <label for="f-mode">mode</label><div><select id="f-mode" name="mode"><option>async</option><option>sync</option><option>ssp</option></select><div class="field-error" data-for="mode"></div></div>
       <label for="f-strategy">strategy</label><div><select id="f-strategy" name="strategy"><option>ps</option><option>allreduce</option></select></div>
-      <label for="f-backend">backend</label><div><select id="f-backend" name="backend"><option>local</option><option>slurm</option></select></div>
+      <label for="f-backend">backend</label><div><select id="f-backend" name="backend"><option>local</option><option>slurm</option>
+        <option>ssh</option><option>k8s</option></select><div class="field-error" data-for="backend"></div></div>
+      <label for="f-nodes" data-backends="slurm">nodes</label><div data-backends="slurm"><input id="f-nodes" name="nodes" type="number" min="1" placeholder="1">
+        <div class="field-error" data-for="nodes"></div></div>
+      <label for="f-hosts" data-backends="ssh">hosts</label><div data-backends="ssh"><input id="f-hosts" name="hosts" type="text" placeholder="node1:2,node2:2" style="width:100%">
+        <div class="muted">HOST:SLOTS,...: the tasks are started over ssh on these hosts, filled in order</div><div class="field-error" data-for="hosts"></div></div>
+      <label for="f-coordinator" data-backends="slurm ssh">coordinator host</label><div data-backends="slurm ssh"><input id="f-coordinator" name="coordinator_host" type="text" placeholder="this host's address">
+        <div class="muted">the address the nodes reach this launcher at (optional)</div><div class="field-error" data-for="coordinator_host"></div></div>
+      <label for="f-image" data-backends="k8s">image</label><div data-backends="k8s"><input id="f-image" name="image" type="text" placeholder="registry.example/train:1" style="width:100%">
+        <div class="muted">a container image with Python, psflow and the script</div><div class="field-error" data-for="image"></div></div>
+      <label for="f-namespace" data-backends="k8s">namespace</label><div data-backends="k8s"><input id="f-namespace" name="namespace" type="text" placeholder="default">
+        <div class="field-error" data-for="namespace"></div></div>
+      <label for="f-claim" data-backends="k8s">volume claim</label><div data-backends="k8s"><input id="f-claim" name="volume_claim" type="text" placeholder="a ReadWriteMany claim">
+        <div class="muted">mounted at /psflow in every pod: the log dir</div><div class="field-error" data-for="volume_claim"></div></div>
       <label for="f-restart">restart policy</label><div><input id="f-restart" name="restart" type="text" value="never" placeholder="never | on-failure | worker=on-failure,ps=never">
         <div class="field-error" data-for="restart"></div></div>
       <label for="f-max-restarts">max restarts</label><div><input id="f-max-restarts" name="max_restarts" type="number" min="0" value="3"><div class="field-error" data-for="max_restarts"></div></div>
@@ -769,6 +787,13 @@ function startPage() {
       <div class="full"><button class="primary" type="submit" id="start-btn">Start</button></div>
     </form></div>`;
   const form = document.getElementById("start-form");
+  // each backend's own fields, shown only for it (and sent only for it)
+  const backend = document.getElementById("f-backend");
+  const showFields = () => {
+    for (const el of form.querySelectorAll("[data-backends]")) el.hidden = !el.dataset.backends.split(" ").includes(backend.value);
+  };
+  backend.addEventListener("change", showFields);
+  showFields();
   form.addEventListener("submit", async ev => {
     ev.preventDefault();
     const f = new FormData(form);
@@ -777,8 +802,12 @@ function startPage() {
       ps: Number(f.get("ps")), workers: Number(f.get("workers")), chief: f.get("chief") === "on",
       evaluator: f.get("evaluator") === "on", mode: f.get("mode"), strategy: f.get("strategy"),
       backend: f.get("backend"), restart: f.get("restart").trim() || "never", max_restarts: Number(f.get("max_restarts")),
-      gpus_per_worker: Number(f.get("gpus_per_worker")),
+      gpus_per_worker: ["local", "k8s"].includes(f.get("backend")) ? Number(f.get("gpus_per_worker")) : 0,
     };
+    for (const el of form.querySelectorAll("div[data-backends] input")) {  // the chosen backend's own fields, when given
+      if (!el.closest("[data-backends]").hidden && el.value.trim() && el.name !== "gpus_per_worker")
+        body[el.name] = el.type === "number" ? Number(el.value) : el.value.trim();
+    }
     for (const e of form.querySelectorAll(".field-error")) e.textContent = "";
     document.getElementById("form-errors").textContent = "";
     const button = document.getElementById("start-btn");

@@ -1,0 +1,73 @@
+"""The start form's backends: every one offered, each with its own fields, refused naming the field
+when they do not fit (in process: FastAPI's TestClient; nothing here is started); and which runs can
+be scaled, said instead of offered."""
+
+from __future__ import annotations
+
+import pytest
+
+from psflow.platform.runcontrol import scale_refusal
+from psflow.platform.startform import FormError, launch_fields
+
+TOKEN = "form-token-0123456789abcdef"
+
+
+@pytest.fixture
+def client(tmp_path):  # noqa: ANN201
+    from fastapi.testclient import TestClient
+
+    from psflow.platform.api import UiSettings, create_app
+
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    app = create_app(UiSettings(home=tmp_path / "home", token=TOKEN, script_roots=(tmp_path,), runs_root=tmp_path / "runs"))
+    return TestClient(app, base_url="http://127.0.0.1", headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+def test_each_backend_takes_its_own_fields_and_refuses_the_others():
+    assert launch_fields("local", {}, 2) == {"hosts": None, "coordinator_host": None, "nodes": None, "k8s": {},
+                                             "gpus_per_worker": 2}
+    assert launch_fields("slurm", {"nodes": 4, "coordinator_host": "head-1"}, 0)["nodes"] == 4
+    k8s = launch_fields("k8s", {"image": "reg.example/train:1", "namespace": "ml", "volume_claim": "runs"}, 1)
+    assert k8s["k8s"] == {"image": "reg.example/train:1", "namespace": "ml", "volume_claim": "runs", "gpus_per_worker": 1}
+    assert k8s["gpus_per_worker"] == 0  # Kubernetes places a pod's GPUs, not psflow
+    refused = [("local", {"nodes": 2}, "nodes", "nodes is for the slurm backend; this run's backend is local"),
+               ("slurm", {"hosts": "a:1"}, "hosts", "hosts is for the ssh backend"),
+               ("ssh", {"image": "x"}, "image", "image is for the k8s backend"),
+               ("ssh", {}, "hosts", "The ssh backend needs hosts: HOST:SLOTS,..."),
+               ("k8s", {}, "image", "The k8s backend needs image: a container image"),
+               ("ssh", {"hosts": "-oProxyCommand=touch /tmp/x:1"}, "hosts", "is not HOST or HOST:SLOTS"),
+               ("ssh", {"hosts": "node1:two"}, "hosts", "is not HOST or HOST:SLOTS"),
+               ("ssh", {"hosts": "a:1", "coordinator_host": "-x"}, "coordinator_host", "is not a host name"),
+               ("k8s", {"image": "x", "namespace": "Bad_Name"}, "namespace", "is not a Kubernetes name")]
+    for backend, given, field, says in refused:
+        with pytest.raises(FormError, match="") as e:
+            launch_fields(backend, given, 0)
+        assert e.value.field == field and says in str(e.value), (backend, given, str(e.value))
+
+
+def test_the_form_offers_every_backend_and_says_which_field_is_wrong(client):
+    form = client.get("/openapi.json").json()["components"]["schemas"]["StartRun"]["properties"]
+    assert form["backend"]["enum"] == ["local", "slurm", "ssh", "k8s"]
+    assert {"nodes", "hosts", "coordinator_host", "image", "namespace", "volume_claim"} <= set(form)
+    base = {"script": "train.py", "ps": 1, "workers": 2}
+    for body, field, says in (
+            ({"backend": "ssh"}, "hosts", "The ssh backend needs hosts"),
+            ({"backend": "ssh", "hosts": "node1:2"}, "hosts", "--hosts gives 2 slot(s) (node1:2) for 3 tasks"),
+            ({"backend": "ssh", "hosts": "--help"}, "hosts", "is not HOST or HOST:SLOTS"),
+            ({"backend": "k8s"}, "image", "The k8s backend needs image"),
+            ({"backend": "local", "hosts": "node1:4"}, "hosts", "hosts is for the ssh backend"),
+            ({"backend": "slurm", "gpus_per_worker": 1}, "gpus_per_worker", "placed by psflow on local runs only"),
+            ({"backend": "slurm", "nodes": 0}, "nodes", "greater than or equal to 1")):
+        r = client.post("/api/runs", json={**base, **body})
+        assert r.status_code == 422, (body, r.text)
+        (detail,) = r.json()["detail"]
+        assert detail["loc"] == ["body", field] and says in detail["msg"], (body, detail)
+    assert not (client.app.state.settings.logdirs).exists()  # nothing refused was started
+
+
+def test_the_page_says_why_a_run_cannot_be_scaled():
+    assert scale_refusal({"backend": "local", "strategy": "ps"}) is None
+    assert scale_refusal({"backend": "slurm", "strategy": "ps"}).startswith(
+        "it runs on the slurm backend, and a Slurm job's tasks are fixed when its allocation starts")
+    assert scale_refusal({"backend": "k8s"}).startswith("it runs on the k8s backend, and a TFJob's replica counts")
+    assert "all-reduce ranks cannot join or leave" in scale_refusal({"backend": "local", "strategy": "allreduce"})
