@@ -22,8 +22,12 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from psflow.errors import ConfigError
+from psflow.validation import validate
 
 JOBS: tuple[str, ...] = ("chief", "ps", "worker", "evaluator")
 _ALIASES = {"master": "chief"}
@@ -252,16 +256,12 @@ class ClusterSpec:
             ConfigError: malformed JSON (position and snippet quoted), no ``cluster``, an invalid
                 spec, a task type not in the cluster or an index out of range.
         """
-        cfg = _load_json(text, "TF_CONFIG")
-        if not isinstance(cfg, dict) or not isinstance(cfg.get("cluster"), dict):
-            raise ConfigError(f"TF_CONFIG needs a 'cluster' object. Received: {text!r}. Example: {_TF_EXAMPLE}")
-        spec = cls.from_dict(cfg["cluster"], require_ps=require_ps)
-        task = cfg.get("task")
-        if not task:
+        cfg: _TfConfig = validate(_TfConfig, _load_json(text, "TF_CONFIG"), what="TF_CONFIG",
+                                  fix=f"Example: {_TF_EXAMPLE}")
+        spec = cls.from_dict(cfg.cluster, require_ps=require_ps)
+        if cfg.task is None:
             return spec, None
-        if not isinstance(task, dict) or "type" not in task:
-            raise ConfigError(f"TF_CONFIG 'task' must be an object with 'type' and 'index'. Received: {task!r}.")
-        return spec, spec._resolve(task["type"], task.get("index", 0), "TF_CONFIG task")
+        return spec, spec._resolve(cfg.task.type, cfg.task.index, "TF_CONFIG task")
 
     def _resolve(self, job_name: object, index: object, where: str) -> TaskId:
         job = _ALIASES.get(job_name, job_name) if isinstance(job_name, str) else None
@@ -324,6 +324,27 @@ class ClusterSpec:
     def hosts(self) -> set[str]:
         """The distinct hosts of all tasks (IPv6 without brackets)."""
         return {parse_address(a, allow_port_zero=True)[0] for _, addrs in self.job_tasks for a in addrs}
+
+
+class _TfTask(BaseModel):
+    """TF_CONFIG's ``task``: this process's job and index."""
+
+    model_config = ConfigDict(strict=True)
+    type: str = Field(description="the job: chief (or master), ps, worker or evaluator")
+    index: int = Field(0, ge=0, description="the task's index in its job")
+
+
+class _TfConfig(BaseModel):
+    """The parts of TF_CONFIG psflow reads (others, such as ``environment`` and ``rpc_layer``, are ignored)."""
+
+    model_config = ConfigDict(strict=True)
+    cluster: dict[str, Any] = Field(description="job -> addresses")
+    task: _TfTask | None = Field(None, description="this process's type and index; absent or empty: none")
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _empty_is_none(cls, task: object) -> object:
+        return task or None
 
 
 def _load_json(text: str, what: str) -> object:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
+import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -43,11 +44,32 @@ def _fields(model: type) -> Mapping[str, Any]:
     return getattr(model, "__pydantic_fields__", {}) or {}
 
 
+def _field_at(model: type | None, loc: tuple[int | str, ...]) -> Any:
+    """The FieldInfo that ``loc`` names (by name or alias, through nested models), or None; an
+    item of a list or tuple is described by its container's field."""
+    info = None
+    for part in loc:
+        if isinstance(part, int):
+            model = None
+            continue
+        if model is None:
+            return None
+        fields = _fields(model)
+        info = fields.get(part) or next((f for f in fields.values() if f.alias == part), None)
+        if info is None:
+            return None
+        kinds = (info.annotation, *typing.get_args(info.annotation))
+        model = next((k for k in kinds if isinstance(k, type) and _fields(k)), None)
+    return info
+
+
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
 def _reason(error: Mapping[str, Any]) -> str:
     ctx = error.get("ctx") or {}
+    if error["type"] in ("model_type", "model_attributes_type", "dict_type", "dataclass_type"):
+        return "must be a mapping (a JSON object)"
     if error["type"] == "too_short":
         return f"must hold at least {ctx['min_length']} item{'s' * (ctx['min_length'] != 1)}"
     if error["type"] in _BOUNDS and ctx:
@@ -69,13 +91,12 @@ def _sentence(error: Mapping[str, Any], what: str, model: type | None) -> str:
     if error["type"] in _UNKNOWN:
         allowed = f" Known: {', '.join(known)}." if known else " Drop it."
         return f"{what} has no setting {place!r} (received {error['input']!r}).{allowed}"
-    if error["type"] == "missing":
-        return f"{what}: {place} is required and missing."
-    value = error.get("input")
-    received = "" if isinstance(value, (ArgsKwargs, Mapping)) and loc else f"; received {value!r}"
-    by_alias = {f.alias: f for f in known.values() if f.alias}
-    info = (known.get(loc[0]) or by_alias.get(loc[0])) if loc and isinstance(loc[0], str) else None
+    info = _field_at(model, loc)
     meaning = f" ({info.description})" if info is not None and info.description else ""
+    if error["type"] == "missing":
+        return f"{what}: {place} is required and missing{meaning}."
+    value = error.get("input")
+    received = "" if isinstance(value, ArgsKwargs) else f"; received {value!r}"
     return f"{what}: {place or 'the value'} {_reason(error)}{received}{meaning}."
 
 
@@ -144,13 +165,13 @@ def checked(cls: type[T] | None = None, *, what: str | None = None,
     return cls
 
 
-def validate(model: type[BaseModel], data: object, *, what: str) -> Any:
+def validate(model: type[BaseModel], data: object, *, what: str, fix: str = "") -> Any:
     """``model`` from ``data`` (a mapping, e.g. parsed JSON or TOML).
 
     Raises:
-        ConfigError: from :func:`config_error`.
+        ConfigError: from :func:`config_error` (``fix`` ends its message).
     """
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise config_error(e, what=what, model=model) from e
+        raise config_error(e, what=what, model=model, fix=fix) from e
