@@ -37,9 +37,12 @@ class PushSender:
         self._pending: list[tuple[int, Future[None]]] = []
         self._failed = False  # a send of this step failed: the rest are skipped
 
-    def submit(self, shard: int, send: Callable[[], None]) -> None:
-        """Queue ``send`` (one shard's push) behind the sends already queued."""
-        if not self.threaded:
+    def submit(self, shard: int, send: Callable[[], None], *, beside_compute: bool = True) -> None:
+        """Queue ``send`` (one shard's push) behind the sends already queued. One with nothing to
+        run beside (``beside_compute`` False: backward is over) and nothing queued before it is
+        sent at once on the caller's thread, which would only wait for it: a hand-over to the
+        thread and back costs two wake-ups, each a wait for a core on a loaded machine."""
+        if not self.threaded or (not beside_compute and all(f.done() for _, f in self._pending)):
             self._pending.append((shard, _done(self._run, send)))
             return
         if self._pool is None:

@@ -406,7 +406,7 @@ class Trainer(TrainerBase):
             if tl is not None:
                 tl.add("push", f"push ps:{shard}", start, tl.now(), during_backward=during_backward)
 
-        self.sender.submit(shard, send)
+        self.sender.submit(shard, send, beside_compute=during_backward)
         self._sent.add(shard)
         if not during_backward:
             self._late.add(shard)
