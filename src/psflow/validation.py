@@ -49,8 +49,7 @@ def _field_at(model: type | None, loc: tuple[int | str, ...]) -> Any:
     item of a list or tuple is described by its container's field."""
     info = None
     for part in loc:
-        if isinstance(part, int):
-            model = None
+        if isinstance(part, int):  # an item: its model is the container's item type, if a model
             continue
         if model is None:
             return None
@@ -63,6 +62,8 @@ def _field_at(model: type | None, loc: tuple[int | str, ...]) -> Any:
     return info
 
 
+_TEXT_PARSING = {"int_parsing": "must be an integer", "float_parsing": "must be a number",
+                 "bool_parsing": "must be 1 or 0 (true/false, yes/no, on/off)"}
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
@@ -70,8 +71,12 @@ def _reason(error: Mapping[str, Any]) -> str:
     ctx = error.get("ctx") or {}
     if error["type"] in ("model_type", "model_attributes_type", "dict_type", "dataclass_type"):
         return "must be a mapping (a JSON object)"
+    if error["type"] in _TEXT_PARSING:  # text that is no value of the type (an environment variable's)
+        return _TEXT_PARSING[error["type"]]
     if error["type"] == "too_short":
         return f"must hold at least {ctx['min_length']} item{'s' * (ctx['min_length'] != 1)}"
+    if error["type"] == "too_long":
+        return f"must hold at most {ctx['max_length']} item{'s' * (ctx['max_length'] != 1)}"
     if error["type"] in _BOUNDS and ctx:
         bound = next(iter(ctx.values()))
         if isinstance(bound, float) and bound.is_integer():

@@ -201,8 +201,8 @@ def _two_row_placement() -> dict:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda d: d.pop("pieces"), r"missing keys \['pieces'\]"),
-        (lambda d: d.update(extra=1), r"unknown keys \['extra'\]"),
+        (lambda d: d.pop("pieces"), r"Placement: pieces is required and missing"),
+        (lambda d: d.update(extra=1), r"Placement has no setting 'extra' \(received 1\)"),
         (lambda d: d.update(num_shards=0), r"num_shards must be an int >= 1.*Received: 0"),
         (lambda d: d["pieces"][1].update(shard=5), r"shard 5, outside \[0, 2\)"),
         (lambda d: d["pieces"][1].update(shard=0), r"distinct shards. Received shards: \[0, 0\]"),
@@ -212,7 +212,7 @@ def _two_row_placement() -> dict:
         (lambda d: d["pieces"].pop(), r"cover rows \[0, 4\)"),
         (lambda d: d["params"][0].update(dtype="float99"), r"dtype. Received: 'float99'"),
         (lambda d: d["params"][0].update(shape=[4, -1]), r"invalid shape. Received: \[4, -1\]"),
-        (lambda d: d["pieces"][0].update(rows="0:2"), r"must be a list. Received: '0:2'"),
+        (lambda d: d["pieces"][0].update(rows="0:2"), r"pieces\[0\].rows must be a valid list; received '0:2'"),
     ],
 )
 def test_from_dict_rejects_malformed_placements_with_the_value(mutate, message: str) -> None:

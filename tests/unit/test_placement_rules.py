@@ -132,18 +132,18 @@ _GOOD = {"num_shards": 1, "params": [{"name": "w", "shape": [2], "dtype": "float
 
 
 @pytest.mark.parametrize("d,message", [
-    ([1], "Placement must be a JSON object. Received: [1]."),
-    ({**_GOOD, "extra": 1}, "Placement has missing keys [] and unknown keys ['extra']."),
-    ({**_GOOD, "params": "w"}, "Placement 'params' must be a list. Received: 'w'."),
-    ({**_GOOD, "pieces": 3}, "Placement 'pieces' must be a list. Received: 3."),
-    ({**_GOOD, "params": [{"name": "w"}]}, "Placement parameter has missing keys ['dtype', 'shape']"),
-    ({**_GOOD, "params": [{"name": "w", "shape": 2, "dtype": "float32"}]}, "shape must be a list. Received: 2."),
-    ({**_GOOD, "pieces": [{"param": "w"}]}, "Placement piece has missing keys ['rows', 'shard']"),
-    ({**_GOOD, "pieces": [{"param": "w", "shard": 0, "rows": "0:2"}]}, "Piece 'rows' must be a list. Received: '0:2'."),
+    ([1], "Placement: the value must be a mapping (a JSON object); received [1]."),
+    ({**_GOOD, "extra": 1}, "Placement has no setting 'extra' (received 1). Known: num_shards, params, pieces."),
+    ({**_GOOD, "params": "w"}, "Placement: params must be a valid list; received 'w'."),
+    ({**_GOOD, "pieces": 3}, "Placement: pieces must be a valid list; received 3."),
+    ({**_GOOD, "params": [{"name": "w"}]}, "Placement: params[0].shape is required and missing. Also wrong: params[0].dtype."),
+    ({**_GOOD, "params": [{"name": "w", "shape": 2, "dtype": "float32"}]}, "params[0].shape must be a valid list; received 2."),
+    ({**_GOOD, "pieces": [{"param": "w"}]}, "Placement: pieces[0].shard is required and missing. Also wrong: pieces[0].rows."),
+    ({**_GOOD, "pieces": [{"param": "w", "shard": 0, "rows": "0:2"}]}, "pieces[0].rows must be a valid list; received '0:2' ("),
     ({**_GOOD, "pieces": [{"param": "w", "shard": 0, "rows": [0, 1, 2]}]},
-     "Piece 'rows' must be null or [start, stop] ints. Received: [0, 1, 2]."),
+     "pieces[0].rows must hold at most 2 items; received [0, 1, 2] (null for the whole tensor, else [start, stop] of its rows)."),
     ({**_GOOD, "pieces": [{"param": "w", "shard": 0, "rows": [0, "2"]}]},
-     "Piece 'rows' must be null or [start, stop] ints. Received: [0, '2']."),
+     "pieces[0].rows[1] must be a valid integer; received '2'"),
 ])
 def test_from_dict_names_the_part_that_is_wrong(d: object, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -22,11 +22,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from psflow.errors import ConfigError
+from psflow.validation import validate
 
 STRATEGIES: tuple[str, ...] = ("balanced", "round_robin", "greedy", "contiguous")
 DEFAULT_STRATEGY = "balanced"
@@ -272,27 +274,34 @@ class Placement:
             ConfigError: A key is missing or unknown, a value has the wrong type, or the pieces
                 break an invariant listed in the module docstring.
         """
-        _check_keys("Placement", d, {"num_shards", "params", "pieces"})
-        params_raw = _check_list("Placement 'params'", d["params"])
-        pieces_raw = _check_list("Placement 'pieces'", d["pieces"])
-        params = []
-        for raw in params_raw:
-            _check_keys("Placement parameter", raw, {"name", "shape", "dtype"})
-            params.append(ParamInfo(raw["name"], _check_list("shape", raw["shape"]), raw["dtype"]))
-        pieces = []
-        for raw in pieces_raw:
-            _check_keys("Placement piece", raw, {"param", "shard", "rows"})
-            rows = raw["rows"]
-            if rows is not None:
-                rows = _check_list("Piece 'rows'", rows)
-                if len(rows) != 2 or not all(_is_int(r) for r in rows):
-                    raise ConfigError(
-                        "Piece 'rows' must be null or [start, stop] ints. "
-                        f"Received: {raw['rows']!r}."
-                    )
-                rows = (rows[0], rows[1])
-            pieces.append(Piece(raw["param"], raw["shard"], rows))
-        return cls(d["num_shards"], tuple(params), tuple(pieces))
+        doc: _PlacementDoc = validate(_PlacementDoc, d, what="Placement")
+        params = tuple(ParamInfo(p.name, p.shape, p.dtype) for p in doc.params)  # type: ignore[arg-type]
+        pieces = tuple(Piece(p.param, p.shard, None if p.rows is None else (p.rows[0], p.rows[1])) for p in doc.pieces)
+        return cls(doc.num_shards, params, pieces)
+
+
+class _ParamDoc(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+class _PieceDoc(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    param: str
+    shard: int
+    rows: Annotated[list[int], Field(min_length=2, max_length=2)] | None = Field(
+        description="null for the whole tensor, else [start, stop] of its rows")
+
+
+class _PlacementDoc(BaseModel):
+    """The JSON form of a placement (:meth:`Placement.to_dict`), as stored beside a checkpoint."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    num_shards: int
+    params: list[_ParamDoc]
+    pieces: list[_PieceDoc]
 
 
 def place(
@@ -641,19 +650,3 @@ def _check_cover(info: ParamInfo, pieces: list[Piece]) -> None:
         )
 
 
-def _check_keys(what: str, d: object, keys: set[str]) -> None:
-    if not isinstance(d, Mapping):
-        raise ConfigError(f"{what} must be a JSON object. Received: {d!r}.")
-    missing = keys - set(d)
-    unknown = set(d) - keys
-    if missing or unknown:
-        raise ConfigError(
-            f"{what} has missing keys {sorted(missing)} and unknown keys {sorted(unknown)}. "
-            f"Received: {d!r}. Expected exactly: {sorted(keys)}."
-        )
-
-
-def _check_list(what: str, x: object) -> list[Any]:
-    if not isinstance(x, (list, tuple)):
-        raise ConfigError(f"{what} must be a list. Received: {x!r}.")
-    return list(x)
