@@ -244,3 +244,40 @@ def test_a_hung_worker_on_another_host_gets_its_stacks_dumped_through_ssh_and_is
     log = logdir / "logs" / "worker-1.log"
     dump = "".join(log.read_text().splitlines(keepends=True)[first["hang"]["stacks"]["line"] - 1:])
     assert "(most recent call first):" in dump and "fault.py" in dump and "in inject" in dump, dump[:3000]
+
+
+def test_a_run_over_ssh_is_scaled_onto_a_free_host_slot_and_back_and_more_than_the_slots_is_refused(hosts, tmp_path):
+    from conftest import psflow_in, wait_for_run
+
+    home, logdir = tmp_path / "home", tmp_path / "scale"
+    p = hosts.popen(1, [PSFLOW, "run", "--no-live", "--hosts", f"{ADDRS[0]}:1,{ADDRS[1]}:1,{ADDRS[2]}:2", "--ssh-config",
+                        hosts.ssh_config, "--logdir", str(logdir), SOFTMAX, "--", "--epochs", "500", "--init", "zeros"],
+                    cwd=ROOT, env=task_env(PSFLOW_HOME=str(home)))  # 500 epochs: it outlasts the scalings, then is stopped
+    try:
+        def step(run: dict, task: str) -> int:
+            return int(((run["tasks"].get(task) or {}).get("progress") or {}).get("local_step") or 0)
+
+        run = wait_for_run(home / "jobs.db", lambda r: r["state"] == "running" and step(r, "worker:0") > 0,
+                           what="training over ssh", timeout_s=120, context=lambda: log_tails(logdir))
+        assert run["backend"] == "ssh"
+        too_many = psflow_in(home, "scale", run["id"], "--workers", "4")  # 4 slots: ps:0 and at most 3 workers
+        assert too_many.returncode != 0 and "ask for at most 3 workers" in too_many.stdout + too_many.stderr, too_many
+        up = psflow_in(home, "scale", run["id"], "--workers", "3")
+        assert up.returncode == 0 and "2 -> 3 workers: adding worker:2" in up.stdout, up.stdout + up.stderr
+        wait_for_run(home / "jobs.db", lambda r: step(r, "worker:2") >= 20, what="worker:2 training",
+                     timeout_s=120, context=lambda: log_tails(logdir))
+        down = psflow_in(home, "scale", run["id"], "--workers", "2")
+        assert down.returncode == 0 and "3 -> 2 workers: retiring worker:2" in down.stdout, down.stdout + down.stderr
+        stop = psflow_in(home, "stop", run["id"])
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        out = finish(p, 120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert f"psflow: over ssh: worker:2@{ADDRS[2]}" in out, out[-3000:]  # the free slot: the third host's second
+    s = read_summary(logdir)
+    w2 = next(t for t in s["tasks"] if t["task"] == "worker:2")
+    assert w2["exits"][0]["retired"] is True, w2  # left when asked: not failed, not restarted
+    assert (logdir / "logs" / "worker-2.log").stat().st_size > 0  # its output came back through ssh
+    assert s["status"] == "stopped" and s["reports"]["ps:0"]["ps_stats"]["applied_by"]["2"], s
+

@@ -71,3 +71,24 @@ def test_the_page_says_why_a_run_cannot_be_scaled():
         "it runs on the slurm backend, and a Slurm job's tasks are fixed when its allocation starts")
     assert scale_refusal({"backend": "k8s"}).startswith("it runs on the k8s backend, and a TFJob's replica counts")
     assert "all-reduce ranks cannot join or leave" in scale_refusal({"backend": "local", "strategy": "allreduce"})
+
+
+def test_an_ssh_run_scales_onto_free_host_slots_and_refuses_more_workers_than_they_hold(tmp_path):
+    from psflow.launch.plan import make_plan
+    from psflow.launch.ssh import Host, SshBackend, grow_placement
+
+    hosts = [Host("a", 1), Host("b", 1), Host("c", 2)]
+    placed = {"ps:0": "a", "worker:0": "b", "worker:1": "c"}
+    assert grow_placement(placed, ["ps:0", "worker:0", "worker:1", "worker:2"], hosts)["worker:2"] == "c"
+    # worker:0's process ended (retired): its slot on b is free again for a new worker
+    grown = grow_placement({**placed, "worker:2": "c"}, [*placed, "worker:2", "worker:3"], hosts, ended={"worker:0"})
+    assert grown["worker:3"] == "b" and grown["worker:0"] == "b"  # a task placed before keeps its host
+
+    backend = SshBackend("a:1,b:1,c:2")
+    (tmp_path / "train.py").write_text("")
+    plan = make_plan(str(tmp_path / "train.py"), num_ps=1, num_workers=2)
+    backend.replan(plan)  # the run's plan, as the runner hands it over
+    assert backend.scale_refusal() is None and backend.scale_refusal(3) is None
+    assert backend.scale_refusal(4).startswith("the ssh backend's hosts have 4 slot(s) (a:1, b:1, c:2) for this run's "
+                                               "1 other task(s) and 4 workers; ask for at most 3 workers")
+    assert scale_refusal({"backend": "ssh", "strategy": "ps"}) is None  # the dashboard offers Scale for ssh runs

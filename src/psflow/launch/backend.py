@@ -92,9 +92,10 @@ class Backend(ABC):
         no restart mends (a Slurm allocation lost with a node); ``task`` is blamed. Default: never."""
         return None
 
-    def scale_refusal(self) -> str | None:
-        """Why this backend cannot add or retire workers of a running run (``psflow scale``), with what
-        to do instead; None when it can (then :meth:`replan` gets the grown plan before a new task starts)."""
+    def scale_refusal(self, workers: int | None = None) -> str | None:
+        """Why this backend cannot add or retire workers of a running run (``psflow scale``), or cannot
+        give it ``workers`` workers, with what to do instead; None when it can (then :meth:`replan` gets
+        the grown plan before a new task starts)."""
         return (f"the {type(self).__name__.removesuffix('Backend').lower()} backend cannot add or retire workers of a "
                 "running run; stop it (psflow stop RUN) and start it again with --workers N")
 

@@ -67,7 +67,7 @@ class LocalBackend(ProcessBackend):
         self._oom_kills = OomKills()  # the cgroup's OOM-kill count now: a SIGKILL exit with a rise was OOM-killed
         self._fork_server = self._forks = self._start_fork_server(plan) if self.preload else None
 
-    def scale_refusal(self) -> str | None:
+    def scale_refusal(self, workers: int | None = None) -> str | None:
         return None  # local processes: a worker is started or stopped like any other task
 
     def replan(self, plan: LaunchPlan) -> None:

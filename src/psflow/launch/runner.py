@@ -248,6 +248,12 @@ class Runner:
         before = controller.workers()
         try:
             workers = check_workers(request.payload.get("workers"), current=len(before))
+        except ValueError as e:
+            return "refused", str(e), []
+        refusal = self.backend.scale_refusal(workers)  # e.g. more workers than the ssh hosts have slots for
+        if refusal is not None:
+            return "refused", refusal, []
+        try:
             decisions = controller.scale(workers, time.time())
         except ValueError as e:
             return "refused", str(e), []

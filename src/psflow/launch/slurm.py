@@ -406,7 +406,7 @@ class SlurmBackend(ProcessBackend):
         return batch_script(plan, self.settings)
 
     # -- the Backend seam ----------------------------------------------------------------------------
-    def scale_refusal(self) -> str | None:
+    def scale_refusal(self, workers: int | None = None) -> str | None:
         return ("a Slurm job's tasks are fixed when its allocation starts (one srun step for the whole cluster), so "
                 "workers cannot join or leave it; cancel it (psflow stop RUN) and submit it again with --workers N")
 

@@ -21,7 +21,9 @@ convention: each host and how many tasks it takes). How a run maps onto the host
 - **Output and errors**: each task's output streams to the console with its ``[task]`` prefix and
   into ``LOGDIR/logs/<task>.log`` on the launcher's host; its error report comes back through the
   session (the agent's ``report`` line) into ``LOGDIR/errors/``, so root causes need no shared disk.
-- **Restarts**: the run controller's, as for local tasks (a new session, the same host).
+- **Restarts**: the run controller's, as for local tasks (a new session, the same host). **Scale**
+  (``psflow scale``): a new worker takes a free host slot (:func:`grow_placement`), a retired one
+  frees its; more workers than the slots hold is refused, saying how many fit.
 - **Stopping**: ``TERM`` to the agent (the task's own SIGTERM handling), ``KILL`` after ``grace_s``,
   then the ssh client itself; if the launcher dies, each agent sees its session end and kills its task.
 """
@@ -34,7 +36,7 @@ import shlex
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,31 @@ def place(tasks: Sequence[str], hosts: Sequence[Host]) -> dict[str, str]:
     return dict(zip(tasks, slots))
 
 
+def grow_placement(placement: Mapping[str, str], tasks: Sequence[str], hosts: Sequence[Host], *,
+                   ended: Collection[str] = ()) -> dict[str, str]:
+    """``placement`` with each task of ``tasks`` it lacks on the host with the most free slots (hosts
+    in order on a tie); a slot is busy while a task placed there has not ``ended``. A task placed
+    before keeps its host. With no slot free, the least busy host takes it (``scale_refusal``
+    counts slots before a scale, so only a retiring task still ending can leave none).
+
+    Example:
+        >>> grow_placement({"ps:0": "a", "worker:0": "b"}, ["ps:0", "worker:0", "worker:1"], [Host("a", 1), Host("b", 2)])
+        {'ps:0': 'a', 'worker:0': 'b', 'worker:1': 'b'}
+    """
+    out = dict(placement)
+    busy = {h.name: 0 for h in hosts}
+    for task, host in out.items():
+        if task not in ended and host in busy:
+            busy[host] += 1
+    for task in tasks:
+        if task in out:
+            continue
+        host = max(hosts, key=lambda h: (h.slots - busy[h.name], -hosts.index(h)))
+        out[task] = host.name
+        busy[host.name] += 1
+    return out
+
+
 def ssh_argv(host: str, python: str, *, ssh: Sequence[str] = ("ssh",), config: str | None = None) -> list[str]:
     """The ssh command that starts the agent for one task on ``host`` (no secret, no task: those go on stdin)."""
     return [*ssh, *(["-F", config] if config else []), "-T", "-o", "BatchMode=yes", host,
@@ -166,15 +193,35 @@ class SshBackend(ProcessBackend):
         self.ssh = tuple(ssh)
         self._coordinator_host = coordinator_host
         self.placement: dict[str, str] = {}
+        self._announced: set[str] = set()  # the tasks whose host the console has said
         self._codes: dict[int, int] = {}  # ssh client pid -> the task's exit code, as the agent said
 
     # -- the Backend seam ----------------------------------------------------------------------------
-    def scale_refusal(self) -> str | None:
-        return ("the ssh backend places every task on a host slot when the run starts, so workers cannot join or leave "
-                "it; stop it (psflow stop RUN) and start it again with --workers N, or run it on the local backend")
+    def scale_refusal(self, workers: int | None = None) -> str | None:
+        if workers is None or self._plan is None:
+            return None  # workers join on a free host slot (replan) and leave theirs free
+        others = [t for t in self._plan.task_names() if not t.startswith("worker:")]
+        slots = sum(h.slots for h in self.hosts)
+        if len(others) + workers <= slots:
+            return None
+        return (f"the ssh backend's hosts have {slots} slot(s) ({', '.join(f'{h.name}:{h.slots}' for h in self.hosts)}) "
+                f"for this run's {len(others)} other task(s) and {workers} workers; ask for at most "
+                f"{max(0, slots - len(others))} workers, or stop the run and start it again with more slots (--hosts)")
+
+    def replan(self, plan: LaunchPlan) -> None:
+        """``plan`` grew (``psflow scale``): each new task gets a free host slot; a task whose process
+        has ended frees its slot."""
+        ended = {t for t, p in self._procs.items() if p.poll() is not None}
+        self._plan = plan
+        self.placement = grow_placement(self.placement, plan.task_names(), self.hosts, ended=ended)
+        added = [t for t in plan.task_names() if t not in self._announced]
+        if added:
+            self._announced |= set(added)
+            self.console.echo(f"psflow: over ssh: {', '.join(f'{t}@{self.placement[t]}' for t in added)}")
 
     def open(self, plan: LaunchPlan) -> None:
         self.placement = place(plan.task_names(), self.hosts)
+        self._announced = set(self.placement)
         super().open(plan)
         self._codes = {}
         where = ", ".join(f"{t}@{h}" for t, h in self.placement.items())

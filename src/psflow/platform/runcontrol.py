@@ -80,7 +80,6 @@ def wait_until_over(db_path: Path, run_id: str, *, timeout_s: float, poll_s: flo
 NOT_SCALABLE = {
     "slurm": "a Slurm job's tasks are fixed when its allocation starts (one srun step for the whole cluster)",
     "k8s": "a TFJob's replica counts are fixed by the manifest psflow applied when the run started",
-    "ssh": "the ssh backend places every task on a host slot when the run starts",
 }
 
 
