@@ -36,6 +36,7 @@ from psflow.launch.console import Console
 from psflow.launch.controller import TaskExited
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.watchdog import StackDump
+from psflow.rundir import RunDir
 
 
 @dataclass
@@ -262,10 +263,10 @@ class ProcessBackend(Backend):
         return p if p is not None and p.poll() is None else None
 
     def log_file(self, task: str) -> Path:
-        return Path(self._require_plan().logdir) / "logs" / f"{task.replace(':', '-')}.log"
+        return RunDir(self._require_plan().logdir).log(task)
 
     def error_file(self, task: str) -> Path:
-        return errorreport.path_for(Path(self._require_plan().logdir) / "errors", task)
+        return RunDir(self._require_plan().logdir).error_report(task)
 
     def _require_plan(self) -> LaunchPlan:
         if self._plan is None:
@@ -285,10 +286,11 @@ _ROTATED = re.compile(r"\.\d+\.log$")  # worker-0.1.log: an earlier run's (task 
 def prepare_logdir(logdir: Path, keep_logs: int) -> None:
     """``logs/`` and ``errors/`` of a run about to start: the earlier runs' logs rotated (see
     :func:`rotate_logs`), their error reports gone. Called by a backend's ``open``."""
-    (logdir / "logs").mkdir(parents=True, exist_ok=True)
-    rotate_logs(logdir / "logs", keep_logs)  # a rerun into this logdir keeps the earlier runs' logs
-    (logdir / "errors").mkdir(parents=True, exist_ok=True)
-    for stale in (logdir / "errors").glob("*.json*"):  # reports (and temporaries) of an earlier run
+    run_dir = RunDir(logdir)
+    run_dir.logs.mkdir(parents=True, exist_ok=True)
+    rotate_logs(run_dir.logs, keep_logs)  # a rerun into this logdir keeps the earlier runs' logs
+    run_dir.errors.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.errors.glob("*.json*"):  # reports (and temporaries) of an earlier run
         stale.unlink()
 
 

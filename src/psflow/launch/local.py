@@ -27,7 +27,6 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from psflow.launch import proctree
@@ -37,6 +36,7 @@ from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import ForkServer, die_with_parent
 from psflow.launch.oomkills import OomKills
 from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.rundir import RunDir
 
 
 class LocalBackend(ProcessBackend):
@@ -141,7 +141,7 @@ class LocalBackend(ProcessBackend):
         if not plan.tasks or not hasattr(os, "pidfd_open") or not hasattr(socket, "send_fds"):
             return None
         try:
-            forks = ForkServer(plan.tasks[0].argv[0], log_path=Path(plan.logdir) / "logs" / "forkserver.log")
+            forks = ForkServer(plan.tasks[0].argv[0], log_path=RunDir(plan.logdir).logs / "forkserver.log")
         except OSError as e:
             self.console.warn(f"cannot start the fork server ({e}); starting every task as a fresh process.")
             return None

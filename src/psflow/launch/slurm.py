@@ -52,6 +52,7 @@ from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import die_with_parent
 from psflow.launch.nodenet import coordinator_address, local_interfaces, resolve, route_source
 from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.rundir import task_stem
 
 _WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING")  # not running yet, may still run
 _RUNNING = ("RUNNING",)
@@ -105,7 +106,7 @@ def node_of(index: int, nodes: Sequence[str]) -> str:
 
 def step_name(task: str, attempt: int) -> str:
     """The job step's name for ``task``'s ``attempt``: ``worker:1``, 2 -> ``worker-1.a2``."""
-    return f"{task.replace(':', '-')}.a{attempt}"
+    return f"{task_stem(task)}.a{attempt}"
 
 
 def step_argv(job_id: str, node: str, task: TaskPlan, attempt: int, *, threads: int, cwd: str) -> list[str]:
