@@ -199,11 +199,12 @@ def _extremes(conn: sqlite3.Connection, table: str, key: tuple[str, str, str], x
     n, lo, hi = cut
     t, s, v = point
     bucket = f"CAST(({xcol} - ?) * ? / ? AS INTEGER)"
+    cut_args = (float(lo), n, float(hi - lo) or 1.0)  # floats: SQLite divides integers as integers
     out: list[tuple[Any, ...]] = []
     for agg in aggs or ("MIN", "MAX"):  # SQLite takes the bare columns of a lone MIN() or MAX() from the row holding it
         out += [tuple(r[2:]) for r in conn.execute(
             f"SELECT {bucket} AS b, {agg}({v}), {t}, {s}, {v} FROM {table} WHERE run_id = ? AND task = ? AND name = ?"
-            f" AND {inside} AND {xcol} IS NOT NULL AND {v} IS NOT NULL GROUP BY b", (lo, n, (hi - lo) or 1.0, *key, lo, hi))]
+            f" AND {inside} AND {xcol} IS NOT NULL AND {v} IS NOT NULL GROUP BY b", (*cut_args, *key, lo, hi))]
     return out
 
 
