@@ -127,10 +127,10 @@ def test_the_form_offers_each_backend_with_its_own_fields_and_a_run_page_says_wh
 
     home = tmp_path / "home"
     home.mkdir()
-    with JobStore(home / "jobs.db") as db, db.transaction():  # a live Slurm run (this process stands for its launcher)
-        db.add_run({**_record("run-slurm", tmp_path / "run-slurm", time.time()), "backend": "slurm",
+    with JobStore(home / "jobs.db") as db, db.transaction():  # a live Kubernetes run (this process stands for its launcher)
+        db.add_run({**_record("run-k8s", tmp_path / "run-k8s", time.time()), "backend": "k8s",
                     "launcher": process_identity(os.getpid())}, TASKS)
-        db.task_started("run-slurm", "worker:0", 0, time.time(), pid=None, scheduler_id="4242.0", identity=None)
+        db.task_started("run-k8s", "worker:0", 0, time.time(), pid=None, scheduler_id="train-worker-0", identity=None)
     ui = start_dashboard(home, tmp_path / "runs")
     try:
         page = desktop_page(browser, f"{ui.url}#token={TOKEN}")
@@ -154,10 +154,10 @@ def test_the_form_offers_each_backend_with_its_own_fields_and_a_run_page_says_wh
         page.wait_for_selector('.field-error[data-for="image"]:has-text("The k8s backend needs image")')
         page.screenshot(path=str(artifacts / "32-form-k8s.png"), full_page=True)
 
-        page.goto(f"{ui.url}#/run/run-slurm")
+        page.goto(f"{ui.url}#/run/run-k8s")
         page.wait_for_selector("#run-state .state.running")
-        page.wait_for_selector('#scale-why:has-text("cannot scale: it runs on the slurm backend")')
+        page.wait_for_selector('#scale-why:has-text("cannot scale: it runs on the k8s backend")')
         assert not page.is_visible("#scale-btn") and page.is_visible("#stop-btn")
-        page.screenshot(path=str(artifacts / "33-slurm-run-no-scale.png"), full_page=True)
+        page.screenshot(path=str(artifacts / "33-k8s-run-no-scale.png"), full_page=True)
     finally:
         ui.stop()

@@ -353,3 +353,38 @@ def test_send_signal_freezes_and_resumes_a_step_and_a_frozen_task_dumps_its_stac
     assert re.search(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):", dump, re.M), dump[:3000]
     assert re.search(r'File ".*mnist_softmax\.py", line \d+ in main', dump), dump[:3000]
     assert_nothing_left(slurm_conf, result.summary)
+
+
+def test_a_running_slurm_run_is_scaled_up_with_one_more_step_and_back_down(slurm_conf, tmp_path):
+    from conftest import psflow_in, wait_for_run
+
+    home, logdir = tmp_path / "home", tmp_path / "scale"
+    out_file = (tmp_path / "launcher.out").open("w")
+    p = subprocess.Popen([PSFLOW, "run", "--backend", "slurm", "--nodes", "3", "--no-live", "--logdir", str(logdir), SOFTMAX,
+                          "--", "--epochs", "200", "--init", "zeros"], stdout=out_file, stderr=subprocess.STDOUT, text=True,
+                         env=slurm_env(slurm_conf, PSFLOW_HOME=str(home)), cwd=ROOT)
+    try:
+        def step(run: dict, task: str) -> int:
+            return int(((run["tasks"].get(task) or {}).get("progress") or {}).get("local_step") or 0)
+
+        run = wait_for_run(home / "jobs.db", lambda r: r["state"] == "running" and step(r, "worker:0") > 0,
+                           what="training on Slurm", timeout_s=90, context=lambda: log_tails(logdir))
+        up = psflow_in(home, "scale", run["id"], "--workers", "3")
+        assert up.returncode == 0 and "2 -> 3 workers: adding worker:2" in up.stdout, up.stdout + up.stderr
+        wait_for_run(home / "jobs.db", lambda r: step(r, "worker:2") >= 20, what="worker:2 training as a step",
+                     timeout_s=90, context=lambda: log_tails(logdir))
+        down = psflow_in(home, "scale", run["id"], "--workers", "2")
+        assert down.returncode == 0 and "3 -> 2 workers: retiring worker:2" in down.stdout, down.stdout + down.stderr
+        stop = psflow_in(home, "stop", run["id"])
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+        out_file.close()
+    summary = read_summary(logdir)
+    w2 = next(t for t in summary["tasks"] if t["task"] == "worker:2")
+    assert w2["exits"][0]["retired"] is True, w2  # left when asked: not failed, not restarted
+    assert summary["status"] == "stopped" and summary["reports"]["ps:0"]["ps_stats"]["applied_by"]["2"], summary
+    assert_nothing_left(slurm_conf, summary)

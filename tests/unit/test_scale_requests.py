@@ -66,7 +66,7 @@ def test_a_good_count_is_asked_and_bad_ones_are_refused_by_name(tmp_path):
         ask_scale(db, "run-1", 2, source="cli")
 
 
-@pytest.mark.parametrize("backend,why", [("slurm", "a Slurm job's tasks are fixed"), ("k8s", "replica counts are fixed")])
+@pytest.mark.parametrize("backend,why", [("k8s", "replica counts are fixed")])
 def test_a_backend_that_cannot_scale_is_refused_saying_why_and_what_to_do(tmp_path, backend, why):
     path = tmp_path / "jobs.db"
     store = _store(path, backend)

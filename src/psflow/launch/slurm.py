@@ -8,6 +8,7 @@ mapping in brief (each choice, and why: ``docs/design/slurm.md``):
   ``hold_timeout_s`` (a launcher killed with SIGKILL holds no nodes for ever);
 - one job step per task attempt (``srun --overlap -N1 -n1 -w NODE``, :func:`step_argv`): its srun
   client's output and exit are the task's, so a task restarts alone; task *i* runs on node *i* mod K;
+  ``psflow scale`` adds a worker as one more step (on node *i* mod K) and retires one by ending its;
 - a task binds port 0 on its node and registers with the launcher's coordinator, as a local one does;
 - signals, stack dumps and stops are ``scancel --signal=NAME JOB.STEP`` (:func:`signal_argv`; a stop
   is TERM, then KILL after ``grace_s``); srun's exit 128+N becomes -N, as a local task's signal;
@@ -408,8 +409,10 @@ class SlurmBackend(ProcessBackend):
 
     # -- the Backend seam ----------------------------------------------------------------------------
     def scale_refusal(self, workers: int | None = None) -> str | None:
-        return ("a Slurm job's tasks are fixed when its allocation starts (one srun step for the whole cluster), so "
-                "workers cannot join or leave it; cancel it (psflow stop RUN) and submit it again with --workers N")
+        return None  # a task attempt is a job step of its own: an added worker is one more, round-robin on the nodes
+
+    def replan(self, plan: LaunchPlan) -> None:
+        self._plan = plan  # an added task's node is its index in the grown plan, mod the allocation's nodes
 
     def open(self, plan: LaunchPlan) -> None:
         super().open(plan)

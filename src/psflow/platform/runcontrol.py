@@ -78,7 +78,6 @@ def wait_until_over(db_path: Path, run_id: str, *, timeout_s: float, poll_s: flo
 # The backends whose launcher cannot add or retire workers of a running run, and why (the launcher
 # says the same when asked: psflow.launch.backend.Backend.scale_refusal).
 NOT_SCALABLE = {
-    "slurm": "a Slurm job's tasks are fixed when its allocation starts (one srun step for the whole cluster)",
     "k8s": "a TFJob's replica counts are fixed by the manifest psflow applied when the run started",
 }
 
