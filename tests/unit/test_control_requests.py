@@ -140,7 +140,7 @@ def test_a_spec_that_psflow_run_would_refuse_is_refused_before_anything_starts(t
     with pytest.raises(ConfigError, match="--nodes' if|--nodes is for --backend slurm"):
         plan_of(LaunchSpec(script=str(script), backend="local", nodes=2))
     plan_of(LaunchSpec(script=str(script), backend="slurm", nodes=2))
-    with pytest.raises(ConfigError, match="Restart policy 'sometimes'"):
+    with pytest.raises(ConfigError, match="RestartPolicy: kind must be .*; received 'sometimes'"):
         plan_of(LaunchSpec(script=str(script), restart_policy={"kind": "sometimes"}))
 
 
