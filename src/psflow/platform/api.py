@@ -3,9 +3,10 @@ restart runs. FastAPI serves its OpenAPI schema at ``/openapi.json`` (no /docs p
 scripts from a CDN). :func:`create_app` puts together its routers, by who may call them:
 
 - ``health_routes``: ``GET /api/health``;
-- ``read_routes``: the store: ``/api/summary``, ``/api/runs?state=&q=&limit=&offset=`` (newest first),
-  ``/api/runs/{run}`` (tasks, attempts, events ``?after=``, controls, and ``failure``: its root cause
-  in words once it failed), its ``metrics``, ``stragglers``, ``summary``, ``ps`` (versions, lags);
+- ``read_routes``: the store: ``/api/summary``, ``/api/runs?state=&q=&limit=&before=&after=`` (newest
+  first, paged by the keys each page gives), ``/api/runs/{run}`` (tasks, attempts, events ``?after=``,
+  controls, and ``failure``: its root cause in words once it failed), its ``metrics`` (charts: a bounded
+  number of points per series, ``?cursor=``: only what is new), ``stragglers``, ``summary``, ``ps``;
 - ``run_page_routes``: a run's files and views: ``tasks/{task}/log``, ``placement``, ``checkpoints``
   (``.../{name}/export``: safetensors), ``stacks`` (the last dump, grouped);
 - ``change_routes`` (POST): start a run (``/api/runs``: 422 naming what was wrong), ``stop``,
