@@ -11,7 +11,8 @@ where the modes differ and never test its name, as Flower's server loop asks its
          pull (the push-pull reply of step c - 1 predates the wait, so it may be staler than s).
 
 Each mode is one stateless object, shared by every trainer; :func:`mode_of` picks it by
-``TrainConfig.mode`` (validated there). This module imports no torch.
+``TrainConfig.mode`` (a :class:`psflow.modes.Mode`; the ps's side of each mode is there too). This
+module imports no torch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from psflow import timeline
 from psflow.config import TrainConfig
+from psflow.modes import Mode
 
 if TYPE_CHECKING:
     from psflow.ps.client import PsClient
@@ -45,7 +47,7 @@ class UpdateMode:
     """One update mode's side of a worker's step. The hooks' defaults do nothing (async's protocol):
     a mode overrides only where it differs."""
 
-    name: ClassVar[str]  # TrainConfig.mode
+    name: ClassVar[Mode]  # TrainConfig.mode
     # What a push's reply waits for, in the client's words (its timeline spans name it).
     reply_waits_for: ClassVar[str] = "ps reply"
     # The job's steps wait for each worker (its gradient in sync, its clock in ssp), so a worker that
@@ -65,14 +67,14 @@ class UpdateMode:
 class AsyncMode(UpdateMode):
     """Every pushed gradient is applied at once; the reply carries the values after it."""
 
-    name = "async"
+    name = Mode.ASYNC
     steps_wait_for_workers = False
 
 
 class SyncMode(UpdateMode):
     """The reply comes once the step is applied, i.e. once the other workers' gradients are in."""
 
-    name = "sync"
+    name = Mode.SYNC
     reply_waits_for = "sync quorum"
 
     def awaiting_replies(self, host: ModeHost) -> AbstractContextManager[None]:
@@ -83,7 +85,7 @@ class SyncMode(UpdateMode):
 class SspMode(UpdateMode):
     """No worker runs more than ``staleness`` steps ahead of the slowest."""
 
-    name = "ssp"
+    name = Mode.SSP
 
     def before_compute(self, host: ModeHost) -> bool:
         tl = timeline.ACTIVE
@@ -97,7 +99,7 @@ class SspMode(UpdateMode):
         return host.local_step > 0
 
 
-MODES: Mapping[str, UpdateMode] = {m.name: m for m in (AsyncMode(), SyncMode(), SspMode())}
+MODES: Mapping[Mode, UpdateMode] = {m.name: m for m in (AsyncMode(), SyncMode(), SspMode())}
 
 
 def mode_of(config: TrainConfig) -> UpdateMode:
