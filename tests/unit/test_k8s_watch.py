@@ -18,6 +18,7 @@ from psflow.launch.k8s import K8sSettings
 from psflow.launch.k8swatch import K8sBackend, PodTracker, PodView, load_clients, parse_report
 from psflow.launch.plan import make_plan
 from psflow.launch.restart import RestartPolicy
+from psflow.launch.runner import Runner
 from psflow.launch.runstore import file_store
 from psflow.platform.sqlrunstore import SqliteRunStore, run_record
 
@@ -29,13 +30,19 @@ NAME = "psflow-20260101-120000-abc123"
 def make(tmp_path, monkeypatch, restart="never", **kw):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("import psflow\n")
-    plan = make_plan("train.py", num_ps=1, num_workers=2, logdir="runs/k", restart=RestartPolicy.parse(restart, max_restarts=2)
+    plan = make_plan("train.py", num_ps=1, num_workers=2, logdir="runs/k", restart=RestartPolicy.parse(restart, max_restarts=2, backoff_base_s=0)
                      if restart != "never" else None, **kw)
     return replace(plan, run_id="20260101-120000-abc123")
 
 
 def backend(cluster, **kw):
-    return K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, policy=cluster.policy, poll_s=0.001, store=file_store, echo=lambda s: None, **kw)
+    return K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, policy=cluster.policy, poll_s=0.001,
+                      echo=kw.pop("echo", lambda s: None), **kw)
+
+
+def run(b, plan, store=file_store):
+    """The plan through the runner, the one loop every backend is driven by."""
+    return Runner(b, store=store).run(plan)
 
 
 def status_of(tmp_path):
@@ -49,7 +56,7 @@ def events_of(tmp_path):
 def test_a_clean_run_succeeds_and_leaves_only_the_jobs_for_their_ttl(tmp_path, monkeypatch):
     plan = make(tmp_path, monkeypatch)
     cluster = FakeCluster()
-    result = backend(cluster).run(plan)
+    result = run(backend(cluster), plan)
     assert result.exit_code == 0 and result.summary["status"] == "succeeded"
     assert set(cluster.objects["Job"]) == {f"{NAME}-ps", f"{NAME}-worker"}  # kept: ttlSecondsAfterFinished removes them
     assert cluster.deleted == [("PodDisruptionBudget", f"{NAME}-ps"), ("PodDisruptionBudget", f"{NAME}-chief"),
@@ -64,7 +71,7 @@ def test_a_failed_pod_is_restarted_by_kubernetes_per_policy_and_the_run_store_re
     plan = make(tmp_path, monkeypatch, restart="on-failure")
     cluster = FakeCluster(exits={("worker:1", 0): 1}, messages={("worker:1", 0): json.dumps(
         {"task": "worker:1", "exception": "RuntimeError", "message": "boom"})})
-    result = backend(cluster).run(plan)
+    result = run(backend(cluster), plan)
     assert result.exit_code == 0, result.summary
     pods = sorted((cluster.task_of(p), p["attempt"], p["phase"]) for p in cluster.pods.values())
     assert ("worker:1", 0, "Failed") in pods and ("worker:1", 1, "Succeeded") in pods
@@ -81,9 +88,9 @@ def test_a_failed_pod_is_restarted_by_kubernetes_per_policy_and_the_run_store_re
 def test_without_restarts_a_failed_task_fails_the_run_names_it_and_deletes_every_object(tmp_path, monkeypatch):
     plan = make(tmp_path, monkeypatch)
     cluster = FakeCluster(exits={("worker:0", 0): 3})
-    result = backend(cluster).run(plan)
+    result = run(backend(cluster), plan)
     assert result.exit_code == 1 and result.root_cause == "worker:0"
-    assert "BackoffLimitExceeded" in result.summary["reason"]
+    assert result.summary["status"] == "failed" and result.summary["failure"]["task"] == "worker:0"
     assert not cluster.objects["Job"] and not cluster.objects["Service"] and not cluster.objects["Secret"]
     assert not cluster.pods  # the Jobs went with their pods (propagation policy)
     assert status_of(tmp_path)["state"] == "failed"
@@ -92,9 +99,8 @@ def test_without_restarts_a_failed_task_fails_the_run_names_it_and_deletes_every
 def test_exit_code_policy_retries_a_sigkill_but_not_exit_code_2(tmp_path, monkeypatch):
     plan = make(tmp_path, monkeypatch, restart="exit-code")
     cluster = FakeCluster(exits={("worker:0", 0): 137, ("worker:1", 0): 2})
-    result = backend(cluster).run(plan)
+    result = run(backend(cluster), plan)
     assert result.exit_code == 1 and result.root_cause == "worker:1"
-    assert "MaxFailedIndexesExceeded" in result.summary["reason"]
     exits = {(e["task"], e["attempt"]): e for e in events_of(tmp_path) if e["event"] == "task_exited"}
     assert exits[("worker:0", 0)]["cause"] == "killed (SIGKILL)"  # 137 in the container: -9, as a local task
     assert ("worker:1", 1) not in exits and not any(p["attempt"] == 1 and cluster.task_of(p) == "worker:1"
@@ -104,37 +110,32 @@ def test_exit_code_policy_retries_a_sigkill_but_not_exit_code_2(tmp_path, monkey
 def test_restart_budget_per_task_is_kubernetes_backoff_limit_per_index(tmp_path, monkeypatch):
     plan = make(tmp_path, monkeypatch, restart="on-failure")  # max_restarts=2
     cluster = FakeCluster(exits={("worker:1", a): 1 for a in range(5)})
-    result = backend(cluster).run(plan)
+    result = run(backend(cluster), plan)
     assert result.exit_code == 1 and result.root_cause == "worker:1"
     assert status_of(tmp_path)["tasks"]["worker:1"]["attempt"] == 2
 
 
-def test_the_runs_restart_budget_holds_across_jobs_the_launcher_fails_the_run_past_it(tmp_path, monkeypatch):
-    # Each Job's backoffLimit alone would allow 2 failures per job type (4 here): the run allows 2 in all.
+def test_the_runners_restart_budget_holds_across_jobs_and_fails_the_run_past_it(tmp_path, monkeypatch):
+    # Each Job's backoffLimit (2, per job type) alone would let these three failures be restarted (one in the ps
+    # Job, two in the worker Job): the run's budget, the runner's as for every backend, allows 2 in all.
+    from psflow.config import TrainConfig
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("import psflow\n")
-    policy = RestartPolicy.parse("on-failure", max_restarts=5, max_restarts_per_run=2)
-    plan = replace(make_plan("train.py", num_ps=1, num_workers=2, logdir="runs/k", restart=policy),
-                   run_id="20260101-120000-abc123")
-    cluster = FakeCluster(exits={("worker:0", 0): 1, ("ps:0", 0): 1, ("worker:1", 0): 1, ("worker:1", 1): 1})
-    result = backend(cluster).run(plan)
+    policy = RestartPolicy.parse("on-failure", max_restarts=5, max_restarts_per_run=2, backoff_base_s=0)
+    plan = replace(make_plan("train.py", num_ps=2, num_workers=2, logdir="runs/k", restart=policy,
+                             config=TrainConfig(ps_replicas=2)), run_id="20260101-120000-abc123")  # no restart group
+    cluster = FakeCluster(exits={("ps:0", 0): 1, ("worker:0", 0): 1, ("worker:1", 0): 1})
+    said: list[str] = []
+    result = run(backend(cluster, echo=said.append), plan)
     assert result.exit_code == 1, result.summary
-    assert "restart budget is spent" in result.summary["reason"] and "--max-restarts-per-run 2" in result.summary["reason"]
-    spent = [e for e in events_of(tmp_path) if e["event"] == "restart_budget_spent"]
-    assert len(spent) == 1 and spent[0]["max_restarts_per_run"] == 2
-    assert result.root_cause == spent[0]["task"]  # the third failure, whichever task had it
+    assert result.root_cause in ("ps:0", "worker:0", "worker:1")  # the third failure, whichever task had it
+    told = [line for line in said if "not restarted: the run's restart budget is spent (2 of 2 per run" in line]
+    assert len(told) == 1 and f"{result.root_cause} (attempt 0)" in told[0], said
+    restarts = [e["task"] for e in events_of(tmp_path) if e["event"] == "restart"]
+    assert len(restarts) == 2 and result.root_cause not in restarts
     assert not cluster.objects["Job"]  # the launcher deleted the run's Jobs
     assert status_of(tmp_path)["state"] == "failed"
-
-
-def test_run_budget_spent_is_the_failure_past_the_cap():
-    from psflow.launch.k8swatch import run_budget_spent
-
-    fails = [("worker:0", 0, 1), ("ps:0", 0, -9), ("worker:0", 1, 1)]
-    assert run_budget_spent(fails, None) is None
-    assert run_budget_spent(fails, 3) is None and run_budget_spent(fails[:2], 2) is None
-    assert run_budget_spent(fails, 2) == ("worker:0", 1, 1)
-    assert run_budget_spent(fails, 0) == ("worker:0", 0, 1)
 
 
 def test_stop_deletes_the_run_and_records_it_stopped(tmp_path, monkeypatch):
@@ -143,11 +144,12 @@ def test_stop_deletes_the_run_and_records_it_stopped(tmp_path, monkeypatch):
     cluster.advance = lambda: None  # the pods stay Pending: the run would never end by itself
     b = backend(cluster)
     threading.Timer(0.2, b.request_stop, args=("Ctrl-C",)).start()
-    result = b.run(plan)
+    result = run(b, plan)
     assert result.exit_code == 130
-    assert sorted(k for k, _ in cluster.deleted) == ["Job", "Job", *["PodDisruptionBudget"] * 2, "Secret", "Service"]
+    assert sorted(k for k, _ in cluster.deleted if k != "Pod") == ["Job", "Job", *["PodDisruptionBudget"] * 2, "Secret",
+                                                                  "Service"]
     assert status_of(tmp_path)["state"] == "stopped"
-    assert any(e["event"] == "stop" and e["reason"] == "Ctrl-C" for e in events_of(tmp_path))
+    assert any(e["event"] == "stop" and "Ctrl-C" in e["reason"] for e in events_of(tmp_path))
 
 
 def test_an_object_the_api_server_refuses_is_an_error_with_its_message(tmp_path, monkeypatch):
@@ -155,7 +157,7 @@ def test_an_object_the_api_server_refuses_is_an_error_with_its_message(tmp_path,
     cluster = FakeCluster()
     cluster.objects["Service"][NAME] = {}  # left from an earlier run of the same name
     with pytest.raises(ClusterError, match=rf'refused Service {NAME} in namespace default: services "{NAME}" already exists'):
-        backend(cluster).run(plan)
+        run(backend(cluster), plan)
     assert cluster.deleted == [("Secret", f"{NAME}-secret")]  # what it created before the refusal, not the other's
     assert status_of(tmp_path)["state"] == "failed"
 
@@ -165,8 +167,7 @@ def test_the_job_store_records_the_kubernetes_run_its_pods_and_the_restart(tmp_p
     db = tmp_path / "jobs.db"
     cluster = FakeCluster(exits={("worker:0", 0): 137})
     store = SqliteRunStore(db, run_record(plan, backend="k8s", restart_policy=plan.restart), plan.task_names(), warn=print)
-    b = K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, policy=cluster.policy, poll_s=0.001, store=lambda p: store, echo=lambda s: None)
-    assert b.run(plan).exit_code == 0  # finished() writes what is queued and closes the store
+    assert run(backend(cluster), plan, store=lambda p: store).exit_code == 0  # finished() writes what is queued and closes the store
     with sqlite3.connect(db) as c:
         assert c.execute("SELECT backend, state FROM runs").fetchall() == [("k8s", "succeeded")]
         attempts = c.execute("SELECT attempt, scheduler_id, exit_code, exit_cause, restart_reason FROM attempts "
@@ -201,10 +202,9 @@ def test_a_pod_whose_image_cannot_be_pulled_is_told_once_and_the_run_can_be_stop
     plan = make(tmp_path, monkeypatch)
     cluster = FakeCluster(waiting={("worker:1", 0): ("ErrImagePull", 'pull access denied for "train:1"')})
     said: list[str] = []
-    b = K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, policy=cluster.policy, poll_s=0.001, store=file_store, echo=said.append,
-                   run_timeout_s=1.0)
-    result = b.run(plan)
-    assert result.exit_code == 130 and "not ended within 1 s" in result.summary["reason"]
+    b = backend(cluster, echo=said.append, run_timeout_s=1.0)
+    result = run(b, plan)
+    assert result.exit_code == 130 and any("did not end within 1 s" in line for line in said)
     told = [line for line in said if "worker:1 (attempt 0) is not running yet" in line]
     assert len(told) == 1 and 'ErrImagePull: pull access denied for "train:1"' in told[0], said
     waiting = [e for e in events_of(tmp_path) if e["event"] == "task_waiting"]
@@ -251,7 +251,7 @@ def rollback_plan(tmp_path, monkeypatch, max_restarts=2, **config):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("import psflow\n")
     plan = make_plan("train.py", num_ps=2, num_workers=2, logdir="runs/k", config=TrainConfig(**config),
-                     restart=RestartPolicy.parse("on-failure", max_restarts=max_restarts))
+                     restart=RestartPolicy.parse("on-failure", max_restarts=max_restarts, backoff_base_s=0))
     return replace(plan, run_id="20260101-120000-abc123")
 
 
@@ -268,7 +268,7 @@ def test_a_ps_restarted_with_one_copy_rolls_every_task_back_to_the_checkpoint_as
     # on every shard), as the local controller's restart group does. Without it the workers finish on attempt 0.
     plan = rollback_plan(tmp_path, monkeypatch)
     cluster = FakeCluster(exits={("ps:1", 0): 137}, runs_for={"worker": 6})
-    result = backend(cluster).run(plan)
+    result = run(backend(cluster), plan)
     assert result.exit_code == 0, result.summary
     assert final_attempts(cluster) == {"ps:0": 1, "ps:1": 1, "worker:0": 1, "worker:1": 1}
     first = {cluster.task_of(p): p for p in cluster.pods.values() if p["attempt"] == 0}
@@ -276,18 +276,19 @@ def test_a_ps_restarted_with_one_copy_rolls_every_task_back_to_the_checkpoint_as
     assert sorted(n for k, n in cluster.deleted if k == "Pod") == sorted(first[t]["name"] for t in ("ps:0", "worker:0", "worker:1"))
     for p in cluster.pods.values():  # PSFLOW_ATTEMPT of the second pods: the Job controller's failure count, 1
         assert p["annotations"]["batch.kubernetes.io/job-index-failure-count"] == str(p["attempt"])
-    (group,) = [e for e in events_of(tmp_path) if e["event"] == "group_restart"]
-    assert group["cause"] == "ps:1 (attempt 0) killed (SIGKILL)" and sorted(group["stopped"]) == ["ps:0", "worker:0", "worker:1"]
+    (group,) = [e for e in events_of(tmp_path) if e["event"] == "stop"]  # the runner's, as for local tasks
+    assert group["reason"].startswith("ps:1 (attempt 0) killed (SIGKILL): restarting the job (every shard back")
+    assert sorted(group["tasks"]) == ["ps:0", "worker:0", "worker:1"]
     restarts = {e["task"]: e["reason"] for e in events_of(tmp_path) if e["event"] == "restart"}
-    assert restarts["ps:1"] == "killed (SIGKILL)"
-    assert restarts["worker:0"].startswith("stopped: ps:1 (attempt 0) killed (SIGKILL): restarting the job (every shard back")
+    assert restarts == {"ps:1": "killed (SIGKILL)", "ps:0": "killed (SIGTERM)", "worker:0": "killed (SIGTERM)",
+                        "worker:1": "killed (SIGTERM)"}
     assert {t: v["attempt"] for t, v in status_of(tmp_path)["tasks"].items()} == final_attempts(cluster)
 
 
 def test_with_a_backup_of_each_shard_a_restarted_ps_restarts_alone(tmp_path, monkeypatch):
     plan = rollback_plan(tmp_path, monkeypatch, ps_replicas=2)
     cluster = FakeCluster(exits={("ps:1", 0): 137}, runs_for={"worker": 6})
-    result = backend(cluster).run(plan)
+    result = run(backend(cluster), plan)
     assert result.exit_code == 0, result.summary
     assert final_attempts(cluster) == {"ps:0": 0, "ps:1": 1, "worker:0": 0, "worker:1": 0}
     assert not [k for k, _ in cluster.deleted if k == "Pod"]
@@ -296,9 +297,10 @@ def test_with_a_backup_of_each_shard_a_restarted_ps_restarts_alone(tmp_path, mon
 def test_a_group_rollback_past_a_tasks_budget_fails_the_run_naming_the_ps(tmp_path, monkeypatch):
     plan = rollback_plan(tmp_path, monkeypatch, max_restarts=1)
     cluster = FakeCluster(exits={("ps:0", 0): 1, ("ps:0", 1): 1}, runs_for={"worker": 6})
-    result = backend(cluster).run(plan)
+    said: list[str] = []
+    result = run(backend(cluster, echo=said.append), plan)
     assert result.exit_code == 1 and result.root_cause == "ps:0", result.summary
-    assert "restarts together and" in result.summary["reason"] and "restart budget is spent (1 of 1 per task)" in result.summary["reason"]
+    assert any("ps:0 (attempt 1)" in line and "not restarted" in line for line in said), said
     assert not cluster.objects["Job"] and status_of(tmp_path)["state"] == "failed"
 
 
@@ -306,12 +308,13 @@ def test_a_disrupted_worker_is_replaced_without_spending_a_restart_under_restart
     # backoffLimit 0 (never): without the podFailurePolicy's Ignore rule the preemption would fail the run.
     plan = make(tmp_path, monkeypatch)
     cluster = FakeCluster(disrupts={("worker:1", 0)})
-    result = backend(cluster).run(plan)
+    result = run(backend(cluster), plan)
     assert result.exit_code == 0, result.summary
     worker1 = [p for p in cluster.pods.values() if cluster.task_of(p) == "worker:1"]
     assert [(p["attempt"], p["phase"]) for p in worker1] == [(0, "Failed"), (0, "Succeeded")]
-    restarts = [(e["task"], e["attempt"], e["reason"]) for e in events_of(tmp_path) if e["event"] == "restart"]
-    assert restarts == [("worker:1", 0, "killed (SIGKILL) (PreemptionByScheduler); Kubernetes replaced the pod (no restart spent)")]
+    assert not [e for e in events_of(tmp_path) if e["event"] == "restart"]
+    replaced = [(e["task"], e["attempt"], e["reason"]) for e in events_of(tmp_path) if e["event"] == "task_replaced"]
+    assert replaced == [("worker:1", 0, "killed (SIGKILL) (PreemptionByScheduler); Kubernetes replaced the pod (no restart spent)")]
     assert status_of(tmp_path)["tasks"]["worker:1"]["state"] == "exited"
 
 
@@ -319,16 +322,18 @@ def test_a_disrupted_ps_with_one_copy_rolls_the_job_back_and_under_never_fails_t
     # Kubernetes replaces a preempted ps whatever the policy, empty: the group rolls back where it may restart.
     plan = rollback_plan(tmp_path, monkeypatch)
     cluster = FakeCluster(disrupts={("ps:0", 0)}, runs_for={"worker": 6})
-    assert backend(cluster).run(plan).exit_code == 0
+    assert run(backend(cluster), plan).exit_code == 0
     assert final_attempts(cluster) == {"ps:0": 0, "ps:1": 1, "worker:0": 1, "worker:1": 1}  # ps:0 replaced, uncounted
-    (group,) = [e for e in events_of(tmp_path) if e["event"] == "group_restart"]
-    assert group["cause"] == "ps:0 (attempt 0) killed (SIGKILL) (PreemptionByScheduler)"
+    (group,) = [e for e in events_of(tmp_path) if e["event"] == "stop"]
+    assert group["reason"].startswith("ps:0 (attempt 0) killed (SIGKILL): restarting the job")
 
     never = replace(plan, restart=RestartPolicy.parse("never"))
     cluster = FakeCluster(disrupts={("ps:0", 0)}, runs_for={"worker": 6})
-    result = backend(cluster).run(never)
+    said: list[str] = []
+    result = run(backend(cluster, echo=said.append), never)
     assert result.exit_code == 1 and result.root_cause == "ps:0", result.summary
-    assert "restarts together, and --restart never does not restart" in result.summary["reason"]
+    (stop,) = [e for e in events_of(tmp_path) if e["event"] == "stop"]
+    assert stop["reason"].startswith("ps:0 failed (exit code -9 (SIGKILL))")  # the runner's rule: never restarts it
     assert not cluster.objects["Job"]
 
 
@@ -338,10 +343,10 @@ def test_an_allreduce_ranks_restart_restarts_every_rank_as_locally(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("import psflow\n")
     plan = replace(make_plan("train.py", num_ps=0, num_workers=3, logdir="runs/k", config=TrainConfig(strategy="allreduce"),
-                             restart=RestartPolicy.parse("on-failure", max_restarts=2)), run_id="20260101-120000-abc123")
+                             restart=RestartPolicy.parse("on-failure", max_restarts=2, backoff_base_s=0)), run_id="20260101-120000-abc123")
     cluster = FakeCluster(exits={("worker:2", 0): 1}, runs_for={"worker": 6, "worker:2": 2})
-    result = backend(cluster).run(plan)
+    result = run(backend(cluster), plan)
     assert result.exit_code == 0, result.summary
     assert final_attempts(cluster) == {"worker:0": 1, "worker:1": 1, "worker:2": 1}  # a rank cannot rejoin a running group
-    (group,) = [e for e in events_of(tmp_path) if e["event"] == "group_restart"]
-    assert group["group"] == "the all-reduce group" and sorted(group["stopped"]) == ["worker:0", "worker:1"]
+    (group,) = [e for e in events_of(tmp_path) if e["event"] == "stop"]
+    assert "the all-reduce group" in group["reason"] and sorted(group["tasks"]) == ["worker:0", "worker:1"]

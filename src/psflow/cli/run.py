@@ -185,10 +185,6 @@ def _run_to_end(assembled: Any, logdir_url: str | None) -> Any:
     """Run the assembled plan to its end; a URL logdir's files are uploaded as they are written.
     Returns the RunResult."""
     plan = assembled.plan
-    if type(assembled.backend).__name__ == "K8sBackend":  # Kubernetes: K8sBackend follows the run itself
-        from psflow.platform.recording import recording
-
-        return assembled.backend.run(plan, store=recording(assembled.backend))
     if logdir_url is None:
         return assembled.runner.run(plan)
     from psflow.launch.urllogdir import LogdirSyncer

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from psflow.launch.backend import Backend
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.runner import Runner
 from psflow.launch.runstore import RunStore
+from psflow.launch.watchdog import HangPolicy
 
 BACKEND_NAMES = ("local", "slurm", "k8s")  # and ssh, chosen by hosts
 StoreFactory = Callable[[LaunchPlan], RunStore]
@@ -70,7 +72,8 @@ class AssembledRun:
 
 def assemble_run(plan: LaunchPlan, options: BackendOptions, *, store: Callable[[Backend], StoreFactory] | None = None,
                  register_timeout_s: float = 120.0) -> AssembledRun:
-    """The backend of ``options`` and the runner of ``plan`` on it.
+    """The backend of ``options`` and the runner of ``plan`` on it; ``plan`` as it runs there (Kubernetes: no
+    watchdog, its pods send no heartbeats).
 
     Args:
         store: makes the run-store factory for the backend (the platform's ``recording``); None: the
@@ -81,6 +84,10 @@ def assemble_run(plan: LaunchPlan, options: BackendOptions, *, store: Callable[[
         ConfigError: options that do not go together (see :func:`make_backend`).
     """
     backend = make_backend(options)
+    if options.name == "k8s" and plan.hangs.enabled:
+        # Pods report to no coordinator (the launcher may be outside the cluster): no heartbeat to watch.
+        backend.console.warn("--hang-timeout is not applied on Kubernetes: the pods send the launcher no heartbeats.")
+        plan = dataclasses.replace(plan, hangs=HangPolicy())
     runner = Runner(backend, register_timeout_s=register_timeout_s, store=store(backend) if store else None)
     return AssembledRun(plan, backend, runner)
 

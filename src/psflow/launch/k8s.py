@@ -9,8 +9,8 @@ submits what this module renders and watches it) and by ``psflow k8s tfjob``. Th
 - one indexed Job per job type: the pod of index *i* is task ``<type>:<i>``, named in ``TF_CONFIG``
   (its index from the downward API); a task binds every interface of its pod;
 - restarts are Kubernetes' (:func:`restart_fields` maps the run's policy per job; every attempt is a
-  pod of its own), ``max_restarts_per_run`` held by the launcher
-  (:func:`psflow.launch.k8swatch.run_budget_spent`);
+  pod of its own), ``max_restarts_per_run`` held across the run by the launcher's run controller
+  (:class:`psflow.launch.k8swatch.K8sBackend` is driven by the runner as every backend is);
 - a failing task's error report is its container's termination message (``/dev/termination-log``);
 - the log dir is one ReadWriteMany claim mounted at ``/psflow`` (or each pod's ``emptyDir`` where the
   checkpoints go to an object store, ``env_secret`` then the pods' environment);

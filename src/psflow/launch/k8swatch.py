@@ -1,9 +1,8 @@
-"""K8sBackend: submit a run's manifests to Kubernetes, follow its pods, record it, stop it.
+"""K8sBackend: a run's tasks as Kubernetes pods, driven by the runner as every backend is.
 
-``psflow run --backend k8s`` calls :meth:`K8sBackend.run` (``--dry-run``: :meth:`K8sBackend.script`).
-The manifests are :mod:`psflow.launch.k8s`'s; this module is the I/O around them, through the
-official ``kubernetes`` client (``pip install 'psflow[k8s]'``), and a pure core that turns what the
-API answers into the run's history:
+``psflow run --backend k8s`` (``--dry-run``: :meth:`K8sBackend.script`). The manifests are
+:mod:`psflow.launch.k8s`'s; this module is the I/O around them, through the official ``kubernetes``
+client (``pip install 'psflow[k8s]'``), and a pure core that reads what the API answers:
 
 - :func:`pod_view` reads one pod (its task from the Job's labels and completion index, its attempt
   from the Job controller's index failure count, how its container ended);
@@ -11,16 +10,19 @@ API answers into the run's history:
   which does not run yet and why (an image that cannot be pulled, no node that fits), which exited
   (exit code, OOM kill, its error report from the termination message) and which attempt is a
   restart Kubernetes made, and after what;
-- :func:`outcome` reads the Jobs' conditions: every Job ``Complete`` -> succeeded; one ``Failed``
-  (a task out of retries, or a permanent exit code) -> failed.
+- :func:`outcome` reads the Jobs' conditions: every Job ``Complete`` -> succeeded; one ``Failed``.
 
-Restarts are Kubernetes' (:func:`psflow.launch.k8s.restart_fields`); the launcher records them in
-the same run store as every other backend (``LOGDIR/status.json``, ``events.jsonl``, the job store)
-and applies one rule itself, as locally: a run's restart group (a ps with one copy of its shard, an
-all-reduce rank) restarts together (:meth:`K8sBackend._restart_group`). It lists the pods every
-``poll_s`` and copies each attempt's log into ``LOGDIR/logs/<task>.log``. A failed or stopped run's
-objects are deleted, a succeeded one's but its Jobs (``ttlSecondsAfterFinished``). The client calls
-used, what a test fake implements, and the whole design: ``docs/design/kubernetes.md``.
+The seam (:class:`psflow.launch.backend.Backend`): ``open`` submits the objects; the Jobs make every
+attempt's pod, and ``start`` binds the runner's attempt to it (its handle: the pod's name); ``poll``
+lists the pods every ``poll_s`` and hands the runner their exits (each attempt's log copied into
+``LOGDIR/logs/<task>.log``, its termination message into ``LOGDIR/errors/``); ``stop`` deletes a
+pod. So the run controller decides as for every backend: the restart budgets (per task and per run),
+a restart group rolled back together (Kubernetes starts each deleted member's index again), the run's
+end, its summary and root cause. Kubernetes' own Job budgets (:func:`psflow.launch.k8s.restart_fields`)
+are the same policy, enforced where the pods are. A pod Kubernetes replaces after a disruption
+(preempted, evicted) goes on as the same attempt, unless it held a ps's only copy (then its group
+rolls back). ``close`` deletes the objects, a succeeded run's but its Jobs (``ttlSecondsAfterFinished``).
+The client calls used, what a test fake implements, and the whole design: ``docs/design/kubernetes.md``.
 """
 
 from __future__ import annotations
@@ -30,29 +32,30 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from psflow.errors import ClusterError, ConfigError
-from psflow.launch.backend import RunResult
+from psflow.launch import errorreport
+from psflow.launch.backend import Backend, prepare_logdir
 from psflow.launch.console import Console
-from psflow.launch.controller import exit_cause
+from psflow.launch.controller import TaskExited, exit_cause
 from psflow.launch.k8s import (
     FAILURE_COUNT_ANNOTATION,
     INDEX_ANNOTATION,
     JOB_LABEL,
     RUN_LABEL,
     K8sSettings,
+    job_name,
     render_budgets,
     render_run,
     run_name,
     to_yaml,
 )
-from psflow.launch.plan import LaunchPlan
-from psflow.launch.restart import RestartGroup, restart_group
-from psflow.launch.runstore import RunStore, file_store
+from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.launch.restart import restart_group
 
 # ------------------------------------------------------------------------------------ pure core
 
@@ -87,6 +90,7 @@ class Restarted:
     task: str
     attempt: int
     cause: str
+    replaced: bool = False  # the same attempt in a new pod: Kubernetes replaced a disrupted one
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,8 @@ class PodTracker:
                 self._exited.pop(key, None)
                 self._disrupted.discard(key)
                 cause = self._causes.get(key, "its pod went away")
-                out.append(Restarted(p.task, p.attempt, f"{cause}; Kubernetes replaced the pod (no restart spent)"))
+                out.append(Restarted(p.task, p.attempt, f"{cause}; Kubernetes replaced the pod (no restart spent)",
+                                     replaced=True))
                 out.append(Started(p.task, p.attempt, p.name))
             elif key not in self._started:
                 self._started.add(key)
@@ -249,16 +254,6 @@ class PodTracker:
                 if code != 0 and (task, attempt) not in self._disrupted]
 
 
-def run_budget_spent(failures: Sequence[tuple[str, int, int]], max_restarts_per_run: int | None) -> tuple[str, int, int] | None:
-    """The failed exit that a run's restart budget cannot pay for, if any: the (cap + 1)-th failure
-    across all tasks. A Job's ``backoffLimit`` caps each job type's Job; the run's cap
-    (``--max-restarts-per-run``, which the local backend applies across every task) is held by the
-    launcher that follows the run, which fails it and deletes its Jobs at that failure."""
-    if max_restarts_per_run is None or len(failures) <= max_restarts_per_run:
-        return None
-    return failures[max_restarts_per_run]
-
-
 def outcome(jobs: Iterable[Any]) -> tuple[str | None, str]:
     """``("succeeded" | "failed" | None, why)`` from the run's ``V1Job`` objects' conditions."""
     jobs = list(jobs)
@@ -299,8 +294,8 @@ def load_clients() -> tuple[Any, Any, Any]:
     return client.CoreV1Api(), client.BatchV1Api(), client.PolicyV1Api()
 
 
-class K8sBackend:
-    """Runs a plan as Kubernetes objects and follows it to its end (see the module's docstring).
+class K8sBackend(Backend):
+    """A plan's tasks as Kubernetes pods, driven by the runner as every backend is (see the module's docstring).
 
     Args:
         settings: image, volume claim, namespace, GPUs, TTL (:class:`psflow.launch.k8s.K8sSettings`).
@@ -308,89 +303,204 @@ class K8sBackend:
             :func:`load_clients`).
         poll_s: how often the pods and Jobs are listed.
         run_timeout_s: the longest the launcher follows the run (None: until it ends); past it the
-            run is stopped and its objects deleted.
-        store: makes the run store for a plan (default: its files in the log dir; the platform's
-            :func:`psflow.platform.recording.recording` records it in the job store too); ``run``'s
-            own ``store`` comes first.
-        secret: the job secret (default: a fresh random one per run).
+            run is stopped (:meth:`ended_by`) and its objects deleted.
+        secret: the job secret the pods read (default: a fresh random one per run).
+        keep_logs: logs of earlier runs into the same log dir kept per task.
 
     Example:
-        >>> K8sBackend(K8sSettings(image="registry/train:1", volume_claim="psflow-logs")).run(plan).exit_code
+        >>> Runner(K8sBackend(K8sSettings(image="registry/train:1", volume_claim="psflow-logs"))).run(plan).exit_code
         0
     """
 
     def __init__(self, settings: K8sSettings, *, core: Any = None, batch: Any = None, policy: Any = None,
-                 poll_s: float = 2.0,
-                 run_timeout_s: float | None = None, echo: Callable[[str], None] | None = None,
-                 store: Callable[[LaunchPlan], RunStore] | None = None, secret: str | None = None) -> None:
+                 poll_s: float = 2.0, run_timeout_s: float | None = None, echo: Callable[[str], None] | None = None,
+                 secret: str | None = None, keep_logs: int = 5) -> None:
+        super().__init__(Console(echo, live=False))
         self.settings = settings
-        self.console = Console(echo, live=False)
         self._core, self._batch, self._policy = core, batch, policy
         self.poll_s = poll_s
         self.run_timeout_s = run_timeout_s
-        self.make_store = store
         self.secret = secret
-        self._stop = threading.Event()
+        self.keep_logs = keep_logs
         self._stop_reason: str | None = None
-        self._group = _GroupRestarts(None)
+        self._wake = threading.Event()
+        self._reset(None)
+
+    def _reset(self, plan: LaunchPlan | None) -> None:
+        self._plan = plan
+        self._tracker = PodTracker()
+        self._created: list[tuple[str, str]] = []
+        self._pods: dict[tuple[str, int], str] = {}  # (task, the runner's attempt) -> its pod
+        self._offset: dict[str, int] = {}  # the runner's attempt - Kubernetes' (a disrupted ps that rolled its group back)
+        self._wanted: dict[str, int] = {}  # task -> the attempt the runner started last
+        self._told: set[tuple[str, int]] = set()  # attempts whose exit went to the runner
+        self._held: list[TaskExited] = []  # exits of attempts the runner has not started yet (Kubernetes was quicker)
+        self._notes: list[tuple[str, dict[str, Any]]] = []
+        self._ended: str | None = None
+        self._ended_told = self._failed_told = self._just_told = False
+        self._failed: tuple[str, str] | None = None
+        self._opened_at = self._listed_at = 0.0
 
     def script(self, plan: LaunchPlan) -> str:
         """The run's manifests as YAML (``psflow run --backend k8s --dry-run``), with a fresh secret."""
         return to_yaml(render_run(plan, self.settings, self.secret or secrets.token_hex(32)))
 
     def request_stop(self, reason: str) -> None:
-        """Stop the run from another thread (or a signal handler): its objects are deleted."""
+        """Stop the run from another thread: the runner takes it through :meth:`ended_by`."""
         self._stop_reason = reason
-        self._stop.set()
+        self._wake.set()
 
-    # -- a run -------------------------------------------------------------------------------------
-    def run(self, plan: LaunchPlan, *, store: Callable[[LaunchPlan], RunStore] | None = None) -> RunResult:
-        """Submit ``plan``, follow it to its end, record it; exit code 0 succeeded, 1 failed, 130 stopped.
+    # -- the Backend seam ----------------------------------------------------------------------------
+    def open(self, plan: LaunchPlan) -> None:
+        """Submit the run's objects (the Jobs make the pods).
 
         Raises:
-            ClusterError: the API server refused an object (the message is the server's).
+            ClusterError: the API server refused an object (the message is the server's); what this
+                run created before is deleted.
         """
         if self._core is None or self._batch is None or self._policy is None:
             self._core, self._batch, self._policy = load_clients()
-        logdir = Path(plan.logdir)
-        (logdir / "logs").mkdir(parents=True, exist_ok=True)
-        return self._run(plan, (store or self.make_store or file_store)(plan))
-
-    def _run(self, plan: LaunchPlan, store: RunStore) -> RunResult:
+        self._reset(plan)
+        prepare_logdir(Path(plan.logdir), self.keep_logs)
+        self._opened_at = time.time()
         docs = render_run(plan, self.settings, self.secret or secrets.token_hex(32))
-        t0 = time.time()
-        created: list[tuple[str, str]] = []
         try:
-            self._submit(docs, store, created)
+            self._submit(docs)
         except ClusterError as e:
-            self._delete_objects(created)  # what this run created before the refusal, nothing else
-            store.event("k8s_refused", error=str(e))
-            store.finished("failed")
+            self._delete_objects(self._created)  # what this run created before the refusal, nothing else
+            self._created = []
+            self._note("k8s_refused", error=str(e))
             raise
-        tracker = PodTracker()
-        status, why = None, ""
-        self._group = _GroupRestarts(restart_group(plan.config.strategy, plan.config.ps_replicas, plan.task_names()))
-        with _stop_on_signals(self):
-            try:
-                status, why = self._follow(plan, tracker, store, t0)
-            finally:
-                self._delete(plan, jobs=status != "succeeded")
-        spent = run_budget_spent(tracker.failures(), plan.restart.max_restarts_per_run)
-        last = (self._group.root, 0, 0) if self._group.root else tracker.last_failure()
-        root = (spent or last) if status == "failed" else None
-        # The pods report to no coordinator (the launcher may be outside the cluster): no global step
-        # or throughput here; the chief's summaries and checkpoints in the claim's log dir have them.
-        summary = {"run_id": plan.run_id, "backend": "k8s", "status": status or "stopped", "reason": why,
-                   "root_cause": root[0] if root else None, "mode": plan.config.mode, "strategy": plan.config.strategy,
-                   "global_step": None, "metrics": {}, "examples_per_sec": None, "wall_s": round(time.time() - t0, 3),
-                   "tasks": tracker.tasks(), "namespace": self.settings.namespace, "k8s_name": run_name(plan)}
-        store.summary(summary)
-        store.finished(status or "stopped")
-        code = {"succeeded": 0, "failed": 1}.get(status or "", 130)
-        self.console.echo(f"psflow: run {plan.run_id} {status or 'stopped'}: {why}")
-        return RunResult(code, summary, root[0] if root else None)
 
-    def _submit(self, docs: Sequence[dict[str, Any]], store: RunStore, created: list[tuple[str, str]]) -> None:
+    def start(self, task: TaskPlan, attempt: int, env: Mapping[str, str]) -> str:
+        """Kubernetes makes every attempt's pod (the Jobs' own restarts): the runner's attempt is bound to
+        it; returns its pod's name (the Job's index while Kubernetes has not made it yet)."""
+        self._wanted[task.task] = attempt
+        if (task.task, attempt) not in self._pods:
+            self._list()
+        job, index = task.task.split(":")
+        return self._pods.get((task.task, attempt), f"{job_name(self._require_plan(), job)}-{index}")
+
+    def poll(self, timeout_s: float = 0.0) -> list[TaskExited]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if time.monotonic() - self._listed_at >= self.poll_s:
+                self._list()
+            ready = [e for e in self._held if e.attempt <= self._wanted.get(e.task, -1)]
+            left = deadline - time.monotonic()
+            if ready or left <= 0 or self._stop_reason is not None:
+                self._held = [e for e in self._held if e not in ready]
+                self._just_told = bool(ready)  # failed_by waits a turn: the runner handles these exits first
+                return ready
+            self._wake.wait(min(left, max(self.poll_s - (time.monotonic() - self._listed_at), 0.0)))
+
+    def stop(self, tasks: Sequence[str], grace_s: float) -> None:
+        """Delete each task's current pod (its exit is told now: the pod may be gone before a listing
+        shows how it ended). The Job controller starts the index again: the runner's next attempt, if it wants one."""
+        for t in tasks:
+            attempt = self._wanted.get(t)
+            if attempt is None or (t, attempt) in self._told:
+                continue
+            pod = self._pods.get((t, attempt))
+            if pod is not None:
+                self._delete_pod(t, pod, grace_s)
+            self._told.add((t, attempt))
+            self._held.append(TaskExited(t, attempt, -15, time.time()))
+
+    def error_report(self, task: str) -> dict[str, Any] | None:
+        return errorreport.read(Path(self._require_plan().logdir) / "errors", task)
+
+    def ended_by(self) -> str | None:
+        if self._ended is None and self._stop_reason is not None:
+            self._ended = self._stop_reason
+        elif self._ended is None and self.run_timeout_s is not None and time.time() - self._opened_at > self.run_timeout_s:
+            self.console.warn(f"the run did not end within {self.run_timeout_s:g} s (run_timeout_s); stopping it.")
+            self._ended = f"not ended within {self.run_timeout_s:g} s (run_timeout_s)"
+        if self._ended is None or self._ended_told:
+            return None
+        self._ended_told = True
+        return self._ended
+
+    def failed_by(self) -> tuple[str, str] | None:
+        """A Job that Kubernetes failed (a task out of its retries there): the task whose failure it was; told
+        once the runner has handled every exit Kubernetes saw (its own budget then says the same, or more)."""
+        if self._failed is None or self._failed_told or self._held or self._just_told:
+            return None
+        self._failed_told = True
+        return self._failed
+
+    def take_notes(self) -> list[tuple[str, dict[str, Any]]]:
+        out, self._notes = self._notes, []
+        return out
+
+    def close(self) -> None:
+        """Delete the run's objects: its Jobs too (their pods with them) unless every Job completed (then
+        ``ttlSecondsAfterFinished`` removes them)."""
+        if self._plan is None or not self._created:
+            return
+        selector = f"{RUN_LABEL}={run_name(self._plan)}"
+        try:
+            done = outcome(self._batch.list_namespaced_job(namespace=self.settings.namespace, label_selector=selector).items)[0]
+        except Exception:  # noqa: BLE001 (an API server that cannot answer: the Jobs go too)
+            done = None
+        self._delete(self._plan, jobs=done != "succeeded")
+        self._created = []
+
+    # -- the pods ------------------------------------------------------------------------------------
+    def _require_plan(self) -> LaunchPlan:
+        if self._plan is None:
+            raise RuntimeError("K8sBackend used before open(plan).")
+        return self._plan
+
+    def _note(self, kind: str, **data: Any) -> None:
+        self._notes.append((kind, data))
+
+    def _list(self) -> None:
+        """One listing of the run's pods and Jobs: each change said once (:class:`PodTracker`)."""
+        plan = self._require_plan()
+        self._listed_at = time.monotonic()
+        ns, selector = self.settings.namespace, f"{RUN_LABEL}={run_name(plan)}"
+        pods = [v for v in map(pod_view, self._core.list_namespaced_pod(namespace=ns, label_selector=selector).items) if v]
+        for change in self._tracker.update(pods):
+            self._on(plan, change)
+        status, why = outcome(self._batch.list_namespaced_job(namespace=ns, label_selector=selector).items)
+        if status == "failed" and self._failed is None:
+            last = self._tracker.last_failure()
+            self._failed = (last[0] if last else plan.task_names()[0], why)
+
+    def _on(self, plan: LaunchPlan, change: Change) -> None:
+        """A change Kubernetes made, in the runner's terms: an attempt's pod, an exit, a note."""
+        attempt = change.attempt + self._offset.get(change.task, 0)
+        if isinstance(change, Started):
+            self._pods[(change.task, attempt)] = change.pod
+        elif isinstance(change, Restarted) and change.replaced:
+            self.console.warn(f"{change.task}: attempt {attempt} goes on in a new pod ({change.cause}).")
+            self._note("task_replaced", task=change.task, attempt=attempt, reason=change.cause)
+        elif isinstance(change, Restarted):
+            self.console.warn(f"{change.task}: Kubernetes restarted it as attempt {change.attempt} (attempt "
+                              f"{change.attempt - 1}: {change.cause}).")
+        elif isinstance(change, Waiting):
+            self.console.warn(f"{change.task} (attempt {attempt}) is not running yet: {change.reason}")
+            self._note("task_waiting", task=change.task, attempt=attempt, reason=change.reason)
+        else:
+            self._exited(plan, change, attempt)
+
+    def _exited(self, plan: LaunchPlan, change: Exited, attempt: int) -> None:
+        self._save_log(plan, change)
+        if change.report is not None:
+            errorreport.path_for(Path(plan.logdir) / "errors", change.task).write_text(json.dumps(change.report, indent=1))
+        group = restart_group(plan.config.strategy, plan.config.ps_replicas, plan.task_names())
+        if change.disrupted:
+            if group is None or change.task not in group.triggers:  # Kubernetes replaces it: the same attempt goes on
+                return
+            # Its replacement starts empty: to the runner an exit (its group rolls back), and the pod its next attempt.
+            self._offset[change.task] = self._offset.get(change.task, 0) + 1
+        if (change.task, attempt) in self._told:
+            return
+        self._told.add((change.task, attempt))
+        self._held.append(TaskExited(change.task, attempt, change.code, time.time(), oom_killed=change.oom_killed))
+
+    def _submit(self, docs: Sequence[dict[str, Any]]) -> None:
         ns = self.settings.namespace
         create = {"Secret": self._core.create_namespaced_secret, "Service": self._core.create_namespaced_service,
                   "PodDisruptionBudget": self._policy.create_namespaced_pod_disruption_budget,
@@ -401,119 +511,20 @@ class K8sBackend:
             except Exception as e:  # noqa: BLE001 (the client's ApiException, or its transport's errors)
                 raise ClusterError(f"Kubernetes refused {d['kind']} {d['metadata']['name']} in namespace {ns}: "
                                    f"{_api_message(e)}") from e
-            created.append((d["kind"], d["metadata"]["name"]))
-            store.event("k8s_created", object_kind=d["kind"], name=d["metadata"]["name"], namespace=ns)
+            self._created.append((d["kind"], d["metadata"]["name"]))
+            self._note("k8s_created", object_kind=d["kind"], name=d["metadata"]["name"], namespace=ns)
             if d["kind"] != "Secret":
                 self.console.echo(f"psflow: created {d['kind']} {d['metadata']['name']} (namespace {ns})")
 
-    def _follow(self, plan: LaunchPlan, tracker: PodTracker, store: RunStore, t0: float) -> tuple[str | None, str]:
-        ns, selector = self.settings.namespace, f"{RUN_LABEL}={run_name(plan)}"
-        while True:
-            pods = [v for v in map(pod_view, self._core.list_namespaced_pod(namespace=ns, label_selector=selector).items) if v]
-            changes = tracker.update(pods)
-            for change in changes:
-                self._record(plan, change, store)
-            spent = run_budget_spent(tracker.failures(), plan.restart.max_restarts_per_run)
-            if spent is not None:
-                cap = plan.restart.max_restarts_per_run
-                store.event("restart_budget_spent", task=spent[0], attempt=spent[1], max_restarts_per_run=cap)
-                return "failed", (f"the run's restart budget is spent: {len(tracker.failures())} failed attempts "
-                                  f"across its tasks, {spent[0]} (attempt {spent[1]}) the one past "
-                                  f"--max-restarts-per-run {cap}")
-            refused = self._restart_group(plan, pods, changes, tracker, store)
-            if refused is not None:
-                return "failed", refused
-            status, why = outcome(self._batch.list_namespaced_job(namespace=ns, label_selector=selector).items)
-            store.tick()
-            if status is not None:
-                return status, why
-            if self.run_timeout_s is not None and time.time() - t0 > self.run_timeout_s:
-                self.console.warn(f"the run did not end within {self.run_timeout_s:g} s (run_timeout_s); stopping it.")
-                store.event("stop", reason="run_timeout_s")
-                return None, f"not ended within {self.run_timeout_s:g} s"
-            if self._stop.wait(self.poll_s):
-                store.event("stop", reason=self._stop_reason)
-                return None, f"stopped by {self._stop_reason}"
-
-    def _restart_group(self, plan: LaunchPlan, pods: Sequence[PodView], changes: Sequence[Change], tracker: PodTracker,
-                       store: RunStore) -> str | None:
-        """A trigger of the run's restart group failed and Kubernetes restarts it: delete the other
-        members' pods (the Job controller starts each as its next attempt; the chief restores the newest
-        checkpoint). The same budgets as the local controller's; the reason the run fails when one is spent."""
-        group, policy = self._group.group, plan.restart
-        # A disrupted trigger is replaced by Kubernetes whatever the policy (and empty, for a ps).
-        triggers = [c for c in changes if isinstance(c, Exited) and group is not None and c.task in group.triggers
-                    and c.code != 0 and (c.task, c.attempt) not in self._group.stopped
-                    and (c.disrupted or policy.is_retryable(c.task.split(":")[0], c.code))]
-        if not triggers or group is None:
-            return None
-        first, failed = triggers[0], {c.task for c in triggers}
-        cause = f"{first.task} (attempt {first.attempt}) {exit_cause(first.code, first.oom_killed)}" + (
-            f" ({first.disrupted})" if first.disrupted else "")
-        attempts = {c.task: c.attempt for c in triggers}
-        for p in pods:
-            if p.task not in failed:
-                attempts[p.task] = max(attempts.get(p.task, 0), p.attempt)
-        spent = max(group.members, key=lambda t: attempts.get(t, 0))
-        cap = policy.max_restarts_per_run
-        kept = [t for t in group.members if t not in failed and not policy.restarts(t.split(":")[0])]
-        if kept:
-            self._group.root = first.task
-            return (f"{cause}; {group.what} restarts together, and --restart {policy.kind_for(kept[0].split(':')[0])} "
-                    f"does not restart {', '.join(kept)}")
-        if attempts.get(spent, 0) >= policy.max_restarts:
-            self._group.root = first.task
-            return (f"{cause}; {group.what} restarts together and {spent}'s restart budget is spent "
-                    f"({attempts.get(spent, 0)} of {policy.max_restarts} per task)")
-        if cap is not None and len(tracker.failures()) - len(triggers) + len(group.members) > cap:
-            self._group.root = first.task
-            store.event("restart_budget_spent", task=first.task, attempt=first.attempt, max_restarts_per_run=cap)
-            return (f"the run's restart budget is spent: {cause}, and {group.what} restarts {len(group.members)} "
-                    f"tasks, past --max-restarts-per-run {cap}")
-        live = [p for p in pods if p.task in group.members and p.task not in failed and p.exit_code is None
-                and p.phase in ("Pending", "Running")]
-        why = f"{cause}: restarting {group.what} from its newest checkpoint"
-        self.console.warn(f"{why}; stopping {', '.join(p.task for p in live) or 'nothing else'}")
-        store.event("group_restart", cause=cause, group=group.what, stopped=[p.task for p in live])
-        for p in live:
-            self._delete_pod(p, group.grace_s)
-            self._group.stopped.add((p.task, p.attempt))
-            exited = tracker.stopped(p, -15, f"stopped: {why}")
-            if exited is not None:
-                self._record(plan, exited, store)
-        return None
-
-    def _delete_pod(self, pod: PodView, grace_s: float | None) -> None:
+    def _delete_pod(self, task: str, pod: str, grace_s: float | None) -> None:
         # At least 1 s: a 0 would force-delete the pod, and the kubelet's terminal status, which the Job
         # controller waits for under a podFailurePolicy before it starts the index again, might never come.
         grace = {} if grace_s is None else {"grace_period_seconds": max(1, round(grace_s))}
         try:
-            self._core.delete_namespaced_pod(name=pod.name, namespace=self.settings.namespace, **grace)
+            self._core.delete_namespaced_pod(name=pod, namespace=self.settings.namespace, **grace)
         except Exception as e:  # noqa: BLE001 (gone already: the Job controller replaces it anyway)
             if getattr(e, "status", None) != 404:
-                self.console.warn(f"could not delete pod {pod.name} of {pod.task} ({_api_message(e)})")
-
-    def _record(self, plan: LaunchPlan, change: Change, store: RunStore) -> None:
-        if isinstance(change, Restarted):
-            self.console.warn(f"{change.task}: Kubernetes restarted it as attempt {change.attempt} (attempt "
-                              f"{change.attempt - 1}: {change.cause}).")
-            store.task_restarting(change.task, change.attempt, 0.0, change.cause)
-        elif isinstance(change, Started):
-            store.task_started(change.task, change.attempt, change.pod)
-        elif isinstance(change, Waiting):
-            self.console.warn(f"{change.task} (attempt {change.attempt}) is not running yet: {change.reason}")
-            store.event("task_waiting", task=change.task, attempt=change.attempt, reason=change.reason)
-        else:
-            store.task_exited(change.task, change.attempt, change.code, time.time(), oom_killed=change.oom_killed)
-            self._save_log(plan, change)
-            if change.code != 0:
-                what = f": {change.report.get('exception')}: {change.report.get('message')}" if change.report else ""
-                self.console.warn(f"{change.task} (attempt {change.attempt}, pod {change.pod}) "
-                                  f"{exit_cause(change.code, change.oom_killed)}{what}")
-                if change.report is not None:
-                    errors = Path(plan.logdir) / "errors"
-                    errors.mkdir(parents=True, exist_ok=True)
-                    (errors / f"{change.task.replace(':', '-')}.json").write_text(json.dumps(change.report, indent=1))
+                self.console.warn(f"could not delete pod {pod} of {task} ({_api_message(e)})")
 
     def _save_log(self, plan: LaunchPlan, change: Exited) -> None:
         log = Path(plan.logdir) / "logs" / f"{change.task.replace(':', '-')}.log"
@@ -555,30 +566,3 @@ def _api_message(e: BaseException) -> str:
         except (ValueError, AttributeError):
             return str(body)
     return f"{type(e).__name__}: {e}"
-
-
-class _GroupRestarts:
-    """What one run's group restarts have done: the members' attempts the launcher stopped (their exits
-    are no trigger), and the task whose failure the group could not restart (the run's root cause)."""
-
-    def __init__(self, group: RestartGroup | None) -> None:
-        self.group = group
-        self.stopped: set[tuple[str, int]] = set()
-        self.root: str | None = None
-
-
-class _stop_on_signals:
-    """Ctrl-C and SIGTERM stop the run (in the main thread; elsewhere nothing is installed)."""
-
-    def __init__(self, backend: K8sBackend) -> None:
-        self.backend = backend
-        self.old: dict[int, Any] = {}
-
-    def __enter__(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            names = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
-            self.old = {s: signal.signal(s, lambda n, f: self.backend.request_stop(names[n])) for s in names}
-
-    def __exit__(self, *exc: object) -> None:
-        for s, h in self.old.items():
-            signal.signal(s, h)

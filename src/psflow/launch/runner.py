@@ -26,7 +26,7 @@ Signals: the first Ctrl-C or SIGTERM asks the run to stop (every task gets SIGTE
 after the plan's ``grace_s``); a second one interrupts the launcher at once, and still nothing it
 started outlives it (the backend is closed on the way out).
 
-Used by ``psflow run`` through :meth:`psflow.launch.local.LocalBackend.run`.
+The only loop: every backend is driven by it; assembled by :func:`psflow.launch.assemble.assemble_run`.
 """
 
 from __future__ import annotations
@@ -132,10 +132,10 @@ class Runner:
         t0 = time.time()
         server: Server | None = None
         try:
-            self.backend.open(plan)
+            store = (self.make_store or file_store)(plan)
+            self._open(plan, store)
             secret_file = write_secret(logdir)
             server = Server("launcher", host=self.backend.coordinator_host(), secret=secret_file.read_bytes())
-            store = (self.make_store or file_store)(plan)
             _record_notes(self.backend, store)  # what the scheduler said while open() waited (job id, queue)
             signs: queue.Queue[Event] = queue.Queue()  # heartbeats and progress, for the controller's watchdog
             group = restart_group(plan.config.strategy, plan.config.ps_replicas, plan.task_names())
@@ -179,6 +179,16 @@ class Runner:
             if f.message != finished.root_cause:
                 self.console.warn(f"ledger: {f.message}")
         return RunResult(finished.exit_code, summary, finished.root_cause)
+
+    def _open(self, plan: LaunchPlan, store: RunStore) -> None:
+        """Open the backend for ``plan``; where it refuses (sbatch, the API server) the run is recorded failed."""
+        try:
+            self.backend.open(plan)
+        except Exception as e:
+            _record_notes(self.backend, store)
+            store.event("launch_failed", error=str(e))
+            store.finished("failed")
+            raise
 
     # -- the loop ----------------------------------------------------------------------------------
     def _loop(self, plan: LaunchPlan, controller: RunController, store: RunStore, envs: Mapping[str, Mapping[str, str]],
@@ -444,7 +454,7 @@ def read_ledger(finished: RunFinished, reports: Mapping[str, Mapping[str, Any]],
     it: a run whose tasks all succeeded fails when its copies or shards disagree, with that finding as
     its root cause (exit code 1)."""
     num_ps = sum(1 for t in plan.task_names() if t.startswith("ps:"))
-    if not num_ps:
+    if not num_ps or not reports:  # no task reported anything (Kubernetes' pods report to no launcher)
         return [], finished
     replicas = sum(1 for t in plan.task_names() if t.split(":")[0] in ("chief", "worker"))
     backups = backup_workers(plan.config.mode, plan.config.replicas_to_aggregate, plan.config.total_num_replicas, replicas)

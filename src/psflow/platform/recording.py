@@ -7,7 +7,7 @@ is set, in its alerts (:mod:`psflow.platform.runalerts`), all through one
 :class:`~psflow.launch.runstore.CompositeRunStore`.
 
 launch/ never imports the platform (its layers point one way): whoever starts a run passes
-:func:`recording`'s factory as ``store`` (``backend.run(plan, store=...)``, ``Runner(store=...)``);
+:func:`recording`'s factory as ``store`` (``assemble_run(plan, options, store=recording)``, ``Runner(store=...)``);
 a run started without one keeps its files only.
 """
 
@@ -55,7 +55,7 @@ def recording(backend: Any, *, policy: RestartPolicy | None = None,
 
     Example:
         >>> backend = LocalBackend()
-        >>> backend.run(plan, store=recording(backend)).exit_code   # the run is in psflow runs, the dashboard
+        >>> Runner(backend, store=recording(backend)).run(plan).exit_code   # the run is in psflow runs, the dashboard
         0
     """
     name = backend_name(backend)
