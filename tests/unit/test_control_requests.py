@@ -125,7 +125,7 @@ def test_a_spec_that_psflow_run_would_refuse_is_refused_before_anything_starts(t
         plan_of(LaunchSpec(script=str(tmp_path / "missing.py")))
     with pytest.raises(ConfigError, match="--ps-replicas 2"):
         plan_of(LaunchSpec(script=str(script), num_ps=1, config={"ps_replicas": 2}))
-    with pytest.raises(ConfigError, match="Backend 'mesos' is not one of local, slurm, ssh, k8s"):
+    with pytest.raises(ConfigError, match="LaunchSpec: backend must be 'local', 'slurm', 'ssh' or 'k8s'; received 'mesos'"):
         plan_of(LaunchSpec(script=str(script), backend="mesos"))
     # each backend's own needs, checked before anything starts or is reached
     with pytest.raises(ConfigError, match="The ssh backend needs hosts: HOST:SLOTS"):

@@ -37,9 +37,12 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from psflow.errors import ConfigError, PsflowError
 from psflow.launch.backend import RunResult
@@ -47,12 +50,15 @@ from psflow.launch.logdirlock import LogdirLock
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.restart import RestartPolicy
 from psflow.rundir import RunDir
+from psflow.validation import checked
 
 BACKENDS = ("local", "slurm", "ssh", "k8s")
 LAUNCHER_LOG = "launcher.log"
 
 
-@dataclass(frozen=True)
+# Not strict: a spec is also read back from JSON (a restart's launcher), where a tuple is a list.
+@checked
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class LaunchSpec:
     """One run's launch as data (``psflow run``'s options, one field each).
 
@@ -84,21 +90,21 @@ class LaunchSpec:
 
     script: str
     args: tuple[str, ...] = ()
-    num_ps: int = 1
-    num_workers: int = 2
+    num_ps: int = Field(1, ge=0)
+    num_workers: int = Field(2, ge=0)
     chief: bool = False
     evaluator: bool = False
-    mode: str = "async"
-    strategy: str = "ps"
-    backend: str = "local"
-    restart_policy: Mapping[str, Any] = field(default_factory=dict)
-    config: Mapping[str, Any] = field(default_factory=dict)
-    hangs: Mapping[str, Any] = field(default_factory=dict)
-    threads: int | None = None
+    mode: str = "async"  # checked by TrainConfig
+    strategy: str = "ps"  # checked by TrainConfig
+    backend: Literal[BACKENDS] = "local"  # type: ignore[valid-type]
+    restart_policy: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    hangs: dict[str, Any] = field(default_factory=dict)
+    threads: int | None = Field(None, ge=1)
     logdir: str | None = None
     run_id: str | None = None
     restarted_from: str | None = None
-    gpus_per_worker: int = 0
+    gpus_per_worker: int = Field(0, ge=0)
     logdir_url: str | None = None
     after_run: str | None = None
     after_request: int | None = None
@@ -106,16 +112,14 @@ class LaunchSpec:
     hosts: str | None = None
     nodes: int | None = None
     coordinator_host: str | None = None
-    k8s: Mapping[str, Any] = field(default_factory=dict)
+    k8s: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> LaunchSpec:
-        d = json.loads(text)
-        d["args"] = tuple(d.get("args") or ())
-        return cls(**d)
+        return cls(**json.loads(text))
 
 
 def new_run_id() -> str:
@@ -185,8 +189,6 @@ def plan_of(spec: LaunchSpec, *, runs_root: Path | None = None) -> LaunchPlan:
     from psflow.launch import make_plan
     from psflow.launch.watchdog import HangPolicy
 
-    if spec.backend not in BACKENDS:
-        raise ConfigError(f"Backend {spec.backend!r} is not one of {', '.join(BACKENDS)}.")
     run_id = spec.run_id or new_run_id()
     logdir = spec.logdir or str((runs_root or Path("runs")) / run_id)
     config = TrainConfig.from_dict({**spec.config, "mode": spec.mode, "strategy": spec.strategy})
