@@ -56,6 +56,7 @@ from psflow.launch.k8s import (
 )
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.restart import restart_group
+from psflow.rundir import RunDir
 
 # ------------------------------------------------------------------------------------ pure core
 
@@ -408,7 +409,7 @@ class K8sBackend(Backend):
             self._held.append(TaskExited(t, attempt, -15, time.time()))
 
     def error_report(self, task: str) -> dict[str, Any] | None:
-        return errorreport.read(Path(self._require_plan().logdir) / "errors", task)
+        return errorreport.read(RunDir(self._require_plan().logdir).error_report(task))
 
     def ended_by(self) -> str | None:
         if self._ended is None and self._stop_reason is not None:
@@ -488,7 +489,7 @@ class K8sBackend(Backend):
     def _exited(self, plan: LaunchPlan, change: Exited, attempt: int) -> None:
         self._save_log(plan, change)
         if change.report is not None:
-            errorreport.path_for(Path(plan.logdir) / "errors", change.task).write_text(json.dumps(change.report, indent=1))
+            RunDir(plan.logdir).error_report(change.task).write_text(json.dumps(change.report, indent=1))
         group = restart_group(plan.config.strategy, plan.config.ps_replicas, plan.task_names())
         if change.disrupted:
             if group is None or change.task not in group.triggers:  # Kubernetes replaces it: the same attempt goes on
@@ -527,7 +528,7 @@ class K8sBackend(Backend):
                 self.console.warn(f"could not delete pod {pod} of {task} ({_api_message(e)})")
 
     def _save_log(self, plan: LaunchPlan, change: Exited) -> None:
-        log = Path(plan.logdir) / "logs" / f"{change.task.replace(':', '-')}.log"
+        log = RunDir(plan.logdir).log(change.task)
         try:
             text = self._core.read_namespaced_pod_log(name=change.pod, namespace=self.settings.namespace)
         except Exception as e:  # noqa: BLE001 (a log that cannot be read must not end the watch)
