@@ -9,6 +9,7 @@ from psflow.cli.run import _checkpoint_env
 from psflow.config import TrainConfig
 from psflow.errors import PsflowError
 from psflow.launch.restart import RestartPolicy
+from psflow.modes import Mode
 
 
 @main.group()
@@ -21,7 +22,7 @@ def k8s() -> None:
 @click.option("--workers", "num_workers", default=2, show_default=True, help="Worker tasks.")
 @click.option("--chief/--no-chief", default=False, help="Add a separate chief task (default: worker:0 is chief).")
 @click.option("--logdir", default=None, help="The log dir, relative to the volume claim (default runs/<run id>).")
-@click.option("--mode", type=click.Choice(["async", "sync", "ssp"]), default=None, help="Update mode.")
+@click.option("--mode", type=click.Choice([m.value for m in Mode]), default=None, help="Update mode.")
 @click.option("--restart", "restart", default=None, metavar="POLICY|JOB=POLICY,...",
               help="never (default), on-failure, always, exit-code: the TFJob's restartPolicy per replica type.")
 @_k8s_options

@@ -15,6 +15,7 @@ from psflow.cli.group import _k8s_options, k8s_more, main
 from psflow.config import TrainConfig, check_launch_settings
 from psflow.errors import ConfigError, PsflowError
 from psflow.launch.restart import JOBS, RestartPolicy
+from psflow.modes import Mode
 
 
 # allow_interspersed_args=False: everything after SCRIPT reaches script_args as written ("--" included),
@@ -25,7 +26,7 @@ from psflow.launch.restart import JOBS, RestartPolicy
 @click.option("--chief/--no-chief", default=False, help="Add a separate chief task (default: worker:0 is chief).")
 @click.option("--evaluator/--no-evaluator", default=False, help="Add an evaluator task that evaluates every new checkpoint.")
 @click.option("--logdir", default=None, help="Where logs, errors and summary.json go (default runs/<run id>); or a URL (s3://B/P), uploaded.")
-@click.option("--mode", type=click.Choice(["async", "sync", "ssp"]), default=None, help="Update mode.")
+@click.option("--mode", type=click.Choice([m.value for m in Mode]), default=None, help="Update mode.")
 @click.option("--strategy", type=click.Choice(["ps", "allreduce"]), default=None, help="Parameter servers or all-reduce.")
 @click.option("--replicas-to-aggregate", type=int, default=None, help="sync: gradients averaged per step (N).")
 @click.option("--total-num-replicas", type=int, default=None, help="sync: workers taking part (M); M - N are backups.")
