@@ -80,13 +80,14 @@ def test_a_subscriber_that_raises_stops_none_of_the_others_and_is_logged_and_war
     broken, rec, warned = Broken(), Recorder(), []
     subs = Subscribers([broken, rec], warn=warned.append)
     c = RunController(TASKS, grace_s=5, ps_exit_timeout_s=60, subscriber=subs)
-    with caplog.at_level(logging.ERROR, logger="psflow"):
+    with caplog.at_level(logging.DEBUG, logger="psflow"):
         _started(c)  # three changes: each raises in the first subscriber
         subs.on_run_end(RunOutcome("succeeded", 0, None))
     assert broken.calls == 3 and len(rec.changes) == 3 and len(rec.outcomes) == 1
     assert len(warned) == 1 and "Broken" in warned[0] and "disk full" in warned[0]
     logged = [r for r in caplog.records if "Broken" in r.getMessage()]
     assert len(logged) == 4 and all(r.exc_info for r in logged)  # each failure, with its traceback
+    assert [r.levelno for r in logged] == [logging.ERROR] + [logging.DEBUG] * 3  # loud once, then quiet
     assert c.phase == "running"  # the controller never saw it
 
 

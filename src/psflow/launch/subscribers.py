@@ -85,8 +85,9 @@ class RunSubscriber:
 
 
 class Subscribers(RunSubscriber):
-    """Every call to each of ``subscribers``, in order. One that raises is logged (with its traceback)
-    and warned about once (``warn``); the others are still called, and so is it the next time."""
+    """Every call to each of ``subscribers``, in order. One that raises is logged (its first failure with
+    its traceback, later ones at debug level) and warned about once (``warn``); the others are still
+    called, and so is it the next time."""
 
     def __init__(self, subscribers: Iterable[RunSubscriber], *, warn: Callable[[str], None]) -> None:
         self.subscribers = list(subscribers)
@@ -107,8 +108,10 @@ class Subscribers(RunSubscriber):
             try:
                 getattr(sub, method)(*args)
             except Exception as e:  # noqa: BLE001 (a subscriber's failure, whatever it is, must not end the run)
-                log.exception("psflow: %s.%s failed", type(sub).__name__, method)
-                if i not in self._warned:
+                if i in self._warned:  # said once with its traceback; a store that keeps failing does not flood stderr
+                    log.debug("psflow: %s.%s failed again", type(sub).__name__, method, exc_info=True)
+                else:
+                    log.exception("psflow: %s.%s failed", type(sub).__name__, method)
                     self._warned.add(i)
                     others = ", ".join(type(o).__name__ for o in self.subscribers if o is not sub) or "none"
                     self.warn(f"cannot record the run in {type(sub).__name__} ({type(e).__name__}: {e}); the run "
