@@ -220,7 +220,9 @@ class CompositeRunStore(RunStore):
 
     The primary is the run's own record: the live table shows its :meth:`snapshot`, and its errors
     are the run's. A copy (the job store) that raises is warned about once (``warn``) and still
-    called afterwards, so it records again as soon as it can; the run never stops for it.
+    called afterwards, so it records again as soon as it can; the run never stops for it. The runner
+    makes each of its :meth:`members` a subscriber of the controller on its own
+    (:class:`~psflow.launch.subscribers.Subscribers`: one failing stops none of the others).
     """
 
     def __init__(self, primary: RunStore, *copies: RunStore, warn: Callable[[str], None]) -> None:
