@@ -33,6 +33,7 @@ def _post_routes_with_a_body(client) -> list[str]:  # noqa: ANN001
 BODIES = {
     "/api/runs": ('{"script": "x.py", "args": [], "workers": %s}', "workers"),
     "/api/runs/{run_id}/scale": ('{"workers": %s}', "workers"),
+    "/api/runs/{run_id}/restart": ('{"nodes": %s}', "nodes"),
 }
 
 

@@ -142,11 +142,11 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         k8s = {"image": k8s_image, "volume_claim": k8s_volume_claim, "namespace": k8s_namespace,
                "gpus_per_worker": gpus_per_worker, "ttl_s": k8s_ttl_s, "env_secret": k8s_env_secret, **k8s_given}
         from psflow.launch.assemble import BackendOptions, assemble_run
-        from psflow.platform.recording import recording
+        from psflow.platform.recording import backend_settings, recording
 
         options = BackendOptions(name=backend, hosts=hosts, ssh_config=ssh_config, nodes=nodes,
                                  coordinator_host=coordinator_host, preload=preload, live=live, dry_run=dry_run, k8s=k8s)
-        assembled = assemble_run(plan, options, store=recording)
+        assembled = assemble_run(plan, options, store=lambda b: recording(b, settings=backend_settings(options)))
     except PsflowError as e:
         raise click.UsageError(str(e)) from e
     if dry_run:

@@ -128,6 +128,21 @@ class StartRun(BaseModel):
     volume_claim: str | None = Field(None, max_length=253, description="k8s: a ReadWriteMany claim for the log dir")
 
 
+class RestartSettings(BaseModel):
+    """A restart's backend settings in place of those its run was recorded with (``POST /api/runs/{id}/restart``,
+    optional: without a body the recorded ones stand)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: int | None = Field(None, ge=1, le=10_000, description="slurm: nodes to allocate")
+    coordinator_host: str | None = Field(None, max_length=253, description="slurm, ssh: the address the nodes reach "
+                                                                           "the launcher at")
+    hosts: str | None = Field(None, max_length=4096, description="ssh: HOST:SLOTS,..., filled in order")
+    image: str | None = Field(None, max_length=1024, description="k8s: the container image")
+    namespace: str | None = Field(None, max_length=253, description="k8s: the namespace")
+    volume_claim: str | None = Field(None, max_length=253, description="k8s: a ReadWriteMany claim for the log dir")
+
+
 def _store(request: Request) -> Iterator[JobStore]:
     """The job store for one request (its own connection: requests run on a thread pool)."""
     try:
@@ -509,14 +524,20 @@ def dump_run(run_id: str, db: Db) -> dict[str, Any]:
 
 @change_routes.post("/api/runs/{run_id}/restart", status_code=202, response_model=answers.RunStarted,
                     response_model_exclude_none=True)
-def restart_run(run_id: str, db: Db, request: Request, settings: Settings) -> dict[str, Any]:
+def restart_run(run_id: str, db: Db, request: Request, settings: Settings,
+                form: RestartSettings | None = None) -> dict[str, Any]:
     from psflow.launch.logdirlock import run_lock
     from psflow.platform.launching import plan_of, spec_of_run, start_detached
     from psflow.platform.runcontrol import ask_stop
+    from psflow.platform.startform import FormError, restart_overrides
 
     run = the_run(db, run_id)
     try:
-        spec = spec_of_run(run)
+        overrides = restart_overrides(str(run.get("backend") or "local"), form.model_dump() if form else {})
+    except FormError as e:
+        raise _unprocessable(e.field, str(e)) from e
+    try:
+        spec = spec_of_run(run, overrides)
         plan_of(spec)  # refused now, not in the background, if it cannot start again
         # ... or if another run holds its logdir, or another restart of it waits (one logdir, one live run)
         run_lock(str(spec.logdir), spec.logdir_url, str(spec.run_id)).check(after_run=run_id)

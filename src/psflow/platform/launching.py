@@ -127,12 +127,15 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
-def spec_of_run(run: Mapping[str, Any]) -> LaunchSpec:
+def spec_of_run(run: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> LaunchSpec:
     """The launch of a recorded run (a job store record, :meth:`JobStore.run`), to launch it again:
-    same script, arguments, shape, settings, logdir; a new id, naming the old one.
+    same script, arguments, shape, settings, backend settings (hosts, nodes, Kubernetes image, ...),
+    logdir; a new id, naming the old one. ``overrides``: backend settings that replace the recorded
+    ones (``hosts``, ``nodes``, ``coordinator_host``; ``k8s``: merged, key by key).
 
     Raises:
-        ConfigError: the record lacks what a launch needs (a run recorded before psflow kept it).
+        ConfigError: the record lacks what a launch needs (a run recorded before psflow kept it), or
+            an override is not a backend setting.
     """
     cluster = run.get("cluster") or {}
     launch = run.get("launch") or {}
@@ -150,7 +153,20 @@ def spec_of_run(run: Mapping[str, Any]) -> LaunchSpec:
         restart_policy=dict(run.get("restart_policy") or {}), config=config, hangs=dict(launch.get("hangs") or {}),
         threads=launch.get("threads"), logdir=str(run["logdir"]), run_id=new_run_id(), restarted_from=str(run["id"]),
         gpus_per_worker=int(launch.get("gpus_per_worker") or 0),
-        logdir_url=launch.get("logdir_url"))
+        logdir_url=launch.get("logdir_url"), **_backend_settings(launch.get("backend_settings") or {}, overrides or {}))
+
+
+def _backend_settings(recorded: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A restart's backend settings: the recorded ones, with ``overrides`` in their place (``k8s``: key by key)."""
+    from psflow.platform.sqlrunstore import BACKEND_SETTINGS
+
+    unknown = sorted(set(overrides) - set(BACKEND_SETTINGS))
+    if unknown:
+        raise ConfigError(f"Unknown backend setting(s) {unknown} for a restart; known: {list(BACKEND_SETTINGS)}.")
+    out = {k: recorded.get(k) for k in BACKEND_SETTINGS if k != "k8s"}
+    out.update({k: v for k, v in overrides.items() if k != "k8s" and v is not None})
+    out["k8s"] = {**dict(recorded.get("k8s") or {}), **dict(overrides.get("k8s") or {})}
+    return out
 
 
 def restore_spec(run: Mapping[str, Any], runs_root: Path) -> LaunchSpec:
@@ -312,10 +328,11 @@ def queue_restart(spec: LaunchSpec) -> LogdirLock:
 def _runner(spec: LaunchSpec, plan: LaunchPlan, *, live: bool | None) -> Any:
     """The runner of ``plan`` on the spec's backend, recorded in the job store."""
     from psflow.launch.assemble import assemble_run
-    from psflow.platform.recording import recording
+    from psflow.platform.recording import backend_settings, recording
 
-    return assemble_run(plan, backend_options(spec, live=live),
-                        store=lambda b: recording(b, restarted_from=spec.restarted_from)).runner
+    options = backend_options(spec, live=live)
+    return assemble_run(plan, options, store=lambda b: recording(b, restarted_from=spec.restarted_from,
+                                                                 settings=backend_settings(options))).runner
 
 
 def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapping[str, str] | None = None,
@@ -350,9 +367,11 @@ def record_starting(db_path: Path, plan: LaunchPlan, spec: LaunchSpec, launcher_
     being recorded does not call the run abandoned, and one after this process is gone does."""
     from psflow.launch.liveness import process_identity
     from psflow.platform.jobstore import JobStore
+    from psflow.platform.recording import backend_settings
     from psflow.platform.sqlrunstore import run_record
 
-    record = run_record(plan, backend=spec.backend, restart_policy=plan.restart)
+    record = run_record(plan, backend=spec.backend, restart_policy=plan.restart,
+                        settings=backend_settings(backend_options(spec)))
     record["launcher"] = process_identity(os.getpid())
     if spec.restarted_from:
         record["restarted_from"] = spec.restarted_from

@@ -13,7 +13,7 @@ a run started without one keeps its files only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from psflow.launch.plan import LaunchPlan
@@ -29,7 +29,7 @@ def backend_name(backend: Any) -> str:
 
 
 def recorded_store(plan: LaunchPlan, *, backend: str, warn: Callable[[str], None], policy: RestartPolicy | None = None,
-                   restarted_from: str | None = None) -> RunStore:
+                   restarted_from: str | None = None, settings: Mapping[str, Any] | None = None) -> RunStore:
     """The files in the plan's log dir, the run in the job store, and its alerts when a webhook is set.
 
     Args:
@@ -38,20 +38,29 @@ def recorded_store(plan: LaunchPlan, *, backend: str, warn: Callable[[str], None
         warn: where the stores' warnings go (the launcher's console).
         policy: the restart policy the run goes by; default the plan's.
         restarted_from: the run this one restarts (``psflow restart``), recorded with it.
+        settings: the backend's settings (:func:`backend_settings`), recorded for a restart to reuse.
 
     Raises:
         ConfigError: a bad ``PSFLOW_ALERT_WEBHOOK`` or ``PSFLOW_ALERT_STALL_S``.
     """
-    record = run_record(plan, backend=backend, restart_policy=policy or plan.restart)
+    record = run_record(plan, backend=backend, restart_policy=policy or plan.restart, settings=settings)
     if restarted_from is not None:
         record["restarted_from"] = restarted_from
     return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn),
                              *alerting_store(plan.run_id, warn=warn), warn=warn)
 
 
-def recording(backend: Any, *, policy: RestartPolicy | None = None,
-              restarted_from: str | None = None) -> Callable[[LaunchPlan], RunStore]:
-    """The run-store factory that records a run on ``backend`` (a Backend; its console gets the warnings).
+def backend_settings(options: Any) -> dict[str, Any]:
+    """The settings of a :class:`psflow.launch.assemble.BackendOptions` that a run's record keeps
+    (:func:`psflow.platform.sqlrunstore.recordable_settings` drops the credential-like ones)."""
+    return {"hosts": options.hosts, "nodes": options.nodes, "coordinator_host": options.coordinator_host,
+            "k8s": dict(options.k8s) if options.name == "k8s" else {}}  # psflow run passes defaults for every backend
+
+
+def recording(backend: Any, *, policy: RestartPolicy | None = None, restarted_from: str | None = None,
+              settings: Mapping[str, Any] | None = None) -> Callable[[LaunchPlan], RunStore]:
+    """The run-store factory that records a run on ``backend`` (a Backend; its console gets the warnings)
+    with the backend's ``settings`` (:func:`backend_settings`).
 
     Example:
         >>> backend = LocalBackend()
@@ -60,4 +69,4 @@ def recording(backend: Any, *, policy: RestartPolicy | None = None,
     """
     name = backend_name(backend)
     return lambda plan: recorded_store(plan, backend=name, warn=backend.console.warn, policy=policy,
-                                       restarted_from=restarted_from)
+                                       restarted_from=restarted_from, settings=settings)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import re
 import sqlite3
 import threading
 import time
@@ -55,10 +56,13 @@ class _StillLocked(Exception):
 Op = Callable[[JobStore], None]
 
 
-def run_record(plan: LaunchPlan, *, backend: str, restart_policy: Any = None) -> dict[str, Any]:
+def run_record(plan: LaunchPlan, *, backend: str, restart_policy: Any = None,
+               settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What the job store keeps about a run before it starts: the ``runs`` row of ``plan``.
 
     The script and its arguments are read from the first task's command (``python -u SCRIPT ARGS``).
+    ``settings``: the backend's (``hosts``, ``nodes``, ``coordinator_host``, ``k8s``), kept as
+    :func:`recordable_settings` keeps them, so a restart goes to the same hosts, nodes or cluster.
     """
     argv = list(plan.tasks[0].argv) if plan.tasks else []
     rest = argv[1:]
@@ -75,9 +79,30 @@ def run_record(plan: LaunchPlan, *, backend: str, restart_policy: Any = None) ->
         # what psflow.platform.launching needs to launch the same plan again (fault injection left out)
         "launch": {"config": plan.config.to_dict(), "hangs": asdict(plan.hangs), "threads": plan.threads,
                    "grace_s": plan.grace_s, "cwd": os.getcwd(),  # cwd: what a relative script path is relative to
-                   "gpus_per_worker": _gpus_per_worker(plan),
+                   "gpus_per_worker": _gpus_per_worker(plan), "backend_settings": recordable_settings(settings or {}),
                    **({"logdir_url": plan.logdir_url} if plan.logdir_url else {})},  # logdir: its staging dir
     }
+
+
+BACKEND_SETTINGS = ("hosts", "nodes", "coordinator_host", "k8s")
+_CREDENTIAL_LIKE = re.compile(r"secret|token|password|passwd|credential|auth", re.IGNORECASE)
+
+
+def recordable_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The backend ``settings`` a run's record keeps: those of :data:`BACKEND_SETTINGS` that are set,
+    the Kubernetes ones less any that names a secret or credential (``env_secret``,
+    ``image_pull_secrets``: a restart asked of the dashboard never carries them).
+
+    Example:
+        >>> recordable_settings({"hosts": "n1:2", "nodes": None, "k8s": {"image": "i", "env_secret": "s"}})
+        {'hosts': 'n1:2', 'k8s': {'image': 'i'}}
+    """
+    out = {k: settings[k] for k in BACKEND_SETTINGS if k != "k8s" and settings.get(k) not in (None, "")}
+    k8s = {k: v for k, v in dict(settings.get("k8s") or {}).items()
+           if not _CREDENTIAL_LIKE.search(k) and v not in (None, "", ())}
+    if k8s:
+        out["k8s"] = k8s
+    return out
 
 
 def _gpus_per_worker(plan: LaunchPlan) -> int:

@@ -10,7 +10,8 @@ the backend itself refuses is checked after (:func:`psflow.platform.launching.pl
 No ssh configuration file is taken from the form: its ``ProxyCommand`` would run any command, and
 the form runs only scripts under the allowed directories.
 
-Pure: :func:`launch_fields`, :func:`field_of`. Used by :func:`psflow.platform.api.start_run`.
+Pure: :func:`launch_fields`, :func:`restart_overrides`, :func:`field_of`. Used by
+:func:`psflow.platform.api.start_run` and ``restart_run``.
 """
 
 from __future__ import annotations
@@ -48,14 +49,41 @@ def launch_fields(backend: str, given: Mapping[str, Any], gpus_per_worker: int) 
         >>> launch_fields("ssh", {"hosts": "node1:2,node2"}, 0)
         {'hosts': 'node1:2,node2', 'coordinator_host': None, 'nodes': None, 'k8s': {}, 'gpus_per_worker': 0}
     """
+    set_ = _checked(backend, given)
+    if backend in REQUIRED and REQUIRED[backend][0] not in set_:
+        field, what = REQUIRED[backend]
+        raise FormError(field, f"The {backend} backend needs {field}: {what}.")
+    k8s = {k: set_[k] for k in ("image", "namespace", "volume_claim") if k in set_}
+    if backend == "k8s":
+        k8s["gpus_per_worker"] = gpus_per_worker  # a pod's nvidia.com/gpu: Kubernetes places them
+    return {"hosts": set_.get("hosts"), "coordinator_host": set_.get("coordinator_host"), "nodes": set_.get("nodes"),
+            "k8s": k8s, "gpus_per_worker": 0 if backend == "k8s" else gpus_per_worker}
+
+
+def restart_overrides(backend: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The backend settings a restart request gives in place of the recorded ones
+    (:func:`psflow.platform.launching.spec_of_run`'s ``overrides``): only those set, checked as the form's.
+
+    Raises:
+        FormError: as :func:`launch_fields` (a required one may be left out: the recorded one stands).
+
+    Example:
+        >>> restart_overrides("slurm", {"nodes": 4, "hosts": None})
+        {'nodes': 4}
+    """
+    set_ = _checked(backend, given)
+    out = {k: set_[k] for k in ("hosts", "coordinator_host", "nodes") if k in set_}
+    k8s = {k: set_[k] for k in ("image", "namespace", "volume_claim") if k in set_}
+    return {**out, "k8s": k8s} if k8s else out
+
+
+def _checked(backend: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The backend fields of ``given`` that are set, each checked (see :func:`launch_fields`)."""
     set_ = {k: v for k, v in given.items() if k in FIELDS and v not in (None, "")}
     for name in set_:
         if backend not in FIELDS[name]:
             raise FormError(name, f"{name} is for the {' and '.join(FIELDS[name])} backend; this run's backend is "
                                   f"{backend}. Clear it, or choose that backend.")
-    if backend in REQUIRED and REQUIRED[backend][0] not in set_:
-        field, what = REQUIRED[backend]
-        raise FormError(field, f"The {backend} backend needs {field}: {what}.")
     if "hosts" in set_:
         _check_hosts(str(set_["hosts"]))
     if "coordinator_host" in set_ and not _HOST.fullmatch(str(set_["coordinator_host"])):
@@ -65,11 +93,7 @@ def launch_fields(backend: str, given: Mapping[str, Any], gpus_per_worker: int) 
         if name in set_ and not _K8S_NAME.fullmatch(str(set_[name])):
             raise FormError(name, f"{name} {set_[name]!r} is not a Kubernetes name: lowercase letters, digits, '-' "
                                   "and '.', starting and ending with a letter or digit.")
-    k8s = {k: set_[k] for k in ("image", "namespace", "volume_claim") if k in set_}
-    if backend == "k8s":
-        k8s["gpus_per_worker"] = gpus_per_worker  # a pod's nvidia.com/gpu: Kubernetes places them
-    return {"hosts": set_.get("hosts"), "coordinator_host": set_.get("coordinator_host"), "nodes": set_.get("nodes"),
-            "k8s": k8s, "gpus_per_worker": 0 if backend == "k8s" else gpus_per_worker}
+    return set_
 
 
 def _check_hosts(hosts: str) -> None:
