@@ -33,7 +33,7 @@ from psflow.cluster import ClusterSpec, TaskId
 from psflow.errors import PsflowError, RemoteError, TransportError
 from psflow.ps.replication import pair_other
 from psflow.wire.compress import NONE, Compression, GradientEncoder
-from psflow.wire.conn import Connection, Frame, PeerLostError, Resolve, connect
+from psflow.wire.conn import Connection, ConnectStopped, Frame, PeerLostError, Resolve, connect
 from psflow.wire.frame import Limits
 from psflow.wire.ops import Op
 
@@ -95,6 +95,10 @@ class PsClient:
         # read by each reconnect's backoff, which then gives up at once (ConnectStopped) instead of
         # retrying for connect_timeout_s past the launcher's grace.
         self.stop_reason: str | None = None
+        # Shards a stop request already ended a wait for (a reply, a reconnect): shard -> that error. The
+        # task is stopping and the ps did not answer: no later request waits for it again (each would
+        # cost a handshake's timeout), so what the task still does without it is done within its grace.
+        self._given_up: dict[int, ConnectStopped] = {}
         # Pushes sent and not answered yet that the ps deduplicates (they carry ``seq``): shard ->
         # (meta, gradients), resent once on a fresh connection if the connection drops before the reply.
         self._unanswered: dict[int, tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]] = {}
@@ -154,6 +158,8 @@ class PsClient:
             conn = self.conns[shard] = self._connect_serving(shard)
         if conn is None:
             assert self._resolve is not None  # only a client with a resolver forgets connections
+            if shard in self._given_up:
+                raise ConnectStopped(f"Not waiting for ps:{shard} again: {self._given_up[shard]}")
             address = self.addresses[shard]
             try:
                 address = self._resolve(f"ps:{shard}")
@@ -162,7 +168,11 @@ class PsClient:
                             self.task, shard, e, address)
             log.warning("%s: reconnecting to ps:%d at %s (retrying for up to %g s; a stop request ends it).",
                         self.task, shard, address, self.connect_timeout_s)
-            conn = self._connect(shard, address)
+            try:
+                conn = self._connect(shard, address)
+            except ConnectStopped as e:
+                self._given_up[shard] = e
+                raise
             self.conns[shard] = conn
             self.addresses[shard] = conn.address
             log.warning("%s: reconnected to ps:%d at %s.", self.task, shard, conn.address)
@@ -326,6 +336,8 @@ class PsClient:
     def _on_error(self, shard: int, error: TransportError, first: TransportError | None) -> TransportError:
         """A shard's exchange failed. Without a resolver, raise at once (as always); with one,
         forget the connection and go on with the other shards. Returns the first error."""
+        if isinstance(error, ConnectStopped):  # a stop request ended the wait: the connection is closed
+            self._given_up.setdefault(shard, error)
         if not self.reconnects:
             raise error
         self._lost(shard, error)

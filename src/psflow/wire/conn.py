@@ -26,6 +26,7 @@ A peer that moves (a restarted task, on a new port): ``connect`` takes an option
 retry, so that it follows the peer to its new address; the peer's name is still checked by the
 handshake. A connection whose peer went away raises :class:`PeerLostError`, which a client may
 answer by reconnecting (a timeout is not that: the peer may still be working on the request).
+A task's stop request (SIGTERM) ends a wait on a silent peer: see ``Connection.watch_stop``.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ _SMALL = _RECV_BUF // 2  # a frame without payload whose meta is at most this ta
 _unpack_header = HEADER.unpack_from
 _ERROR = int(Op.ERROR)
 _NO_META: dict[str, Any] = {}  # never written to
+# A connection that watches its task's stop reason waits on its socket this long at a time.
+_STOP_SLICE_S = 0.2
+# Once the task is asked to stop, how long a peer may still be silent before the wait ends: a live
+# peer's reply is on its way (the step ends, the final checkpoint goes on); a frozen one's never is.
+STOP_GRACE_S = 1.0
 
 
 @dataclass
@@ -95,6 +101,12 @@ class ConnectStopped(TransportError):
     """``connect`` gave up because its task was asked to stop (``should_stop``), not at its deadline."""
 
 
+class ReplyStopped(ConnectStopped):
+    """A wait on a connection (a reply, or room to send) ended because its task was asked to stop and
+    the peer stayed silent for ``STOP_GRACE_S`` after it. The connection is closed: its stream is in
+    an unknown state (a reply may be half read)."""
+
+
 class ServerBusyError(TransportError):
     """The server turned this connection away: too many handshakes were under way (retried by connect)."""
 
@@ -115,6 +127,8 @@ class Connection:
         self._rbuf = memoryview(bytearray(_RECV_BUF))
         self._rpos = self._rend = 0
         self._timeout: float | None | bool = False  # False: unknown; settimeout costs a syscall, so skip repeats
+        # The task's stop reason (see ``watch_stop``); None: the socket waits whole timeouts.
+        self._should_stop: Callable[[], str | None] | None = None
         self._deadline: float | None = None  # monotonic time the handshake must be done by (None: no deadline)
         self.bytes_sent = self.bytes_received = 0  # frames' bytes, handshake included (what a link carries)
         # psflow run --timeline: when the last frame's header arrived (timeline clock), what the
@@ -125,10 +139,44 @@ class Connection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def set_timeout(self, timeout_s: float | None) -> None:
-        """Socket timeout for the next sends/receives (None: block). A no-op when unchanged."""
+        """The longest wait of each next send or receive (None: no limit). A no-op when unchanged."""
         if timeout_s != self._timeout or self._timeout is False:
-            self.sock.settimeout(timeout_s)
             self._timeout = timeout_s
+            if self._should_stop is not None:  # waits in slices (``_waiting`` goes on after the first)
+                timeout_s = _STOP_SLICE_S if timeout_s is None else min(timeout_s, _STOP_SLICE_S)
+            self.sock.settimeout(timeout_s)
+
+    def watch_stop(self, should_stop: Callable[[], str | None] | None) -> None:
+        """From now on, end a wait on the peer with ReplyStopped once ``should_stop()`` names a reason
+        (a flag that a signal handler sets) and the peer has stayed silent for ``STOP_GRACE_S`` since.
+        The socket then waits in slices of ``_STOP_SLICE_S``: a wait within one costs nothing more."""
+        timeout, self._timeout = self._timeout, False
+        self._should_stop = should_stop
+        self.set_timeout(None if timeout is False else timeout)  # type: ignore[arg-type]
+
+    def _waiting(self, io: Callable[[], int], what: str) -> int:
+        """Go on with a send or receive whose first slice passed without progress: in slices, until
+        it completes (its result), the wait's limit passes (TimeoutError), or the task was asked to
+        stop and ``STOP_GRACE_S`` passed since (ReplyStopped, the connection closed)."""
+        assert self._should_stop is not None
+        start = time.monotonic() - _STOP_SLICE_S  # the first slice is spent
+        stop_at: float | None = None
+        while True:
+            now = time.monotonic()
+            reason = self._should_stop() if stop_at is None else None
+            if reason:
+                stop_at, why = now + STOP_GRACE_S, reason
+            if stop_at is not None and now >= stop_at:
+                self.close()
+                raise ReplyStopped(f"Stopped ({why}) while {what} {self.peer}: nothing came within {STOP_GRACE_S:g} s "
+                                   f"of the stop request (is it frozen or overloaded?); its connection is closed.")
+            limit = None if self._timeout is False else self._timeout
+            if limit is not None and now - start >= limit:
+                raise TimeoutError(f"no progress within {limit:g} s")
+            try:
+                return io()
+            except TimeoutError:
+                continue
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, op: int, meta: dict[str, Any] | None = None, tensors: NamedTensors = ()) -> None:
@@ -144,6 +192,17 @@ class Connection:
     def send_encoded(self, frame: bytes) -> None:
         """Send a whole frame without tensors that :func:`~psflow.wire.frame.encode_head` made
         (earlier, or just now): one buffer, and ``sendall``'s loop is C's."""
+        if self._should_stop is not None:  # a send that waits past a slice goes on where it stopped (_sendall)
+            try:
+                sent = self.sock.send(frame)
+            except TimeoutError:
+                sent = 0
+            except OSError as e:
+                raise PeerLostError(f"Lost the connection to {self.peer} while sending: {e}.") from e
+            self.bytes_sent += sent
+            if sent < len(frame):
+                self._sendall([memoryview(frame)[sent:]])
+            return
         try:
             self.sock.sendall(frame)
         except TimeoutError as e:
@@ -156,7 +215,12 @@ class Connection:
         try:
             self.bytes_sent += sum(b.nbytes for b in bufs)
             while bufs:
-                sent = self.sock.sendmsg(bufs[:_IOV_MAX])
+                try:
+                    sent = self.sock.sendmsg(bufs[:_IOV_MAX])
+                except TimeoutError:  # nothing sent in one slice: wait on, watching the stop reason
+                    if self._should_stop is None:
+                        raise
+                    sent = self._waiting(lambda b=bufs[:_IOV_MAX]: self.sock.sendmsg(b), "sending to")
                 while sent:
                     n = bufs[0].nbytes
                     if sent >= n:
@@ -205,7 +269,13 @@ class Connection:
                 raise TimeoutError("handshake deadline passed")
             self.sock.settimeout(left)
             self._timeout = left
-        return self.sock.recv_into(view, n)
+            return self.sock.recv_into(view, n)
+        try:
+            return self.sock.recv_into(view, n)
+        except TimeoutError:
+            if self._should_stop is None:
+                raise
+            return self._waiting(lambda: self.sock.recv_into(view, n), "waiting for")
 
     def _fill(self, n: int) -> None:
         """Make the next ``n`` bytes (at most half the buffer) wait in the receive buffer: one
@@ -238,7 +308,12 @@ class Connection:
             if end - pos < HEADER_SIZE:
                 if pos == end and self._deadline is None:  # empty: one read, at the front
                     pos = self._rpos = 0
-                    end = self._rend = self.sock.recv_into(rbuf)
+                    try:
+                        end = self._rend = self.sock.recv_into(rbuf)
+                    except TimeoutError:  # the reply is slow: wait on, watching the stop reason
+                        if self._should_stop is None:
+                            raise
+                        end = self._rend = self._waiting(lambda: self.sock.recv_into(rbuf), "waiting for")
                     if not end:
                         raise PeerLostError(f"{self.peer} closed the connection.")
                 if end - pos < HEADER_SIZE:
@@ -488,9 +563,8 @@ def connect(
             another address, that one is tried at once): PeerGoneError. For a failover, where the
             peer's copy elsewhere serves as soon as this one is known dead; a task's first connection
             (its peer may not listen yet) keeps retrying.
-        should_stop: the reason this task was asked to stop (SIGTERM), or None: checked after each
-            failed attempt and through the backoff between them, so a stop ends the retries within
-            ~50 ms, once at least one attempt was made (with a handshake of 1 s at most once stopping).
+        should_stop: the task's stop reason (SIGTERM), or None: a stop ends the retries within ~50 ms once
+            one attempt was made (handshakes of 1 s at most then), and the connection's waits (watch_stop).
 
     Raises:
         ConnectStopped: ``should_stop`` named a reason and the last attempt failed.
@@ -511,6 +585,7 @@ def connect(
             conn = _attempt(address, name, secret, task, peer, handshake_s, limits,
                             min(handshake_s, max(0.05, t_end - time.monotonic())))
             conn.set_timeout(None)
+            conn.watch_stop(should_stop)
             return conn
         except (OSError, ServerBusyError) as e:  # refused, unreachable, or flooded with handshakes: wait and retry
             last = e
