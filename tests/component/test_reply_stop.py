@@ -103,3 +103,29 @@ def test_a_send_that_waits_for_room_past_a_slice_completes() -> None:
     assert got and torch.equal(got[0], big)
     client.close()
     server.close()
+
+
+def test_a_peer_that_still_answers_otherwise_is_waited_for_past_the_grace() -> None:
+    """A ps holding a sync step back for a worker that finishes its batch answers a new connection:
+    its reply is waited for; one that does not (frozen) ends the wait at the next grace."""
+    reason: list[str] = ["SIGTERM"]
+    a, b = socket.socketpair()
+    client, server = Connection(a, peer="ps:0"), Connection(b, peer="worker:0")
+    probes: list[float] = []
+    client.watch_stop(lambda: reason[0], alive=lambda: probes.append(time.monotonic()) is None and len(probes) < 3)
+
+    def answer_late() -> None:
+        frame = server.recv()
+        time.sleep(STOP_GRACE_S * 1.5)  # past one grace, within the second: not a synchronisation
+        server.send(Op.PS_STATUS, {"echo": frame.meta["n"]})
+
+    t = threading.Thread(target=answer_late)
+    t.start()
+    assert client.request(Op.PS_STATUS, {"n": 3}, timeout_s=60.0).meta == {"echo": 3}
+    t.join(10)
+    assert len(probes) == 1, probes
+    t0 = time.monotonic()
+    with pytest.raises(ReplyStopped, match="nor did it answer a new connection"):
+        client.request(Op.PS_STATUS, {"n": 4}, timeout_s=60.0)  # alive twice more, then not: stopped
+    assert len(probes) == 3 and time.monotonic() - t0 < 3 * STOP_GRACE_S + 2.0
+    server.close()

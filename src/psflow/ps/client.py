@@ -144,9 +144,24 @@ class PsClient:
         return self._resolve is not None or self.replicas == 2
 
     def _connect(self, shard: int, address: str) -> Connection:
-        return connect(address, secret=self._secret, task=str(self.task), peer=f"ps:{shard}",
-                       deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve,
-                       should_stop=self._stopping)
+        return self._watched(connect(address, secret=self._secret, task=str(self.task), peer=f"ps:{shard}",
+                                     deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve,
+                                     should_stop=self._stopping))
+
+    def _watched(self, conn: Connection) -> Connection:
+        """``conn``, whose waits end at a stop request once its ps is silent and answers no new connection."""
+        conn.watch_stop(self._stopping, alive=lambda a=conn.address, p=conn.peer: self._answers(a, p))
+        return conn
+
+    def _answers(self, address: str, peer: str) -> bool:
+        """Whether the ps at ``address`` completes a new connection's handshake within 1 s: one that
+        holds a reply back (a sync step waiting for a worker) does, a frozen one does not."""
+        try:
+            connect(address, secret=self._secret, task=str(self.task), peer=peer, deadline_s=1.0,
+                    handshake_timeout_s=1.0, limits=self._limits).close()
+        except PsflowError:
+            return False
+        return True
 
     def _stopping(self) -> str | None:
         return self.stop_reason
@@ -194,16 +209,17 @@ class PsClient:
         serving = self.routes.get(shard, shard)
         try:
             # A refused connection (nothing listens: the ps died) fails over at once, not after failover_s.
-            return connect(self._where(serving), secret=self._secret, task=str(self.task), peer=f"ps:{serving}",
-                           deadline_s=self.failover_s, limits=self._limits, resolve=self._resolve, refused_is_gone=True,
-                           should_stop=self._stopping)
+            return self._watched(connect(
+                self._where(serving), secret=self._secret, task=str(self.task), peer=f"ps:{serving}",
+                deadline_s=self.failover_s, limits=self._limits, resolve=self._resolve, refused_is_gone=True,
+                should_stop=self._stopping))
         except TransportError as e:
             other = self._reroute(shard)
             log.warning("%s: ps:%d did not answer within %g s (%s); ps:%d serves shard %d now.",
                         self.task, serving, self.failover_s, e, other, shard)
-        return connect(self._where(other), secret=self._secret, task=str(self.task), peer=f"ps:{other}",
-                       deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve,
-                       should_stop=self._stopping)
+        return self._watched(connect(self._where(other), secret=self._secret, task=str(self.task), peer=f"ps:{other}",
+                                     deadline_s=self.connect_timeout_s, limits=self._limits, resolve=self._resolve,
+                                     should_stop=self._stopping))
 
     def _reroute(self, shard: int) -> int:
         """Route ``shard`` to the other ps of its pair; returns it. Its connection is made again there."""

@@ -129,6 +129,7 @@ class Connection:
         self._timeout: float | None | bool = False  # False: unknown; settimeout costs a syscall, so skip repeats
         # The task's stop reason (see ``watch_stop``); None: the socket waits whole timeouts.
         self._should_stop: Callable[[], str | None] | None = None
+        self._alive: Callable[[], bool] | None = None  # whether the peer still answers (see ``watch_stop``)
         self._deadline: float | None = None  # monotonic time the handshake must be done by (None: no deadline)
         self.bytes_sent = self.bytes_received = 0  # frames' bytes, handshake included (what a link carries)
         # psflow run --timeline: when the last frame's header arrived (timeline clock), what the
@@ -146,12 +147,14 @@ class Connection:
                 timeout_s = _STOP_SLICE_S if timeout_s is None else min(timeout_s, _STOP_SLICE_S)
             self.sock.settimeout(timeout_s)
 
-    def watch_stop(self, should_stop: Callable[[], str | None] | None) -> None:
+    def watch_stop(self, should_stop: Callable[[], str | None] | None, alive: Callable[[], bool] | None = None) -> None:
         """From now on, end a wait on the peer with ReplyStopped once ``should_stop()`` names a reason
-        (a flag that a signal handler sets) and the peer has stayed silent for ``STOP_GRACE_S`` since.
+        (a flag that a signal handler sets) and the peer has stayed silent for ``STOP_GRACE_S`` since,
+        unless ``alive()`` (asked then, and after each further grace) says the peer still answers
+        otherwise: a ps holding a sync step for a worker that is finishing its batch, not a frozen one.
         The socket then waits in slices of ``_STOP_SLICE_S``: a wait within one costs nothing more."""
         timeout, self._timeout = self._timeout, False
-        self._should_stop = should_stop
+        self._should_stop, self._alive = should_stop, alive
         self.set_timeout(None if timeout is False else timeout)  # type: ignore[arg-type]
 
     def _waiting(self, io: Callable[[], int], what: str) -> int:
@@ -167,9 +170,13 @@ class Connection:
             if reason:
                 stop_at, why = now + STOP_GRACE_S, reason
             if stop_at is not None and now >= stop_at:
+                if self._alive is not None and self._alive():
+                    stop_at = time.monotonic() + STOP_GRACE_S  # it works on: its reply may still come
+                    continue
                 self.close()
                 raise ReplyStopped(f"Stopped ({why}) while {what} {self.peer}: nothing came within {STOP_GRACE_S:g} s "
-                                   f"of the stop request (is it frozen or overloaded?); its connection is closed.")
+                                   f"of the stop request{', nor did it answer a new connection' if self._alive else ''} "
+                                   "(is it frozen?); its connection is closed.")
             limit = None if self._timeout is False else self._timeout
             if limit is not None and now - start >= limit:
                 raise TimeoutError(f"no progress within {limit:g} s")
