@@ -42,7 +42,8 @@ def runs(state: str | None, as_json: bool) -> None:
     from psflow.platform import views
 
     with _store_errors():
-        found = views.list_runs(state=state, metrics=as_json)  # the table shows no metrics: not read for it
+        found = views.list_runs(state=state, metrics=as_json,  # the table shows no metrics: not read for it
+                                note=lambda m: click.echo(f"psflow: note: {m}", err=True))
     if as_json:
         click.echo(json.dumps(views.runs_json(found), indent=1, default=str))
     elif not found:

@@ -86,6 +86,8 @@ class JobStore:
         self.path = Path(path) if path is not None else jobs_db_path()
         self.busy_timeout_s = busy_timeout_s
         self.conn: sqlite3.Connection | None = None
+        self.read_only = read_only
+        self.note: str | None = None  # what a reader should know about the store (an older schema read as it stands)
         if read_only:
             self._open_read_only(check_same_thread)
             return
@@ -130,12 +132,23 @@ class JobStore:
         if self.conn is None:
             assert last is not None
             raise JobStoreError(explain(self.path, last, self.busy_timeout_s, reading=True)) from last
-        if self.version != LATEST:
+        if self.version < LATEST and self._runs_readable():
+            self.note = (f"the job store {self.path} has schema version {self.version} (this psflow's is {LATEST}); it "
+                         "is read as it stands, and the next psflow that writes it (a run, the dashboard) upgrades it.")
+        elif self.version != LATEST:
             self.close()
             what = ("cannot read a newer one: upgrade psflow" if self.version > LATEST else
                     "cannot bring an older one up to date without writing it: run psflow once with write access there")
             raise JobStoreError(f"The job store {self.path} has schema version {self.version}; this psflow reads version "
                                 f"{LATEST}, and {what}, or point PSFLOW_HOME at another directory.")
+
+    def _runs_readable(self) -> bool:
+        """Whether the runs table reads (an older store's runs list then shows as it stands)."""
+        try:
+            self._db.execute("SELECT * FROM runs LIMIT 1").fetchall()
+            return True
+        except sqlite3.Error:
+            return False
 
     def _set_wal(self, busy_timeout_s: float) -> None:
         """WAL mode. Two connections switching a new database's journal mode at once: one gets "locked"
@@ -473,9 +486,40 @@ class JobStore:
         """At most ``max_points`` points per series of the run for x (``time`` or ``step``) in ``[lo, hi]``
         (min/max buckets, :func:`psflow.platform.metricstore.chart`), and the cursor of the newest
         point then (:meth:`metrics_since` from it gets only what came after)."""
+        if not self.read_only and not self._db.in_transaction:
+            self.summarise(run_id, quietly=True)  # a run's first chart sums up the points that predate the summaries
         with metricstore.snapshot(self._db):
             return metricstore.chart(self._db, run_id, names=names, task=task, x=x, lo=lo, hi=hi,
                                      max_points=max_points), metricstore.top(self._db)
+
+    def summarise(self, run_id: str, *, quietly: bool = False) -> bool:
+        """Sum up run ``run_id``'s points that predate its summaries (a store migrated from before
+        version 4), series by series, each in its own short write transaction: readers never wait, and
+        a writer waits for one series at most. Returns whether the run is summed up now; ``quietly``:
+        a locked or read-only store leaves it for later (its reads go to the points meanwhile)."""
+        try:
+            if not metricstore.pending(self._db, run_id):  # the common case: a read, no write lock taken
+                return True
+            while True:
+                with self.transaction():
+                    if metricstore.summarised(self._db, run_id):
+                        return True
+                    (task, name), *_ = metricstore.unsummarised(self._db, run_id)
+                    metricstore.summarise_series(self._db, (run_id, task, name))
+        except sqlite3.Error:
+            if not quietly:
+                raise
+            return False
+
+    def summarise_backlog(self, *, budget_s: float = 0.5) -> int:
+        """Sum up runs of the backlog (:meth:`summarise`, newest first) for about ``budget_s`` (a run
+        begun is finished, series by series): small batches in the background (the dashboard's).
+        Returns how many runs are left."""
+        deadline = time.monotonic() + budget_s
+        left = metricstore.backlog(self._db)
+        while left and time.monotonic() < deadline and self.summarise(left[0], quietly=True):
+            left.pop(0)
+        return len(left)
 
     def metrics_since(self, run_id: str, cursor: int, *, names: Sequence[str] | None = None,
                       limit: int = 50_000) -> tuple[list[dict[str, Any]], int]:

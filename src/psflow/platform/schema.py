@@ -145,21 +145,16 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             vmax REAL, tmax REAL, smax INTEGER,       -- its highest value, where
             PRIMARY KEY (run_id, task, name, level, block)
         ) WITHOUT ROWID""",  # stored in key order: a series' blocks lie together
-        # the points recorded before this version, summed up the same way
-        """INSERT INTO metric_series (run_id, task, name, n, time_unix, step, value)
-            SELECT run_id, task, name, COUNT(*), MAX(time_unix), step, value FROM metrics GROUP BY run_id, task, name""",
-        """CREATE TEMP TABLE ordered AS SELECT run_id, task, name, time_unix, step, value,
-            ROW_NUMBER() OVER (PARTITION BY run_id, task, name ORDER BY rowid) - 1 AS k FROM metrics""",
-        *(f"""INSERT INTO metric_blocks SELECT a.*, b.vmin, b.tmin, b.smin, c.vmax, c.tmax, c.smax FROM
-            (SELECT run_id, task, name, {level} AS level, k / {16 ** (level + 1)} AS block, COUNT(*) AS n, MIN(time_unix),
-             MAX(time_unix), MIN(step), MAX(step) FROM ordered GROUP BY run_id, task, name, block) AS a
-            LEFT JOIN (SELECT run_id, task, name, k / {16 ** (level + 1)} AS block, MIN(value) AS vmin, time_unix AS tmin,
-             step AS smin FROM ordered WHERE value IS NOT NULL GROUP BY run_id, task, name, block) AS b
-             USING (run_id, task, name, block)
-            LEFT JOIN (SELECT run_id, task, name, k / {16 ** (level + 1)} AS block, MAX(value) AS vmax, time_unix AS tmax,
-             step AS smax FROM ordered WHERE value IS NOT NULL GROUP BY run_id, task, name, block) AS c
-             USING (run_id, task, name, block)""" for level in range(3)),
-        "DROP TABLE temp.ordered",
+        # the points recorded before this version are summed up later, run by run (version 5)
+    )),
+    (5, "the runs whose points predate their summaries (metric_series, metric_blocks): each is summed up later, "
+        "series by series, each its own short transaction (psflow.platform.metricstore), not inside the migration", (
+        """CREATE TABLE metric_backlog (
+            run_id TEXT PRIMARY KEY REFERENCES runs (id) ON DELETE CASCADE
+        ) WITHOUT ROWID""",
+        # one index probe per run: no point is read here
+        """INSERT INTO metric_backlog SELECT id FROM runs WHERE EXISTS (SELECT 1 FROM metrics WHERE metrics.run_id = runs.id)
+            AND NOT EXISTS (SELECT 1 FROM metric_series WHERE metric_series.run_id = runs.id)""",
     )),
 )
 

@@ -22,6 +22,8 @@ import contextlib
 import ipaddress
 import secrets
 import socket
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,9 @@ class _Server:
                 bound = [s.getsockname() for srv in getattr(self, "servers", []) for s in srv.sockets]
                 if bound:
                     url = _announce(settings_, bound[0], echo_)
+                    closing = self.config.app.state.closing
+                    threading.Thread(target=summarise_backlog, args=(settings_.db_path, closing), daemon=True,
+                                     name="psflow-summarise").start()
                     if settings_.alert_webhook:
                         self.alerts = AlertWatcher(settings_.db_path, settings_.alert_webhook,
                                                    AlertBook(stall_s=settings_.alert_stall_s),
@@ -135,6 +140,22 @@ class _Server:
     def run(self) -> None:
         with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
             self.server.run()
+
+
+def summarise_backlog(db_path: Path, stop: threading.Event, *, pause_s: float = 1.0, budget_s: float = 0.5) -> None:
+    """Sum up the points of a migrated store's older runs (:meth:`JobStore.summarise_backlog`) in small
+    batches, ``pause_s`` apart, until none is left or ``stop`` is set: each series its own short write,
+    so runs, launchers and readers go on meanwhile (a run's first chart sums it up at once)."""
+    from psflow.platform.jobstore import JobStore, JobStoreError
+
+    while not stop.is_set():
+        try:
+            with JobStore(db_path) as db:
+                if db.summarise_backlog(budget_s=budget_s) == 0:
+                    return
+        except JobStoreError as e:
+            print(f"psflow ui: summing up older runs' metrics: {e}; trying again", file=sys.stderr, flush=True)
+        stop.wait(pause_s)
 
 
 def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) -> str:

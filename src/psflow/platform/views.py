@@ -48,12 +48,16 @@ def open_store(path: Path | None = None) -> JobStore | None:
     return JobStore(path, read_only=True) if path.exists() else None
 
 
-def list_runs(*, state: str | None = None, path: Path | None = None, metrics: bool = True) -> list[dict[str, Any]]:
-    """Every recorded run, newest first, each with its tasks' latest metrics (unless ``metrics`` is False)."""
+def list_runs(*, state: str | None = None, path: Path | None = None, metrics: bool = True,
+              note: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Every recorded run, newest first, each with its tasks' latest metrics (unless ``metrics`` is False);
+    ``note`` is told what the reader should know of the store (an older schema, read as it stands)."""
     db = open_store(path)
     if db is None:
         return []
     with db:
+        if db.note and note is not None:
+            note(db.note)
         return db.runs(state=state, metrics=metrics)
 
 
