@@ -72,7 +72,9 @@ def test_every_worker_step_is_split_into_its_phases_and_every_ps_records_its_sid
         assert {e["cat"] for e in spans} == WORKER_PHASES
         steps = [e for e in spans if e["cat"] == "step"]
         assert len(steps) == summary["reports"][worker]["trainer"]["local_step"]
-        assert {e["name"] for e in spans if e["cat"] == "push"} == {"push ps:0", "push ps:1"}
+        # per shard a push (on the push thread when sent during backward) and the training thread's wait for the sends
+        pushes = {e["name"] for e in spans if e["cat"] == "push"}
+        assert {"push ps:0", "push ps:1"} <= pushes <= {"push ps:0", "push ps:1", "push: sending"}
         assert {e["name"] for e in spans if e["cat"] == "wait"} == {"wait ps:0 (sync quorum)", "wait ps:1 (sync quorum)"}
         for phase in (e for e in spans if e["cat"] != "step"):  # every phase lies inside one of the steps
             assert any(s["ts"] <= phase["ts"] and phase["ts"] + phase["dur"] <= s["ts"] + s["dur"] + 1 for s in steps)
