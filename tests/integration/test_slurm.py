@@ -277,10 +277,11 @@ def test_under_srun_m_arbitrary_a_task_refuses_saying_what_to_pass(slurm_conf, t
         r.stdout[-2000:] + r.stderr[-2000:]
 
 
-def _pid_of(task: str, job_id: str, deadline_s: float = 30) -> int:
+def _pid_of(task: str, job_id: str, logdir: Path, deadline_s: float = 30) -> int:
     """The pid of the psflow process running ``task`` in Slurm job ``job_id`` on this host (every
-    node of the test cluster is this host): the one whose environment names both."""
-    want = {f"PSFLOW_TASK={task}".encode(), f"SLURM_JOB_ID={job_id}".encode()}
+    node of the test cluster is this host): the one whose environment names all three (job ids
+    alone repeat: test_slurm_netns.py runs a Slurm of its own beside this one, from job 1 too)."""
+    want = {f"PSFLOW_TASK={task}".encode(), f"SLURM_JOB_ID={job_id}".encode(), f"PSFLOW_LOGDIR={logdir}".encode()}
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         for d in Path("/proc").iterdir():
@@ -321,7 +322,7 @@ def test_send_signal_freezes_and_resumes_a_step_and_a_frozen_task_dumps_its_stac
     def act() -> None:
         try:
             _wait_for(lambda: any("worker=1,epoch=0" in line for line in lines), "worker:1 trains", 60)
-            pid = _pid_of("worker:1", str(backend.job_id))
+            pid = _pid_of("worker:1", str(backend.job_id), logdir)
             seen["at"] = f"pid {pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()!r}"
             assert backend.send_signal("worker:1", signal.SIGSTOP)
             _wait_for(lambda: _state(pid) == "T", "worker:1 stopped by SIGSTOP")
