@@ -53,46 +53,63 @@ def log_of(logdir: Path, task: str) -> str:
     return "".join(p.read_text(errors="replace") for p in logs)
 
 
-def test_a_chief_reconnecting_to_a_dead_ps_ends_within_the_grace_on_sigterm(tmp_path: Path, procs) -> None:  # noqa: ANN001
-    logdir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [PSFLOW, "run", "--ps", "1", "--workers", "1", "--slow", "worker:0=0.02s", "--logdir", str(logdir), SOFTMAX,
-         "--", "--epochs", "5", "--init", "zeros"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=task_env(), cwd=ROOT, start_new_session=True)
-    procs.append(launcher)
+class SlowRun:
+    """The slow softmax run both stop tests start: one ps and worker:0, trained 20 steps, then the
+    launcher's fork server paused (so that the launcher restarts nothing and stops nothing itself)."""
 
-    def context() -> str:
-        return f"{log_tails(logdir, 30)}\nstatus: {task_state(logdir)}"
+    def __init__(self, tmp_path: Path, procs: list) -> None:
+        self.logdir = tmp_path / "run"
+        self.launcher = subprocess.Popen(
+            [PSFLOW, "run", "--ps", "1", "--workers", "1", "--slow", "worker:0=0.02s", "--logdir", str(self.logdir),
+             SOFTMAX, "--", "--epochs", "5", "--init", "zeros"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=task_env(), cwd=ROOT, start_new_session=True)
+        procs.append(self.launcher)
+        tasks = wait_for(self.training, 180, "the worker trained 20 steps", self.context)
+        self.ps_pid, self.worker_pid = tasks["ps:0"]["pid"], tasks["worker:0"]["pid"]
+        self.forkserver = parent_of(self.ps_pid)
+        assert self.forkserver not in (self.launcher.pid, 1) and parent_of(self.worker_pid) == self.forkserver, \
+            "the tasks are not forked"
+        os.kill(self.forkserver, signal.SIGSTOP)
 
-    def training() -> dict | None:
-        tasks = task_state(logdir)
+    def context(self) -> str:
+        return f"{log_tails(self.logdir, 30)}\nstatus: {task_state(self.logdir)}"
+
+    def training(self) -> dict | None:
+        tasks = task_state(self.logdir)
         worker, ps = tasks.get("worker:0", {}), tasks.get("ps:0", {})
         steps = (worker.get("progress") or {}).get("global_step") or 0
         return tasks if steps > 20 and worker.get("pid") and ps.get("pid") else None
 
-    tasks = wait_for(training, 180, "the worker trained 20 steps", context)
-    ps_pid, worker_pid = tasks["ps:0"]["pid"], tasks["worker:0"]["pid"]
-    forkserver = parent_of(ps_pid)
-    assert forkserver not in (launcher.pid, 1) and parent_of(worker_pid) == forkserver, "the tasks are not forked"
-    os.kill(forkserver, signal.SIGSTOP)
-    try:
-        os.kill(ps_pid, signal.SIGKILL)
-        wait_for(lambda: "reconnecting to ps:0" in log_of(logdir, "worker:0"), 60,
-                 "the worker said it is reconnecting to ps:0", context)
-        assert pid_alive(worker_pid), context()
+    def sigterm_worker(self) -> float:
+        """SIGTERM worker:0; the seconds until it exited (a zombie: its parent, the fork server, is stopped)."""
+        assert pid_alive(self.worker_pid), self.context()
         asked = time.monotonic()
-        os.kill(worker_pid, signal.SIGTERM)
-        wait_for(lambda: not pid_alive(worker_pid), 90, "the worker exited", context)  # a zombie: its parent is stopped
-        took_s = time.monotonic() - asked
+        os.kill(self.worker_pid, signal.SIGTERM)
+        wait_for(lambda: not pid_alive(self.worker_pid), 90, "the worker exited", self.context)
+        return time.monotonic() - asked
+
+    def assert_stopped(self, took_s: float, why: str) -> None:
+        """The worker ended within the grace, said ``why`` and that no final checkpoint could be
+        written, and the launcher recorded its exit as 143, with no task left alive."""
+        out = self.launcher.communicate(timeout=120)[0]
+        log = log_of(self.logdir, "worker:0")
+        assert took_s < GRACE_S, f"the worker took {took_s:.1f} s to end after SIGTERM\n{self.context()}"
+        assert f"stopped by SIGTERM while a ps was unreachable (Stopped (SIGTERM) while {why}" in log, log[-3000:]
+        assert "no final one: the values live on the ps" in log and "exiting with status 143" in log, log[-3000:]
+        summary = read_summary(self.logdir)
+        worker = next(t for t in summary["tasks"] if t["task"] == "worker:0")
+        assert worker["exit_code"] == 143, (worker, out[-3000:])
+        assert not any(pid_alive(t["pid"]) for t in summary["tasks"] if t.get("pid")), summary["tasks"]
+
+
+def test_a_chief_reconnecting_to_a_dead_ps_ends_within_the_grace_on_sigterm(tmp_path: Path, procs) -> None:  # noqa: ANN001
+    run = SlowRun(tmp_path, procs)
+    try:
+        os.kill(run.ps_pid, signal.SIGKILL)
+        wait_for(lambda: "reconnecting to ps:0" in log_of(run.logdir, "worker:0"), 60,
+                 "the worker said it is reconnecting to ps:0", run.context)
+        took_s = run.sigterm_worker()
     finally:
-        os.kill(forkserver, signal.SIGCONT)
-    out = launcher.communicate(timeout=120)[0]
-    log = log_of(logdir, "worker:0")
+        os.kill(run.forkserver, signal.SIGCONT)
     print(f"the worker ended {took_s:.2f} s after SIGTERM")
-    assert took_s < GRACE_S, f"the worker took {took_s:.1f} s to end after SIGTERM\n{context()}"
-    assert "stopped by SIGTERM while a ps was unreachable (Stopped (SIGTERM) while reconnecting to ps:0" in log, log[-3000:]
-    assert "no final one: the values live on the ps" in log and "exiting with status 143" in log, log[-3000:]
-    summary = read_summary(logdir)
-    worker = next(t for t in summary["tasks"] if t["task"] == "worker:0")
-    assert worker["exit_code"] == 143, (worker, out[-3000:])
-    assert not any(pid_alive(t["pid"]) for t in summary["tasks"] if t.get("pid")), summary["tasks"]
+    run.assert_stopped(took_s, "reconnecting to ps:0")

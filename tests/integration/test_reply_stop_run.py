@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from conftest import PSFLOW, ROOT, SOFTMAX, log_tails, pid_alive, read_summary, task_env
-from test_reconnect_stop import GRACE_S, log_of, parent_of, task_state, wait_for
+from test_reconnect_stop import SlowRun, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,48 +57,14 @@ def request_unread_by(ps_pid: int, worker_pid: int) -> int:
 
 
 def test_a_worker_waiting_for_a_frozen_ps_ends_within_the_grace_on_sigterm(tmp_path: Path, procs) -> None:  # noqa: ANN001
-    logdir = tmp_path / "run"
-    env = task_env()
-    launcher = subprocess.Popen(
-        [PSFLOW, "run", "--ps", "1", "--workers", "1", "--slow", "worker:0=0.02s", "--logdir", str(logdir), SOFTMAX,
-         "--", "--epochs", "5", "--init", "zeros"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, start_new_session=True)
-    procs.append(launcher)
-
-    def context() -> str:
-        return f"{log_tails(logdir, 30)}\nstatus: {task_state(logdir)}"
-
-    def training() -> dict | None:
-        tasks = task_state(logdir)
-        worker, ps = tasks.get("worker:0", {}), tasks.get("ps:0", {})
-        steps = (worker.get("progress") or {}).get("global_step") or 0
-        return tasks if steps > 20 and worker.get("pid") and ps.get("pid") else None
-
-    tasks = wait_for(training, 180, "the worker trained 20 steps", context)
-    ps_pid, worker_pid = tasks["ps:0"]["pid"], tasks["worker:0"]["pid"]
-    forkserver = parent_of(ps_pid)
-    assert forkserver not in (launcher.pid, 1) and parent_of(worker_pid) == forkserver, "the tasks are not forked"
-    os.kill(forkserver, signal.SIGSTOP)
-    os.kill(ps_pid, signal.SIGSTOP)
+    run = SlowRun(tmp_path, procs)
+    os.kill(run.ps_pid, signal.SIGSTOP)
     try:
-        unread = wait_for(lambda: request_unread_by(ps_pid, worker_pid), 60,
-                          "the worker sent the frozen ps a request (bytes the ps did not read)", context)
-        assert pid_alive(worker_pid), context()
-        asked = time.monotonic()
-        os.kill(worker_pid, signal.SIGTERM)
-        wait_for(lambda: not pid_alive(worker_pid), 90, "the worker exited", context)  # a zombie: its parent is stopped
-        took_s = time.monotonic() - asked
+        unread = wait_for(lambda: request_unread_by(run.ps_pid, run.worker_pid), 60,
+                          "the worker sent the frozen ps a request (bytes the ps did not read)", run.context)
+        took_s = run.sigterm_worker()
     finally:
-        os.kill(ps_pid, signal.SIGCONT)
-        os.kill(forkserver, signal.SIGCONT)
-    out = launcher.communicate(timeout=120)[0]
-    log = log_of(logdir, "worker:0")
+        os.kill(run.ps_pid, signal.SIGCONT)
+        os.kill(run.forkserver, signal.SIGCONT)
     print(f"the worker ended {took_s:.2f} s after SIGTERM (its request of {unread} bytes unread by the frozen ps)")
-    assert took_s < GRACE_S, f"the worker took {took_s:.1f} s to end after SIGTERM\n{context()}"
-    assert "stopped by SIGTERM while a ps was unreachable (Stopped (SIGTERM) while waiting for ps:0: nothing came" in log, \
-        log[-3000:]
-    assert "no final one: the values live on the ps" in log and "exiting with status 143" in log, log[-3000:]
-    summary = read_summary(logdir)
-    worker = next(t for t in summary["tasks"] if t["task"] == "worker:0")
-    assert worker["exit_code"] == 143, (worker, out[-3000:])
-    assert not any(pid_alive(t["pid"]) for t in summary["tasks"] if t.get("pid")), summary["tasks"]
+    run.assert_stopped(took_s, "waiting for ps:0: nothing came")
