@@ -94,3 +94,40 @@ def test_threads_are_the_cores_shared_out_evenly_at_least_one_and_may_be_set(scr
             "--threads must be a positive number of threads per task; received 0.")):
         make_plan(script, threads=0)
     assert make_plan(script).cores == host_cores() >= 1
+
+
+# -- a worker added to a running plan (psflow scale) ------------------------------------------
+
+
+def _env(task_plan) -> dict[str, str]:  # noqa: ANN001
+    return dict(task_plan.env)
+
+
+def test_an_added_worker_copies_a_workers_command_and_environment_with_its_own_id_and_shards(script: str, tmp_path: Path) -> None:
+    from psflow.launch.plan import added_worker
+
+    plan = make_plan(script, ["--epochs", "3"], num_ps=1, num_workers=2, logdir=str(tmp_path / "run"))
+    new = added_worker(plan, "worker:2")
+    template = next(t for t in plan.tasks if t.task == "worker:1")
+    assert new.task == "worker:2" and new.argv == template.argv
+    env, base = _env(new), _env(template)
+    assert env["PSFLOW_TASK"] == "worker:2"
+    assert env["PSFLOW_ERROR_FILE"] == str(tmp_path / "run" / "errors" / "worker-2.json")
+    assert env["PSFLOW_DATA_SHARDS"] == "2"  # the training tasks the launch started with
+    assert {k: v for k, v in env.items() if k not in {"PSFLOW_TASK", "PSFLOW_ERROR_FILE", "PSFLOW_DATA_SHARDS"}} == \
+        {k: v for k, v in base.items() if k not in {"PSFLOW_TASK", "PSFLOW_ERROR_FILE", "PSFLOW_DATA_SHARDS"}}
+
+
+def test_an_added_worker_counts_the_chief_among_the_data_shards_and_copies_it_without_workers(script: str, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from psflow.launch.plan import added_worker
+
+    plan = make_plan(script, num_ps=1, num_workers=2, chief=True, logdir=str(tmp_path / "run"))
+    assert _env(added_worker(plan, "worker:2"))["PSFLOW_DATA_SHARDS"] == "3"
+    chief_only = replace(plan, tasks=tuple(t for t in plan.tasks if t.task in ("ps:0", "chief:0")))
+    new = added_worker(chief_only, "worker:0")
+    assert new.argv == next(t for t in plan.tasks if t.task == "chief:0").argv
+    assert _env(new)["PSFLOW_TASK"] == "worker:0" and _env(new)["PSFLOW_DATA_SHARDS"] == "1"
+    with pytest.raises(ConfigError, match=r"has no worker or chief task to copy for worker:0"):
+        added_worker(replace(plan, tasks=tuple(t for t in plan.tasks if t.task == "ps:0")), "worker:0")
