@@ -140,7 +140,10 @@ def assert_the_chief_took_over(logdir: Path, s: dict, context: str, chief: str =
 def test_async_chief_killed_under_a_supervisor_takes_over_its_checkpoints_and_the_final_one(tmp_path: Path, chief: str) -> None:
     # The workers train on while the chief is down (they may even reach max_steps before its restart).
     logdir = tmp_path / "async"
-    out, s = launch_supervised(logdir, *(["--chief"] if chief == "chief:0" else []), "--fail-at", f"{chief}@step=40:kill")
+    # A separate chief is a third trainer: the two workers, slowed a little, leave it time to reach its
+    # step 40 before they take the job to max_steps (under load it could start late and never get there).
+    extra = ["--chief", "--slow", "worker:0=0.01s,worker:1=0.01s"] if chief == "chief:0" else []
+    out, s = launch_supervised(logdir, *extra, "--fail-at", f"{chief}@step=40:kill")
     start, _ = assert_the_chief_took_over(logdir, s, out, chief)
     assert start >= 40, out
     exported = run_psflow(["export", str(logdir), str(tmp_path / "model.safetensors")], timeout_s=60)
