@@ -8,7 +8,8 @@ What is proven: the run succeeds with every task at 2 attempts (ps:0's first kil
 the others stopped for the rollback, all restarted); the chief restored checkpoint 200, once; both
 shards went on from step 200 (each ps's applied updates after the restore = the final step - 200:
 never a mix of steps); the workers resumed at positions that add up to the checkpoint's 200
-batches, and the job ends at exactly one epoch (600 batches over both shards); the accuracy is
+batches (a worker that had pushed nothing by then, started late on a busy machine, has no saved
+position and starts its shard from the top), and the job ends at exactly one epoch (600 batches over both shards); the accuracy is
 that of a softmax epoch.
 """
 
@@ -50,6 +51,6 @@ def test_a_dead_ps_without_a_replica_rolls_every_shard_back_to_the_newest_checkp
         assert report["global_step"] == STEPS and report["ps_stats"]["applied_updates"] == STEPS - CHECKPOINT, report
     resumed = [int(b) for t in ("worker:0", "worker:1")
                for b in re.findall(r"resuming its data at epoch 0, batch (\d+)", logs[t])]
-    assert len(resumed) == 2 and sum(resumed) == CHECKPOINT, resumed
+    assert len(resumed) in (1, 2) and sum(resumed) == CHECKPOINT, resumed
     assert s["global_step"] == STEPS, context
     assert s["test_accuracy"] > 0.8, s["test_accuracy"]
