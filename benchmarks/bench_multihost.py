@@ -527,7 +527,7 @@ def main() -> None:
     if not worker_counts or not all(1 <= w <= NUM_HOSTS - 2 for w in worker_counts):
         raise SystemExit(f"--workers takes worker counts from 1 to {NUM_HOSTS - 2}; received {args.workers!r}.")
     try:
-        ps_only_counts = [int(x) for x in (args.ps_links_only or ("" if args.quick else "3")).split(",") if x.strip()]
+        ps_only_counts = [int(x) for x in (args.ps_links_only if args.ps_links_only is not None else ("" if args.quick else "3")).split(",") if x.strip()]
     except ValueError:
         raise SystemExit(f"--ps-links-only takes a comma list of worker counts 1-3; received {args.ps_links_only!r}.") from None
     if not all(1 <= w <= NUM_HOSTS - 2 for w in ps_only_counts):
