@@ -179,9 +179,10 @@ class SshBackend(ProcessBackend):
         echo, live: the console (see :class:`psflow.launch.console.Console`).
         keep_logs: logs of earlier runs into the same log dir kept per task.
 
-    Example:
-        >>> Runner(SshBackend("node1:1,node2:2")).run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
-        0
+    Example, with ``node1`` and ``node2`` reachable by ssh (not a doctest: it needs those hosts)::
+
+        result = Runner(SshBackend("node1:1,node2:2")).run(make_plan("train.py", num_ps=1, num_workers=2))
+        assert result.exit_code == 0
     """
 
     def __init__(self, hosts: str | Sequence[Host], *, ssh_config: str | None = None, ssh: Sequence[str] = ("ssh",),
