@@ -1,11 +1,9 @@
 """The task: which role this process plays in the cluster, and its server (the seed's steps 1-3).
 
-``init()`` resolves the cluster and this task's role from, in order: explicit arguments, the
-launcher's environment, the seeds' flags in ``sys.argv`` (``--ps_hosts --worker_hosts --job_name
---task_index``), ``PSFLOW_CLUSTER`` with ``PSFLOW_TASK``, ``TF_CONFIG``, Slurm's environment (an
-``srun`` step: its first ``PSFLOW_NUM_PS`` tasks are ps, the rest workers; task i listens on
-``PSFLOW_BASE_PORT`` + i). It starts the task's Server (a ps also hosts its shard) and returns
-the :class:`Task`.
+``init()`` resolves the cluster and this task's role from the first source that has them, in
+:mod:`psflow.resolve`'s order: explicit arguments, the launcher's environment, the seeds' flags in
+``sys.argv``, ``PSFLOW_CLUSTER`` with ``PSFLOW_TASK``, ``TF_CONFIG``, Slurm's environment. It
+starts the task's Server (a ps also hosts its shard) and returns the :class:`Task`.
 
 The ``PSFLOW_*`` environment variables are read here, through :class:`psflow.launch.contract.TaskEnv`
 (their list: ``psflow.launch.contract.ENV``).
@@ -38,15 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from psflow import timeline
-from psflow.cluster import (
-    ClusterSpec,
-    TaskId,
-    cluster_from_slurm_env,
-    in_slurm_step,
-    is_loopback_host,
-    parse_address,
-    parse_cluster_flags,
-)
+from psflow.cluster import ClusterSpec, TaskId, is_loopback_host, parse_address
 from psflow.config import TrainConfig
 from psflow.cpulimit import container_cpus
 from psflow.errors import ConfigError, PsflowError
@@ -55,6 +45,8 @@ from psflow.heartbeat import Heartbeat, install_stack_dumps
 from psflow.launch import errorreport
 from psflow.launch.contract import TaskEnv, clock_skew_us
 from psflow.rendezvous import bind_rendezvous, check_exposure
+from psflow.resolve.flags import parse_cluster_flags
+from psflow.resolve.order import resolve_task
 from psflow.server import Server
 from psflow.threads import apply_threads, choose_threads, host_cores
 from psflow.wire.conn import connect
@@ -492,8 +484,8 @@ def init(
         cfg = replace(cfg, allow_unauthenticated_allreduce=True)
     flags = parse_cluster_flags(args, require_ps=cfg.strategy == "ps")
     coordinator = tenv.coordinator if cluster is None else None
-    spec, task_id = _resolve_cluster(cluster, job_name, task_index, flags, tenv, env, launched=bool(coordinator),
-                                     require_ps=cfg.strategy == "ps")
+    spec, task_id = resolve_task(cluster=cluster, job_name=job_name, task_index=task_index, flags=flags, tenv=tenv,
+                                 env=env, require_ps=cfg.strategy == "ps")
     _prepare_process(env, tenv, cfg, spec, task_id, launched=bool(coordinator))
     if coordinator:
         server, spec, rendezvous = _serve_launched(coordinator, task_id, key, cfg, tenv, env)
@@ -525,46 +517,6 @@ def _take_secret_file(args: list[str]) -> tuple[list[str], str | None]:
         if a == "--secret-file" and i + 1 < len(args):
             return [*args[:i], *args[i + 2:]], args[i + 1]
     return args, None
-
-
-def _resolve_cluster(cluster: ClusterSpec | dict | None, job_name: str | None, task_index: int, flags: Any,
-                     tenv: TaskEnv, env: dict[str, str], *, launched: bool,
-                     require_ps: bool) -> tuple[ClusterSpec | None, TaskId]:
-    """The cluster (None for a launched task: its coordinator sends it) and this task's role, from the
-    first source that has them (see the module's docstring).
-
-    Raises:
-        ConfigError: no source has a cluster, or it does not say this task's role.
-    """
-    if cluster is not None:
-        spec = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec.from_dict(cluster, require_ps=require_ps)
-        if job_name is None:
-            raise ConfigError("init(cluster=...) needs job_name (and task_index) to know which task this process is.")
-        task_id: TaskId | None = TaskId(job_name, task_index)
-    elif launched:
-        if tenv.task is None:
-            raise ConfigError(f"PSFLOW_COORDINATOR is set ({tenv.coordinator!r}) but PSFLOW_TASK is not: the launcher sets "
-                              "both. Start the script with `psflow run`, or unset PSFLOW_COORDINATOR to start a task by hand.")
-        spec, task_id = None, tenv.task  # type: ignore[assignment]
-    elif flags.cluster is not None:
-        spec, task_id = flags.cluster, flags.task
-    elif tenv.cluster_json:
-        spec, task_id = ClusterSpec.from_json(tenv.cluster_json, require_ps=require_ps), tenv.task
-    elif env.get("TF_CONFIG"):
-        spec, task_id = ClusterSpec.from_tf_config(env["TF_CONFIG"], require_ps=require_ps)
-    elif in_slurm_step(env):
-        num_ps = tenv.num_ps if tenv.num_ps is not None else int(require_ps)
-        spec, task_id = cluster_from_slurm_env(env, num_ps=num_ps, base_port=tenv.base_port, require_ps=require_ps)
-    else:
-        raise ConfigError(
-            "No cluster given. Pass the seeds' flags (--ps_hosts=localhost:2222 --worker_hosts=localhost:2223 "
-            "--job_name=worker --task_index=0), set TF_CONFIG, run it as a Slurm step (srun), "
-            "or start the script with `psflow run`."
-        )
-    if task_id is None:
-        raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index "
-                          "(or TF_CONFIG's task, or PSFLOW_TASK with PSFLOW_CLUSTER).")
-    return spec, task_id
 
 
 def _prepare_process(env: dict[str, str], tenv: TaskEnv, cfg: TrainConfig, spec: ClusterSpec | None, task_id: TaskId,

@@ -238,7 +238,7 @@ def test_a_psflow_script_under_the_users_own_srun_needs_no_launcher(slurm_conf, 
 
 
 # Each task prints what pf.init() builds from srun's environment: its rank, the node it runs on, the cluster.
-_SHOW_CLUSTER = ("import json, os; from psflow.cluster import cluster_from_slurm_env as f; "
+_SHOW_CLUSTER = ("import json, os; from psflow.resolve.slurm import cluster_from_slurm_env as f; "
                  "s, t = f(os.environ, num_ps=1, base_port=int(os.environ['PSFLOW_BASE_PORT'])); "
                  "print(json.dumps([int(os.environ['SLURM_PROCID']), os.environ['SLURMD_NODENAME'], s.to_dict()]))")
 

@@ -1,4 +1,4 @@
-"""Unit tests of psflow.cluster: ClusterSpec invariants, TaskId, and the flag / TF_CONFIG / Slurm sources."""
+"""Unit tests of psflow.cluster (ClusterSpec invariants, TaskId) and psflow.resolve's flag / TF_CONFIG / Slurm sources."""
 
 from __future__ import annotations
 
@@ -9,19 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from psflow.cluster import (
-    JOBS,
-    ClusterSpec,
-    TaskId,
-    cluster_from_slurm_env,
-    expand_slurm_nodelist,
-    expand_slurm_tasks_per_node,
-    is_loopback_host,
-    parse_address,
-    parse_cluster_flags,
-    slurm_task_nodes,
-)
+from psflow.cluster import JOBS, ClusterSpec, TaskId, is_loopback_host, parse_address
 from psflow.errors import ConfigError
+from psflow.resolve.flags import parse_cluster_flags
+from psflow.resolve.slurm import cluster_from_slurm_env, expand_slurm_nodelist, expand_slurm_tasks_per_node, slurm_task_nodes
+from psflow.resolve.tfconfig import parse_tf_config
 
 SEED_ARGV = [
     "--ps_hosts=localhost:9001",
@@ -312,56 +304,56 @@ def test_tf_config_reads_master_as_chief_and_tolerates_extra_keys() -> None:
         environment="cloud",
         rpc_layer="grpc",
     )
-    s, task = ClusterSpec.from_tf_config(text)
+    s, task = parse_tf_config(text)
     assert task == TaskId("chief", 0) and s.is_chief(task)
     assert s.to_dict() == {"chief": ["m:2222"], "ps": ["p:2222"], "worker": ["w0:2222", "w1:2222"]}
 
 
 def test_tf_config_without_chief_makes_worker_0_chief() -> None:
-    s, task = ClusterSpec.from_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1", "w:2"]}, {"type": "worker", "index": 1}))
+    s, task = parse_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1", "w:2"]}, {"type": "worker", "index": 1}))
     assert task == TaskId("worker", 1) and s.chief() == TaskId("worker", 0) and not s.is_chief(task)
 
 
 def test_tf_config_without_task_gives_no_task() -> None:
-    assert ClusterSpec.from_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1"]}))[1] is None
+    assert parse_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1"]}))[1] is None
 
 
 def test_tf_config_all_reduce_without_ps_when_not_required() -> None:
-    s, task = ClusterSpec.from_tf_config(tf_config({"worker": ["w:1"]}, {"type": "worker", "index": 0}), require_ps=False)
+    s, task = parse_tf_config(tf_config({"worker": ["w:1"]}, {"type": "worker", "index": 0}), require_ps=False)
     assert task == TaskId("worker", 0) and s.num_tasks("ps") == 0
     with pytest.raises(ConfigError, match="has no 'ps' task"):
-        ClusterSpec.from_tf_config(tf_config({"worker": ["w:1"]}))
+        parse_tf_config(tf_config({"worker": ["w:1"]}))
 
 
 def test_tf_config_malformed_json_quotes_position_and_snippet() -> None:
     with pytest.raises(ConfigError, match=r"TF_CONFIG is not valid JSON: .*line 1 column \d+ .*near '.*worker"):
-        ClusterSpec.from_tf_config('{"cluster": {"worker": ["w:1"],}')
+        parse_tf_config('{"cluster": {"worker": ["w:1"],}')
 
 
 def test_tf_config_without_cluster_is_rejected_with_example() -> None:
     with pytest.raises(ConfigError, match=r"^TF_CONFIG: cluster is required and missing \(job -> addresses\)\. Example: "):
-        ClusterSpec.from_tf_config('{"task": {"type": "worker", "index": 0}}')
+        parse_tf_config('{"task": {"type": "worker", "index": 0}}')
 
 
 def test_tf_config_unknown_task_type_is_rejected_naming_jobs_that_exist() -> None:
     with pytest.raises(ConfigError, match="job 'evaluator' is not in the cluster. Jobs that exist: ps, worker"):
-        ClusterSpec.from_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "evaluator", "index": 0}))
+        parse_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"type": "evaluator", "index": 0}))
 
 
 def test_tf_config_task_index_out_of_range_is_rejected() -> None:
     with pytest.raises(ConfigError, match=r"TF_CONFIG task: worker:2 is out of range: job 'worker' has 2 tasks"):
-        ClusterSpec.from_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1", "w:2"]}, {"type": "worker", "index": 2}))
+        parse_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1", "w:2"]}, {"type": "worker", "index": 2}))
 
 
 @pytest.mark.parametrize("index", ["1", -1, 1.0, True])
 def test_tf_config_task_index_must_be_a_non_negative_int(index: object) -> None:
     with pytest.raises(ConfigError, match=rf"TF_CONFIG: task.index must be (a valid integer|>= 0); received {re.escape(repr(index))}"):
-        ClusterSpec.from_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1", "w:2"]}, {"type": "worker", "index": index}))
+        parse_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1", "w:2"]}, {"type": "worker", "index": index}))
 
 
 def test_tf_config_task_without_type_is_rejected() -> None:
     with pytest.raises(ConfigError, match=r"^TF_CONFIG: task.type is required and missing \(the job: chief \(or master\), ps"):
-        ClusterSpec.from_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"index": 0}))
+        parse_tf_config(tf_config({"ps": ["p:1"], "worker": ["w:1"]}, {"index": 0}))
 
 
 # --- seed flags ---------------------------------------------------------------------------------

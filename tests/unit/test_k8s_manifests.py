@@ -17,12 +17,12 @@ import yaml
 from click.testing import CliRunner
 
 from psflow.cli import main
-from psflow.cluster import ClusterSpec
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
 from psflow.launch.k8s import MIN_KUBERNETES, K8sSettings, render_run, render_tfjob, restart_fields, to_yaml
 from psflow.launch.plan import make_plan
 from psflow.launch.restart import RestartPolicy
+from psflow.resolve.tfconfig import parse_tf_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -111,7 +111,7 @@ def test_each_pod_gets_tf_config_with_stable_dns_names_that_psflow_init_reads(pl
     assert names.index("TASK_INDEX") < names.index("TF_CONFIG")  # the kubelet expands $(VAR) only from earlier ones
     assert env["TASK_INDEX"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
     # what the kubelet gives worker 2's pod, read the way pf.init() reads it
-    spec, task = ClusterSpec.from_tf_config(env["TF_CONFIG"].replace("$(TASK_INDEX)", "2"))
+    spec, task = parse_tf_config(env["TF_CONFIG"].replace("$(TASK_INDEX)", "2"))
     assert str(task) == "worker:2"
     assert spec.to_dict() == {
         "ps": [f"psflow-20260101-120000-abc123-ps-{i}.psflow-20260101-120000-abc123.ml.svc:2222" for i in range(2)],

@@ -12,6 +12,7 @@ from pydantic.dataclasses import dataclass
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
 from psflow.modes import Mode
+from psflow.resolve.tfconfig import parse_tf_config
 from psflow.validation import checked, validate
 
 
@@ -122,12 +123,10 @@ def test_a_refused_item_is_named_once_and_an_empty_list_says_how_many_it_needs()
 
 
 def test_a_nested_field_is_named_by_its_path_with_its_own_meaning_and_the_fix():
-    from psflow.cluster import ClusterSpec
-
     text = '{"cluster": {"ps": ["p:1"], "worker": ["w:1"]}, "task": {"type": "worker", "index": -1}}'
     with pytest.raises(ConfigError) as e:
-        ClusterSpec.from_tf_config(text)
+        parse_tf_config(text)
     assert str(e.value).startswith("TF_CONFIG: task.index must be >= 0; received -1 (the task's index in its job). "
                                    'Example: {"cluster": ')
     with pytest.raises(ConfigError, match=r"^TF_CONFIG: task must be a mapping \(a JSON object\); received 'worker'"):
-        ClusterSpec.from_tf_config('{"cluster": {"ps": ["p:1"], "worker": ["w:1"]}, "task": "worker"}')
+        parse_tf_config('{"cluster": {"ps": ["p:1"], "worker": ["w:1"]}, "task": "worker"}')

@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psflow.cluster import expand_slurm_nodelist
 from psflow.errors import ClusterError, ConfigError
 from psflow.launch.backend import ProcessBackend
 from psflow.launch.console import Console
@@ -53,6 +52,7 @@ from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import die_with_parent
 from psflow.launch.nodenet import coordinator_address, local_interfaces, resolve, route_source
 from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.resolve.slurm import expand_slurm_nodelist
 from psflow.rundir import task_stem
 
 _WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING")  # not running yet, may still run
