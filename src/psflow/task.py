@@ -42,6 +42,7 @@ from psflow.cpulimit import container_cpus
 from psflow.errors import ConfigError, PsflowError
 from psflow.fault import for_attempt
 from psflow.heartbeat import Heartbeat, install_stack_dumps
+from psflow.identity import TaskIdentity
 from psflow.launch import errorreport
 from psflow.launch.contract import TaskEnv, clock_skew_us
 from psflow.rendezvous import bind_rendezvous, check_exposure
@@ -59,12 +60,12 @@ _current: Task | None = None
 
 
 class Task:
-    """This process's place in the job. Created by :func:`init`."""
+    """This process's place in the job (its :class:`~psflow.identity.TaskIdentity`) and what it runs
+    there: its server, its trainers, its reports to the launcher. Created by :func:`init`."""
 
     def __init__(
         self,
-        task_id: TaskId,
-        cluster: ClusterSpec,
+        identity: TaskIdentity,
         *,
         secret: bytes,
         server: Server,
@@ -79,11 +80,9 @@ class Task:
         resume: bool | None = None,
         attempt: int = 0,
         checkpoint_dir: str | None = None,
-        data_shards: int | None = None,
     ) -> None:
-        self.task_id = task_id
-        self.data_shards = data_shards  # PSFLOW_DATA_SHARDS: the launch's replicas, for a worker psflow scale added
-        self.cluster = cluster
+        self.identity = identity
+        task_id, cluster = identity.task_id, identity.cluster
         self.secret = secret
         self.server = server
         self.config = config
@@ -139,40 +138,22 @@ class Task:
             if coordinator:  # a ps started after a scale request counts the job's replicas as they are now
                 self.ps_service.refresh_members()
 
-    # -- roles -----------------------------------------------------------------------------
-    job_name = property(lambda self: self.task_id.job)
-    task_index = property(lambda self: self.task_id.index)
-    is_ps = property(lambda self: self.task_id.job == "ps")
-    is_worker = property(lambda self: self.task_id.job in ("worker", "chief"))
-    is_evaluator = property(lambda self: self.task_id.job == "evaluator")
-    is_chief = property(lambda self: self.cluster.is_chief(self.task_id))
-    num_ps = property(lambda self: self.cluster.num_tasks("ps"))
-    num_workers = property(lambda self: self.cluster.num_tasks("worker"))
-
-    @property
-    def num_replicas(self) -> int:
-        """Training replicas: the chief (if the cluster has a chief job) plus every worker."""
-        return self.cluster.num_tasks("chief") + self.cluster.num_tasks("worker")
-
-    @property
-    def replica_index(self) -> int:
-        if self.task_id.job == "chief":
-            return 0
-        if self.task_id.job == "worker":
-            return self.cluster.num_tasks("chief") + self.task_id.index
-        raise ConfigError(f"{self.task_id} is not a training replica; only chief and worker tasks train.")
-
-    @property
-    def num_shards(self) -> int:
-        """The job's data shards: its training replicas at launch (fixed for the run, ``psflow scale``
-        or not: see :mod:`psflow.ps.membership`)."""
-        return self.data_shards or self.num_replicas
-
-    @property
-    def shard_index(self) -> int:
-        """This replica's data shard: its index modulo :attr:`num_shards` (a worker added past the
-        launch's replicas reads the shard of replica ``index mod num_shards`` again)."""
-        return self.replica_index % self.num_shards
+    # -- roles: this task's identity (psflow.identity) ---------------------------------------
+    task_id = property(lambda self: self.identity.task_id)
+    cluster = property(lambda self: self.identity.cluster)
+    data_shards = property(lambda self: self.identity.data_shards)
+    job_name = property(lambda self: self.identity.job)
+    task_index = property(lambda self: self.identity.index)
+    is_ps = property(lambda self: self.identity.is_ps)
+    is_worker = property(lambda self: self.identity.is_worker)
+    is_evaluator = property(lambda self: self.identity.is_evaluator)
+    is_chief = property(lambda self: self.identity.is_chief)
+    num_ps = property(lambda self: self.identity.num_ps)
+    num_workers = property(lambda self: self.identity.num_workers)
+    num_replicas = property(lambda self: self.identity.num_replicas)
+    replica_index = property(lambda self: self.identity.replica_index)
+    num_shards = property(lambda self: self.identity.num_shards)
+    shard_index = property(lambda self: self.identity.shard_index)
 
     def __repr__(self) -> str:
         return f"Task({self.task_id}, address={self.server.address}, chief={self.is_chief})"
@@ -493,9 +474,9 @@ def init(
         assert spec is not None
         server, rendezvous = _serve_by_hand(spec, task_id, key, cfg, tenv, env)
     task = Task(
-        task_id, spec, secret=key, server=server, config=cfg, argv=flags.rest, coordinator=coordinator,
-        logdir=tenv.logdir, connect_timeout_s=tenv.connect_timeout_s, fail_at=tenv.fail_at,
-        data_dir=tenv.data_dir, rendezvous=rendezvous, resume=tenv.resume, attempt=tenv.attempt, data_shards=tenv.data_shards,
+        TaskIdentity(task_id, spec, tenv.data_shards), secret=key, server=server, config=cfg, argv=flags.rest,
+        coordinator=coordinator, logdir=tenv.logdir, connect_timeout_s=tenv.connect_timeout_s, fail_at=tenv.fail_at,
+        data_dir=tenv.data_dir, rendezvous=rendezvous, resume=tenv.resume, attempt=tenv.attempt,
         checkpoint_dir=tenv.checkpoint_dir,
     )
     server.routes_ready()  # a ps: its service's routes are registered

@@ -31,6 +31,7 @@ import torch
 
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
+from psflow.identity import TaskIdentity
 from psflow.optim import OptimizerSpec
 from psflow.ps.authority import ViewAuthority, ViewClient
 from psflow.ps.client import PsClient
@@ -60,20 +61,13 @@ class InprocTask:
     reports: dict[str, Any] = field(default_factory=dict)  # what task.report() sent (no launcher here)
 
     @property
-    def num_ps(self) -> int:
-        return self.cluster.num_tasks("ps")
+    def identity(self) -> TaskIdentity:
+        return TaskIdentity(self.task_id, self.cluster)
 
-    @property
-    def num_replicas(self) -> int:
-        return self.cluster.num_tasks("chief") + self.cluster.num_tasks("worker")
-
-    @property
-    def replica_index(self) -> int:
-        return self.cluster.num_tasks("chief") + self.task_id.index if self.task_id.job == "worker" else 0
-
-    @property
-    def is_chief(self) -> bool:
-        return self.cluster.is_chief(self.task_id)
+    num_ps = property(lambda self: self.identity.num_ps)
+    num_replicas = property(lambda self: self.identity.num_replicas)
+    replica_index = property(lambda self: self.identity.replica_index)
+    is_chief = property(lambda self: self.identity.is_chief)
 
     def _attach_trainer(self, trainer: Trainer) -> None:
         self.trainers.append(trainer)

@@ -16,6 +16,7 @@ from inproc import SECRET, InprocCluster
 from psflow import optim
 from psflow.cluster import TaskId
 from psflow.config import TrainConfig
+from psflow.identity import TaskIdentity
 from psflow.ps.placement import ImbalancedPlacementWarning
 from psflow.task import Task
 from psflow.train.trainer import Trainer
@@ -39,7 +40,7 @@ def cluster() -> Iterator[InprocCluster]:
 def trainers(c: InprocCluster, index: int, placement: str, count: int = 1) -> list[warnings.WarningMessage]:
     """Build ``count`` trainers on a real Task of ``worker:index``; return the warnings they raised."""
     tid = TaskId("worker", index)
-    task = Task(tid, c.cluster, secret=SECRET, server=c.servers[tid], config=TrainConfig(placement=placement),
+    task = Task(TaskIdentity(tid, c.cluster), secret=SECRET, server=c.servers[tid], config=TrainConfig(placement=placement),
                 argv=[], coordinator=None, logdir=None, connect_timeout_s=5.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

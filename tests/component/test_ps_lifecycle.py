@@ -32,6 +32,7 @@ from psflow import optim
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
 from psflow.errors import TrainingError
+from psflow.identity import TaskIdentity
 from psflow.ps.service import PsService
 from psflow.server import Server
 from psflow.task import Task
@@ -115,8 +116,8 @@ class ThreadPs:
         server = Server("ps:0", secret=SECRET, handshake_timeout_s=5.0)
         address = server.start()
         self.cluster = ClusterSpec.from_dict({"ps": [address], "worker": ["127.0.0.1:1", "127.0.0.1:2"]})
-        self.task = Task(TaskId("ps", 0), self.cluster, secret=SECRET, server=server, config=TrainConfig(), argv=[],
-                         coordinator=None, logdir=None, connect_timeout_s=5.0)
+        self.task = Task(TaskIdentity(TaskId("ps", 0), self.cluster), secret=SECRET, server=server, config=TrainConfig(),
+                         argv=[], coordinator=None, logdir=None, connect_timeout_s=5.0)
         self.group = ThreadGroup({"ps:0": self.task.join}).start()
 
     def trainer(self, index: int, model: torch.nn.Module, config: TrainConfig, attempt: int = 0) -> Trainer:

@@ -38,6 +38,7 @@ import psflow as pf
 from psflow import checkpoint
 from psflow.checkpoint import find_checkpoint, state_dict_from
 from psflow.cluster import ClusterSpec, TaskId
+from psflow.identity import TaskIdentity
 from psflow.server import Server
 from psflow.task import Task
 
@@ -424,8 +425,8 @@ def train_in_process(num_ps: int, logdir: Path, until_step: int) -> dict[str, ob
         common = {"secret": SECRET, "config": pf.TrainConfig(), "argv": [], "coordinator": None, "logdir": str(logdir),
                   "connect_timeout_s": 5.0}
         for i, server in enumerate(servers):
-            Task(TaskId("ps", i), cluster, server=server, **common)  # hosts the shard's PsService on its server
-        task = Task(TaskId("worker", 0), cluster, server=Server("worker:0", secret=SECRET), **common)
+            Task(TaskIdentity(TaskId("ps", i), cluster), server=server, **common)  # hosts the shard's PsService on its server
+        task = Task(TaskIdentity(TaskId("worker", 0), cluster), server=Server("worker:0", secret=SECRET), **common)
         model = make_model()
         trainer = pf.Trainer(model, pf.optim.Adam(lr=0.05), task, ema_decay=0.9, split_bytes=64)
         with pf.Supervisor(task, save_model_secs=None, summary_every_steps=None) as sv:
