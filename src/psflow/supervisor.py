@@ -64,7 +64,7 @@ from psflow.train.modes import mode_of
 from psflow.wire.conn import ConnectStopped
 
 if TYPE_CHECKING:
-    from psflow.train.base import TrainerBase
+    from psflow.train.base import SupervisedTrainer
 
 log = logging.getLogger("psflow")
 
@@ -195,7 +195,7 @@ class Supervisor:
         task: Any = None,
         *,
         logdir: str | os.PathLike[str] | None = None,
-        trainer: TrainerBase | None = None,
+        trainer: SupervisedTrainer | None = None,
         save_model_secs: float | None = 600,
         save_model_steps: int | None = None,
         keep_checkpoints: int = 5,
@@ -226,7 +226,7 @@ class Supervisor:
                                 "summary_every_steps": summary_every_steps, "histogram_every_steps": histogram_every_steps},
                          keep_checkpoints=keep_checkpoints, ema_for_export=ema_for_export, resume=resume, poll_s=poll_s)
         self.task = task
-        self.trainer = trainer
+        self.trainer: SupervisedTrainer = trainer
         self._choose_dirs(logdir, checkpoint_dir)
         # Resuming is deliberate: asked for, or implied by naming the logdir (as the launcher's --logdir does).
         self.resume = resume if resume is not None else getattr(task, "resume", None)
@@ -321,9 +321,8 @@ class Supervisor:
             self._check_resume()  # a chief that takes over restores nothing from the logdir
         if self.is_chief and not self.took_over:
             self.trainer.chief_logdir = str(self.logdir)  # every task learns it at prepare()
-        if not self._allreduce and hasattr(self.trainer, "plan_steps"):
-            # The ps hold the exact steps: where the job stops and where step-based checkpoints fall.
-            self.trainer.plan_steps(stop_at=self.max_steps, snapshot_every=self.save_model_steps, data=self.data)
+        # The ps hold the exact steps: where the job stops and where step-based checkpoints fall.
+        self.trainer.plan_steps(stop_at=self.max_steps, snapshot_every=self.save_model_steps, data=self.data)
         if (self.is_chief and not self.took_over) or self._allreduce:
             ckpt = self._restore()  # all-reduce: every task restores its own optimizer slots
         if not self.is_chief:
@@ -360,7 +359,7 @@ class Supervisor:
     def _finds_ps_initialized(self) -> bool:
         """Chief: whether every ps shard holds the job already, so this chief takes over instead of
         initializing (it was restarted, or started again by hand, while the ps kept the job)."""
-        if not self.is_chief or self._allreduce or not hasattr(self.trainer, "ps_initialized"):
+        if not self.is_chief or self._allreduce:
             return False
         return bool(self.trainer.ps_initialized())
 
@@ -369,7 +368,7 @@ class Supervisor:
         the job started with), so a run's summaries and checkpoints share one directory; the chief
         holds it and clears an earlier DONE there."""
         if not self._logdir_named:
-            shared = getattr(self.trainer, "chief_logdir", None)
+            shared = self.trainer.chief_logdir
             if shared and (not self.is_chief or self.took_over):
                 self.logdir = Path(shared)
                 if not self._checkpoint_dir_named:
@@ -434,8 +433,7 @@ class Supervisor:
 
     def _resume_data_position(self) -> None:
         """Every worker continues its own data where the ps's state says its batches ended."""
-        info = getattr(self.trainer, "ready_info", None) or {}
-        position = (info.get("data_positions") or {}).get(str(self.trainer.worker))
+        position = (self.trainer.ready_info.get("data_positions") or {}).get(str(self.trainer.worker))
         if self._load_position(position, "its data position"):
             self._say(f"resuming its data at epoch {position['epoch']}, batch {position['batch_index']}")
 
@@ -475,7 +473,7 @@ class Supervisor:
         """Run hooks, the chief's periodic checkpoint and the summaries after one trainer step."""
         if not self._entered:
             raise ConfigError("Supervisor.after_step() runs inside `with pf.Supervisor(...) as sv:`; enter it first.")
-        if getattr(self.trainer, "stopped", False):
+        if self.trainer.stopped:
             # The ps refused this batch: the job is at the chief's max_steps (the ps hold the exact stop).
             self.request_stop(f"the job reached its stop step {self.global_step}")
             return
@@ -692,7 +690,7 @@ class Supervisor:
         """
         announced = False
         while not self._terminated:
-            status = self.trainer.client.status()[0]
+            status = self.trainer.job_status()
             # The ps counts the job's members now (psflow scale adds and retires workers).
             others = set(range(int(status.get("num_workers", self.task.num_replicas)))) - {int(self.trainer.worker)}
             unfinished = others - {int(w) for w in status["done_workers"]}
@@ -738,9 +736,7 @@ class Supervisor:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._terminated = True
         self.request_stop("SIGTERM")
-        client = getattr(self.trainer, "client", None)
-        if client is not None and hasattr(client, "stop_reason"):
-            client.stop_reason = "SIGTERM"  # a reconnect to a ps that is down gives up now, not at its deadline
+        self.trainer.stop_reconnecting("SIGTERM")  # a reconnect to a ps that is down gives up now, not at its deadline
 
     def _restore_sigterm(self) -> None:
         if self._previous_term is not None:
@@ -814,7 +810,7 @@ def _all_corrupt_message(e: checkpoint.NoWholeCheckpointError) -> str:
     )
 
 
-def _check_arguments(trainer: Any, *, seconds: Mapping[str, float | None], steps: Mapping[str, int | None],
+def _check_arguments(trainer: SupervisedTrainer, *, seconds: Mapping[str, float | None], steps: Mapping[str, int | None],
                      keep_checkpoints: int, ema_for_export: bool, resume: bool | None, poll_s: float) -> None:
     """The Supervisor's arguments, checked where they enter.
 
@@ -830,7 +826,7 @@ def _check_arguments(trainer: Any, *, seconds: Mapping[str, float | None], steps
         if count is not None:
             _check_positive_int(name, count)
     _check_positive_int("keep_checkpoints", keep_checkpoints)
-    if ema_for_export and getattr(trainer, "ema_decay", None) is None:
+    if ema_for_export and trainer.ema_decay is None:
         raise ConfigError("ema_for_export=True needs moving averages: create the Trainer with ema_decay=0.99 (or similar).")
     if resume is not None and not isinstance(resume, bool):
         raise ConfigError(f"resume must be True, False or None; received {resume!r}.")

@@ -430,6 +430,14 @@ class FakeTrainer:
         self.prepared = False
         self.chief_logdir: str | None = None  # the chief sets it; prepare() gives every task the ps's
         self.ps_logdir: str | None = None  # what the ps hold (the first chief's), when the test says so
+        self.ready_info: dict[str, object] = {}
+        self.stopped = False
+
+    def plan_steps(self, **_):
+        pass
+
+    def ps_initialized(self):
+        return False
 
     def restore_from(self, step, tensors, **_):
         self.restored = step
@@ -447,6 +455,9 @@ class FakeTrainer:
         return contextlib.nullcontext()
 
     def close(self, failed=None):
+        pass
+
+    def stop_reconnecting(self, reason):
         pass
 
 

@@ -101,7 +101,8 @@ class AllReduceTrainer(TrainerBase):
         return any(p.device.type == "cuda" for p in self.params.values())
 
     # -- readiness -------------------------------------------------------------------------
-    def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor], *,
+                     data_positions: Mapping[str, Any] | None = None) -> None:
         """Start from a checkpoint (whole tensors by parameter name, ``opt/<param>/<slot>``, ``ema/<param>``).
 
         Rank 0's parameters, buffers, moving averages and step reach every task at :meth:`prepare`;

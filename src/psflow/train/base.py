@@ -5,8 +5,8 @@ for multi-device replicas), the counters and their reports (``stats``, the launc
 the checkpoint a restart starts from (``restore_from``), fault injection at a step, and the
 lifecycle. ``Trainer`` (ps, :mod:`psflow.train.trainer`) and ``AllReduceTrainer``
 (:mod:`psflow.train.allreduce`) add their transport in ``_init_strategy`` and implement the
-surface the training loop and the Supervisor call: ``prepare``, ``step``, ``pull``,
-``save_shards``, ``job_step`` and ``_release``.
+surface the training loop calls (``prepare``, ``step``, ``pull``, ``_release``) and what the
+Supervisor uses (:class:`SupervisedTrainer`: ``save_shards``, ``job_step``, ...).
 
 States and transitions::
 
@@ -35,7 +35,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Protocol, Self
 
 import torch
 
@@ -45,10 +45,47 @@ from psflow.errors import ConfigError
 from psflow.fault import inject, parse_faults
 from psflow.launch import errorreport
 from psflow.optim import OptimizerSpec, Schedule
+from psflow.ps.placement import Placement
 from psflow.train.towers import Batch, Towers, batch_examples, run_step_closure
 
 
-class TrainerBase(ABC):
+class SupervisedTrainer(Protocol):
+    """What the Supervisor uses of a trainer: every trainer derives it through :class:`TrainerBase`,
+    whose defaults are those of a trainer without parameter servers (nothing to plan, never
+    initialized by an earlier chief, no stop step, no connection to stop retrying)."""
+
+    config: TrainConfig
+    model: torch.nn.Module
+    params: dict[str, torch.nn.Parameter]
+    optimizer: OptimizerSpec
+    schedule: Schedule | None
+    ema_decay: float | None
+    placement: Placement
+    worker: int  # this task's replica index
+    global_step: int
+    local_step: int
+    chief_logdir: str | None  # the chief sets it before prepare(); prepare() gives every task the chief's
+    ready_info: Mapping[str, Any]  # what prepare() learnt: with parameter servers, each worker's data position
+    stopped: bool  # the last step was refused: the job reached its stop step
+
+    def plan_steps(self, *, stop_at: int | None = None, snapshot_every: int | None = None, data: Any = None) -> None: ...
+    def ps_initialized(self) -> bool: ...
+    def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor], *,
+                     data_positions: Mapping[str, Any] | None = None) -> None: ...
+    def prepare(self) -> int: ...
+    def step(self, closure: Callable[..., torch.Tensor], *, batch: Batch | torch.Tensor | None = None,
+             batches: Sequence[Batch | torch.Tensor] | None = None, batch_size: int | None = None) -> float: ...
+    def pull(self, *, averages: bool = False) -> int: ...
+    def save_shards(self, root: str, step: int, *, exact: bool = False) -> list[dict[str, Any]]: ...
+    def job_step(self) -> int: ...
+    def job_status(self) -> Mapping[str, Any]: ...
+    def waiting(self, what: str) -> contextlib.AbstractContextManager[None]: ...
+    def end_training(self) -> None: ...
+    def stop_reconnecting(self, reason: str) -> None: ...
+    def close(self, failed: str | None = None) -> None: ...
+
+
+class TrainerBase(SupervisedTrainer, ABC):
     """The parts of a trainer that do not depend on how gradients travel.
 
     Args:
@@ -120,6 +157,8 @@ class TrainerBase(ABC):
         # The chief's logdir: the chief sets it before prepare(), which gives it to every task (the
         # Supervisor's logdir for a run that named none); None where the chief set none.
         self.chief_logdir: str | None = None
+        self.ready_info: Mapping[str, Any] = {}
+        self.stopped = False
         self._ready = False
         self._closed = False
         self.failure: str | None = None  # the error this task stopped on, if it did (close(failed=...))
@@ -142,13 +181,28 @@ class TrainerBase(ABC):
             print(self.towers.format_placement(str(self.task.task_id)), flush=True)
 
     # -- readiness -------------------------------------------------------------------------
-    def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def plan_steps(self, *, stop_at: int | None = None, snapshot_every: int | None = None, data: Any = None) -> None:
+        """The job's exact stop and snapshot steps, kept where the updates are applied (the Supervisor
+        calls it before ``prepare``). Nothing to do without parameter servers: every rank applies
+        every step itself."""
+        return
+
+    def ps_initialized(self) -> bool:
+        """Whether the parameter servers already hold the job (a restarted chief takes over). False
+        without parameter servers."""
+        return False
+
+    def restore_from(self, step: int, tensors: Mapping[str, torch.Tensor], *,
+                     data_positions: Mapping[str, Any] | None = None) -> None:
         """Start from a checkpoint instead of the model's own values (the Supervisor calls this before ``prepare``).
 
         Args:
             step: the global step to resume at.
             tensors: whole (unsplit) tensors by parameter name, plus optional optimizer slots
                 ``opt/<param>/<slot>`` and moving averages ``ema/<param>``.
+            data_positions: every worker's data position by replica index, for parameter servers to
+                keep and hand back (:attr:`ready_info`); without them each rank loads its own, so
+                they are not used here.
 
         Raises:
             ConfigError: the checkpoint lacks some of the model's parameters.
@@ -250,6 +304,19 @@ class TrainerBase(ABC):
     @abstractmethod
     def job_step(self) -> int:
         """The job's global step now."""
+
+    def job_status(self) -> Mapping[str, Any]:
+        """The parameter servers' view of the job now (its step, members, done and lost workers).
+
+        Raises:
+            ConfigError: this trainer has no parameter servers to ask.
+        """
+        raise ConfigError(f"{type(self).__name__} trains without parameter servers: there is no job status to ask them for.")
+
+    def stop_reconnecting(self, reason: str) -> None:
+        """A stop was requested (SIGTERM): a reconnect in progress gives up now, not at its deadline.
+        Nothing to do without parameter-server connections."""
+        return
 
     # -- counters --------------------------------------------------------------------------
     def _examples_per_sec(self) -> float:

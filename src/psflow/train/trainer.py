@@ -129,8 +129,6 @@ class Trainer(TrainerBase):
         self._holds_averages = False  # pull(averages=True) put moving averages into the model
         self.step_plan = StepPlan()  # the chief sends it to the ps (Supervisor: max_steps, save_model_steps)
         self.data_source: Any = None  # an iterator with state_dict(): its position rides on each push (see _send_shard)
-        self.ready_info: dict[str, Any] = {}  # shard 0's readiness reply: step, settings, data positions
-        self.stopped = False  # the ps refused the last step: the job reached the plan's stop step
         self._restored_positions: Mapping[str, Any] | None = None
         self._ps_initialized = False  # every shard answered initialized (a restarted chief takes over)
         self._install_grad_hooks()
@@ -460,6 +458,13 @@ class Trainer(TrainerBase):
     def job_step(self) -> int:
         """The job's global step now (shard 0's version), not just as of this worker's last push."""
         return int(self.client.status()[0]["version"])
+
+    def job_status(self) -> Mapping[str, Any]:
+        """Shard 0's PS_STATUS: the job's version, its members now, the done and the lost workers."""
+        return self.client.status()[0]
+
+    def stop_reconnecting(self, reason: str) -> None:
+        self.client.stop_reason = reason
 
     def stats(self) -> dict[str, Any]:
         sent, received = self.client.traffic()
