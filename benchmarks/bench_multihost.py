@@ -35,9 +35,10 @@ iproute2, no sshd and no apt) or Slurm cannot be brought up. Every namespace, ss
 it starts is stopped on exit (also on Ctrl-C or an error).
 
 Run: ``.venv/bin/python benchmarks/bench_multihost.py [--quick] [--reps N] [--parts throughput,straggler,launch]
-[--workers 1,2,3] [--ps-links-only 3] [--steps S] [--target G] [--backends local,slurm,ssh] [--ab-push-thread]``
-(``--ab-push-thread``: each throughput configuration also with its pushes sent on the training thread,
-interleaved, the reference for the push thread of ``psflow.train.sender``).
+[--workers 1,2,3] [--ps-links-only 3] [--steps S] [--target G] [--backends local,slurm,ssh] [--ab-push-thread]
+[--ab-pipeline]`` (``--ab-push-thread``: each throughput configuration also with its pushes sent on the
+training thread, interleaved, the reference for the push thread of ``psflow.train.sender``;
+``--ab-pipeline``: also with the async pipeline of ``psflow.train.pipeline``, interleaved).
 The markdown report goes to stdout, progress to stderr. Nothing here asserts on a timing.
 """
 
@@ -198,11 +199,13 @@ def hosts_flag(h: Hosts, count: int) -> list[str]:
 
 PS_ONLY = " (only the ps links limited)"
 INLINE = " [pushes on the training thread]"
+PIPELINED = " [pipeline]"
+VARIANT_FLAGS = {"": [], INLINE: ["--push_inline"], PIPELINED: ["--pipeline"]}  # cnn_steps.py's flags per variant
 
 
-def config_name(ps: int, workers: int, ps_links_only: bool = False, inline: bool = False) -> str:
+def config_name(ps: int, workers: int, ps_links_only: bool = False, variant: str = "") -> str:
     return (f"{ps} ps, {workers} worker{'s' if workers > 1 else ''}" + (PS_ONLY if ps_links_only else "")
-            + (INLINE if inline else ""))
+            + variant)
 
 
 def rate_bits(rate: str) -> float:
@@ -223,31 +226,31 @@ def link_use(examples_per_sec: float, ps: int, workers: int, ps_links_only: bool
 
 
 def part_throughput(h: Hosts, worker_counts: list[int], ps_only_counts: list[int], reps: int, warmup: int, steps: int,
-                    rate: str, workdir: Path, *, ab_inline: bool = False) -> dict[str, list[dict[str, Any]]]:
+                    rate: str, workdir: Path, *, variants: tuple[str, ...] = ("",)) -> dict[str, list[dict[str, Any]]]:
     """Every (ps, workers) configuration, interleaved; each run's links set just before it starts.
-    With ``ab_inline`` each also runs with its pushes sent on the training thread (the reference)."""
+    Each runs once per variant in every round: ``""`` as is, ``INLINE`` with its pushes sent on the
+    training thread (the push thread's reference), ``PIPELINED`` with the async pipeline."""
 
-    def case(ps: int, workers: int, ps_links_only: bool, inline: bool = False) -> Callable[[], dict[str, Any]]:
+    def case(ps: int, workers: int, ps_links_only: bool, variant: str = "") -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
             h.unlimit()
             for i in range(1, (ps if ps_links_only else h.n) + 1):
                 h.limit(i, rate)
             t0 = time.monotonic()
             r = run_job(["--ps", str(ps), "--workers", str(workers), *hosts_flag(h, ps + workers)],
-                        ["--warmup", str(warmup), "--steps", str(steps), *(["--push_inline"] if inline else [])],
+                        ["--warmup", str(warmup), "--steps", str(steps), *VARIANT_FLAGS[variant]],
                         workdir, netns=h.ns(1))
             out = throughput(list(r["workers"].values()))
-            log(f"  {config_name(ps, workers, ps_links_only, inline)}: {out['examples_per_sec']:,.1f} ex/s "
+            log(f"  {config_name(ps, workers, ps_links_only, variant)}: {out['examples_per_sec']:,.1f} ex/s "
                 f"({time.monotonic() - t0:.0f} s)")
             return out
         return run
 
     h.limit(1, rate)
     log(f"throughput: links at {rate}: {h.qdisc(1)}")
-    variants = (False, True) if ab_inline else (False,)
-    cases = {config_name(ps, w, False, i): case(ps, w, False, i) for w in worker_counts for i in variants for ps in (1, 2)}
-    cases.update({config_name(ps, w, True, i): case(ps, w, True, i)
-                  for w in ps_only_counts for i in variants for ps in (1, 2)})
+    cases = {config_name(ps, w, False, v): case(ps, w, False, v) for w in worker_counts for v in variants for ps in (1, 2)}
+    cases.update({config_name(ps, w, True, v): case(ps, w, True, v)
+                  for w in ps_only_counts for v in variants for ps in (1, 2)})
     try:
         return harness.interleaved(cases, reps, warmup=0)
     finally:
@@ -258,24 +261,28 @@ def report_throughput(res: dict[str, list[dict[str, Any]]], worker_counts: list[
                       settings: dict[str, Any]) -> str:
     eps = {name: median([r["examples_per_sec"] for r in runs]) for name, runs in res.items()}
     step = {name: median([r["per_worker_step_s"] for r in runs]) for name, runs in res.items()}
-    shape = {config_name(ps, w, only, i): (ps, w, only) for w in {*worker_counts, *ps_only_counts}
-             for only in (False, True) for i in (False, True) for ps in (1, 2)}
+    shape = {config_name(ps, w, only, v): (ps, w, only) for w in {*worker_counts, *ps_only_counts}
+             for only in (False, True) for v in VARIANT_FLAGS for ps in (1, 2)}
     rows = [[name, f"{eps[name]:,.0f}", harness.spread([r["examples_per_sec"] for r in runs], ",.0f"),
              f"{median([r['median_step_ex_per_sec'] for r in runs]):,.0f}", f"{step[name] * 1000:,.0f}",
              f"{link_use(eps[name], *shape[name], settings['rate']):.0%}"]
             for name, runs in res.items()]
 
-    def ratio(w: int, ps_links_only: bool, inline: bool = False) -> list[str]:
-        one, two = config_name(1, w, ps_links_only, inline), config_name(2, w, ps_links_only, inline)
-        return [f"{w} worker{'s' if w > 1 else ''}{PS_ONLY if ps_links_only else ''}{INLINE if inline else ''}: "
+    def ratio(w: int, ps_links_only: bool, variant: str = "") -> list[str]:
+        one, two = config_name(1, w, ps_links_only, variant), config_name(2, w, ps_links_only, variant)
+        return [f"{w} worker{'s' if w > 1 else ''}{PS_ONLY if ps_links_only else ''}{variant}: "
                 "2 ps / 1 ps", f"{eps[two] / eps[one]:.2f}", f"{step[one] / step[two]:.2f}"]
 
-    variants = (False, True) if settings.get("ab_inline") else (False,)
-    ratios = [ratio(w, False, i) for w in worker_counts for i in variants]
-    ratios += [ratio(w, True, i) for w in ps_only_counts for i in variants]
-    if settings.get("ab_inline"):
+    variants = settings.get("variants", ("",))
+    ratios = [ratio(w, False, v) for w in worker_counts for v in variants]
+    ratios += [ratio(w, True, v) for w in ps_only_counts for v in variants]
+    plain = [name for name in res if not name.endswith((INLINE, PIPELINED))]
+    if INLINE in variants:
         ratios += [[f"{name}: pushes on their own thread / on the training thread", f"{eps[name] / eps[name + INLINE]:.2f}",
-                    f"{step[name + INLINE] / step[name]:.2f}"] for name in res if not name.endswith(INLINE)]
+                    f"{step[name + INLINE] / step[name]:.2f}"] for name in plain]
+    if PIPELINED in variants:
+        ratios += [[f"{name}: with the pipeline / without", f"{eps[name + PIPELINED] / eps[name]:.2f}",
+                    f"{step[name] / step[name + PIPELINED]:.2f}"] for name in plain]
     return "\n".join([
         f"### Throughput: {', '.join(map(str, worker_counts))} worker(s) against 1 and 2 ps, every link at {settings['rate']}",
         "",
@@ -503,6 +510,8 @@ def main() -> None:
     p.add_argument("--rate", default="100mbit", help="every host's link (tc tbf rate; default 100mbit)")
     p.add_argument("--ab-push-thread", action="store_true",
                    help="throughput part: each configuration also with its pushes sent on the training thread (A/B)")
+    p.add_argument("--ab-pipeline", action="store_true",
+                   help="throughput part: each configuration also with the async pipeline (psflow run --pipeline; A/B)")
     p.add_argument("--slow-rate", default="10mbit", help="the straggler's link (default 10mbit)")
     p.add_argument("--target", type=int, default=None, help="straggler part: global step to reach (default 14, quick 4)")
     p.add_argument("--accuracy", type=float, default=None,
@@ -567,10 +576,11 @@ def main() -> None:
                     sections += ["### Throughput", "", f"Skipped: no network-namespace hosts here ({no_hosts}).", ""]
                 else:
                     log(f"throughput: workers {worker_counts} x ps 1,2, {reps} round(s), {warmup} + {steps} steps")
+                    variants = ("", *([INLINE] if args.ab_push_thread else []), *([PIPELINED] if args.ab_pipeline else []))
                     res = part_throughput(h, worker_counts, ps_only_counts, reps, warmup, steps, args.rate, workdir,
-                                          ab_inline=args.ab_push_thread)
+                                          variants=variants)
                     sections.append(report_throughput(res, worker_counts, ps_only_counts, {
-                        "reps": reps, "warmup": warmup, "steps": steps, "rate": args.rate, "ab_inline": args.ab_push_thread}))
+                        "reps": reps, "warmup": warmup, "steps": steps, "rate": args.rate, "variants": variants}))
             if "straggler" in parts:
                 if h is None:
                     sections += ["### Straggler", "", f"Skipped: no network-namespace hosts here ({no_hosts}).", ""]

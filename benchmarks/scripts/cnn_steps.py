@@ -197,6 +197,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--split_bytes", type=int, default=None, help="the Trainer's split_bytes (default: the config's)")
     p.add_argument("--push_inline", action="store_true",
                    help="A/B reference: send each push on the training thread (PushSender(threaded=False))")
+    p.add_argument("--pipeline", action="store_true",
+                   help="A/B: the async pipeline (a step computes while the one before travels; psflow.train.pipeline)")
     args = p.parse_args(argv)
     if min(args.warmup, args.steps, args.target_step, args.start_step) < 0 or args.steps < 1:
         p.error(f"step counts must be >= 0 and --steps >= 1; received {vars(args)}")
@@ -217,7 +219,9 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model = cnn()
-    settings = {} if args.split_bytes is None else {"split_bytes": args.split_bytes}
+    settings: dict[str, Any] = {} if args.split_bytes is None else {"split_bytes": args.split_bytes}
+    if args.pipeline:
+        settings["pipeline"] = True
     trainer = pf.Trainer(model, pf.optim.Adam(lr=LR), task, **settings)
     if args.push_inline:
         from psflow.train.sender import PushSender

@@ -79,6 +79,9 @@ class TrainConfig:
     # psflow.wire.compress); checked by _settings_agree.
     compress: str = "none"
     compress_pull: bool = Field(False, description="true or false: pulled values come back in fp16/bf16 too")
+    pipeline: bool = Field(False, description=(
+        "true or false, async only: a worker computes its next step while this step's gradients and values "
+        "travel (from values one own update old; psflow.train.pipeline)"))
     timeline: bool = Field(False, description=(
         "true or false: every task records where its time goes, merged into LOGDIR/timeline.json"))
     # The same check covers the chief's initial values (psflow.ps.finite).
@@ -97,6 +100,10 @@ class TrainConfig:
         if self.compress_pull and compression.pull_dtype() is None:
             raise ConfigError(f"compress_pull sends the parameters back in the gradients' precision, which compress="
                               f"{self.compress!r} does not have. Use compress fp16 or bf16 with it, or drop compress_pull.")
+        if self.pipeline and (self.mode != Mode.ASYNC or self.strategy != "ps"):
+            raise ConfigError(f"pipeline computes a step from values that lack the worker's previous update, which "
+                              f"only async mode with parameter servers allows; received mode={self.mode.value!r}, "
+                              f"strategy={self.strategy!r}. Drop --pipeline, or use --mode async --strategy ps.")
         if self.compress != "none" and self.strategy != "ps":
             raise ConfigError(f"compress={self.compress!r} applies to --strategy ps (gradients pushed to parameter "
                               "servers); all-reduce sends them uncompressed. Drop --compress, or use --strategy ps.")

@@ -268,12 +268,15 @@ class TrainerBase(SupervisedTrainer, ABC):
         batch_size: int | None,
         batch: Batch | torch.Tensor | None,
         batches: Sequence[Batch | torch.Tensor] | None,
+        *,
+        end: float | None = None,
     ) -> None:
-        """After a step the job applied: count it, its examples and its time; report progress."""
+        """After a step the job applied: count it, its examples and its time (from ``t0`` to ``end``,
+        default now: a pipelined step is counted once its replies are in); report progress."""
         self.local_step += 1
         n = batch_size if batch_size is not None else batch_examples(batch, batches)
         self.examples += n or 0
-        end = time.perf_counter()
+        end = time.perf_counter() if end is None else end
         self.train_time_s += end - t0
         if self._first_step_at is None:
             self._first_step_at = t0

@@ -34,6 +34,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ import torch
 from psflow import timeline
 from psflow.checkpoint.keys import StateKey, parse_key
 from psflow.errors import ConfigError, PsflowError
+from psflow.launch import errorreport
 from psflow.optim import OptimizerSpec
 from psflow.ps.client import PsClient
 from psflow.ps.placement import ParamInfo, Placement, place, split_tensor
@@ -48,8 +50,9 @@ from psflow.ps.progress import StepPlan
 from psflow.train.base import TrainerBase
 from psflow.train.ledger import PushLedger
 from psflow.train.modes import UpdateMode, mode_of
-from psflow.train.sender import PushSender
-from psflow.train.towers import Batch, run_step_closure
+from psflow.train.pipeline import Flight, Replies, ReplyBuffers
+from psflow.train.sender import NotSent, PushSender
+from psflow.train.towers import Batch, batch_examples, run_step_closure
 from psflow.wire.compress import Compression
 
 log = logging.getLogger("psflow")
@@ -131,6 +134,10 @@ class Trainer(TrainerBase):
         self.data_source: Any = None  # an iterator with state_dict(): its position rides on each push (see _send_shard)
         self._restored_positions: Mapping[str, Any] | None = None
         self._ps_initialized = False  # every shard answered initialized (a restarted chief takes over)
+        # TrainConfig.pipeline (async): the steps whose replies are still on their way, oldest first
+        self._flights: list[Flight] = []
+        self._reply_buffers = ReplyBuffers(self._dests) if self.config.pipeline else None
+        self.pipelined_steps = 0  # steps computed from values that lacked this worker's previous update
         self._install_grad_hooks()
 
     def _log_placement(self) -> None:
@@ -251,13 +258,16 @@ class Trainer(TrainerBase):
         t0 = self._begin_step()
         tl = timeline.ACTIVE  # None unless psflow run --timeline: then each phase is a span
         ts = tl.now() if tl is not None else 0.0
+        if self._reply_buffers is not None:
+            return self._pipelined_step(t0, tl, closure, batch, batches, batch_size)
         # After pull(averages=True) the model holds averages, not values to compute from.
         if self.mode.before_compute(self) or self._holds_averages:
             self._pull_values(tl)
         value, sent = self._compute_and_push(closure, batch, batches, tl)
         with self.mode.awaiting_replies(self):
             replies = self.client.recv_push_replies(range(self.task.num_ps), self._dests)
-        applied = self._settle(replies, sent)
+        early, self._late = len(sent - self._late), set()
+        applied = self._settle(replies, early)
         if tl is not None:
             tl.add("step", f"step {self.local_step}", ts, tl.now(), global_step=self.global_step)
         if applied:
@@ -271,11 +281,89 @@ class Trainer(TrainerBase):
         if tl is not None:
             tl.add("pull", "pull", start, tl.now())
 
+    # -- the async pipeline (TrainConfig.pipeline; psflow.train.pipeline) ------------------------
+    def _pipelined_step(self, t0: float, tl: timeline.Timeline | None, closure: Callable[..., torch.Tensor],
+                        batch: Batch | torch.Tensor | None, batches: Sequence[Batch | torch.Tensor] | None,
+                        batch_size: int | None) -> float:
+        """Land the values of the step before the last, compute this step from them, queue its
+        pushes and their replies on the push thread, and return (the replies land at a later step)."""
+        ts = tl.now() if tl is not None else 0.0
+        self._settle_flights(keep=1, tl=tl)  # the previous step stays in flight: this one overlaps it
+        if self._holds_averages:
+            self._pull_values(tl)
+        if self._flights:
+            self.pipelined_steps += 1
+        value, sent = self._compute_and_push(closure, batch, batches, tl, wait=False)
+        early, self._late = len(sent - self._late), set()
+        n = batch_size if batch_size is not None else batch_examples(batch, batches)
+        buffer, replies = self._seal(complete=True)
+        self._flights.append(Flight(replies, buffer, early, t0, time.perf_counter(), value, n))
+        if tl is not None:
+            tl.add("step", f"step {self.local_step}", ts, tl.now(), global_step=self.global_step, pipelined=True)
+        return value
+
+    def _seal(self, *, complete: bool) -> tuple[int, Future[Replies]]:
+        """Queue the reading of this step's replies behind its sends, into a reply buffer.
+        ``complete`` False: the step's compute failed; the shards sent are drained, nothing applied."""
+        assert self._reply_buffers is not None
+        buffer = self._reply_buffers.take()
+        dests, num_ps = self._reply_buffers[buffer], self.task.num_ps
+
+        def receive(sends: list[tuple[int, Future[None]]]) -> Replies:
+            sent = sorted(s for s, f in sends if f.exception() is None)
+            errors = [e for _, f in sends if (e := f.exception()) is not None and not isinstance(e, NotSent)]
+            if complete and not errors and len(sent) == num_ps:
+                return self.client.recv_push_replies(range(num_ps), dests)
+            try:
+                self.client.recv_push_replies(sent, dests)  # the connections stay in step
+            except PsflowError:
+                if not self.client.reconnects:
+                    self.client.close()
+            if errors:
+                raise errors[0]
+            if any(isinstance(f.exception(), NotSent) for _, f in sends):
+                raise NotSent("an earlier push failed")
+            return None
+
+        return buffer, self.sender.seal(receive)
+
+    def _settle_flights(self, *, keep: int = 0, tl: timeline.Timeline | None = None) -> None:
+        """Wait for the steps in flight but the last ``keep``, oldest first: land each one's values
+        in the model and count it. A failed one: wait for the rest (the sends queued after it are
+        skipped), land none, and raise its error."""
+        start = tl.now() if tl is not None else 0.0
+        while len(self._flights) > keep:
+            flight = self._flights.pop(0)
+            try:
+                replies = flight.replies.result()
+            except BaseException:
+                for later in self._flights:
+                    later.replies.exception()  # done soon: its sends are skipped
+                self._flights.clear()
+                self.sender.reset()
+                raise
+            if replies is None:
+                continue  # its compute failed (raised then); the shards it reached were drained
+            assert self._reply_buffers is not None
+            self._reply_buffers.land(flight.buffer, self._dests)
+            if self._settle(replies, flight.early):
+                self._end_step(flight.t0, flight.loss, flight.examples, None, None, end=flight.end)
+        if tl is not None:
+            tl.add("wait", "wait (pipeline: the step before the last)", start, tl.now())
+
+    def flush(self) -> int:
+        """Wait for the steps still in flight (``pipeline``) and land the newest values in the
+        model, as a step without the pipeline leaves it. Raises the first failure among them.
+        Returns the global step. Nothing to do without the pipeline."""
+        self._settle_flights()
+        return self.global_step
+
     def _compute_and_push(self, closure: Callable[..., torch.Tensor], batch: Batch | torch.Tensor | None,
                           batches: Sequence[Batch | torch.Tensor] | None,
-                          tl: timeline.Timeline | None) -> tuple[float, set[int]]:
+                          tl: timeline.Timeline | None, *, wait: bool = True) -> tuple[float, set[int]]:
         """Forward and backward, and the gradients' half of the step's one round trip per shard.
-        Returns the loss and the shards sent to.
+        Returns the loss and the shards sent to. ``wait`` False (the pipeline): the sends are queued,
+        not waited for; on an error the replies of the shards sent are read on the push thread.
 
         A shard's gradients leave as soon as backward has produced all of them (see _on_grad), on
         the sender's thread (:mod:`psflow.train.sender`), so the transfer to one shard overlaps the
@@ -301,19 +389,23 @@ class Trainer(TrainerBase):
             for shard in [*range(1, self.task.num_ps), 0]:  # shard 0 (the data position) last
                 if shard not in self._sent:
                     self._send_shard(shard)
-            self._join_sends(tl)
+            if wait:
+                self._join_sends(tl)
         except BaseException:
+            if not wait:
+                self._sent, self._late = None, set()
+                self._seal(complete=False)
+                raise
             self._join_sends(None, quiet=True)
             self._drain_sent()
             raise
         sent, self._sent = self._sent, None
         return value, sent
 
-    def _settle(self, replies: Sequence[Mapping[str, Any]], sent: set[int]) -> bool:
-        """Take in the step's replies (the values are in the model already). Returns whether the
-        job applied the step, so that it counts as one."""
-        self.early_pushes += len(sent) - len(self._late)
-        self._late.clear()
+    def _settle(self, replies: Sequence[Mapping[str, Any]], early: int) -> bool:
+        """Take in the step's replies (the values are in the model already) and its count of pushes
+        sent during backward. Returns whether the job applied the step, so that it counts as one."""
+        self.early_pushes += early
         self.versions = [int(r["version"]) for r in replies]
         if replies[0].get("stale"):
             self.stale_pushes += 1
@@ -404,7 +496,8 @@ class Trainer(TrainerBase):
             if tl is not None:
                 tl.add("push", f"push ps:{shard}", start, tl.now(), during_backward=during_backward)
 
-        self.sender.submit(shard, send, beside_compute=during_backward)
+        # the pipeline: every send on the push thread (the training thread goes on to the next step)
+        self.sender.submit(shard, send, beside_compute=during_backward or self._reply_buffers is not None)
         self._sent.add(shard)
         if not during_backward:
             self._late.add(shard)
@@ -439,6 +532,7 @@ class Trainer(TrainerBase):
     def pull(self, *, averages: bool = False) -> int:
         """Load the newest ps values (or their moving averages) into the model. Returns the global step."""
         self.prepare()
+        self.flush()
         versions = self.client.pull(self._dests, averages=averages)
         self._holds_averages = averages  # then the next step() pulls the values to compute from
         if not averages:
@@ -452,11 +546,13 @@ class Trainer(TrainerBase):
         parameter passes through this task). With ``exact``, each writes the state it held when it
         reached ``step`` (see :class:`psflow.ps.progress.StepPlan`), else its state now.
         Returns each shard's ``{"record", "version", "data_positions"}``."""
+        self.flush()
         return self.client.save({"root": root, "step": step, "num_shards": self.task.num_ps, "exact": exact,
                                  "timeout_s": self.config.sync_timeout_s})
 
     def job_step(self) -> int:
         """The job's global step now (shard 0's version), not just as of this worker's last push."""
+        self.flush()
         return int(self.client.status()[0]["version"])
 
     def job_status(self) -> Mapping[str, Any]:
@@ -470,16 +566,27 @@ class Trainer(TrainerBase):
         sent, received = self.client.traffic()
         return {**super().stats(), "stale_pushes": self.stale_pushes, "refused_pushes": self.refused_pushes,
                 "early_pushes": self.early_pushes, "mode": self.mode.name,
+                "pipelined_steps": self.pipelined_steps, "pipeline_staleness": int(self.config.pipeline),
                 "compress": self.config.compress, "bytes_sent": sent, "bytes_received": received}
 
     def end_training(self) -> None:
         """PS_DONE that says this worker stays: the ps count it done for every step from now on
         (sync quorum, ssp bound) and serve it until :meth:`close` sends the last PS_DONE."""
         if self._ready and not self._closed:
+            self.flush()
             self.client.done(self.worker, attempt=self.attempt, stays=True)
 
     def _release(self) -> None:
-        """Tell the ps this worker is done (they exit when every worker is) and disconnect."""
+        """Tell the ps this worker is done (they exit when every worker is) and disconnect. Steps
+        still in flight (``pipeline``) are waited for first; a failure among them is raised after
+        the ps were told of it."""
+        in_flight: BaseException | None = None
+        try:
+            self.flush()
+        except BaseException as e:  # noqa: BLE001 -- raised below, once the ps know
+            in_flight = e
+            if self.failure is None:
+                self.failure = errorreport.one_line(e)
         try:
             # A chief that never initialized the ps says nothing when it ends normally (nothing trained);
             # one that stopped on an error says so: the ps then wait for it (a restart) or give up naming it.
@@ -490,3 +597,5 @@ class Trainer(TrainerBase):
             self.client.close()
             if self._ledger is not None:
                 self._ledger.close()
+        if in_flight is not None:
+            raise in_flight

@@ -1,0 +1,158 @@
+"""The async pipeline (TrainConfig.pipeline): a step computes while the one before travels, and
+every push is still applied exactly once, in order, with failures raised on the training thread."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from inproc import CuttingProxy, InprocCluster
+
+from psflow import optim, timeline
+from psflow.cluster import ClusterSpec, TaskId
+from psflow.config import TrainConfig
+from psflow.errors import RemoteError
+from psflow.train.trainer import Trainer
+
+pytestmark = pytest.mark.timeout(60)
+torch.set_num_threads(1)
+PIPELINE = TrainConfig(mode="async", pipeline=True, placement="contiguous")
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def loss(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(m(x), y)
+
+
+def test_every_pipelined_push_is_applied_once_and_the_model_ends_with_the_ps_values():
+    steps = 6
+    with InprocCluster(2, 1, PIPELINE) as c:
+        model = mlp()
+        trainer = c.trainer(0, model, optim.SGD(lr=0.1, momentum=0.9))
+        for i in range(steps):
+            trainer.step(loss, batch=batch(i))
+        assert trainer.local_step <= steps - 1  # the last step's replies are still on their way
+        assert trainer.flush() == steps
+        stats = trainer.stats()
+        mine = [p.detach().clone() for p in model.parameters()]
+        trainer.pull()
+        trainer.close()
+        status = c.status()
+    assert [s["version"] for s in status] == [s["stats"]["applied_updates"] for s in status] == [steps, steps]
+    assert stats["local_step"] == steps and stats["examples"] == 5 * steps
+    assert stats["pipelined_steps"] == steps - 1 and stats["pipeline_staleness"] == 1
+    for a, b in zip(mine, model.parameters()):
+        assert torch.equal(a, b)  # after flush the model held the newest values, as a plain step leaves it
+
+
+def test_the_next_step_computes_while_the_last_ones_replies_are_held():
+    """The ps's replies are held back (a slow link): with the pipeline two steps still compute and
+    return; the third waits for the first one's values. Fails without the pipeline (the first
+    step waits for its reply)."""
+    recorder = timeline.start("pipeline")
+    with InprocCluster(1, 1, TrainConfig(mode="async", pipeline=True)) as c:
+        proxy = CuttingProxy(c.servers[TaskId("ps", 0)].address)
+        try:
+            routed = ClusterSpec.from_dict({**c.cluster.to_dict(), "ps": [proxy.address]})
+            model = mlp()
+            trainer = Trainer(model, optim.SGD(lr=0.1), replace(c.task(0), cluster=routed))
+            trainer.prepare()
+            proxy.hold_replies()
+            returned, go_on = [], threading.Event()
+
+            def train() -> None:
+                for i in range(3):
+                    trainer.step(loss, batch=batch(i))
+                    returned.append(i)
+                    if i == 1:
+                        go_on.set()
+
+            worker = threading.Thread(target=train, daemon=True)
+            worker.start()
+            assert go_on.wait(timeout=10), "the first step waited for its reply"
+            worker.join(timeout=0.3)
+            assert returned == [0, 1]  # the third step waits for the first one's values
+            proxy.release_replies()
+            worker.join(timeout=20)
+            assert returned == [0, 1, 2]
+            trainer.close()
+            (st,) = c.status()
+        finally:
+            proxy.close()
+            timeline.stop()
+    assert st["stats"]["applied_updates"] == 3
+    spans = [e for e in recorder.events if e["name"] in ("forward", "pull ps:0")]
+    second_forward = [e for e in spans if e["name"] == "forward"][1]
+    first_reply = next(e for e in spans if e["name"] == "pull ps:0")
+    assert second_forward["ts"] < first_reply["ts"]  # step 1 computed before step 0's values came back
+
+
+def test_a_failed_send_is_raised_at_a_later_step_and_the_steps_queued_behind_it_are_not_sent():
+    with InprocCluster(2, 1, PIPELINE) as c:
+        model = mlp()
+        trainer = c.trainer(0, model, optim.SGD(lr=0.1))
+        send_push, calls = trainer.client.send_push, []
+
+        def failing(shard, *args, **kwargs):
+            calls.append((kwargs["seq"], shard))
+            if kwargs["seq"] == 2 and shard == 0:  # step 2's last push (shard 0, after shard 1's)
+                raise RemoteError("ps:0: the link broke")
+            return send_push(shard, *args, **kwargs)
+
+        trainer.client.send_push = failing
+        trainer.step(loss, batch=batch(0))
+        trainer.step(loss, batch=batch(1))
+        trainer.step(loss, batch=batch(2))  # computed while step 2 was in flight; its sends are skipped
+        with pytest.raises(RemoteError, match="the link broke"):
+            trainer.step(loss, batch=batch(3))
+        assert (3, 0) not in calls and (3, 1) not in calls
+        trainer.step(loss, batch=batch(4))  # the connections are in step: training goes on
+        trainer.close()
+        status = c.status()
+    # shard 1 took step 2 (sent before shard 0, which failed); step 3 reached no shard
+    assert [s["stats"]["applied_updates"] for s in status] == [2, 3]
+    assert trainer.local_step == 2
+
+
+@pytest.mark.parametrize("direction", ["reply", "request"])
+def test_a_pipelined_push_whose_connection_drops_is_resent_and_applied_exactly_once(direction: str):
+    steps = 5
+    with InprocCluster(1, 1, TrainConfig(mode="async", pipeline=True)) as c:
+        proxy = CuttingProxy(c.servers[TaskId("ps", 0)].address)
+        try:
+            routed = ClusterSpec.from_dict({**c.cluster.to_dict(), "ps": [proxy.address]})
+            task = replace(c.task(0), cluster=routed, resolve=lambda peer: proxy.address)
+            model = mlp()
+            t = Trainer(model, optim.SGD(lr=0.1), task)
+            t.prepare()
+            for step in range(steps):
+                if step == 2:
+                    proxy.cut_next(direction)
+                t.step(loss, batch=batch(step))
+            t.close()
+            (st,) = c.status()
+        finally:
+            proxy.close()
+    assert proxy.cuts == 1 and t.local_step == steps
+    assert st["version"] == st["stats"]["applied_updates"] == steps
+    assert st["stats"]["duplicates"] == (1 if direction == "reply" else 0)
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_the_pipeline_is_refused_outside_async_mode(mode: str):
+    from psflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="only async mode"):
+        TrainConfig(mode=mode, pipeline=True)
