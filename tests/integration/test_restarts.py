@@ -82,6 +82,20 @@ def test_async_worker_killed_is_restarted_registers_again_and_the_job_finishes(t
     assert "worker:1 attempt 0: killed (SIGKILL) after " in shown.stdout and "; restarted" in shown.stdout, shown.stdout
 
 
+def test_async_pipelined_worker_killed_with_steps_in_flight_applies_every_batch_once(tmp_path: Path) -> None:
+    """--pipeline: worker:1 is SIGKILLed at its step 30 with one or two steps' pushes still in flight
+    (sent, perhaps applied, their replies not read). The restarted attempt resumes from the data
+    position of its last applied push: exactly one epoch of updates in all, none twice, none lost."""
+    logdir = tmp_path / "pipelined"
+    out, s = launch(logdir, *RESTART, "--pipeline", "--fail-at", "worker:1@step=30:kill")
+    assert_worker_1_was_killed_once_and_restarted(s, out)
+    assert s["test_accuracy"] > 0.8, out
+    ps = s["reports"]["ps:0"]["ps_stats"]
+    assert s["global_step"] == ps["applied_updates"] == ps["pushes"] == STEPS_PER_EPOCH, ps
+    trainers = {t: rep["trainer"] for t, rep in s["reports"].items() if "trainer" in rep}
+    assert all(t["pipeline_staleness"] == 1 and t["pipelined_steps"] > 0 for t in trainers.values()), trainers
+
+
 def test_async_chief_worker_killed_is_restarted_and_continues_from_the_ps_without_initializing_it(tmp_path: Path) -> None:
     # worker:0 is the chief: its restart finds the ps initialized and takes their step and values.
     logdir = tmp_path / "chief"
