@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from inproc import CuttingProxy, InprocCluster
+from inproc import CuttingProxy, InprocCluster, wait_until
 
 from psflow import optim, timeline
 from psflow.cluster import ClusterSpec, TaskId
@@ -97,6 +97,41 @@ def test_the_next_step_computes_while_the_last_ones_replies_are_held():
     second_forward = [e for e in spans if e["name"] == "forward"][1]
     first_reply = next(e for e in spans if e["name"] == "pull ps:0")
     assert second_forward["ts"] < first_reply["ts"]  # step 1 computed before step 0's values came back
+
+
+def test_a_shards_next_push_leaves_once_its_own_reply_is_in_while_another_shards_is_held():
+    """ps:0's replies are held back; ps:1's flow. Step 1's push to ps:1 goes out as soon as step 0's
+    reply from ps:1 is in: ps:1 applies it while ps:0 still owes step 0's reply. Fails where a
+    step's sends wait for every reply of the step before."""
+    with InprocCluster(2, 1, PIPELINE) as c:
+        proxy = CuttingProxy(c.servers[TaskId("ps", 0)].address)
+        try:
+            addrs = c.cluster.to_dict()
+            routed = ClusterSpec.from_dict({**addrs, "ps": [proxy.address, *addrs["ps"][1:]]})
+            model = mlp()
+            trainer = Trainer(model, optim.SGD(lr=0.1), replace(c.task(0), cluster=routed))
+            trainer.prepare()
+            proxy.hold_replies()
+            returned: list[int] = []
+
+            def train() -> None:
+                for i in range(2):
+                    trainer.step(loss, batch=batch(i))
+                    returned.append(i)
+
+            worker = threading.Thread(target=train, daemon=True)
+            worker.start()
+            wait_until(lambda: c.status()[1]["stats"]["applied_updates"] == 2, 10,
+                       "ps:1 applying step 1 while ps:0's reply to step 0 is held")
+            assert c.status()[0]["stats"]["applied_updates"] == 1  # step 1's push to ps:0 waits for its reply
+            proxy.release_replies()
+            worker.join(timeout=20)
+            assert returned == [0, 1]
+            trainer.close()
+            status = c.status()
+        finally:
+            proxy.close()
+    assert [s["stats"]["applied_updates"] for s in status] == [2, 2]
 
 
 def test_a_failed_send_is_raised_at_a_later_step_and_the_steps_queued_behind_it_are_not_sent():

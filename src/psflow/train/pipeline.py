@@ -6,17 +6,18 @@ and the links idle while it computes. With it, ``step()`` returns once its pushe
 push thread (:mod:`psflow.train.sender`), whose replies land in one of two reply buffers instead of
 the model. The next step first waits for the step before the last one (step t-1 at step t+1),
 copies those values into the model and computes from them: a worker's step costs about
-max(compute, transfer) instead of their sum.
+max(compute, transfer) instead of their sum. Two threads carry the steps (:class:`Exchanges`):
+one sends, one reads replies, and a shard's next push leaves as soon as its last reply is in, so
+the worker's link sends step t+1's first shard while step t's last reply is still on its way.
 
 The price is staleness: step t+1 computes from values that lack this worker's own update t (one
 step; the other workers' updates as in any async step), counted in the stats (``pipelined_steps``,
 ``pipeline_staleness``). Async mode only: a sync step waits for the quorum by definition, and the
 ssp bound counts clocks the pipeline would run past unseen, so ``TrainConfig`` refuses it there.
 
-What stays as without it: each push is applied once and in order (one step's exchange at a time
-per connection, on the one push thread: step t+1's sends queue behind step t's replies, so the
-client's resend-once after a reconnect holds); shard 0, which records the data position, goes last
-in each step; a failed send or reply is raised on the training thread at the next step (or flush),
+What stays as without it: each push is applied once and in order (one request at a time per
+connection: a shard's push waits for its last reply, so the client's resend-once after a reconnect
+holds); shard 0, which records the data position, goes last in each step; a failed send or reply is raised on the training thread at the next step (or flush),
 and the steps queued behind it are not sent. After ``step()`` the model holds the values of the
 step before, not its own update; :meth:`Trainer.flush` (and ``pull``, checkpoints,
 ``end_training``, ``close``) waits for every step in flight and lands the newest values.
@@ -24,12 +25,14 @@ step before, not its own update; :meth:`Trainer.flush` (and ``pull``, checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from psflow.train.sender import NotSent
 
 Replies = list[dict[str, Any]] | None  # None: a step whose compute failed (its sent shards were only drained)
 
@@ -68,3 +71,72 @@ class ReplyBuffers:
         for buf, dest in zip(self._bufs[i], dests):
             for k, t in dest.items():
                 t.copy_(buf[k])
+
+
+class Exchanges:
+    """The pipeline's two threads: one sends each step's pushes in the order given (a shard's push
+    once its previous reply is in), one reads each push's reply in the order sent.
+
+    Args:
+        name: the threads' name prefix (stacks, the timeline).
+        receive: reads shard's reply into the step's reply buffer; returns the reply's meta.
+    """
+
+    def __init__(self, name: str, receive: Callable[[int, int], dict[str, Any]]) -> None:
+        self._receive = receive
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-send")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-reply")
+        self._last_reply: dict[int, Future[dict[str, Any]]] = {}  # shard -> its latest push's reply
+        self._step: dict[int, Future[dict[str, Any]]] = {}  # this step's replies by shard
+        self._failed = False  # a send or reply failed: later sends are skipped until reset()
+
+    def send(self, shard: int, send: Callable[[], None], buffer: int) -> None:
+        """Queue one shard's push of this step (``send``) and the reading of its reply into ``buffer``."""
+        previous = self._last_reply.get(shard)
+        sent = self._sender.submit(self._send, previous, send)
+        reply = self._reader.submit(self._read, sent, shard, buffer)
+        self._last_reply[shard] = self._step[shard] = reply
+
+    def _send(self, previous: Future[dict[str, Any]] | None, send: Callable[[], None]) -> None:
+        if previous is not None:
+            previous.exception()  # one request at a time per connection (a failure sets _failed)
+        if self._failed:
+            raise NotSent("an earlier push or reply failed")
+        try:
+            send()
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _read(self, sent: Future[None], shard: int, buffer: int) -> dict[str, Any]:
+        sent.result()  # raises the send's failure: there is no reply to read
+        try:
+            return self._receive(shard, buffer)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def end_step(self, num_shards: int, *, complete: bool) -> Future[Replies]:
+        """This step's replies, shard by shard, once all are read. ``complete`` False (the step's
+        compute failed): None once the shards it reached answered. Raises the step's first failure."""
+        replies, self._step = self._step, {}
+        return self._reader.submit(_gather, replies, num_shards, complete)
+
+    def reset(self) -> None:
+        """The caller has taken the failure: later sends go out again."""
+        self._failed = False
+
+    def close(self) -> None:
+        self._sender.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+
+
+def _gather(replies: Mapping[int, Future[dict[str, Any]]], num_shards: int, complete: bool) -> Replies:
+    """Every shard's reply meta in shard order (each future is done: it ran before on this thread)."""
+    errors = [e for f in replies.values() if (e := f.exception()) is not None]
+    first = next((e for e in errors if not isinstance(e, NotSent)), errors[0] if errors else None)
+    if first is not None:
+        raise first
+    if not complete or len(replies) < num_shards:
+        return None
+    return [replies[s].result() for s in range(num_shards)]

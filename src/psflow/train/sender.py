@@ -16,9 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
-
-T = TypeVar("T")
 
 
 class NotSent(Exception):
@@ -51,28 +48,6 @@ class PushSender:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
         self._pending.append((shard, self._pool.submit(self._run, send)))
-
-    def seal(self, receive: Callable[[list[tuple[int, Future[None]]]], T]) -> Future[T]:
-        """End the step's sends without waiting (the async pipeline, :mod:`psflow.train.pipeline`):
-        queue ``receive(sends)`` (each shard's send future, all done by then) behind them on the
-        thread and return its future. The next :meth:`submit` starts the next step. A failure of
-        ``receive`` skips the sends queued after it, as a failed send does, until :meth:`reset`."""
-        sends, self._pending = self._pending, []
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
-        return self._pool.submit(self._run_receive, receive, sends)
-
-    def _run_receive(self, receive: Callable[[list[tuple[int, Future[None]]]], T],
-                     sends: list[tuple[int, Future[None]]]) -> T:
-        try:
-            return receive(sends)
-        except BaseException:
-            self._failed = True
-            raise
-
-    def reset(self) -> None:
-        """The caller has taken a sealed step's failure: later sends go out again."""
-        self._failed = False
 
     def _run(self, send: Callable[[], None]) -> None:
         if self._failed:

@@ -34,7 +34,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -50,8 +49,8 @@ from psflow.ps.progress import StepPlan
 from psflow.train.base import TrainerBase
 from psflow.train.ledger import PushLedger
 from psflow.train.modes import UpdateMode, mode_of
-from psflow.train.pipeline import Flight, Replies, ReplyBuffers
-from psflow.train.sender import NotSent, PushSender
+from psflow.train.pipeline import Exchanges, Flight, ReplyBuffers
+from psflow.train.sender import PushSender
 from psflow.train.towers import Batch, batch_examples, run_step_closure
 from psflow.wire.compress import Compression
 
@@ -137,6 +136,7 @@ class Trainer(TrainerBase):
         # TrainConfig.pipeline (async): the steps whose replies are still on their way, oldest first
         self._flights: list[Flight] = []
         self._reply_buffers = ReplyBuffers(self._dests) if self.config.pipeline else None
+        self._buffer = 0  # the reply buffer of the step being computed
         self.pipelined_steps = 0  # steps computed from values that lacked this worker's previous update
         self._install_grad_hooks()
 
@@ -286,46 +286,28 @@ class Trainer(TrainerBase):
                         batch: Batch | torch.Tensor | None, batches: Sequence[Batch | torch.Tensor] | None,
                         batch_size: int | None) -> float:
         """Land the values of the step before the last, compute this step from them, queue its
-        pushes and their replies on the push thread, and return (the replies land at a later step)."""
+        pushes and their replies on the pipeline's threads, and return (the replies land at a later step)."""
         ts = tl.now() if tl is not None else 0.0
         self._settle_flights(keep=1, tl=tl)  # the previous step stays in flight: this one overlaps it
         if self._holds_averages:
             self._pull_values(tl)
         if self._flights:
             self.pipelined_steps += 1
+        assert self._reply_buffers is not None and self._exchanges is not None
+        self._buffer = self._reply_buffers.take()
         value, sent = self._compute_and_push(closure, batch, batches, tl, wait=False)
         early, self._late = len(sent - self._late), set()
         n = batch_size if batch_size is not None else batch_examples(batch, batches)
-        buffer, replies = self._seal(complete=True)
-        self._flights.append(Flight(replies, buffer, early, t0, time.perf_counter(), value, n))
+        replies = self._exchanges.end_step(self.task.num_ps, complete=True)
+        self._flights.append(Flight(replies, self._buffer, early, t0, time.perf_counter(), value, n))
         if tl is not None:
             tl.add("step", f"step {self.local_step}", ts, tl.now(), global_step=self.global_step, pipelined=True)
         return value
 
-    def _seal(self, *, complete: bool) -> tuple[int, Future[Replies]]:
-        """Queue the reading of this step's replies behind its sends, into a reply buffer.
-        ``complete`` False: the step's compute failed; the shards sent are drained, nothing applied."""
+    def _receive_reply(self, shard: int, buffer: int) -> dict[str, Any]:
+        """The reply to ``shard``'s push, its values into reply buffer ``buffer`` (the reply thread)."""
         assert self._reply_buffers is not None
-        buffer = self._reply_buffers.take()
-        dests, num_ps = self._reply_buffers[buffer], self.task.num_ps
-
-        def receive(sends: list[tuple[int, Future[None]]]) -> Replies:
-            sent = sorted(s for s, f in sends if f.exception() is None)
-            errors = [e for _, f in sends if (e := f.exception()) is not None and not isinstance(e, NotSent)]
-            if complete and not errors and len(sent) == num_ps:
-                return self.client.recv_push_replies(range(num_ps), dests)
-            try:
-                self.client.recv_push_replies(sent, dests)  # the connections stay in step
-            except PsflowError:
-                if not self.client.reconnects:
-                    self.client.close()
-            if errors:
-                raise errors[0]
-            if any(isinstance(f.exception(), NotSent) for _, f in sends):
-                raise NotSent("an earlier push failed")
-            return None
-
-        return buffer, self.sender.seal(receive)
+        return self.client.recv_push_replies([shard], self._reply_buffers[buffer])[0]
 
     def _settle_flights(self, *, keep: int = 0, tl: timeline.Timeline | None = None) -> None:
         """Wait for the steps in flight but the last ``keep``, oldest first: land each one's values
@@ -340,7 +322,8 @@ class Trainer(TrainerBase):
                 for later in self._flights:
                     later.replies.exception()  # done soon: its sends are skipped
                 self._flights.clear()
-                self.sender.reset()
+                assert self._exchanges is not None
+                self._exchanges.reset()
                 raise
             if replies is None:
                 continue  # its compute failed (raised then); the shards it reached were drained
@@ -392,9 +375,12 @@ class Trainer(TrainerBase):
             if wait:
                 self._join_sends(tl)
         except BaseException:
-            if not wait:
+            if not wait:  # the pipeline: the replies of the shards it reached are read on the reply thread
                 self._sent, self._late = None, set()
-                self._seal(complete=False)
+                assert self._exchanges is not None
+                now = time.perf_counter()
+                self._flights.append(Flight(self._exchanges.end_step(self.task.num_ps, complete=False), self._buffer,
+                                            0, now, now, 0.0, None))
                 raise
             self._join_sends(None, quiet=True)
             self._drain_sent()
@@ -455,6 +441,8 @@ class Trainer(TrainerBase):
         self._late: set[int] = set()
         # Sends each push on a thread of its own (PushSender(threaded=False): on this one, the A/B reference).
         self.sender = PushSender(f"psflow-push-{self.task.task_id}")
+        self._exchanges = (Exchanges(f"psflow-push-{self.task.task_id}", self._receive_reply)
+                           if self.config.pipeline else None)
         self.early_pushes = 0
         if self.towers is not None:
             return  # towers average onto the master's .grad after backward: nothing to overlap with
@@ -496,8 +484,10 @@ class Trainer(TrainerBase):
             if tl is not None:
                 tl.add("push", f"push ps:{shard}", start, tl.now(), during_backward=during_backward)
 
-        # the pipeline: every send on the push thread (the training thread goes on to the next step)
-        self.sender.submit(shard, send, beside_compute=during_backward or self._reply_buffers is not None)
+        if self._exchanges is not None:  # the pipeline: sent and answered on its threads
+            self._exchanges.send(shard, send, self._buffer)
+        else:
+            self.sender.submit(shard, send, beside_compute=during_backward)
         self._sent.add(shard)
         if not during_backward:
             self._late.add(shard)
@@ -594,6 +584,8 @@ class Trainer(TrainerBase):
                 self.client.done(self.worker, attempt=self.attempt, failed=self.failure)
         finally:
             self.sender.close()
+            if self._exchanges is not None:
+                self._exchanges.close()
             self.client.close()
             if self._ledger is not None:
                 self._ledger.close()
