@@ -161,6 +161,46 @@ def test_a_failed_send_is_raised_at_a_later_step_and_the_steps_queued_behind_it_
     assert trainer.local_step == 2
 
 
+def test_a_failure_of_the_last_step_in_flight_is_raised_by_close():
+    with InprocCluster(2, 1, PIPELINE) as c:
+        trainer = c.trainer(0, mlp(), optim.SGD(lr=0.1))
+        send_push = trainer.client.send_push
+
+        def failing(shard, *args, **kwargs):
+            if kwargs["seq"] == 2:
+                raise RemoteError("ps:1: the link broke")
+            return send_push(shard, *args, **kwargs)
+
+        trainer.client.send_push = failing
+        trainer.step(loss, batch=batch(0))
+        trainer.step(loss, batch=batch(1))  # returns: its failure is found on the push thread
+        with pytest.raises(RemoteError, match="the link broke"):
+            trainer.close()
+        assert trainer.failure is not None and "the link broke" in trainer.failure  # what the ps were told
+        status = c.status()
+    assert [s["stats"]["applied_updates"] for s in status] == [1, 1]
+
+
+def test_a_failing_closure_leaves_the_pipeline_usable():
+    with InprocCluster(2, 1, PIPELINE) as c:
+        trainer = c.trainer(0, mlp(), optim.SGD(lr=0.1))
+
+        def failing(m, x, y):
+            out = F.cross_entropy(m(x), y)
+            out.backward(retain_graph=True)  # the hooks send some shards
+            raise RuntimeError("boom after backward")
+
+        trainer.step(loss, batch=batch(0))
+        with pytest.raises(RuntimeError, match="boom"):
+            trainer.step(failing, batch=batch(1))
+        for i in range(2, 5):
+            trainer.step(loss, batch=batch(i))
+        trainer.close()
+        status = c.status()
+    assert trainer.local_step == 4  # the failed step is not counted; the shards it reached applied it
+    assert all(s["stats"]["applied_updates"] >= 4 for s in status)
+
+
 @pytest.mark.parametrize("direction", ["reply", "request"])
 def test_a_pipelined_push_whose_connection_drops_is_resent_and_applied_exactly_once(direction: str):
     steps = 5

@@ -288,7 +288,9 @@ class Trainer(TrainerBase):
         """Land the values of the step before the last, compute this step from them, queue its
         pushes and their replies on the pipeline's threads, and return (the replies land at a later step)."""
         ts = tl.now() if tl is not None else 0.0
-        self._settle_flights(keep=1, tl=tl)  # the previous step stays in flight: this one overlaps it
+        # The previous step stays in flight: this one overlaps it. A pull goes on the connections
+        # the pipeline's threads use, so it waits for every step in flight.
+        self._settle_flights(keep=0 if self._holds_averages else 1, tl=tl)
         if self._holds_averages:
             self._pull_values(tl)
         if self._flights:
@@ -569,14 +571,13 @@ class Trainer(TrainerBase):
     def _release(self) -> None:
         """Tell the ps this worker is done (they exit when every worker is) and disconnect. Steps
         still in flight (``pipeline``) are waited for first; a failure among them is raised after
-        the ps were told of it."""
+        the ps were told of it (unless the task is stopping on an error already: that one stands)."""
         in_flight: BaseException | None = None
         try:
             self.flush()
         except BaseException as e:  # noqa: BLE001 -- raised below, once the ps know
-            in_flight = e
             if self.failure is None:
-                self.failure = errorreport.one_line(e)
+                in_flight, self.failure = e, errorreport.one_line(e)
         try:
             # A chief that never initialized the ps says nothing when it ends normally (nothing trained);
             # one that stopped on an error says so: the ps then wait for it (a restart) or give up naming it.
