@@ -182,6 +182,7 @@ class Trainer(TrainerBase):
         """Whether every ps shard holds the job's parameters already (asked with PS_STATUS): what a
         restarted chief finds. Once True it stays True, and is not asked again."""
         if not self._ps_initialized:
+            self.flush()
             self._ps_initialized = all(bool(s.get("initialized")) for s in self.client.status())
         return self._ps_initialized
 
@@ -549,6 +550,7 @@ class Trainer(TrainerBase):
 
     def job_status(self) -> Mapping[str, Any]:
         """Shard 0's PS_STATUS: the job's version, its members now, the done and the lost workers."""
+        self.flush()  # the request goes on the connections the pipeline's steps use
         return self.client.status()[0]
 
     def stop_reconnecting(self, reason: str) -> None:
