@@ -160,7 +160,6 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None, hosts: 
     --coordinator-host give; fault injection (--fail-at) is not repeated. The new run names the old
     one (restarted_from)."""
     from psflow.launch.logdirlock import run_lock
-    from psflow.launch.metrics import final_line
     from psflow.platform import views
     from psflow.platform.jobstore import JobStore
     from psflow.platform.launching import queue_restart, run_here, spec_of_run, start_detached
@@ -193,7 +192,6 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None, hosts: 
         finally:
             if queued is not None:
                 queued.release_queue_place()
-    click.echo(final_line(result.summary))
     sys.exit(result.exit_code)
 
 

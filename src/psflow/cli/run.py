@@ -117,8 +117,6 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         k8s_namespace: str, gpus_per_worker: int, k8s_ttl_s: int, k8s_env_secret: str | None, hosts: str | None,
         ssh_config: str | None, checkpoint_dir: str | None, **settings: object) -> None:
     """Start every task of SCRIPT on this machine and watch them: psflow run --ps 1 --workers 3 train.py -- --epochs 50"""
-    from psflow.launch.metrics import final_line
-
     script_args = _script_args(click.get_current_context(), script, script_args)
     alert_webhook = settings.pop("alert_webhook", None)
     k8s_given = k8s_more(settings)  # --memory, --toleration, ...: K8sSettings' fields
@@ -179,10 +177,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         result = _run_to_end(assembled, logdir_url)
     except PsflowError as e:
         raise click.ClickException(str(e)) from e
-    click.echo(final_line(result.summary))
-    where = logdir_url or plan.logdir
-    click.echo(f"psflow: summary: {where}/summary.json   logs: {where}/logs/")
-    sys.exit(result.exit_code)
+    sys.exit(result.exit_code)  # the run's end, its final line and where its logs are: said by the runner's console
 
 
 def _run_to_end(assembled: Any, logdir_url: str | None) -> Any:

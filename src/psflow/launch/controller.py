@@ -580,17 +580,15 @@ class RunController:
         """A RestartTask if the budgets allow it; None when they are spent."""
         finished_ps = [r.task for r in self.records.values() if r.job == "ps" and self._exited_cleanly(r)]
         if rec.job in TRAINING_JOBS and finished_ps:
-            exit_.not_restarted = (f"the ps finished the job ({', '.join(finished_ps)} exited 0): a restarted "
-                                   f"{rec.task} would find no parameter server to train with")
-            return None
+            return self._not_restarted(rec, exit_, f"the ps finished the job ({', '.join(finished_ps)} exited 0): a "
+                                                   f"restarted {rec.task} would find no parameter server to train with")
         done = rec.attempt  # restarts of this task so far
         if done >= self.policy.max_restarts:
-            exit_.not_restarted = f"its restart budget is spent ({done} of {self.policy.max_restarts} per task)"
-            return None
+            return self._not_restarted(rec, exit_, f"its restart budget is spent ({done} of {self.policy.max_restarts} "
+                                                   "per task)")
         if self.policy.max_restarts_per_run is not None and self.restarts >= self.policy.max_restarts_per_run:
-            exit_.not_restarted = (f"the run's restart budget is spent ({self.restarts} of "
-                                   f"{self.policy.max_restarts_per_run} per run)")
-            return None
+            return self._not_restarted(rec, exit_, f"the run's restart budget is spent ({self.restarts} of "
+                                                   f"{self.policy.max_restarts_per_run} per run)")
         after_s = self.policy.backoff_s(self._quick_exits(rec))
         exit_.restarted = True
         self.restarts += 1
@@ -616,14 +614,12 @@ class RunController:
         members = [self.records[t] for t in self.group.members]
         spent = max(members, key=lambda r: r.attempt)
         if spent.attempt >= self.policy.max_restarts:
-            exit_.not_restarted = (f"{self.group.what} restarts together and {spent.task}'s restart budget is spent "
-                                   f"({spent.attempt} of {self.policy.max_restarts} per task)")
-            return None
+            return self._not_restarted(rec, exit_, f"{self.group.what} restarts together and {spent.task}'s restart "
+                                                   f"budget is spent ({spent.attempt} of {self.policy.max_restarts} per task)")
         cap = self.policy.max_restarts_per_run
         if cap is not None and self.restarts + len(members) > cap:
-            exit_.not_restarted = (f"the run's restart budget is spent ({self.restarts} of {cap} per run; "
-                                   f"{self.group.what} restarts {len(members)} tasks)")
-            return None
+            return self._not_restarted(rec, exit_, f"the run's restart budget is spent ({self.restarts} of {cap} per run; "
+                                                   f"{self.group.what} restarts {len(members)} tasks)")
         exit_.restarted = True  # for now: a failure or a stop before the others exit cancels it
         self._regroup = f"{rec.task} (attempt {exit_.attempt}) {exit_.cause}"
         live = tuple(r.task for r in members if r.state == "running")
@@ -633,6 +629,11 @@ class RunController:
             out.append(StopTasks(live, grace_s, f"{self._regroup}: restarting {self.group.what} from its newest "
                                                      f"checkpoint; stopping {', '.join(live)}", warning=True))
         return out + self._regroup_when_exited()
+
+    def _not_restarted(self, rec: TaskRecord, exit_: ExitRecord, why: str) -> None:
+        """The policy would restart ``rec``'s exit ``exit_`` but a budget does not allow it (``why``)."""
+        exit_.not_restarted = why
+        self._tell(TaskChange(rec.task, "not_restarted", exit_.attempt, self.now, exit=exit_, reason=why))
 
     def _regroup_when_exited(self) -> list[Decision]:
         """Once every member of the group has exited: restart each as its next attempt."""
@@ -651,7 +652,7 @@ class RunController:
             self.restarts += 1
             rec.state, rec.attempt, rec.restart_due = "backoff", rec.attempt + 1, self.now + after_s
             self._tell(TaskChange(rec.task, "restarting", rec.attempt, self.now, after_s=after_s,
-                                  reason=rec.exits[-1].cause))
+                                  reason=rec.exits[-1].cause, group=self.group.what, trigger=cause))
             out.append(RestartTask(rec.task, rec.attempt, after_s, cause, group=self.group.what))
         return out
 

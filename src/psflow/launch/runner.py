@@ -5,7 +5,7 @@ The I/O shell of :class:`psflow.launch.controller.RunController`. It
 1. writes the run's secret (a 0600 file in the log dir, read by every task) and starts the launcher's
    own server with the coordinator (rendezvous and reports, :mod:`psflow.launch.coordinator`);
 2. turns the controller's decisions into backend actions: start an attempt (with the task's
-   environment), stop tasks (warning the user where the controller says so), note a restart;
+   environment), stop tasks (warning the user where the controller says so);
 3. feeds the controller what happens: the backend's exits (each failed task's error report first),
    the tasks' heartbeats and progress reports (from the coordinator's threads, through a queue the
    loop drains: the controller's watchdog), the passing time (every ``tick_s``), and Ctrl-C /
@@ -15,12 +15,12 @@ The I/O shell of :class:`psflow.launch.controller.RunController`. It
    tasks' plans, the coordinator's expected tasks and membership, which the ps read, and the run
    store follow), where the backend can (``Backend.scale_refusal``); a :class:`~psflow.launch.controller.DumpStacks` decision becomes the backend's
    ``dump_stacks`` (SIGUSR1), whose location goes back to the controller and into the run store;
-4. makes the run store's members the controller's subscribers (:mod:`psflow.launch.subscribers`),
-   which learn every state change from it; the runner records only the rest (registrations,
-   progress, other events, control answers). Once the run is over it reads the ledger over every
-   ps shard copy (:mod:`psflow.launch.copies`: copies that disagree fail a run whose tasks all
-   succeeded), puts the root cause in words once, hands every subscriber the same
-   :class:`~psflow.launch.subscribers.RunOutcome`, and prints the root cause, then the others' errors.
+4. makes the run store's members and the console's report (:mod:`psflow.launch.consolereport`) the
+   controller's subscribers (:mod:`psflow.launch.subscribers`), which learn every state change from it; the runner records
+   only the rest (registrations, progress, other events, control answers). Once the run is over it
+   reads the ledger over every ps shard copy (:mod:`psflow.launch.copies`: copies that disagree fail
+   a run whose tasks all succeeded), puts the root cause in words once and hands every subscriber
+   the same :class:`~psflow.launch.subscribers.RunOutcome`.
 
 Signals: the first Ctrl-C or SIGTERM asks the run to stop (every task gets SIGTERM, then SIGKILL
 after the plan's ``grace_s``); a second one interrupts the launcher at once, and still nothing it
@@ -43,18 +43,16 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import click
-
 from psflow.launch import errorreport
 from psflow.launch.backend import Backend, RunResult
+from psflow.launch.console import Console
+from psflow.launch.consolereport import ConsoleReport
 from psflow.launch.contract import TaskEnv
 from psflow.launch.control import ControlRequest, check_workers
 from psflow.launch.controller import (
     Decision,
     DumpStacks,
     Event,
-    ExitRecord,
-    RestartTask,
     RunController,
     RunFailed,
     RunFinished,
@@ -68,7 +66,6 @@ from psflow.launch.controller import (
     TaskReported,
     TaskStarted,
     TimeAdvanced,
-    describe_exit,
 )
 from psflow.launch.coordinator import Coordinator
 from psflow.launch.copies import Finding, backup_workers, check_copies, verdict
@@ -76,7 +73,7 @@ from psflow.launch.logdirlock import hold_run
 from psflow.launch.plan import LaunchPlan, TaskPlan, added_worker
 from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import RunStore, file_store
-from psflow.launch.subscribers import RunOutcome, Subscribers
+from psflow.launch.subscribers import RunOutcome, RunSubscriber, Subscribers
 from psflow.launch.summary import build_summary
 from psflow.ps.authority import ViewAuthority
 from psflow.ps.views import ShardView, Sync
@@ -98,6 +95,9 @@ class Runner:
         on_tick: called by the loop with the controller, the run store and the time, after each turn
             (``psflow chaos`` injects its faults there, through the backend); it may read the
             controller, never step it.
+        subscribers: who learns the run's state changes from the controller, given the plan, the run
+            store and the restart policy (default: :func:`subscribers`, the store's members and the
+            console's report).
 
     Example:
         >>> Runner(LocalBackend()).run(make_plan("train.py", num_ps=1, num_workers=2)).exit_code
@@ -106,7 +106,8 @@ class Runner:
 
     def __init__(self, backend: Backend, *, register_timeout_s: float = 120.0, policy: RestartPolicy | None = None,
                  store: Callable[[LaunchPlan], RunStore] | None = None, tick_s: float = 0.5,
-                 on_tick: Callable[[RunController, RunStore, float], None] | None = None) -> None:
+                 on_tick: Callable[[RunController, RunStore, float], None] | None = None,
+                 subscribers: Callable[[LaunchPlan, RunStore, RestartPolicy], list[RunSubscriber]] | None = None) -> None:
         self.backend = backend
         self.console = backend.console
         self.register_timeout_s = register_timeout_s
@@ -115,6 +116,7 @@ class Runner:
         self.tick_s = tick_s
         self._views: ViewAuthority | None = None  # ps_replicas=2: the authority over the shard copies (a run's)
         self.on_tick = on_tick
+        self.subscribers = subscribers or (lambda plan, store, policy: default_subscribers(self.console, plan, store, policy))
 
     def run(self, plan: LaunchPlan) -> RunResult:
         """Run ``plan`` to its end; return its exit code (0, 1 failed, 130 stopped), summary and root cause.
@@ -148,10 +150,10 @@ class Runner:
             self._views = (ViewAuthority(server, num_ps, on_change=_view_event(store))
                            if plan.config.strategy == "ps" and plan.config.ps_replicas == 2 and num_ps >= 2 else None)
             address = server.start()
-            subscribers = Subscribers(store.members(), warn=self.console.warn)
+            policy = self.policy or plan.restart
+            subscribers = Subscribers(self.subscribers(plan, store, policy), warn=self.console.warn)
             controller = RunController(plan.task_names(), grace_s=plan.grace_s, ps_exit_timeout_s=plan.ps_exit_timeout_s,
-                                       policy=self.policy or plan.restart, hangs=plan.hangs, group=group,
-                                       subscriber=subscribers)
+                                       policy=policy, hangs=plan.hangs, group=group, subscriber=subscribers)
             launcher = TaskEnv(coordinator=address, secret_file=str(secret_file)).render()
             envs = {tp.task: {**dict(tp.env), **launcher} for tp in plan.tasks}
             self._scaling = _Scaling(plan, coord, envs, launcher)
@@ -161,7 +163,6 @@ class Runner:
             self.backend.close()
             if server is not None:
                 server.stop()
-        tasks_done = finished
         findings, finished = read_ledger(finished, coord.reports, self._scaling.plan)
         failure = failure_in_words(controller, finished.root_cause)
         summary = build_summary(self._scaling.plan, coord.reports, coord.addresses, controller.records, time.time() - t0,
@@ -169,15 +170,6 @@ class Runner:
         if plan.config.timeline:  # every task has exited: merge their spans into one trace
             write_trace(plan.logdir)
         subscribers.on_run_end(RunOutcome(finished.status, finished.exit_code, finished.root_cause, failure, summary))
-        self.console.final_table({**store.snapshot(), "failure": None})  # the root cause follows, in full
-        self._print_restarts(controller)
-        if tasks_done.root_cause is not None:
-            self._print_root_cause(plan, controller, tasks_done.root_cause)
-        elif finished is not tasks_done:  # every task succeeded; the ledger over the shard copies did not
-            self.console.echo(click.style(f"psflow: the run failed. Root cause: {finished.root_cause}", fg="red", bold=True))
-        for f in findings:
-            if f.message != finished.root_cause:
-                self.console.warn(f"ledger: {f.message}")
         return RunResult(finished.exit_code, summary, finished.root_cause)
 
     def _open(self, plan: LaunchPlan, store: RunStore) -> None:
@@ -315,12 +307,7 @@ class Runner:
             self.backend.stop(d.tasks, d.grace_s)
         elif isinstance(d, DumpStacks):
             return self._dump_stacks(d, controller)
-        elif isinstance(d, RestartTask):
-            x = controller.records[d.task].exits[-1]
-            why = f"; {d.group} restarts from its newest checkpoint after {d.reason}" if d.group else ""
-            self.console.warn(f"{_ended(d.task, x)}{why}; restarting it as attempt {d.attempt} in {d.after_s:.1f} s "
-                              f"(restart {d.attempt} of {controller.policy.max_restarts} for this task).")
-        return []
+        return []  # RestartTask: its StartTask follows once the backoff is over; the subscribers said it
 
     def _dump_stacks(self, d: DumpStacks, controller: RunController) -> list[Decision]:
         """Have the hung task write its stacks into its log; tell the controller where (its subscribers learn it)."""
@@ -353,11 +340,6 @@ class Runner:
         out += controller.handle(e)
         if lost is not None:
             out += controller.handle(RunFailed(e.task, e.attempt, lost, e.at))
-        x = controller.records[e.task].exits[-1] if controller.records[e.task].exits else None
-        if x is not None and x.attempt == e.attempt and x.retired:
-            self.console.echo(f"psflow: {e.task} (attempt {e.attempt}) retired ({x.cause}).")
-        if x is not None and x.attempt == e.attempt and x.not_restarted:
-            self.console.warn(f"{_ended(e.task, x)}; not restarted: {x.not_restarted}.")
         return out
 
     def _views_after_exit(self, e: TaskExited) -> str | None:
@@ -373,50 +355,6 @@ class Runner:
                 f"exited while it served {'them' if len(lost) > 1 else 'it'} and no synced copy existed (the other copy "
                 "was dead, or still loading the state), so acknowledged updates are gone. Resume from the newest "
                 "checkpoint (psflow restart RUN); two ps of one pair failing within a re-sync loses a shard.")
-
-    # -- the end -----------------------------------------------------------------------------------
-    def _print_restarts(self, controller: RunController) -> None:
-        """A line for each task that was restarted: every attempt and how it ended."""
-        for t, rec in controller.records.items():
-            if rec.attempts < 2:
-                continue
-            ends = [f"attempt {x.attempt}: {x.cause}" + (f" after {x.ran_s:.1f} s" if x.ran_s is not None else "")
-                    for x in rec.exits]
-            if rec.state in ("running", "starting"):  # cannot be at the end; kept for a run cut short
-                ends.append(f"attempt {rec.attempt}: did not exit")
-            self.console.echo(f"psflow: {t}: {rec.attempts} attempts; " + "; ".join(ends))
-
-    def _print_root_cause(self, plan: LaunchPlan, controller: RunController, root: str) -> None:
-        echo = self.console.echo
-        final = {t: r.exits[-1] for t, r in controller.records.items() if r.exits}
-        report = final[root].report if root in final else None
-        code = final[root].code if root in final else None
-        how = ""
-        if root in final:
-            x = final[root]
-            how += f" ({x.cause[len('killed ('):-1]})" if x.cause.startswith("killed (") else ""
-            how += f", on attempt {x.attempt} (after {x.attempt} restart{'s' if x.attempt != 1 else ''})" if x.attempt else ""
-        echo(click.style(f"psflow: the run failed. Root cause: {root} exited with code {code}{how}", fg="red", bold=True))
-        errors = RunDir(plan.logdir).errors
-        if report:
-            echo(f"  {report.get('exception')}: {report.get('message')}")
-            shown_by = self.console.traceback_shown_by(str(report.get("traceback", "")))
-            if shown_by:  # in the output above already: not a second time
-                echo(f"  (traceback above, from {shown_by}; also in {errors})")
-            else:
-                echo("  " + str(report.get("traceback", "")).rstrip().replace("\n", "\n  "))
-        elif root in final and final[root].hang is not None:
-            echo(f"  {final[root].cause}")
-        else:
-            log = RunDir(plan.logdir).log(root)
-            echo(f"  (no error report; last lines of {log}:)")
-            echo(_tail(log))
-        for t, x in controller.final_exits():
-            if t == root or x.code == 0:
-                continue
-            r = x.report
-            why = f"{r.get('exception')}: {r.get('message')}" if r else f"{describe_exit(x.code)} (stopped after the root cause)"
-            echo(f"  then {t}: {why}")
 
 
 class _Scaling:
@@ -438,14 +376,10 @@ class _Scaling:
             self.plan = dataclasses.replace(self.plan, tasks=self.plan.tasks + tuple(new))
 
 
-def _ended(task: str, x: ExitRecord) -> str:
-    """``worker:1 (attempt 0) was killed (SIGKILL) after 12.3 s``, ``... ended with exit code 1 after 2.0 s``,
-    ``... was killed by the watchdog (hung: no progress for 3.4 s; stacks in LOG from line 4) after 7.1 s``."""
-    if x.hang is not None:
-        how = f"was killed by the watchdog ({x.cause})"
-    else:
-        how = f"was {x.cause}" if x.cause.startswith("killed") else f"ended with {x.cause}"
-    return f"{task} (attempt {x.attempt}) {how}" + (f" after {x.ran_s:.1f} s" if x.ran_s is not None else "")
+def default_subscribers(console: Console, plan: LaunchPlan, store: RunStore, policy: RestartPolicy) -> list[RunSubscriber]:
+    """Who learns a run's state changes: each of the run store's members, then the console's report
+    (last: it says the run's end once every store has recorded it)."""
+    return [*store.members(), ConsoleReport(console, plan, snapshot=store.snapshot, max_restarts=policy.max_restarts)]
 
 
 def read_ledger(finished: RunFinished, reports: Mapping[str, Mapping[str, Any]],
@@ -561,13 +495,6 @@ def _stop_signals(on_hurry: Callable[[], None] | None = None) -> Iterator[_StopS
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join("  " + line for line in path.read_text().splitlines()[-n:])
-    except OSError:
-        return "  (no log)"
 
 
 def _record_notes(backend: Backend, store: RunStore) -> None:

@@ -1,7 +1,7 @@
 """Who learns of a run's state changes, and how: the run controller's callbacks.
 
 The run controller (:mod:`psflow.launch.controller`) is the one source of a run's state: each change
-it makes to a task (started, exited, hung, restarting, added, retired) goes out as one
+it makes to a task (started, exited, hung, restarting, not restarted, added, retired) goes out as one
 :class:`TaskChange` to :meth:`RunSubscriber.on_task_state`, each change of the run's phase
 (running, draining, stopping, finished) to :meth:`RunSubscriber.on_run_state`, and the run's end,
 once the runner has read the ledger and built the summary, as one :class:`RunOutcome` to
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("psflow")
 
-TASK_STATES = ("started", "exited", "hung", "restarting", "added", "retired")
+TASK_STATES = ("started", "exited", "hung", "restarting", "not_restarted", "added", "retired")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,9 @@ class TaskChange:
 
     ``state``: ``started`` (``handle``: the backend's id, a pid), ``exited`` (``exit``: the attempt's
     exit record: code, cause, hang), ``hung`` (``hang``: the watchdog's finding, where the stacks
-    went), ``restarting`` (``after_s``; ``reason``: how the attempt before ended), ``added`` (a scale
+    went), ``restarting`` (``after_s``; ``reason``: how the attempt before ended; ``group``: the restart
+    group it restarts with, ``trigger``: the exit that restarts the group), ``not_restarted`` (the
+    policy would restart the exit ``exit`` but a budget is spent: ``reason``), ``added`` (a scale
     request added the task) or ``retired`` (a scale request retired it).
     """
 
@@ -50,6 +52,8 @@ class TaskChange:
     hang: Mapping[str, Any] | None = None
     after_s: float | None = None
     reason: str | None = None
+    group: str | None = None
+    trigger: str | None = None
 
     def __post_init__(self) -> None:
         if self.state not in TASK_STATES:
