@@ -10,7 +10,7 @@ reports, the history's other events, control requests. What it records:
 - each attempt of each task: started (pid), registered (address), its progress reports, a hang the
   watchdog caught (kind, how long it was quiet, where its stacks were dumped: log and line), its exit
   (code, signal name, cause: ``killed (SIGKILL)``, or the hang's), and the restart that followed it;
-- the run's events in order (starts, exits, stops and restarts decided, the end);
+- the run's events in order (starts, exits, stops and restarts decided, the run's phases, the end);
 - the run's end state, and its summary.
 
 :class:`FileRunStore` is the file layout of a local run: ``status.json`` (the live state, see
@@ -188,6 +188,10 @@ class FileRunStore(RunStore):
             except OSError:
                 pass  # the log directory went away: the run's own output still shows it
 
+    def on_run_state(self, state: str, at: float) -> None:
+        self.status.phase(state)
+        self.event("run_phase", phase=state)
+
     def finished(self, status: str) -> None:
         self.event("run_finished", status=status)
         self.status.finished(status)
@@ -236,6 +240,9 @@ class CompositeRunStore(RunStore):
 
     def on_task_state(self, change: TaskChange) -> None:
         self._all("on_task_state", change)
+
+    def on_run_state(self, state: str, at: float) -> None:
+        self._all("on_run_state", state, at)
 
     def on_run_end(self, outcome: RunOutcome) -> None:
         self._all("on_run_end", outcome)

@@ -7,7 +7,8 @@ with its next ``attempt``; a task the watchdog caught is ``hung`` until its kill
 {"log", "line"}}``), every attempt's exit (``exits``: attempt, code, signal, cause, how long it ran,
 whether it was restarted, and the ``hang`` that ended it), pid, address and last progress report
 (global step, local step, examples, examples/sec, loss), and
-the run's state (``running`` -> ``succeeded`` | ``failed`` | ``stopped``). Updates are pure and
+the run's state (``running`` -> ``succeeded`` | ``failed`` | ``stopped``) and, while it runs, its
+``phase`` (``running``, ``draining``, ``stopping``, ``finished``: the controller's). Updates are pure and
 under a lock (they come from the launcher's threads); :meth:`RunStatus.write` publishes the whole
 state atomically (temporary file + rename), at most every ``min_interval_s`` unless forced, so a
 reader — ``psflow status``, a dashboard, a test — never sees half a file. The launcher writes it
@@ -134,6 +135,13 @@ class RunStatus:
         self._update(task, state="restarting", restart_unix=round(time.time() + after_s, 3))
         self.write(force=True)
 
+    def phase(self, phase: str) -> None:
+        """The run's phase changed (``running``, ``draining``, ``stopping``, ``finished``: the controller's)."""
+        with self._lock:
+            self._state["phase"] = phase
+            self._dirty = True
+        self.write(force=True)
+
     def finished(self, state: str, *, failure: Mapping[str, Any] | None = None) -> None:
         """The run ended in ``state``; ``failure``: its root cause in words (the launcher's, computed once)."""
         with self._lock:
@@ -214,7 +222,7 @@ def render(state: dict[str, Any]) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    title = (f"psflow run {state.get('run_id')} ({state.get('state')}, {state.get('mode')}): global step "
+    title = (f"psflow run {state.get('run_id')} ({shown_state(state)}, {state.get('mode')}): global step "
              f"{state.get('global_step', 0):,}, {state.get('examples_per_sec', 0):,.0f} examples/s")
     notes = ([state["note"]] if state.get("note") else []) + _restart_lines(state)  # note: an abandoned run's
     caption = Text("\n".join(notes)) if notes else None
@@ -243,6 +251,13 @@ def render(state: dict[str, Any]) -> Any:
         )
     failure = state.get("failure")
     return Group(table, _failure_text(failure)) if isinstance(failure, dict) else table
+
+
+def shown_state(run: Mapping[str, Any]) -> str:
+    """A run's state as said to the user: a running run's phase once its training is over or it is
+    being stopped (``draining``, ``stopping``), else its state."""
+    state = str(run.get("state"))
+    return str(run["phase"]) if state == "running" and run.get("phase") in ("draining", "stopping") else state
 
 
 def _failure_text(failure: dict[str, Any]) -> Any:

@@ -42,6 +42,7 @@ class RunRecord(BaseModel):
 
     id: str
     state: RunState
+    phase: str | None = Field(None, description="a running run's phase: running, draining, stopping, finished")
     script: str
     args: list[str] = []
     logdir: str

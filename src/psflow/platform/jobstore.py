@@ -45,6 +45,10 @@ from psflow.platform.schema import LATEST, JobStoreError, migrate
 __all__ = ["FINAL_STATES", "RUN_STATES", "JobStore", "JobStoreError", "RunKey", "run_key"]
 
 RUN_STATES = ("pending", "running", "succeeded", "failed", "stopped", "abandoned")
+# A running run's phase, as its launcher's controller changes it (psflow.launch.controller): "running"
+# trains; "draining": training is over and the ps are given their time to exit; "stopping": a failure or
+# a stop request, every task is being stopped; "finished": every task has exited (its state follows).
+RUN_PHASES = ("running", "draining", "stopping", "finished")
 FINAL_STATES = ("succeeded", "failed", "stopped", "abandoned")
 _RUN_JSON = ("args", "cluster", "restart_policy", "launcher", "summary", "launch")
 _TASK_JSON = ("identity", "progress")
@@ -281,6 +285,12 @@ class JobStore:
     def set_summary(self, run_id: str, summary: dict[str, Any]) -> None:
         self._db.execute("UPDATE runs SET summary = ?, root_cause = ? WHERE id = ?",
                          (json.dumps(summary, default=str), summary.get("root_cause"), run_id))
+
+    def set_phase(self, run_id: str, phase: str) -> None:
+        """Run ``run_id``'s launcher moved it to ``phase`` (see :data:`RUN_PHASES`); its state stays."""
+        if phase not in RUN_PHASES:
+            raise JobStoreError(f"Run phase {phase!r} is not one of {', '.join(RUN_PHASES)}.")
+        self._db.execute("UPDATE runs SET phase = ? WHERE id = ?", (phase, run_id))
 
     def finish_run(self, run_id: str, state: str, at: float) -> None:
         if state not in RUN_STATES:

@@ -156,6 +156,9 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         """INSERT INTO metric_backlog SELECT id FROM runs WHERE EXISTS (SELECT 1 FROM metrics WHERE metrics.run_id = runs.id)
             AND NOT EXISTS (SELECT 1 FROM metric_series WHERE metric_series.run_id = runs.id)""",
     )),
+    (6, "a live run's phase (running, draining, stopping, finished), as its launcher's controller changes it", (
+        "ALTER TABLE runs ADD COLUMN phase TEXT",  # None: a run recorded before, or not started yet
+    )),
 )
 
 LATEST = MIGRATIONS[-1][0]

@@ -211,6 +211,10 @@ class SqliteRunStore(RunStore):
         self._put(lambda db: db.task_retired(self.run_id, task))
         self._put(self._event_op("task_retired", {"task": task}))
 
+    def on_run_state(self, state: str, at: float) -> None:
+        self._put(lambda db: db.set_phase(self.run_id, state))
+        self._put(self._event_op("run_phase", {"phase": state}, at))
+
     def finished(self, status: str) -> None:
         at = time.time()
         self._put(self._event_op("run_finished", {"status": status}, at))

@@ -22,7 +22,7 @@ from typing import Any
 from psflow.errors import ConfigError
 from psflow.home import jobs_db_path
 from psflow.launch.liveness import assess
-from psflow.launch.status import headline, read_status
+from psflow.launch.status import headline, read_status, shown_state
 from psflow.platform.jobstore import FINAL_STATES, JobStore, JobStoreError
 from psflow.platform.runfiles import root_cause_of
 from psflow.rundir import RunDir
@@ -152,7 +152,7 @@ def runs_text(runs: Sequence[dict[str, Any]], width: int | None = None) -> str:
     rows = []
     for r in runs:
         started = r.get("started_unix") or r.get("created_unix")
-        rows.append((r["id"], r["state"], progress_text(r), f"{r.get('examples_per_sec') or 0:,.0f}",
+        rows.append((r["id"], shown_state(r), progress_text(r), f"{r.get('examples_per_sec') or 0:,.0f}",
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "",
                      " ".join([r.get("script") or "", *r.get("args", [])])))
     head = ("id", "state", "progress", "examples/s", "started", "script")

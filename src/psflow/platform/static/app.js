@@ -58,6 +58,9 @@ function num(v, digits) {
 }
 function when(unix) { return unix ? new Date(unix * 1000).toLocaleString() : ""; }
 function badge(state) { return `<span class="state ${esc(state)}">${esc(state)}</span>`; }
+// A run's state as shown: a running run's phase once its training is over or it is being stopped
+// (draining, stopping: its launcher's controller), as psflow status says it (launch.status.shown_state).
+function runState(r) { return r.state === "running" && (r.phase === "draining" || r.phase === "stopping") ? r.phase : r.state; }
 // An error said to the user; one that is not the API's answer (no status) is a bug of this page: the console says it too.
 function report(e) {
   if (e.status === undefined) console.error(e);
@@ -165,7 +168,7 @@ function runRow(r) {
   return `<tr data-run="${esc(r.id)}">
     <td><input type="checkbox" data-pick="${esc(r.id)}" aria-label="compare ${esc(r.id)}"${checked}></td>
     <td><a href="#/run/${encodeURIComponent(r.id)}">${esc(r.id)}</a>${r.restarted_from ? `<div class="muted">restarts ${esc(r.restarted_from)}</div>` : ""}</td>
-    <td>${badge(r.state)}</td>
+    <td>${badge(runState(r))}</td>
     <td>${esc(progress)}${restarts ? `<div class="muted">${restarts} restart${restarts > 1 ? "s" : ""}</div>` : ""}</td>
     <td class="num">${num(r.examples_per_sec)}</td>
     <td class="num">${num(r.loss, 4)}</td>
@@ -359,7 +362,7 @@ async function showRun(runId, page, withMetrics) {
   // recorded by the dashboard, its launcher not up yet: "starting" (launch_requested, no run_started yet)
   const asked = (page.events || []).find(e => e.kind === "launch_requested");
   const starting = run.state === "pending" && asked && !(page.events || []).some(e => e.kind === "run_started");
-  document.getElementById("run-state").innerHTML = badge(starting ? "starting" : run.state);
+  document.getElementById("run-state").innerHTML = badge(starting ? "starting" : runState(run));
   const live = run.state === "running" || run.state === "pending";
   document.getElementById("stop-btn").disabled = !live;
   document.getElementById("scale-btn").disabled = !live;
