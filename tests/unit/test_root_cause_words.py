@@ -1,6 +1,6 @@
 """The root cause in words (issue 25, item 2): a failed run's exception, message and the tail of its
 traceback, read from the root task's error report (``LOGDIR/errors/worker-1.json``), on the run
-page (``GET /api/runs/{run}``'s ``failure``), in the alerts (the dashboard's and the launcher's) and
+page (``GET /api/runs/{run}``'s ``failure``), in the alerts (each run's launcher tells them) and
 in ``psflow status``; a task that left no report is said by its exit. A real job store throughout."""
 
 from __future__ import annotations
@@ -115,37 +115,20 @@ def test_the_run_page_says_how_a_task_without_a_report_ended_and_never_reads_out
     assert client.get("/api/runs/run-x").json()["run"]["failure"]["exception"] is None
 
 
-def test_the_dashboards_failure_alert_says_the_exception_and_carries_the_traceback(tmp_path):
-    from psflow.platform.alerts import AlertBook, AlertWatcher
-    from psflow.platform.jobstore import JobStore
-
-    sent: list[dict] = []
-    watcher = AlertWatcher(tmp_path / "jobs.db", "http://127.0.0.1:9/hook", AlertBook(),
-                           send=lambda url, body: sent.append(json.loads(body)))
-    with JobStore(tmp_path / "jobs.db") as db:
-        watcher._look(db)  # history is not news: from here on
-    _failed_run(tmp_path)
-    with JobStore(tmp_path / "jobs.db") as db:
-        alerts = watcher._look(db)
-    failed = [a for a in alerts if a.kind == "failed"]
-    assert [a.text for a in failed] == ["psflow: run run-x failed; root cause: worker:1: ValueError: loss is nan at step 41 (value nan)"]
-    assert failed[0].task == "worker:1" and "in _innermost" in failed[0].detail["traceback_tail"]
-    assert failed[0].detail["root_cause"] == "worker:1" and failed[0].detail["exception"] == "ValueError"
-
-
 def test_the_launchers_failure_alert_says_the_exception(tmp_path):
-    from psflow.platform.runalerts import AlertingRunStore
+    from psflow.platform.runalerts import RunAlerts
 
     logdir = tmp_path / "run"
     errorreport.write(errorreport.path_for(logdir / "errors", "worker:1"), "worker:1", _outermost())
     sent: list[dict] = []
-    store = AlertingRunStore("run-y", "http://127.0.0.1:9/hook", db_path=tmp_path / "jobs.db", warn=lambda m: None,
-                             send=lambda url, body: sent.append(json.loads(body)))  # run-y is in no store: told anyway
+    store = RunAlerts("run-y", "http://127.0.0.1:9/hook", db_path=tmp_path / "jobs.db", home=tmp_path,
+                      warn=lambda m: None, send=lambda url, body: sent.append(json.loads(body)))  # run-y is in no store: told anyway
     store.summary({"root_cause": "worker:1", "tasks": [{"task": "worker:1", "cause": "exit code 1",
                                                          "log": str(logdir / "logs" / "worker-1.log")}]})
     store.finished("failed")
     assert [b["text"] for b in sent] == ["psflow: run run-y failed; root cause: worker:1: ValueError: loss is nan at step 41 (value nan)"]
     assert sent[0]["detail"]["exception"] == "ValueError" and "in _innermost" in sent[0]["detail"]["traceback_tail"]
+    assert sent[0]["task"] == "worker:1" and sent[0]["detail"]["root_cause"] == "worker:1"
 
 
 def _printed(state: dict) -> str:

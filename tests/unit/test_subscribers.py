@@ -106,7 +106,7 @@ def _failed_run(c: RunController) -> None:
 def test_every_subscriber_gets_the_same_root_cause_put_in_words_once(tmp_path: Path) -> None:
     from psflow.platform import views
     from psflow.platform.jobstore import JobStore
-    from psflow.platform.runalerts import AlertingRunStore
+    from psflow.platform.runalerts import RunAlerts
     from psflow.platform.runfiles import root_cause_of
     from psflow.platform.sqlrunstore import SqliteRunStore
 
@@ -117,8 +117,8 @@ def test_every_subscriber_gets_the_same_root_cause_put_in_words_once(tmp_path: P
               "created_unix": 1.0}
     jobs = SqliteRunStore(tmp_path / "jobs.db", record, TASKS, warn=print, close_timeout_s=30.0)
     sent: list[dict] = []
-    alerts = AlertingRunStore("run-1", "http://127.0.0.1:9/hook", db_path=tmp_path / "jobs.db", warn=print,
-                              send=lambda url, body: sent.append(json.loads(body)))
+    alerts = RunAlerts("run-1", "http://127.0.0.1:9/hook", db_path=tmp_path / "jobs.db", home=tmp_path, warn=print,
+                       send=lambda url, body: sent.append(json.loads(body)))
     rec = Recorder()
     subs = Subscribers([files, jobs, alerts, rec], warn=print)
     c = RunController(TASKS, grace_s=5, ps_exit_timeout_s=60, subscriber=subs)

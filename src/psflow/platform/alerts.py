@@ -1,32 +1,27 @@
-"""Alerts: a webhook told when a run fails, stalls or has a task restarted (``psflow ui --alert-webhook URL``).
+"""Alerts: a webhook told when a run fails, stalls or has a task restarted.
 
 A pure core under a thin I/O shell:
 
-- :class:`AlertBook` (pure) takes what the store shows, step by step: the run events that arrived
+- :class:`AlertBook` (pure) takes what a run shows, step by step: its events
   (``restart``: a task restarted; ``run_finished`` with status ``failed``) and a look at each live
   run's global step at a time. It returns :class:`Alert` values. A run stalls when its global step has
   not moved for ``stall_s`` (while it runs, once past step 0); it is told once per stall, and again only after its step
   moved and stood still again. Book states per live run: ``moving --no new step for stall_s--> stalled
   (alert) --the step moves--> moving``; a run that is no longer live is forgotten.
-- :class:`AlertWatcher` (the shell): a thread of the dashboard that reads the job store every
-  ``poll_s``, feeds the book and POSTs each alert as JSON to the webhook (``text`` for chat tools
-  that read that field, Slack's and Mattermost's incoming webhooks among them, and the alert's fields).
-  It starts from the newest event in the store: history is not alerted again when the dashboard starts.
+- :class:`AlertSender` (the shell): claims an alert in the job store (:meth:`JobStore.claim_alert`,
+  keyed by :func:`alert_key`: run, kind, and the restarted task's attempt or the stalled step), then
+  POSTs it as JSON to the webhook (``text`` for chat tools that read that field, Slack's and
+  Mattermost's incoming webhooks among them, and the alert's fields): each alert of a run is told at
+  most once, however many senders see it.
 
-A launcher given a webhook (``psflow run --alert-webhook``, ``PSFLOW_ALERT_WEBHOOK``) tells its own
-run's alerts with the same book, dashboard or not (:mod:`psflow.platform.runalerts`). Both send
-through one :class:`AlertSender`: whichever comes first claims the alert in the job store
-(:meth:`JobStore.claim_alert`, keyed by :func:`alert_key`: run, kind, and the restarted task's
-attempt or the stalled step) and sends it; the other skips it.
-
-Called by :mod:`psflow.platform.uiserver` and :mod:`psflow.platform.runalerts`.
+Each run's launcher decides and sends its run's alerts, as one of its run's subscribers
+(:mod:`psflow.platform.runalerts`), to its own webhook (``psflow run --alert-webhook``,
+``PSFLOW_ALERT_WEBHOOK``) or to the dashboard's (``psflow ui --alert-webhook``).
 """
 
 from __future__ import annotations
 
 import json
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,8 +32,6 @@ from typing import Any
 from urllib.parse import urlparse
 
 from psflow.errors import ConfigError
-
-EVENT_KINDS = ("restart", "run_finished")
 
 
 @dataclass(frozen=True)
@@ -132,10 +125,9 @@ def check_webhook(url: str) -> str:
 class AlertSender:
     """The one way an alert leaves psflow: claimed in the job store, then POSTed to the webhook.
 
-    The dashboard's watcher and a launcher's own alerts (:mod:`psflow.platform.runalerts`) both send
-    through one, each as its ``source`` (``dashboard``, ``launcher``): whichever claims an alert
-    first (:meth:`JobStore.claim_alert`, keyed by :func:`alert_key`) tells it, the other skips it. A
-    store that cannot be read does not stop the alert (told twice rather than lost); a webhook that
+    A run's alerts (:mod:`psflow.platform.runalerts`) send through one, as its ``source``
+    (``launcher``): whichever sender claims an alert first (:meth:`JobStore.claim_alert`, keyed by
+    :func:`alert_key`) tells it, any other skips it. A store that cannot be read does not stop the alert (told twice rather than lost); a webhook that
     refuses it is warned about (``warn``), never raised.
 
     Args:
@@ -183,63 +175,6 @@ class AlertSender:
         except (JobStoreError, sqlite3.Error) as e:
             self.warn(f"cannot claim {alert.kind} in the job store ({e}); telling it anyway")
             return True
-
-
-class AlertWatcher:
-    """The dashboard's thread that turns the store's news into webhook POSTs (through an :class:`AlertSender`).
-
-    Args:
-        db_path: the job store.
-        url: the webhook.
-        book: the rules (its ``stall_s``).
-        poll_s: how often the store is read.
-        link: makes a link to a run's page (the dashboard's URL), added to each alert.
-        send: posts one JSON body (default: urllib, 5 s timeout); tests and other transports swap it.
-    """
-
-    def __init__(self, db_path: Path, url: str, book: AlertBook, *, poll_s: float = 2.0,
-                 link: Callable[[str], str] | None = None, send: Callable[[str, bytes], None] | None = None) -> None:
-        self.db_path, self.url, self.book, self.poll_s = db_path, check_webhook(url), book, poll_s
-        self.sender = AlertSender(url, db_path=db_path, source="dashboard", send=send, link=link,
-                                  warn=lambda m: print(f"psflow ui: alerts: {m}", file=sys.stderr, flush=True))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="psflow-alerts", daemon=True)
-        self._cursor: int | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _loop(self) -> None:
-        from psflow.platform.jobstore import JobStore, JobStoreError
-
-        while not self._stop.is_set():
-            try:
-                with JobStore(self.db_path) as db:
-                    alerts = self._look(db)
-            except JobStoreError as e:
-                print(f"psflow ui: alerts: cannot read the job store ({e}); trying again", file=sys.stderr, flush=True)
-                alerts = []
-            for alert in alerts:
-                self.sender.tell(alert)
-            self._stop.wait(self.poll_s)
-
-    def _look(self, db: Any) -> list[Alert]:
-        if self._cursor is None:  # history is not news
-            self._cursor = db.last_event_id()
-        events = db.events_since(self._cursor, EVENT_KINDS)
-        if events:
-            self._cursor = events[-1]["id"]
-        from psflow.platform.runfiles import root_cause_of
-
-        failed = {e["run_id"] for e in events if e["kind"] == "run_finished"}
-        causes = {r: root_cause_of(run) if (run := db.run(r, metrics=False)) else None for r in failed}
-        live, _ = db.run_page(state="running", limit=1000)
-        steps = {r["id"]: int(r.get("global_step") or 0) for r in live if r["state"] == "running"}
-        return self.book.on_events(events, causes) + self.book.on_look(steps, time.time())
 
 
 def post_json(url: str, body: bytes) -> None:

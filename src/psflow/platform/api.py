@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
 from psflow.errors import ConfigError, PsflowError
-from psflow.home import ALERT_WEBHOOK_ENV, HOME_ENV, JOBS_DB, UI_TOKEN_ENV
+from psflow.home import ALERT_STALL_ENV, ALERT_WEBHOOK_ENV, HOME_ENV, JOBS_DB, UI_TOKEN_ENV
 from psflow.platform import apimodels as answers
 from psflow.platform.hosts import LOOPBACK_NAMES, HostAllowlist
 from psflow.platform.jobstore import RUN_STATES, JobStore, JobStoreError
@@ -619,6 +619,7 @@ def _launcher_env(settings: UiSettings) -> dict[str, str]:
     env[HOME_ENV] = str(settings.home)
     if settings.alert_webhook and not env.get(ALERT_WEBHOOK_ENV):  # the run alerts with the dashboard down too
         env[ALERT_WEBHOOK_ENV] = settings.alert_webhook
+        env[ALERT_STALL_ENV] = f"{settings.alert_stall_s:g}"  # and the dashboard's stall
     return env
 
 

@@ -2,9 +2,9 @@
 
 A run started by ``psflow run``, ``psflow restart``, the dashboard or ``psflow chaos`` is recorded in
 its log dir's files (:func:`psflow.launch.runstore.file_store`), in the job store
-(``$PSFLOW_HOME/jobs.db``, :mod:`psflow.platform.sqlrunstore`) and, where ``PSFLOW_ALERT_WEBHOOK``
-is set, in its alerts (:mod:`psflow.platform.runalerts`), all through one
-:class:`~psflow.launch.runstore.CompositeRunStore`.
+(``$PSFLOW_HOME/jobs.db``, :mod:`psflow.platform.sqlrunstore`) and told to its alerts
+(:mod:`psflow.platform.runalerts`: ``PSFLOW_ALERT_WEBHOOK``, else the dashboard's webhook), all
+through one :class:`~psflow.launch.runstore.CompositeRunStore`.
 
 launch/ never imports the platform (its layers point one way): whoever starts a run passes
 :func:`recording`'s factory as ``store`` (``assemble_run(plan, options, store=recording)``, ``Runner(store=...)``);
@@ -19,7 +19,7 @@ from typing import Any
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.restart import RestartPolicy
 from psflow.launch.runstore import CompositeRunStore, RunStore, file_store
-from psflow.platform.runalerts import alerting_store
+from psflow.platform.runalerts import run_alerts
 from psflow.platform.sqlrunstore import SqliteRunStore, run_record
 
 
@@ -30,7 +30,7 @@ def backend_name(backend: Any) -> str:
 
 def recorded_store(plan: LaunchPlan, *, backend: str, warn: Callable[[str], None], policy: RestartPolicy | None = None,
                    restarted_from: str | None = None, settings: Mapping[str, Any] | None = None) -> RunStore:
-    """The files in the plan's log dir, the run in the job store, and its alerts when a webhook is set.
+    """The files in the plan's log dir, the run in the job store, and its alerts.
 
     Args:
         plan: the run.
@@ -47,7 +47,7 @@ def recorded_store(plan: LaunchPlan, *, backend: str, warn: Callable[[str], None
     if restarted_from is not None:
         record["restarted_from"] = restarted_from
     return CompositeRunStore(file_store(plan), SqliteRunStore(None, record, plan.task_names(), warn=warn),
-                             *alerting_store(plan.run_id, warn=warn), warn=warn)
+                             run_alerts(plan.run_id, warn=warn), warn=warn)
 
 
 def backend_settings(options: Any) -> dict[str, Any]:

@@ -1,19 +1,20 @@
-"""The launcher's own alerts: a run store that tells a webhook when its run fails, stalls or restarts
-a task, whether or not a dashboard runs (``psflow run --alert-webhook URL`` or ``PSFLOW_ALERT_WEBHOOK``).
+"""A run's alerts: the run subscriber that tells a webhook when its run fails, stalls or restarts a task.
 
-:class:`AlertingRunStore` is one more copy in the launcher's :class:`~psflow.launch.runstore.CompositeRunStore`:
-it sees what the runner records as it happens and decides with the dashboard's rules
-(:class:`psflow.platform.alerts.AlertBook`): a restart decided (``task_restarting``), the run
-finished ``failed`` (with the root cause in words the runner put once: the exception, its message
-and its traceback's tail), the global step standing still for ``stall_s``
-(looked at on the runner's ticks, about once a second). Alerts go out from a thread of its own, so the
-run loop never waits on the network; at the run's end the queue is given ``flush_s`` to drain.
+Every run the platform records (``psflow run``, ``psflow restart``, the dashboard's launcher, ``psflow
+chaos``: :mod:`psflow.platform.recording`) has one :class:`RunAlerts` among its run stores: the one
+path a run's alerts take, whichever process runs its launcher. Its webhook (:func:`find_webhook`) is
+the launcher's own (``psflow run --alert-webhook URL``, ``PSFLOW_ALERT_WEBHOOK``), else that of the
+dashboard serving this psflow home (``psflow ui --alert-webhook URL``: its ``ui.json``,
+:mod:`psflow.platform.uifile`, looked at every ``look_s``, so a dashboard started during the run is
+heard; each alert then links to the run's page). With neither, nothing is told.
 
-Each alert goes out through an :class:`~psflow.platform.alerts.AlertSender`, as the dashboard's
-watcher's do: claimed in the job store first, so a run watched by both is told once.
-
-Made by :func:`alerting_store` for :func:`psflow.launch.runner.recorded_store` and
-:mod:`psflow.platform.launching`.
+It decides with the rules of :class:`psflow.platform.alerts.AlertBook`: a restart the controller
+decided (its ``restarting`` change), the run finished ``failed`` (with the outcome's root cause in
+words: the exception, its message and its traceback's tail), the global step standing still for
+``stall_s`` (looked at on the runner's ticks, about once a second). Alerts go out from a thread of
+its own, so the run loop never waits on the network; at the run's end the queue is given ``flush_s``.
+Each goes out through an :class:`~psflow.platform.alerts.AlertSender`: claimed in the job store
+first, so each alert of a run is told at most once, however many senders see it.
 """
 
 from __future__ import annotations
@@ -22,44 +23,87 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from psflow.launch.runstore import RunStore
-from psflow.launch.subscribers import RunOutcome
+from psflow.launch.subscribers import RunOutcome, TaskChange
 from psflow.platform.alerts import Alert, AlertBook, AlertSender, check_webhook
 from psflow.rundir import RunDir
 
 
-class AlertingRunStore(RunStore):
+@dataclass(frozen=True)
+class Webhook:
+    """Where a run's alerts go: ``url``; ``stall_s``: how long its global step may stand still;
+    ``dashboard``: the URL of the dashboard serving the run's psflow home, for a link to its page."""
+
+    url: str
+    stall_s: float = 300.0
+    dashboard: str | None = None
+
+
+def find_webhook(own: Webhook | None, home: Path | None = None) -> Webhook | None:
+    """``own`` (the launcher's webhook), with a link to the dashboard serving ``home`` if one runs; else
+    that dashboard's webhook (``psflow ui --alert-webhook``); else None."""
+    from psflow.platform.uifile import running_dashboard
+
+    ui = running_dashboard(home)
+    dashboard = str(ui["url"]) if ui is not None else None
+    if own is not None:
+        return Webhook(own.url, own.stall_s, dashboard)
+    alerts = ui.get("alerts") if ui is not None else None
+    if isinstance(alerts, dict) and isinstance(alerts.get("webhook"), str):
+        stall_s = alerts.get("stall_s")
+        return Webhook(alerts["webhook"], float(stall_s) if isinstance(stall_s, (int, float)) else 300.0, dashboard)
+    return None
+
+
+class RunAlerts(RunStore):
     """Decides and sends one run's alerts (see the module docstring).
 
     Args:
         run_id: the run.
-        url: the webhook.
+        url: the launcher's own webhook (None: the dashboard's, if one runs with one).
         db_path: the job store where alerts are claimed (None: ``$PSFLOW_HOME/jobs.db``).
-        stall_s: how long the global step may stand still while the run trains.
+        home: the psflow home whose dashboard is looked for (None: ``$PSFLOW_HOME``).
+        stall_s: with ``url``: how long the global step may stand still while the run trains.
         warn: says that a webhook could not be reached (the launcher's console).
         send: posts one JSON body (default: urllib, 5 s timeout).
         flush_s: how long the run's end waits for alerts still queued.
+        look_s: how often the dashboard's ``ui.json`` is read.
     """
 
-    def __init__(self, run_id: str, url: str, *, db_path: Path | None = None, stall_s: float = 300.0,
-                 warn: Callable[[str], None] = print, send: Callable[[str, bytes], None] | None = None,
-                 flush_s: float = 15.0) -> None:
-        self.run_id, self.url, self.db_path = run_id, check_webhook(url), db_path
+    def __init__(self, run_id: str, url: str | None = None, *, db_path: Path | None = None, home: Path | None = None,
+                 stall_s: float = 300.0, warn: Callable[[str], None] = print,
+                 send: Callable[[str, bytes], None] | None = None, flush_s: float = 15.0, look_s: float = 2.0) -> None:
+        self.run_id, self.db_path, self.home = run_id, db_path, home
+        self.own = Webhook(check_webhook(url), stall_s) if url else None
         self.book = AlertBook(stall_s=stall_s)
-        self.warn, self.flush_s = warn, flush_s
-        self.sender = AlertSender(url, db_path=db_path, source="launcher", send=send,
-                                  warn=lambda m: warn(f"psflow: alerts: {m}"))
+        self.warn, self.send, self.flush_s, self.look_s = warn, send, flush_s, look_s
+        self._webhook: Webhook | None = None
+        self._looked = -float("inf")
         self._step = 0
         self._root_cause: dict[str, Any] | None = None
         self._last_look = -float("inf")
-        self._queue: queue.Queue[Alert | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._send_loop, name=f"psflow-alerts-{run_id}", daemon=True)
-        self._thread.start()
+        self._queue: queue.Queue[tuple[Alert, Webhook] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
 
-    # -- what the runner records ----------------------------------------------------------------------
+    def webhook(self) -> Webhook | None:
+        """Where the alerts go now (:func:`find_webhook`, read again every ``look_s``)."""
+        now = time.monotonic()
+        if now - self._looked >= self.look_s:
+            self._looked = now
+            self._webhook = find_webhook(self.own, self.home)
+            if self._webhook is not None:
+                self.book.stall_s = self._webhook.stall_s
+        return self._webhook
+
+    # -- what the run tells it ------------------------------------------------------------------------
+    def on_task_state(self, change: TaskChange) -> None:
+        if change.state == "restarting":
+            self.task_restarting(change.task, change.attempt, change.after_s or 0.0, change.reason or "")
+
     def task_restarting(self, task: str, attempt: int, after_s: float, reason: str) -> None:
         event = {"kind": "restart", "run_id": self.run_id, "data": {"task": task, "attempt": attempt, "reason": reason}}
         self._queue_all(self.book.on_events([event], {}))
@@ -75,6 +119,7 @@ class AlertingRunStore(RunStore):
         if now - self._last_look < 1.0:
             return
         self._last_look = now
+        self.webhook()  # its stall_s, before the look
         self._queue_all(self.book.on_look({self.run_id: self._step}, now))
 
     def summary(self, summary: dict[str, Any]) -> None:
@@ -87,11 +132,12 @@ class AlertingRunStore(RunStore):
     def finished(self, status: str) -> None:
         event = {"kind": "run_finished", "run_id": self.run_id, "data": {"status": status}}
         self._queue_all(self.book.on_events([event], {self.run_id: self._root_cause}))
+        if self._thread is None:
+            return
         self._queue.put(None)
         self._thread.join(self.flush_s)
         if self._thread.is_alive():
-            self.warn(f"psflow: alerts: the webhook {self.url} did not take every alert within {self.flush_s:g} s; "
-                      "the rest are lost.")
+            self.warn(f"psflow: alerts: the webhook did not take every alert within {self.flush_s:g} s; the rest are lost.")
 
     def task_started(self, task: str, attempt: int, handle: Any) -> None:
         pass
@@ -114,12 +160,22 @@ class AlertingRunStore(RunStore):
 
     # -- sending ---------------------------------------------------------------------------------------
     def _queue_all(self, alerts: list[Alert]) -> None:
+        hook = self.webhook() if alerts else None
+        if hook is None:
+            return  # no webhook to tell (the book still keeps its count: a stall is told once)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._send_loop, name=f"psflow-alerts-{self.run_id}", daemon=True)
+            self._thread.start()
         for alert in alerts:
-            self._queue.put(alert)
+            self._queue.put((alert, hook))
 
     def _send_loop(self) -> None:
-        while (alert := self._queue.get()) is not None:
-            self.sender.tell(alert)  # skipped where the dashboard told it already
+        while (item := self._queue.get()) is not None:
+            alert, hook = item
+            link = (lambda run_id, base=hook.dashboard: f"{base}#/run/{run_id}") if hook.dashboard else None
+            sender = AlertSender(hook.url, db_path=self.db_path, source="launcher", send=self.send, link=link,
+                                 warn=lambda m: self.warn(f"psflow: alerts: {m}"))
+            sender.tell(alert)  # skipped where another sender claimed it already
 
 
 def root_cause_in_summary(summary: dict[str, Any]) -> dict[str, Any] | None:
@@ -137,9 +193,10 @@ def root_cause_in_summary(summary: dict[str, Any]) -> dict[str, Any] | None:
     return errorreport.failure_from_files(RunDir(Path(str(entry["log"])).parent.parent), root, entry.get("cause"))
 
 
-def alerting_store(run_id: str, *, warn: Callable[[str], None], env: dict[str, str] | None = None,
-                   db_path: Path | None = None) -> list[RunStore]:
-    """``[AlertingRunStore]`` when ``PSFLOW_ALERT_WEBHOOK`` is set, else ``[]`` (a composite store's extra copies).
+def run_alerts(run_id: str, *, warn: Callable[[str], None], env: dict[str, str] | None = None,
+               db_path: Path | None = None, home: Path | None = None) -> RunAlerts:
+    """The alerts of run ``run_id``: to ``PSFLOW_ALERT_WEBHOOK`` (its stall ``PSFLOW_ALERT_STALL_S``)
+    when set, else to the webhook of the dashboard serving ``home``, if any.
 
     Raises:
         ConfigError: a webhook that is not an http(s) URL, or a bad ``PSFLOW_ALERT_STALL_S``.
@@ -147,4 +204,4 @@ def alerting_store(run_id: str, *, warn: Callable[[str], None], env: dict[str, s
     from psflow.home import alert_settings
 
     url, stall_s = alert_settings(env)
-    return [AlertingRunStore(run_id, url, db_path=db_path, stall_s=stall_s, warn=warn)] if url else []
+    return RunAlerts(run_id, url, db_path=db_path, home=home, stall_s=stall_s, warn=warn)

@@ -31,7 +31,7 @@ from typing import Any
 from psflow.errors import ConfigError
 from psflow.home import UI_TOKEN_ENV, psflow_home, ui_token
 from psflow.platform import hosts
-from psflow.platform.alerts import AlertBook, AlertWatcher, check_webhook
+from psflow.platform.alerts import check_webhook
 from psflow.platform.api import UiSettings, create_app
 from psflow.platform.uifile import remove_ui, write_ui
 
@@ -113,17 +113,13 @@ class _Server:
                 await super().startup(sockets)
                 bound = [s.getsockname() for srv in getattr(self, "servers", []) for s in srv.sockets]
                 if bound:
-                    url = _announce(settings_, bound[0], echo_)
+                    _announce(settings_, bound[0], echo_)
                     closing = self.config.app.state.closing
                     threading.Thread(target=summarise_backlog, args=(settings_.db_path, closing), daemon=True,
                                      name="psflow-summarise").start()
-                    if settings_.alert_webhook:
-                        self.alerts = AlertWatcher(settings_.db_path, settings_.alert_webhook,
-                                                   AlertBook(stall_s=settings_.alert_stall_s),
-                                                   link=lambda run_id: f"{url}#/run/{run_id}")
-                        self.alerts.start()
+                    if settings_.alert_webhook:  # each run's launcher tells them (psflow.platform.runalerts)
                         echo_(f"psflow ui: alerts (failed, stalled for {settings_.alert_stall_s:g} s, restarted) go to "
-                              f"{settings_.alert_webhook}")
+                              f"{settings_.alert_webhook}, told by each run's launcher while this dashboard runs")
 
             async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
                 # here, not after run(): uvicorn raises the captured SIGTERM again once it has shut down
@@ -131,8 +127,6 @@ class _Server:
                 closing = getattr(getattr(self.config.app, "state", None), "closing", None)
                 if closing is not None:
                     closing.set()  # open live streams end (uvicorn waits for their responses)
-                if getattr(self, "alerts", None) is not None:
-                    self.alerts.stop()
                 await super().shutdown(sockets)
 
         self.server = Server(config)
@@ -168,5 +162,6 @@ def _announce(settings: UiSettings, sockname: Any, echo: Callable[[str], None]) 
     echo(f"psflow ui: API at {url}api/runs, OpenAPI schema at {url}openapi.json, Prometheus at {url}metrics")
     echo(f"psflow ui: job store {settings.db_path}; requests that change anything need the token "
          f"(Authorization: Bearer TOKEN{'' if ui_token() else ', or set ' + UI_TOKEN_ENV + ' to choose it'})")
-    write_ui(settings.home, url)
+    alerts = {"webhook": settings.alert_webhook, "stall_s": settings.alert_stall_s} if settings.alert_webhook else None
+    write_ui(settings.home, url, alerts=alerts)  # where the runs' launchers find the webhook
     return url
