@@ -1,9 +1,9 @@
 """Where psflow keeps its own state on this machine: ``PSFLOW_HOME`` (default ``~/.psflow``).
 
 The one place that reads ``PSFLOW_HOME``. Tasks never read it (it is the launcher's and the CLI's,
-not part of the launcher->task contract in :mod:`psflow.launch.contract`). Holds ``jobs.db``, the job
+not part of the launcher->task contract in :mod:`psflow.taskenv`). Holds ``jobs.db``, the job
 store (:mod:`psflow.platform.jobstore`), and the launcher's locks and staging directories of URL
-logdirs (:mod:`psflow.launch.logdirlock`, :mod:`psflow.launch.urllogdir`): so it lies below both
+logdirs (:mod:`psflow.logdirlock`, :mod:`psflow.launch.urllogdir`): so it lies below both
 launch/ and platform/. Also reads ``PSFLOW_UI_TOKEN`` (the dashboard's token) and
 ``PSFLOW_ALERT_WEBHOOK`` (where the launcher sends a run's alerts).
 """
@@ -20,7 +20,7 @@ JOBS_DB = "jobs.db"
 ALERT_WEBHOOK_ENV = "PSFLOW_ALERT_WEBHOOK"
 ALERT_STALL_ENV = "PSFLOW_ALERT_STALL_S"
 
-# The variables the launcher and the CLI read for themselves (a task's are launch.contract.ENV).
+# The variables the launcher and the CLI read for themselves (a task's are psflow.taskenv.ENV).
 ENV = {HOME_ENV: "where psflow keeps its own state, the job store jobs.db among it (default ~/.psflow)",
        UI_TOKEN_ENV: "the dashboard's token for requests that change anything (default: a fresh one, printed at start)",
        ALERT_WEBHOOK_ENV: "a webhook the launcher tells when its run fails, stalls or restarts a task (psflow run "

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from psflow import checkpoint
+from psflow import checkpoint, errorreport
 from psflow.checkpoint import (
     CHECKPOINTS_DIR,
     Checkpoint,
@@ -57,7 +57,6 @@ from psflow.checkpoint import (
 )
 from psflow.config import check_logdir
 from psflow.errors import CheckpointError, ConfigError, PsflowError, TrainingError
-from psflow.launch import errorreport
 from psflow.rundir import DONE_FILE
 from psflow.summary import EventWriter
 from psflow.train.modes import mode_of
@@ -302,12 +301,12 @@ class Supervisor:
 
     def _hold_logdir(self) -> None:
         """A chief started by hand holds its logdir while it runs, as a launcher does for its run
-        (:mod:`psflow.launch.logdirlock`): a second job writing there is refused. Under a launcher the
+        (:mod:`psflow.logdirlock`): a second job writing there is refused. Under a launcher the
         launcher holds it. A logdir nobody named is held once it is settled (:meth:`_settle_logdir`)."""
         if not self.is_chief or getattr(self.task, "coordinator", None) or self._held_logdir:
             return
         self._held_logdir = True
-        from psflow.launch.logdirlock import BY_HAND, LOCK_FILE, hold
+        from psflow.logdirlock import BY_HAND, LOCK_FILE, hold
 
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._held.enter_context(hold(self.logdir / LOCK_FILE, str(self.task.task_id), where=str(self.logdir),

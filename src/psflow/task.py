@@ -5,8 +5,8 @@
 ``sys.argv``, ``PSFLOW_CLUSTER`` with ``PSFLOW_TASK``, ``TF_CONFIG``, Slurm's environment. It
 starts the task's Server (a ps also hosts its shard) and returns the :class:`Task`.
 
-The ``PSFLOW_*`` environment variables are read here, through :class:`psflow.launch.contract.TaskEnv`
-(their list: ``psflow.launch.contract.ENV``).
+The ``PSFLOW_*`` environment variables are read here, through :class:`psflow.taskenv.TaskEnv`
+(their list: ``psflow.taskenv.ENV``).
 
 Launcher mode: the launcher sets ``PSFLOW_TASK`` and ``PSFLOW_COORDINATOR``; the task binds port 0,
 registers the address it got with the launcher's coordinator and receives the whole cluster once
@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from psflow import timeline
+from psflow import errorreport, timeline
 from psflow.cluster import ClusterSpec, TaskId, is_loopback_host, parse_address
 from psflow.config import TrainConfig
 from psflow.cpulimit import container_cpus
@@ -43,12 +43,11 @@ from psflow.errors import ConfigError, PsflowError
 from psflow.fault import for_attempt
 from psflow.heartbeat import Heartbeat, install_stack_dumps
 from psflow.identity import TaskIdentity
-from psflow.launch import errorreport
-from psflow.launch.contract import TaskEnv, clock_skew_us
 from psflow.rendezvous import bind_rendezvous, check_exposure
 from psflow.resolve.flags import parse_cluster_flags
 from psflow.resolve.order import resolve_task
 from psflow.server import Server
+from psflow.taskenv import TaskEnv, clock_skew_us
 from psflow.threads import apply_threads, choose_threads, host_cores
 from psflow.wire.conn import connect
 from psflow.wire.ops import Op

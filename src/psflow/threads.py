@@ -117,7 +117,7 @@ def choose_threads(
         env: the task's environment (OMP_NUM_THREADS, SLURM_CPUS_PER_TASK are read from it).
         task: this task.
         cluster: the cluster spec (None under the launcher, which knows the hosts itself).
-        num_threads: ``PSFLOW_NUM_THREADS`` as :class:`psflow.launch.contract.TaskEnv` parsed it.
+        num_threads: ``PSFLOW_NUM_THREADS`` as :class:`psflow.taskenv.TaskEnv` parsed it.
         launched: started by ``psflow run`` (``PSFLOW_COORDINATOR`` is set).
         cores: this process's cores (:func:`host_cores`).
         cpu_limit: its container's CPU limit in whole CPUs (:func:`psflow.cpulimit.container_cpus`),

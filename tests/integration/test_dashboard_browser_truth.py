@@ -19,7 +19,7 @@ import pytest
 from dashboard import TOKEN, start_dashboard
 from test_dashboard_browser import artifacts, browser, chromium, desktop_page  # noqa: F401 (fixtures)
 
-from psflow.launch import errorreport
+from psflow import errorreport
 
 pytestmark = pytest.mark.timeout(300)
 TASKS = ["ps:0", "worker:0", "worker:1", "worker:2"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import PSFLOW, ROOT, log_tails, pid_alive, psflow_in, task_env, wait_for_run
 
-from psflow.launch.logdirlock import LOCK_FILE, Holder
+from psflow.logdirlock import LOCK_FILE, Holder
 from psflow.platform.jobstore import JobStore
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,7 @@ import pytest
 from psflow.cluster import TaskId
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
-from psflow.launch.contract import ENV, TaskEnv
+from psflow.taskenv import ENV, TaskEnv
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "psflow"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from psflow import errorreport
 from psflow.errors import ConfigError
-from psflow.launch import errorreport
 
 
 def _raise(exc: BaseException) -> BaseException:
@@ -64,14 +64,14 @@ def test_the_report_module_stays_light():
     """The task imports it before torch; it must not pull torch in (checked in a fresh interpreter)."""
     import subprocess
 
-    code = "import sys, psflow.launch.errorreport, psflow.launch.contract; print('torch' in sys.modules, 'psflow.launch.local' in sys.modules)"
+    code = "import sys, psflow.errorreport, psflow.taskenv; print('torch' in sys.modules, 'psflow.launch.local' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout.split()
     assert out == ["False", "False"]
 
 
 _FAILING = """
 import os, signal, sys, time
-from psflow.launch.errorreport import ignore_stop_requests
+from psflow.errorreport import ignore_stop_requests
 ignore_stop_requests()
 print("reported", flush=True)
 if sys.argv[1] == "stopped-now":

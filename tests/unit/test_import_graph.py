@@ -199,3 +199,18 @@ def test_psflow_has_no_import_circle():
     found = cycles(import_graph())
     assert not found, "import circles (break each by moving the shared part below both):\n" + "\n".join(
         "  " + " -> ".join(c) for c in found)
+
+
+# The launcher and what stands on it; every other module is the task's side (or below both).
+_LAUNCHER_SIDE = ("psflow.launch", "psflow.platform", "psflow.cli", "psflow.chaos")
+
+
+def test_the_task_side_imports_nothing_from_launch():
+    """A task (psflow.init, its server, trainers, the Supervisor) imports nothing from launch/: what it
+    shares with the launcher (its environment, psflow.taskenv; its error report, psflow.errorreport;
+    the logdir's lock, psflow.logdirlock) lies below both, deferred or for types alike."""
+    graph = import_graph(type_checking=True)
+    task_side = [m for m in graph if not any(_within(m, p) for p in _LAUNCHER_SIDE)]
+    found = sorted((m, t) for m in task_side for t in graph[m] if _within(t, "psflow.launch"))
+    assert not found, "the task's side imports launch/ (move the shared part below both):\n" + "\n".join(
+        f"  {m} -> {t}" for m, t in found)

@@ -263,7 +263,7 @@ def test_cli_tfjob_prints_a_secret_and_a_tfjob(monkeypatch):
 
 
 def test_without_a_claim_checkpoints_on_a_url_give_each_pod_an_empty_dir_and_the_users_secret_as_env(plan):
-    from psflow.launch.contract import TaskEnv
+    from psflow.taskenv import TaskEnv
 
     url_plan = plan(extra_env=TaskEnv(checkpoint_dir="s3://psflow-runs/mnist").render())
     settings = replace(SETTINGS, volume_claim=None, env_secret="aws-credentials")
@@ -282,7 +282,7 @@ def test_without_a_claim_checkpoints_on_a_url_give_each_pod_an_empty_dir_and_the
 
 
 def test_without_a_claim_local_checkpoints_or_an_evaluator_are_refused_saying_why(plan):
-    from psflow.launch.contract import TaskEnv
+    from psflow.taskenv import TaskEnv
 
     no_claim = replace(SETTINGS, volume_claim=None)
     with pytest.raises(ConfigError, match="needs --volume-claim NAME.*or --checkpoint-dir s3://"):

@@ -1,4 +1,4 @@
-"""One logdir, one live run (psflow.launch.logdirlock): the pure rules (who holds it, when a holder
+"""One logdir, one live run (psflow.logdirlock): the pure rules (who holds it, when a holder
 is gone, what the refusal says, where a URL logdir's lock lives), then real flocks: held, refused,
 released, taken over from a killed holder and from a dead pid whose descriptor lives on, re-entrant
 per run, a restart's wait for the run it restarts and its one queue place."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from psflow.launch import logdirlock
-from psflow.launch.logdirlock import (
+from psflow import logdirlock
+from psflow.logdirlock import (
     BY_HAND,
     UNKNOWN_START,
     Holder,
@@ -111,7 +111,7 @@ def test_a_second_lock_on_a_held_logdir_is_refused_naming_the_first_until_it_is_
 HOLD_SCRIPT = """
 import sys, time
 from pathlib import Path
-from psflow.launch.logdirlock import LogdirLock, this_holder
+from psflow.logdirlock import LogdirLock, this_holder
 lock = LogdirLock(Path(sys.argv[1]), this_holder("run-killed"))
 lock.acquire()
 print("held", flush=True)
@@ -233,7 +233,7 @@ def test_a_filesystem_without_locks_lets_the_run_go_on_with_a_warning(tmp_path, 
 
 
 def test_a_url_logdir_is_held_under_psflow_home_whatever_the_staging_dir(tmp_path, monkeypatch):
-    from psflow.launch.logdirlock import hold_run
+    from psflow.logdirlock import hold_run
 
     monkeypatch.setenv("PSFLOW_HOME", str(tmp_path / "home"))
     with hold_run(str(tmp_path / "stage-1"), "s3://bucket/run", "run-1"):

@@ -12,9 +12,9 @@ import pytest
 
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.errors import ConfigError
-from psflow.launch.contract import TaskEnv
 from psflow.resolve.flags import parse_cluster_flags
 from psflow.resolve.order import resolve_task
+from psflow.taskenv import TaskEnv
 
 GIVEN = {"ps": ["g:1"], "worker": ["g:2"]}
 FLAGS = ("--ps_hosts=f:1", "--worker_hosts=f:2,f:3", "--job_name=worker", "--task_index=1")

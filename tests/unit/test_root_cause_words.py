@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from psflow.launch import errorreport
+from psflow import errorreport
 
 
 def _innermost(value: float) -> float:

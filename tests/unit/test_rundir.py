@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from psflow.launch import errorreport
+from psflow import errorreport
 from psflow.launch.controller import TaskRecord
 from psflow.launch.plan import make_plan
 from psflow.launch.summary import task_entry

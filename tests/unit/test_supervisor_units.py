@@ -584,13 +584,13 @@ def test_resume_false_refuses_a_named_logdir_that_holds_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("raw, value", [("1", True), ("true", True), ("0", False), ("no", False), ("", None)])
 def test_psflow_resume_is_read_as_a_flag(raw, value):
-    from psflow.launch.contract import TaskEnv
+    from psflow.taskenv import TaskEnv
 
     assert TaskEnv.parse({"PSFLOW_RESUME": raw}).resume is value
 
 
 def test_a_bad_psflow_resume_names_the_value():
-    from psflow.launch.contract import TaskEnv
+    from psflow.taskenv import TaskEnv
 
     with pytest.raises(ConfigError, match=r"PSFLOW_RESUME must be 1 or 0.*'maybe'"):
         TaskEnv.parse({"PSFLOW_RESUME": "maybe"})
@@ -613,7 +613,7 @@ def test_a_step_the_ps_refused_at_the_jobs_stop_ends_the_loop_of_a_worker_withou
 
 
 def test_a_chief_started_by_hand_holds_its_logdir_and_a_second_one_is_refused(tmp_path):
-    from psflow.launch.logdirlock import LOCK_FILE, Holder, LogdirInUseError, LogdirLock, this_holder
+    from psflow.logdirlock import LOCK_FILE, Holder, LogdirInUseError, LogdirLock, this_holder
 
     lock = tmp_path / LOCK_FILE
     with Supervisor(chief_task(str(tmp_path)), save_model_secs=None, summary_every_steps=None):

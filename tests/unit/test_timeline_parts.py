@@ -161,7 +161,7 @@ def test_merge_moves_each_tasks_spans_onto_the_reference_clock() -> None:
 def test_clock_skew_names_tasks_and_refuses_what_it_cannot_read() -> None:
     from psflow.cluster import TaskId
     from psflow.errors import ConfigError
-    from psflow.launch.contract import clock_skew_us
+    from psflow.taskenv import clock_skew_us
 
     raw = "ps:0=5e6, worker:1=-3000000"
     assert clock_skew_us(raw, TaskId("ps", 0)) == 5e6

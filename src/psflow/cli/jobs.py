@@ -159,7 +159,7 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None, hosts: 
     hosts, Slurm nodes, Kubernetes image, ...) are the recorded ones, less what --hosts, --nodes or
     --coordinator-host give; fault injection (--fail-at) is not repeated. The new run names the old
     one (restarted_from)."""
-    from psflow.launch.logdirlock import run_lock
+    from psflow.logdirlock import run_lock
     from psflow.platform import views
     from psflow.platform.jobstore import JobStore
     from psflow.platform.launching import queue_restart, run_here, spec_of_run, start_detached

@@ -156,7 +156,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         except PsflowError as e:  # what the rendering checks (k8s: a claim, or checkpoints on a URL)
             raise click.UsageError(str(e)) from e
         return
-    from psflow.launch.logdirlock import hold_run
+    from psflow.logdirlock import hold_run
 
     try:  # one live run per logdir: refused here, before anything is said or started; held until the command ends
         click.get_current_context().with_resource(hold_run(plan.logdir, logdir_url, plan.run_id))
@@ -248,7 +248,7 @@ def _checkpoint_env(checkpoint_dir: str | None) -> dict[str, str] | None:
     """The tasks' PSFLOW_CHECKPOINT_DIR for ``--checkpoint-dir`` (a local directory made absolute)."""
     if checkpoint_dir is None:
         return None
-    from psflow.launch.contract import TaskEnv
+    from psflow.taskenv import TaskEnv
 
     # a URL as given (psflow.checkpoint.is_url's rule, without importing torch into the launcher)
     where = checkpoint_dir if "://" in checkpoint_dir else str(Path(checkpoint_dir).resolve())

@@ -1,9 +1,10 @@
 """Launching runs: a plan (pure data) carried out by a runner, under a controller's rules, on a backend
-(local processes; Slurm and Kubernetes next).
+(local processes, Slurm, ssh, Kubernetes).
 
-The launcher->task contract (``launch.contract``: the task's environment; ``launch.errorreport``:
-its error report) is imported by every task, so this package loads its backends lazily: a task
-that imports the contract does not load the launcher.
+What a task shares with the launcher (its environment, :mod:`psflow.taskenv`; its error report,
+:mod:`psflow.errorreport`; the logdir's lock, :mod:`psflow.logdirlock`) lies outside this package,
+below it: the task side imports nothing from here. This package loads its backends lazily, so that
+the CLI starts without them.
 """
 
 from __future__ import annotations

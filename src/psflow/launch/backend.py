@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psflow.launch import errorreport
+from psflow import errorreport
 from psflow.launch.console import Console
 from psflow.launch.controller import TaskExited
 from psflow.launch.plan import LaunchPlan, TaskPlan

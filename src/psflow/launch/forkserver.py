@@ -176,7 +176,7 @@ def _become_task(argv: list[str], env: dict[str, str], cwd: str, out_fd: int, re
         # The traceback a fresh interpreter prints: from the script's frames on, not the fork server's.
         tb = _from_script(e.__traceback__, script)
         e.__traceback__ = tb  # the default hook prints the exception's own traceback
-        from psflow.launch.errorreport import ignore_stop_requests
+        from psflow.errorreport import ignore_stop_requests
 
         ignore_stop_requests()  # failing: it ends by itself, with its own exit code (1), as psflow's hook does
         if not getattr(sys.excepthook, "psflow_reports", False):  # failed before psflow.init installed its hook
@@ -198,7 +198,7 @@ def _from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
 def _write_error_report(env: Mapping[str, str], e: BaseException, tb: TracebackType | None) -> None:
     """The task's JSON error report (as psflow.task writes it) for an error raised before the script
     called psflow.init(), e.g. at import: the launcher then names it as the root cause."""
-    from psflow.launch import errorreport
+    from psflow import errorreport
 
     path = env.get("PSFLOW_ERROR_FILE")
     if path:

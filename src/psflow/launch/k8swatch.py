@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from psflow import errorreport
 from psflow.errors import ClusterError, ConfigError
-from psflow.launch import errorreport
 from psflow.launch.backend import Backend, prepare_logdir
 from psflow.launch.console import Console
 from psflow.launch.controller import TaskExited, exit_cause

@@ -22,10 +22,10 @@ from psflow.cluster import TaskId
 from psflow.config import TrainConfig, check_logdir
 from psflow.errors import ConfigError
 from psflow.fault import check_faults, parse_faults
-from psflow.launch.contract import TaskEnv
 from psflow.launch.restart import JOBS, RestartPolicy
 from psflow.launch.watchdog import HangPolicy
 from psflow.rundir import RunDir, task_stem
+from psflow.taskenv import TaskEnv
 from psflow.threads import host_cores, threads_per_task
 
 

@@ -43,11 +43,10 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from psflow.launch import errorreport
+from psflow import errorreport
 from psflow.launch.backend import Backend, RunResult
 from psflow.launch.console import Console
 from psflow.launch.consolereport import ConsoleReport
-from psflow.launch.contract import TaskEnv
 from psflow.launch.control import ControlRequest, check_workers
 from psflow.launch.controller import (
     Decision,
@@ -69,16 +68,17 @@ from psflow.launch.controller import (
 )
 from psflow.launch.coordinator import Coordinator
 from psflow.launch.copies import Finding, backup_workers, check_copies, verdict
-from psflow.launch.logdirlock import hold_run
 from psflow.launch.plan import LaunchPlan, TaskPlan, added_worker
 from psflow.launch.restart import RestartPolicy, restart_group
 from psflow.launch.runstore import RunStore, file_store
 from psflow.launch.subscribers import RunOutcome, RunSubscriber, Subscribers
 from psflow.launch.summary import build_summary
+from psflow.logdirlock import hold_run
 from psflow.ps.authority import ViewAuthority
 from psflow.ps.views import ShardView, Sync
 from psflow.rundir import RunDir
 from psflow.server import Server
+from psflow.taskenv import TaskEnv
 from psflow.timeline import write_trace
 
 
@@ -120,7 +120,7 @@ class Runner:
 
     def run(self, plan: LaunchPlan) -> RunResult:
         """Run ``plan`` to its end; return its exit code (0, 1 failed, 130 stopped), summary and root cause.
-        The run holds its logdir throughout (:mod:`psflow.launch.logdirlock`).
+        The run holds its logdir throughout (:mod:`psflow.logdirlock`).
 
         Raises:
             LogdirInUseError: another live run holds the plan's logdir; nothing was started.
@@ -400,7 +400,7 @@ def read_ledger(finished: RunFinished, reports: Mapping[str, Mapping[str, Any]],
 
 
 def failure_in_words(controller: RunController, root: str | None) -> dict[str, Any] | None:
-    """The run's root cause in words (:func:`psflow.launch.errorreport.describe_root_cause`), put once
+    """The run's root cause in words (:func:`psflow.errorreport.describe_root_cause`), put once
     for every subscriber: the root task's last attempt's error report and how it ended, as the
     controller recorded them; a finding that failed the run as it is; None when nothing failed."""
     rec = controller.records.get(root) if root else None

@@ -47,13 +47,13 @@ from typing import Any
 from psflow.errors import ClusterError, ConfigError
 from psflow.launch.backend import ProcessBackend
 from psflow.launch.console import Console
-from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import die_with_parent
 from psflow.launch.nodenet import coordinator_address, local_interfaces, resolve, route_source
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.resolve.slurm import expand_slurm_nodelist
 from psflow.rundir import task_stem
+from psflow.taskenv import TaskEnv
 
 _WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING")  # not running yet, may still run
 _RUNNING = ("RUNNING",)

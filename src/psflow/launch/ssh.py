@@ -45,11 +45,11 @@ from psflow.cluster import is_loopback_host
 from psflow.errors import ConfigError
 from psflow.launch.backend import ProcessBackend
 from psflow.launch.console import Console
-from psflow.launch.contract import TaskEnv
 from psflow.launch.controller import TaskExited
 from psflow.launch.forkserver import die_with_parent
 from psflow.launch.plan import LaunchPlan, TaskPlan
 from psflow.launch.sshagent import MARK
+from psflow.taskenv import TaskEnv
 
 SSH_FAILED = 255  # ssh's own exit status when the session could not be had
 

@@ -217,7 +217,7 @@ def read_status(logdir: str | os.PathLike[str]) -> dict[str, Any]:
 
 def render(state: dict[str, Any]) -> Any:
     """A rich Table of the run: one row per task, the headline in the title; under it, a failed run's
-    root cause in words (``state["failure"]``: :func:`psflow.launch.errorreport.describe_root_cause`)."""
+    root cause in words (``state["failure"]``: :func:`psflow.errorreport.describe_root_cause`)."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text

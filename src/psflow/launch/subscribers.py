@@ -7,7 +7,7 @@ it makes to a task (started, exited, hung, restarting, not restarted, added, ret
 once the runner has read the ledger and built the summary, as one :class:`RunOutcome` to
 :meth:`RunSubscriber.on_run_end`. The outcome carries the root cause, computed once (by the
 controller's rule, :mod:`psflow.launch.rootcause`, then the ledger's verdict) and put in words once
-(:func:`psflow.launch.errorreport.describe_root_cause`): every subscriber reads the same.
+(:func:`psflow.errorreport.describe_root_cause`): every subscriber reads the same.
 
 Subscribers: the run stores (``status.json`` and ``events.jsonl`` through
 :class:`psflow.launch.runstore.FileRunStore`, the job store, the alerts: every

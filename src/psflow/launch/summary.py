@@ -35,7 +35,7 @@ def build_summary(
         status: ``succeeded``, ``failed`` or ``stopped`` (the controller's verdict).
         root_cause: the task that caused a failure, if any (or the ledger's finding that failed the run).
         findings: the ledger's findings over the ps's shard copies (:func:`psflow.launch.copies.check_copies`).
-        failure: the root cause in words (:func:`psflow.launch.errorreport.describe_root_cause`), as
+        failure: the root cause in words (:func:`psflow.errorreport.describe_root_cause`), as
             the runner put it once for every reader.
     """
     # A task stopped or killed has no final report: its last live progress counts (see launch.metrics).

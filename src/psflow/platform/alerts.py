@@ -56,7 +56,7 @@ class AlertBook:
     def on_events(self, events: Iterable[Mapping[str, Any]],
                   root_causes: Mapping[str, str | Mapping[str, Any] | None]) -> list[Alert]:
         """Alerts for run events (``restart``, ``run_finished``), oldest first; ``root_causes``: run ->
-        its root cause, in words where known (:func:`psflow.launch.errorreport.describe_root_cause`:
+        its root cause, in words where known (:func:`psflow.errorreport.describe_root_cause`:
         the alert then says the exception and message, and carries the traceback's tail) or its task."""
         out = []
         for e in events:

@@ -526,7 +526,7 @@ def dump_run(run_id: str, db: Db) -> dict[str, Any]:
                     response_model_exclude_none=True)
 def restart_run(run_id: str, db: Db, request: Request, settings: Settings,
                 form: RestartSettings | None = None) -> dict[str, Any]:
-    from psflow.launch.logdirlock import run_lock
+    from psflow.logdirlock import run_lock
     from psflow.platform.launching import plan_of, spec_of_run, start_detached
     from psflow.platform.runcontrol import ask_stop
     from psflow.platform.startform import FormError, restart_overrides

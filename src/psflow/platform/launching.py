@@ -17,7 +17,7 @@ launch the same plan again (:func:`spec_of_run`: from what the job store recorde
 the same log directory, so the chief restores the newest checkpoint and training goes on from
 there. The new run names the old one (``restarted_from``). Fault injection (``--fail-at``) is not
 part of the plan that is restarted: it tested the run it was given to. One logdir, one live run
-(:mod:`psflow.launch.logdirlock`): a restart holds the logdir's queue place while the old run stops,
+(:mod:`psflow.logdirlock`): a restart holds the logdir's queue place while the old run stops,
 then its lock, so of two quick restarts of one run the second is refused.
 
 "Restore here" (``POST /api/runs/{id}/checkpoints/{name}/restore``) launches the same plan as a new
@@ -46,9 +46,9 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from psflow.errors import ConfigError, PsflowError
 from psflow.launch.backend import RunResult
-from psflow.launch.logdirlock import LogdirLock
 from psflow.launch.plan import LaunchPlan
 from psflow.launch.restart import RestartPolicy
+from psflow.logdirlock import LogdirLock
 from psflow.rundir import RunDir
 from psflow.validation import checked
 
@@ -272,8 +272,8 @@ def _url_env(logdir_url: str | None) -> dict[str, str] | None:
     """A URL logdir's tasks keep their checkpoints at ``URL/checkpoints`` (as ``psflow run`` set them)."""
     if logdir_url is None:
         return None
-    from psflow.launch.contract import TaskEnv
     from psflow.launch.urllogdir import checkpoint_url
+    from psflow.taskenv import TaskEnv
 
     return TaskEnv(checkpoint_dir=checkpoint_url(logdir_url)).render()
 
@@ -289,13 +289,13 @@ def _policy_fields(d: Mapping[str, Any]) -> dict[str, Any]:
 def run_here(spec: LaunchSpec, *, live: bool | None = None, runs_root: Path | None = None,
              queued: LogdirLock | None = None) -> tuple[LaunchPlan, RunResult]:
     """Run ``spec`` in this process, to its end (the foreground ``psflow restart``), holding its logdir
-    (:mod:`psflow.launch.logdirlock`). A restart waits up to ``after_timeout_s`` for the run it
+    (:mod:`psflow.logdirlock`). A restart waits up to ``after_timeout_s`` for the run it
     restarts to let the logdir go; ``queued``: the lock that held the queue place meanwhile.
 
     Raises:
         LogdirInUseError: another live run holds the logdir; nothing was started.
     """
-    from psflow.launch.logdirlock import hold_run
+    from psflow.logdirlock import hold_run
 
     plan = plan_of(spec, runs_root=runs_root)
     with hold_run(plan.logdir, plan.logdir_url, plan.run_id, wait_for_run=spec.restarted_from,
@@ -317,7 +317,7 @@ def queue_restart(spec: LaunchSpec) -> LogdirLock:
     Raises:
         LogdirInUseError: another restart of the logdir waits already, or another run holds it.
     """
-    from psflow.launch.logdirlock import run_lock
+    from psflow.logdirlock import run_lock
 
     assert spec.after_run is not None and spec.run_id is not None and spec.logdir is not None
     lock = run_lock(spec.logdir, spec.logdir_url, spec.run_id)
@@ -343,7 +343,7 @@ def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapp
     Raises:
         ConfigError: a spec :func:`plan_of` refuses (nothing is started).
     """
-    from psflow.launch.logdirlock import run_lock
+    from psflow.logdirlock import run_lock
 
     plan = plan_of(spec, runs_root=runs_root)
     fixed = dataclasses.replace(spec, run_id=plan.run_id, logdir=os.path.abspath(plan.logdir))

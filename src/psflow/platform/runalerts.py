@@ -182,7 +182,7 @@ def root_cause_in_summary(summary: dict[str, Any]) -> dict[str, Any] | None:
     """The root cause in words from a run's summary: as the launcher put it (``failure``); for a
     summary without it, from the root task's error report (its entry names its log,
     ``LOGDIR/logs/worker-1.log``, so the run's directory) and its last exit's cause."""
-    from psflow.launch import errorreport
+    from psflow import errorreport
 
     if (stored := errorreport.recorded_failure(summary)) is not None:
         return stored

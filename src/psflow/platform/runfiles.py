@@ -134,11 +134,11 @@ def dump_lines(run: dict[str, Any], log: str, line: int, *, max_lines: int = 500
 
 
 def root_cause_of(run: dict[str, Any]) -> dict[str, Any] | None:
-    """A failed run's root cause in words (:func:`psflow.launch.errorreport.describe_root_cause`), as
+    """A failed run's root cause in words (:func:`psflow.errorreport.describe_root_cause`), as
     its launcher put it at the run's end (in its summary); for a run recorded without it, from the
     root task's error report (inside the run's directory only) or how it ended where it left none.
     None while the run has no root cause."""
-    from psflow.launch import errorreport
+    from psflow import errorreport
 
     stored = errorreport.recorded_failure(run.get("summary"))
     if stored is not None:

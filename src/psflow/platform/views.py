@@ -125,7 +125,7 @@ def _logdir_failure(logdir: Path, state: dict[str, Any]) -> dict[str, Any] | Non
     error report. None while the run goes on (no summary yet)."""
     import json
 
-    from psflow.launch import errorreport
+    from psflow import errorreport
 
     if (stored := errorreport.recorded_failure(state)) is not None:
         return stored

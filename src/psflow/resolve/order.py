@@ -11,7 +11,7 @@ from psflow.resolve import Resolved, clusterjson, given, launcher, slurm, tfconf
 from psflow.resolve import flags as seed_flags
 
 if TYPE_CHECKING:
-    from psflow.launch.contract import TaskEnv
+    from psflow.taskenv import TaskEnv
 
 _NO_CLUSTER = ("No cluster given. Pass the seeds' flags (--ps_hosts=localhost:2222 --worker_hosts=localhost:2223 "
                "--job_name=worker --task_index=0), set TF_CONFIG, run it as a Slurm step (srun), "

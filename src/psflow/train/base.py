@@ -39,11 +39,10 @@ from typing import Any, ClassVar, Protocol, Self
 
 import torch
 
-from psflow import timeline
+from psflow import errorreport, timeline
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError
 from psflow.fault import inject, parse_faults
-from psflow.launch import errorreport
 from psflow.optim import OptimizerSpec, Schedule
 from psflow.ps.placement import Placement
 from psflow.train.towers import Batch, Towers, batch_examples, run_step_closure
@@ -366,7 +365,7 @@ class TrainerBase(SupervisedTrainer, ABC):
     # -- end -------------------------------------------------------------------------------
     def close(self, failed: str | None = None) -> None:
         """Release what the strategy holds (once; later calls do nothing). ``failed``: the error the
-        task stopped on (:func:`psflow.launch.errorreport.one_line`), said to the ps instead of "finished"."""
+        task stopped on (:func:`psflow.errorreport.one_line`), said to the ps instead of "finished"."""
         if self._closed:
             return
         self._closed = True

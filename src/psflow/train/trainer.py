@@ -38,10 +38,9 @@ from typing import Any
 
 import torch
 
-from psflow import timeline
+from psflow import errorreport, timeline
 from psflow.checkpoint.keys import StateKey, parse_key
 from psflow.errors import ConfigError, PsflowError
-from psflow.launch import errorreport
 from psflow.optim import OptimizerSpec
 from psflow.ps.client import PsClient
 from psflow.ps.placement import ParamInfo, Placement, place, split_tensor

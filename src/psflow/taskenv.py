@@ -7,8 +7,9 @@ calls :meth:`TaskEnv.parse` on its environment (``psflow.init``). Both direction
 default, and :meth:`~TaskEnv.render` leaves out every field at its default, so a rendered
 environment holds only what was set.
 
-Pure and light: no I/O (the secret *file* is read by the task, not here), no torch; the task
-imports it before anything else. Every parse error names the variable, the value received and
+Outside ``launch/``, which imports it, as the task does: the task side imports nothing from the
+launcher. Pure and light: no I/O (the secret *file* is read by the task, not here), no torch; the
+task imports it before anything else. Every parse error names the variable, the value received and
 what to do.
 """
 
