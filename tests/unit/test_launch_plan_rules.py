@@ -131,3 +131,81 @@ def test_an_added_worker_counts_the_chief_among_the_data_shards_and_copies_it_wi
     assert _env(new)["PSFLOW_TASK"] == "worker:0" and _env(new)["PSFLOW_DATA_SHARDS"] == "1"
     with pytest.raises(ConfigError, match=r"has no worker or chief task to copy for worker:0"):
         added_worker(replace(plan, tasks=tuple(t for t in plan.tasks if t.task == "ps:0")), "worker:0")
+
+
+# -- what make_plan refuses, and what it lets through ------------------------------------------
+
+
+def test_the_ps_count_is_checked_for_parameter_server_training_only(script: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape("--ps must be at least 1 for parameter-server training; received 0.")):
+        make_plan(script, num_ps=0)
+    plan = make_plan(script, num_ps=0, num_workers=2, config=TrainConfig(strategy="allreduce"))
+    assert plan.task_names() == ["worker:0", "worker:1"]
+
+
+def test_a_logdir_that_is_a_file_is_refused_before_any_task_is_planned(script: str, tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match=re.escape(f"--logdir {str(afile)!r} is a file, not a directory.")):
+        make_plan(script, logdir=str(afile))
+
+
+def test_a_fault_on_a_task_the_plan_lacks_is_refused_naming_the_tasks(script: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=re.escape(
+            "--fail-at names worker:2, which this run does not have. Its tasks: ps:0, worker:0, worker:1.")):
+        make_plan(script, num_workers=2, logdir=str(tmp_path / "run"), fail_at="worker:2@step=1")
+    with pytest.raises(ConfigError, match=re.escape("--fail-at names chief:0, which this run does not have.")):
+        make_plan(script, num_workers=2, logdir=str(tmp_path / "run"), fail_at="chief:0@step=1")
+    plan = make_plan(script, num_workers=2, chief=True, logdir=str(tmp_path / "run"), fail_at="chief:0@step=1")
+    assert dict(plan.tasks[0].env)["PSFLOW_FAIL_AT"] == "chief:0@step=1"
+
+
+def test_a_hang_fault_needs_the_watchdog_and_the_message_lists_every_hang(script: str, tmp_path: Path) -> None:
+    from psflow.launch.watchdog import HangPolicy
+
+    fail_at = "worker:0@step=3:hang,worker:1@step=5:hang,worker:1@step=2:kill"
+    with pytest.raises(ConfigError, match=re.escape(
+            "--hang-at worker:0@step=3,worker:1@step=5: nothing would catch the hang (the watchdog is off), so the "
+            "run would wait for ever. Add --hang-timeout S (e.g. --hang-timeout 10).")):
+        make_plan(script, logdir=str(tmp_path / "run"), fail_at=fail_at)
+    watchdog = HangPolicy(hang_timeout_s=10, heartbeat_timeout_s=5)
+    plan = make_plan(script, logdir=str(tmp_path / "run"), fail_at=fail_at, hangs=watchdog)
+    assert plan.hangs == watchdog
+    assert make_plan(script, logdir=str(tmp_path / "run")).hangs == HangPolicy()  # default: no watchdog
+
+
+def test_a_plan_refuses_a_deadline_shorter_than_two_of_the_reports_it_watches(script: str, tmp_path: Path) -> None:
+    from psflow.launch.watchdog import HangPolicy
+
+    slow_reports = TrainConfig(progress_every_s=5.0, heartbeat_every_s=2.0)
+    with pytest.raises(ConfigError, match=re.escape("--hang-timeout 6 is shorter than two progress reports (progress_every_s=5)")):
+        make_plan(script, logdir=str(tmp_path / "run"), config=slow_reports, hangs=HangPolicy(hang_timeout_s=6))
+    with pytest.raises(ConfigError, match=re.escape("The heartbeat deadline 3 s is shorter than two heartbeats (heartbeat_every_s=2)")):
+        make_plan(script, logdir=str(tmp_path / "run"), config=slow_reports, hangs=HangPolicy(hang_timeout_s=10, heartbeat_timeout_s=3))
+    plan = make_plan(script, logdir=str(tmp_path / "run"), config=slow_reports, hangs=HangPolicy(hang_timeout_s=10, heartbeat_timeout_s=4))
+    assert plan.hangs.heartbeat_deadline_s == 4
+
+
+@pytest.mark.parametrize("threads", [0, -2, 1.5, "2"])
+def test_threads_that_are_not_a_positive_integer_are_refused_naming_the_value(script: str, threads: object) -> None:
+    with pytest.raises(ConfigError, match=re.escape(
+            f"--threads must be a positive number of threads per task; received {threads!r}.")):
+        make_plan(script, threads=threads)  # type: ignore[arg-type]
+
+
+def test_an_added_worker_copies_a_training_task_never_a_ps_or_the_evaluator(script: str, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from psflow.launch.plan import TaskPlan, added_worker
+
+    plan = make_plan(script, num_ps=1, num_workers=1, chief=True, evaluator=True, logdir=str(tmp_path / "run"))
+    # Each job with a command and a variable of its own, so the copy shows whose it is.
+    tasks = tuple(TaskPlan(t.task, (*t.argv, f"--as-{t.job}"), (*t.env, ("ONLY_" + t.job.upper(), "1"))) for t in plan.tasks)
+    plan = replace(plan, tasks=tasks)
+    new = added_worker(plan, "worker:1")
+    assert new.argv[-1] == "--as-worker" and "ONLY_WORKER" in _env(new)
+    assert not {"ONLY_PS", "ONLY_CHIEF", "ONLY_EVALUATOR"} & set(_env(new))
+    no_workers = replace(plan, tasks=tuple(t for t in tasks if t.job != "worker"))
+    new = added_worker(no_workers, "worker:0")
+    assert new.argv[-1] == "--as-chief" and "ONLY_CHIEF" in _env(new)
+    assert _env(new)["PSFLOW_DATA_SHARDS"] == "1"  # the chief alone trains
