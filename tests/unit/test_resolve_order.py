@@ -46,8 +46,10 @@ def test_each_source_wins_over_every_later_one():
 def test_no_source_and_a_cluster_without_this_tasks_role_are_clear_errors():
     with pytest.raises(ConfigError, match=r"^No cluster given\. Pass the seeds' flags"):
         resolve({})
-    with pytest.raises(ConfigError, match=r"^The cluster is known but not this task's role"):
+    with pytest.raises(ConfigError, match=r"^The cluster is known \(from PSFLOW_CLUSTER\) but not this task's role"):
         resolve({"PSFLOW_CLUSTER": PSFLOW["PSFLOW_CLUSTER"]})
+    with pytest.raises(ConfigError, match=r"^The cluster is known \(from the seeds' flags\) but not this task's role"):
+        resolve({}, ("--ps_hosts=f:1", "--worker_hosts=f:2"))
     with pytest.raises(ConfigError, match=r"^PSFLOW_COORDINATOR is set \('127.0.0.1:5000'\) but PSFLOW_TASK is not"):
         resolve({"PSFLOW_COORDINATOR": "127.0.0.1:5000"})
     with pytest.raises(ConfigError, match=r"^init\(cluster=\.\.\.\) needs job_name"):

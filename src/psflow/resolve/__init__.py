@@ -25,7 +25,8 @@ from psflow.cluster import ClusterSpec, TaskId
 @dataclass(frozen=True)
 class Resolved:
     """One source's answer: the cluster (None for a launched task: its coordinator sends it), this
-    task (None when the source gives a cluster but not which task this process is), and the source."""
+    task (None when the source gives a cluster but not which task this process is), and the source
+    in words, for messages (``"TF_CONFIG"``)."""
 
     cluster: ClusterSpec | None
     task: TaskId | None

@@ -93,4 +93,4 @@ def resolve(flags: FlagConfig) -> Resolved | None:
     """The spec and task the flags gave; None when they gave no hosts flags."""
     if flags.cluster is None:
         return None
-    return Resolved(flags.cluster, flags.task, "the seeds' flags (--ps_hosts, --worker_hosts, --job_name, --task_index)")
+    return Resolved(flags.cluster, flags.task, "the seeds' flags")

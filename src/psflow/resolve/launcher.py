@@ -22,4 +22,4 @@ def resolve(coordinator: str | None, task: TaskId | None) -> Resolved | None:
     if task is None:
         raise ConfigError(f"PSFLOW_COORDINATOR is set ({coordinator!r}) but PSFLOW_TASK is not: the launcher sets "
                           "both. Start the script with `psflow run`, or unset PSFLOW_COORDINATOR to start a task by hand.")
-    return Resolved(None, task, "the launcher (PSFLOW_COORDINATOR, PSFLOW_TASK)")
+    return Resolved(None, task, "the launcher")

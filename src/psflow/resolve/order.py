@@ -46,6 +46,6 @@ def _checked(found: Resolved | None) -> tuple[ClusterSpec | None, TaskId]:
     if found is None:
         raise ConfigError(_NO_CLUSTER)
     if found.task is None:
-        raise ConfigError("The cluster is known but not this task's role. Pass --job_name and --task_index "
-                          "(or TF_CONFIG's task, or PSFLOW_TASK with PSFLOW_CLUSTER).")
+        raise ConfigError(f"The cluster is known (from {found.source}) but not this task's role. Pass --job_name and "
+                          "--task_index (or TF_CONFIG's task, or PSFLOW_TASK with PSFLOW_CLUSTER).")
     return found.cluster, found.task

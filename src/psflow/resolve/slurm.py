@@ -210,4 +210,4 @@ def resolve(env: Mapping[str, str], *, num_ps: int | None, base_port: int, requi
         return None
     num_ps = num_ps if num_ps is not None else int(require_ps)
     spec, task = cluster_from_slurm_env(env, num_ps=num_ps, base_port=base_port, require_ps=require_ps)
-    return Resolved(spec, task, "Slurm (SLURM_PROCID, SLURM_NTASKS, the step's nodes)")
+    return Resolved(spec, task, "Slurm's environment")
