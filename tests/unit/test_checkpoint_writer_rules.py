@@ -3,14 +3,16 @@ header records; how many checkpoints a root keeps; re-committing a step leaves n
 
 from __future__ import annotations
 
+import json
 import re
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from psflow.checkpoint import commit, write_shard
+from psflow.checkpoint import commit, write_shard, writer
 from psflow.errors import CheckpointError, ConfigError
 
 _T = {"a": torch.zeros(1)}
@@ -108,3 +110,94 @@ def test_recommitting_a_step_leaves_only_the_new_checkpoint(tmp_path: Path) -> N
     for value in (1.0, 2.0):
         commit(tmp_path, 4, [write_shard(tmp_path, 4, 0, 1, {"a": torch.full((1,), value)})], meta={})
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0000000004"]
+
+
+def test_a_damaged_checkpoint_does_not_count_towards_keep(tmp_path: Path) -> None:
+    for step in (1, 2):
+        commit(tmp_path, step, [write_shard(tmp_path, step, 0, 1, _T)], meta={})
+    (tmp_path / "ckpt-0000000002" / "manifest.json").write_text("{")  # step 2 is no longer whole
+
+    commit(tmp_path, 3, [write_shard(tmp_path, 3, 0, 1, _T)], meta={}, keep=2)
+
+    # Two whole ones are kept (3 and 1): pruning must not delete step 1 for the damaged step 2.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000001", "ckpt-0000000002", "ckpt-0000000003"]
+
+
+@pytest.mark.parametrize("crash", [-1, "10", 1.5])
+def test_an_injected_crash_offset_must_be_a_byte_count(tmp_path: Path, crash) -> None:
+    with pytest.raises(ConfigError, match=_msg(f"_crash_after_bytes must be an int >= 0. Received: {crash!r}.")):
+        write_shard(tmp_path, 1, 0, 1, _T, _crash_after_bytes=crash)
+
+
+def test_a_shard_file_that_cannot_be_written_is_reported_and_leaves_no_tmp_file(tmp_path: Path, monkeypatch) -> None:
+    def disk_full(tensors, path, metadata) -> None:
+        Path(path).write_bytes(b"half")  # what a failed write leaves
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer, "save_file", disk_full)
+    tensors = {f"t{i}": torch.zeros(1) for i in range(9)}
+    with pytest.raises(CheckpointError) as caught:
+        write_shard(tmp_path, 1, 0, 1, tensors)
+
+    partial = tmp_path / "ckpt-0000000001.partial"
+    assert re.fullmatch(
+        _msg(f"Could not write shard file {partial}/shard-00000-of-00001.safetensors.") + r"\d+-[0-9a-f]{8}\.tmp"
+        + _msg(f": [Errno 28] No space left on device. Received 9 tensors named {[f't{i}' for i in range(8)]!r}. "
+               "Check free disk space and the tensors' dtypes."), str(caught.value))
+    assert list(partial.iterdir()) == []
+
+
+def test_a_shard_whose_partial_directory_cannot_be_made_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "ckpt-0000000001.partial").write_text("a file in the way")
+    final = tmp_path / "ckpt-0000000001.partial" / "shard-00000-of-00001.safetensors"
+
+    with pytest.raises(CheckpointError, match=_msg(f"Could not write shard 0 of step 1 to {final}: [Errno 17] File exists: ")) as caught:
+        write_shard(tmp_path, 1, 0, 1, _T)
+    assert str(caught.value).endswith(". Check that the checkpoint root is writable and has free space.")
+
+
+def test_a_commit_before_any_shard_was_written_says_who_must_write_first(tmp_path: Path) -> None:
+    rec = write_shard(tmp_path / "elsewhere", 2, 0, 1, _T)
+
+    with pytest.raises(CheckpointError, match=_msg(
+            f"Cannot commit step 2: {tmp_path / 'ckpt-0000000002.partial'} does not exist. "
+            "Every ps task must call write_shard(root, 2, ...) before the chief commits.")):
+        commit(tmp_path, 2, [rec], meta={})
+
+
+def test_a_commit_that_cannot_write_its_manifest_says_what_to_check(tmp_path: Path, monkeypatch) -> None:
+    rec = write_shard(tmp_path, 2, 0, 1, _T)
+
+    def disk_full(path: Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer, "write_bytes_atomic", disk_full)
+    with pytest.raises(CheckpointError, match=_msg(
+            f"Could not commit the checkpoint of step 2 at {tmp_path / 'ckpt-0000000002'}: [Errno 28] No space left on "
+            "device. Check that the checkpoint root is writable and has free space.")):
+        commit(tmp_path, 2, [rec], meta={})
+
+
+def test_the_manifest_holds_the_documented_fields(tmp_path: Path) -> None:
+    rec = write_shard(tmp_path, 2, 0, 1, _T)
+    before = time.time()
+    final = commit(tmp_path, 2, [rec], meta={"global_step": 2})
+
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert set(manifest) == {"format", "version", "step", "num_shards", "shards", "meta", "created_unix", "manifest_sha256"}
+    assert (manifest["format"], manifest["version"], manifest["step"], manifest["num_shards"]) == ("psflow-checkpoint", 2, 2, 1)
+    assert manifest["shards"] == [rec.to_dict()] and manifest["meta"] == {"global_step": 2}
+    assert before <= manifest["created_unix"] <= time.time()
+
+
+def test_a_partial_of_the_newest_step_is_kept_while_an_older_step_commits(tmp_path: Path) -> None:
+    # After a rollback the job commits step 2 while ckpt-3 (from before) exists and step 3 is
+    # being written again: only partials older than the newest whole checkpoint are stale.
+    for step in (1, 3):
+        commit(tmp_path, step, [write_shard(tmp_path, step, 0, 1, _T)], meta={})
+    write_shard(tmp_path, 3, 0, 1, _T)
+
+    commit(tmp_path, 2, [write_shard(tmp_path, 2, 0, 1, _T)], meta={})
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-0000000001", "ckpt-0000000002", "ckpt-0000000003", "ckpt-0000000003.partial"]

@@ -37,6 +37,7 @@ from psflow.checkpoint.files import (
 )
 from psflow.checkpoint.format import (
     CHECKSUM_KEY,
+    FINAL_RE,
     FORMAT,
     MANIFEST_NAME,
     PARTIAL_RE,
@@ -402,7 +403,9 @@ def _remove_dir(path: Path) -> None:
 
 
 def _step_of(directory: Path) -> int:
-    return int(directory.name.split("-", 1)[1].split(".", 1)[0])
+    named = FINAL_RE.fullmatch(directory.name)  # list_checkpoints lists only such names
+    assert named is not None, directory
+    return int(named.group(1))
 
 
 def _prune(root: Path, keep: int) -> None:
