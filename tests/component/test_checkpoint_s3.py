@@ -123,8 +123,10 @@ def test_strict_restore_refuses_to_start_over_when_every_checkpoint_is_corrupt(r
     records = save(root, 100)
     bucket, key = bucket_and_key(f"{root}/ckpt-0000000100/{records[1].file}")
     s3().delete_object(Bucket=bucket, Key=key)
-    with pytest.raises(checkpoint.NoWholeCheckpointError, match="None of the 1 checkpoint"):
+    with pytest.raises(checkpoint.NoWholeCheckpointError, match="None of the 1 checkpoint") as caught:
         checkpoint.latest_checkpoint(root, strict=True, warn=lambda m: None)
+    assert caught.value.root == root and [p for p, _ in caught.value.problems] == [f"{root}/ckpt-0000000100"]
+    assert checkpoint.latest_checkpoint(root, warn=lambda m: None) is None  # not strict: nothing to resume
     assert os.environ["AWS_ENDPOINT_URL"].startswith("http://127.0.0.1:")  # moto on loopback, never a real store
 
 

@@ -4,6 +4,7 @@ header records; how many checkpoints a root keeps; re-committing a step leaves n
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -201,3 +202,49 @@ def test_a_partial_of_the_newest_step_is_kept_while_an_older_step_commits(tmp_pa
 
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ckpt-0000000001", "ckpt-0000000002", "ckpt-0000000003", "ckpt-0000000003.partial"]
+
+
+def test_a_commit_whose_final_rename_fails_reports_it_and_publishes_nothing(tmp_path: Path, monkeypatch) -> None:
+    rec = write_shard(tmp_path, 2, 0, 1, _T)
+    real_replace = os.replace
+
+    def failing_replace(src, dst) -> None:
+        if str(src).endswith(".partial"):
+            raise OSError(5, "Input/output error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(writer.os, "replace", failing_replace)
+    with pytest.raises(CheckpointError, match=_msg(
+            f"Could not commit the checkpoint of step 2 at {tmp_path / 'ckpt-0000000002'}: [Errno 5] Input/output error.")):
+        commit(tmp_path, 2, [rec], meta={})
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-0000000002.partial"]
+
+
+def test_a_leftover_trash_directory_that_cannot_be_removed_does_not_fail_a_commit(tmp_path: Path, monkeypatch) -> None:
+    trash = tmp_path / "ckpt-0000000001.trash-0123abcd"
+    trash.mkdir()
+
+    def refused(*args, **kwargs) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "rmdir", refused)  # the sweep is best effort: the new checkpoint is published
+    final = commit(tmp_path, 2, [write_shard(tmp_path, 2, 0, 1, _T)], meta={})
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == [trash.name, final.name]
+
+
+def test_a_recommit_leaves_no_trash_behind(tmp_path: Path) -> None:
+    for value in (1.0, 2.0):
+        final = commit(tmp_path, 4, [write_shard(tmp_path, 4, 0, 1, {"a": torch.full((1,), value)})], meta={"v": value})
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]
+    assert json.loads((final / "manifest.json").read_text())["meta"] == {"v": 2.0}
+
+
+def test_pruning_a_root_where_no_checkpoint_is_whole_removes_nothing(tmp_path: Path) -> None:
+    commit(tmp_path, 5, [write_shard(tmp_path, 5, 0, 1, _T)], meta={})
+    (tmp_path / "ckpt-0000000005" / "manifest.json").write_text("{")
+    write_shard(tmp_path, 0, 0, 1, _T)  # a first checkpoint still being written
+
+    writer._prune(tmp_path, keep=1)
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000000.partial", "ckpt-0000000005"]

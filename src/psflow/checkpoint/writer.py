@@ -297,9 +297,7 @@ def _publish(partial: Path, final: Path) -> None:
         if trash is not None:
             os.replace(trash, final)  # the new one could not take its place: keep the old one
         raise
-    fsync_dir(final.parent)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+    fsync_dir(final.parent)  # the old one, now trash, goes in _prune's sweep, which commit runs next
 
 
 def commit(
