@@ -15,7 +15,7 @@ import torch
 from psflow import optim
 from psflow.config import TrainConfig
 from psflow.errors import TrainingError
-from psflow.ps.rules import FAILED, NEVER_CONNECTED, Act, Decision, On, RuleSettings, ShardRules
+from psflow.ps.rules import FAILED, NEVER_CONNECTED, Act, Decision, Event, On, RuleSettings, ShardRules
 from psflow.ps.store import ParameterStore
 
 
@@ -214,3 +214,51 @@ def test_a_staying_worker_that_never_ends_fails_the_shard_after_the_timeout() ->
     (fail,) = r.tick(110.5)
     assert fail.act is Act.FAIL and fail.workers == (0,)
     assert fail.reason.startswith("ps:0 waited 10.5 s for worker:0 to end after every worker finished training")
+
+
+def test_a_staying_workers_wait_is_recorded_and_its_failure_at_the_deadline_names_each_and_the_timeout() -> None:
+    r = rules(workers=3, lost_worker_timeout_s=10.0)
+    r.worker_done(0, stays=True), r.worker_done(2, stays=True), r.worker_done(1)
+    assert r.tick(100.0) == [] and r.lost_wait_since == 100.0  # the wait starts, recorded for a backup
+    (fail,) = r.tick(110.0)  # the deadline itself: not a moment more
+    assert fail.act is Act.FAIL and fail.workers == (0, 2)
+    assert fail.reason == (
+        "ps:0 waited 10.0 s for worker:0, worker:2 to end after every worker finished training: it said it stays for "
+        "its final duties (the chief's final checkpoint) and never said it is done (killed, or stuck?); "
+        "lost_worker_timeout_s is 10 s. See its log.")
+    ticks = [(e.on, e.seconds) for e in r.log or [] if isinstance(e, Event) and e.on not in (On.CONFIGURE, On.DONE)]
+    assert ticks == [(On.TICK, 100.0), (On.TICK, 110.0)]
+    copy = ShardRules.replay(0, 3, r.log or [])
+    assert copy.state() == r.state() and copy.log == r.log
+
+
+def test_a_failed_done_of_a_finished_joining_or_unknown_worker_changes_nothing() -> None:
+    r = rules(workers=3)
+    r.worker_done(0)
+    r.resize(4)  # worker:3 joins once it is ready
+    seq = r.seq
+    assert r.worker_failed(0, 0, "ValueError: after its done") == []
+    assert r.worker_failed(3, 0, "ValueError: before its readiness") == []
+    assert r.worker_failed(4, 0, "ValueError: not a member") == []
+    assert r.seq == seq and r.lost == set() and r.failed == set()
+
+
+def test_a_failed_done_without_attempt_or_error_is_attempt_0_and_the_wait_says_see_its_log() -> None:
+    r = rules()
+    r.worker_failed(1)
+    r.worker_done(0)
+    (wait,) = r.tick(1.0)
+    assert "(worker:1 at global step 0: stopped on an error: see its log)" in wait.reason
+    assert acts(r.join(1)) == [("BACK", (1,))]  # its own attempt again, not an older one
+
+
+def test_a_copy_that_replays_a_failed_done_knows_its_attempt_and_error_and_refuses_an_older_one_the_same() -> None:
+    r = rules()
+    r.worker_failed(1, 2, "ValueError: boom")
+    (refused,) = r.worker_failed(1, 1, "ValueError: older")
+    assert refused.act is Act.SUPERSEDED and refused.reason == (
+        "ps shard 0 dropped a PS_DONE of worker:1 attempt 1: attempt 2 of worker:1 has joined since (the task was "
+        "restarted). An earlier attempt of a task that is still running must stop; its work is redone by the newer one.")
+    copy = ShardRules.replay(0, 2, r.log or [])
+    assert copy.state() == r.state() and copy.log == r.log
+    assert copy.attempts == {1: 2} and copy.why == {1: "ValueError: boom"}

@@ -132,15 +132,17 @@ def test_ps_replicas_is_1_or_2_and_2_needs_a_second_ps() -> None:
 
 
 def test_a_takeover_drops_the_held_sync_gradients_so_their_resent_pushes_are_taken_again() -> None:
-    rules = ShardRules(0, 2, keep_log=True)
+    rules = ShardRules(0, 3, keep_log=True)
     rules.configure(RuleSettings(mode="sync"), 0)
     rules.push(0, 0, push_seq=1)  # held: its gradient lived on the dead primary only
-    assert rules.pending == {0}
+    rules.push(2, 0)  # held too, a push without a number
+    assert rules.pending == {0, 2}
     rules.take_over()
     assert rules.pending == set()
     assert [d.act.name for d in rules.push(0, 0, push_seq=1)] == ["HOLD"]  # resent: taken again, not a DUPLICATE
+    assert [d.act.name for d in rules.push(2, 0)] == ["HOLD"]
     assert [d.act.name for d in rules.push(1, 0, push_seq=1)] == ["HOLD", "APPLY"]
-    assert ShardRules.replay(0, 2, rules.log or []).state() == rules.state()
+    assert ShardRules.replay(0, 3, rules.log or []).state() == rules.state()
 
 
 def test_a_backup_store_that_takes_over_forgets_the_held_positions() -> None:
@@ -148,7 +150,9 @@ def test_a_backup_store_that_takes_over_forgets_the_held_positions() -> None:
     primary, backup = _store("sync", cap), _store("sync")
     primary.push(0, 0, {"w": torch.ones(3)}, position={"batch": 7}, push_seq=1)
     backup.follow(cap.outbox.take())  # type: ignore[arg-type]
+    assert backup.transfer_state()[0]["progress"]["pending"] == {"0": {"batch": 7}}
     backup.take_over()
+    assert backup.transfer_state()[0]["progress"]["pending"] == {}  # a re-synced copy holds it no more either
     reply = backup.push(0, 0, {"w": torch.ones(3)}, position={"batch": 7}, push_seq=1)
     assert reply["applied"] and "duplicate" not in reply
 

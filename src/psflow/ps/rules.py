@@ -279,7 +279,7 @@ class ShardRules:
         superseded = self._superseded(ev, worker, attempt, "PS_DONE")
         if superseded is not None:
             return self._decided(ev, [superseded])
-        self.attempts[worker] = max(attempt, self.attempts.get(worker, 0))
+        self.attempts[worker] = attempt  # not older than its newest: that one was SUPERSEDED above
         self.joining.discard(worker)
         self.done.add(worker)
         if stays:
@@ -310,7 +310,7 @@ class ShardRules:
         superseded = self._superseded(ev, worker, attempt, "PS_DONE")
         if superseded is not None:
             return self._decided(ev, [superseded])
-        self.attempts[worker] = max(attempt, self.attempts.get(worker, 0))
+        self.attempts[worker] = attempt  # not older than its newest: that one was SUPERSEDED above
         self.failed.add(worker)
         self.why[worker] = why
         return self._lose(ev)
@@ -359,7 +359,7 @@ class ShardRules:
 
     def worker_back(self, worker: int) -> list[Decision]:
         """A lost ``worker`` sent a request again: wait for it as before. Nothing for one not lost."""
-        if worker not in self.lost or worker >= self.num_workers:
+        if worker not in self.lost:  # (a resize forgets the workers it retires: a lost one is a member)
             return []
         ev = self._event(On.BACK, worker)
         self._bring_back(worker)
