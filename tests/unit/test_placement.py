@@ -92,6 +92,8 @@ def test_greedy_split_pieces_go_to_distinct_least_loaded_shards() -> None:
         "big#0:1": 1, "big#1:2": 2, "big#2:3": 0, "row": 0,
     }
     assert placement.shard_bytes() == [200, 40, 40]
+    assert [p.key for p in placement.pieces_on(0)] == ["big#2:3", "row"]  # in placement order
+    assert [p.key for p in placement.pieces_on(2)] == ["big#1:2"]
 
 
 shapes = st.lists(st.integers(1, 4), min_size=0, max_size=2).flatmap(

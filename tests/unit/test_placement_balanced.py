@@ -128,11 +128,20 @@ def test_imbalance_names_the_heavy_shard_under_round_robin_on_the_cnn() -> None:
     pl = place(CNN, 2, strategy="round_robin")
     shard, share = imbalance(pl)  # type: ignore[misc]
     assert shard == 0 and share > 0.99
-    message = imbalance_message(pl, "round_robin")
-    assert message is not None
-    assert "ps:0 holds 6,651,008 of the 6,653,480 parameter bytes (99.96%" in message
-    assert "fair share with 2 ps is 50.0%" in message
-    assert "--placement round_robin" in message and "Use --placement balanced (the default)" in message
+    assert imbalance_message(pl, "round_robin") == (
+        "Unbalanced ps shards: ps:0 holds 6,651,008 of the 6,653,480 parameter bytes (99.96%; a fair share with 2 ps "
+        "is 50.0%) under --placement round_robin, so it does most of the work while the other ps wait. Use --placement "
+        "balanced (the default), which cuts the model into equal byte runs and splits the large tensors they fall in; "
+        "keep round_robin only for TensorFlow's layout.")
+
+
+def test_imbalance_under_the_default_says_the_tensors_cannot_be_cut_finer() -> None:
+    pl = place([ParamInfo("emb", (1, 100_000)), ParamInfo("b", (10,))], 2)  # one row: no cut balances it
+    assert [(p.key, p.shard) for p in pl.pieces] == [("emb", 0), ("b", 1)]
+    assert imbalance_message(pl, "balanced") == (
+        "Unbalanced ps shards: ps:0 holds 400,000 of the 400,040 parameter bytes (99.99%; a fair share with 2 ps is "
+        "50.0%) under --placement balanced, so it does most of the work while the other ps wait. Its tensors cannot "
+        "be cut finer (one row, or at most split_bytes bytes): use fewer ps, or lower split_bytes.")
 
 
 @pytest.mark.parametrize("params", [CNN, SOFTMAX], ids=["cnn", "softmax"])
@@ -153,3 +162,20 @@ def test_an_uncuttable_tensor_under_the_default_says_why_and_what_to_change() ->
     message = imbalance_message(pl, "balanced")
     assert message is not None and "ps:0 holds" in message
     assert "cannot be cut finer" in message and "use fewer ps" in message
+
+
+def _loads(*elements: int) -> Placement:
+    """A round-robin placement whose shard i holds one float32 vector of ``elements[i]`` elements."""
+    return place([ParamInfo(f"p{i}", (n,)) for i, n in enumerate(elements)], len(elements), strategy="round_robin")
+
+
+def test_imbalance_flags_more_than_1_5_times_the_fair_share_and_at_least_64_kib_beyond_it() -> None:
+    assert imbalance(_loads(49152, 16384)) is None  # 192 KiB against a fair 128 KiB: exactly 1.5 times, not more
+    assert imbalance(_loads(32768, 0)) == (0, 1.0)  # 128 KiB against a fair 64 KiB: exactly 64 KiB beyond it
+    assert imbalance(_loads(25000, 0)) is None  # all of a 100 kB model: 50 kB beyond its share, too few to matter
+    assert imbalance(_loads(32768)) is None  # one shard holds its fair share, whatever it holds
+    assert imbalance(_loads(0, 0)) is None  # no bytes at all
+
+
+def test_imbalance_names_the_first_of_equally_heavy_shards() -> None:
+    assert imbalance(_loads(32768, 32768, 0, 0)) == (0, 0.5)

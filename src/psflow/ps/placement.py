@@ -481,8 +481,7 @@ def imbalance(placement: Placement) -> tuple[int, float] | None:
     """
     loads = placement.shard_bytes()
     total = sum(loads)
-    if placement.num_shards < 2 or total == 0:
-        return None
+    # One shard holds exactly its fair share, as does every shard of a model without bytes: no check needed.
     heavy = max(range(placement.num_shards), key=lambda s: (loads[s], -s))
     fair = total / placement.num_shards
     if loads[heavy] > IMBALANCE_RATIO * fair and loads[heavy] - fair >= IMBALANCE_MIN_EXCESS_BYTES:
