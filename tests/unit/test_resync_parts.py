@@ -3,6 +3,7 @@ request in each role, the full state transfer of a shard (rules, store) and a re
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -83,10 +84,43 @@ def test_a_full_state_makes_an_identical_store_that_goes_on_identically() -> Non
     assert torch.equal(copy.values["w"], primary.values["w"]) and copy.version == primary.version == 4
 
 
+def test_a_copy_loaded_from_a_full_state_hands_on_the_same_full_state() -> None:
+    primary = _store(schedule={"name": "exponential_decay", "decay_steps": 1, "decay_rate": 0.5}, meta={"run": "r1"})
+    for step in range(3):
+        for w in range(2):
+            primary.push(w, primary.version, {"w": torch.full((3,), 1.0 + w), "b": torch.ones(2)},
+                         position={"batch": step + 1}, push_seq=step + 1)
+    meta, tensors = primary.transfer_state()
+    assert any(k.startswith("held/") for k, _ in tensors)  # the step-2 snapshot
+    copy = ParameterStore(0, 2)
+    copy.load_state(meta, dict(tensors))
+    again, copied = copy.transfer_state()
+    assert again == meta and (copy.num_workers, copy.placement_digest, copy.meta) == (2, "d", {"run": "r1"})
+    assert [k for k, _ in copied] == [k for k, _ in tensors]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(copied, tensors))
+    assert copy.rules.sync_wait_message(4, 1.0) == primary.rules.sync_wait_message(4, 1.0)  # names the same shard
+    for s in (copy, primary):  # the schedule came along: both take step 3 at its rate
+        for w in range(2):
+            s.push(w, s.version, {"w": torch.ones(3), "b": torch.ones(2)}, push_seq=4)
+    assert torch.equal(copy.values["w"], primary.values["w"]) and copy.version == primary.version == 4
+
+
+def test_a_full_state_loads_the_values_as_they_are_even_non_finite_ones() -> None:
+    primary = ParameterStore(0, 2)
+    primary.initialize({"w": torch.tensor([float("inf"), 1.0])}, optimizer={"name": "sgd", "lr": 0.1},
+                       config=TrainConfig(), placement_digest="d", check_values=False)
+    meta, tensors = primary.transfer_state()
+    copy = ParameterStore(0, 2)
+    copy.load_state(meta, dict(tensors))  # a copy of the serving shard is what it is: no check refuses it
+    assert torch.equal(copy.values["w"], primary.values["w"])
+
+
 def test_a_state_loads_only_into_an_empty_copy() -> None:
     primary = _store()
     meta, tensors = primary.transfer_state()
-    with pytest.raises(Exception, match="initialized already"):
+    with pytest.raises(Exception, match=re.escape(
+            "ps shard 0's copy here is initialized already: a full state is loaded only into the empty copy of a "
+            "restarted ps.")):
         _store().load_state(meta, dict(tensors))
 
 

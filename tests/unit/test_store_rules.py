@@ -4,6 +4,7 @@ pull hands out, the replies, the end of a run, the ssp bound and the errors' adv
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -179,6 +180,20 @@ def test_stats_are_plain_json_with_the_wait_in_milliseconds_precision() -> None:
                                "applied_by": {"1": {"0": 5, "1": 2}}, "nonfinite_by_worker": {}}
 
 
+def test_stats_read_back_from_their_json_are_the_same_counters() -> None:
+    stats = StoreStats(pushes=3, applied_updates=2, stale_dropped=1, stale_by_worker={2: 1, 0: 4},
+                       steps_without_all=1, duplicates=2, superseded=1, init_requests=1, wait_s=1.25,
+                       applied_by={1: {0: 5, 1: 2}}, nonfinite_by_worker={1: 3})
+    back = StoreStats.from_dict(json.loads(json.dumps(stats.to_dict())))
+    assert back == stats
+
+
+def test_stats_written_before_the_newer_counters_read_back_with_those_at_zero() -> None:
+    old = {"pushes": 3, "applied_updates": 2, "stale_dropped": 1, "stale_by_worker": {}, "steps_without_all": 0,
+           "duplicates": 0, "superseded": 0, "wait_s": 0.5}
+    assert StoreStats.from_dict(old) == StoreStats(pushes=3, applied_updates=2, stale_dropped=1, wait_s=0.5)
+
+
 def test_the_time_spent_waiting_adds_up() -> None:
     store = _store("sync", workers=2)
     for _ in range(2):
@@ -254,3 +269,28 @@ def test_a_worker_alone_after_the_others_are_gone_is_not_held_back() -> None:
     store.worker_lost(0)
     store.worker_done(1)
     assert store.clock(0, 7, timeout_s=0.01) == 7
+
+
+def test_readiness_waits_for_the_chiefs_initial_values_and_then_says_so() -> None:
+    store = ParameterStore(shard=0, num_workers=2)
+    assert store.wait_initialized(0.01) is False
+    store.initialize({"w": torch.zeros(2)}, optimizer=SGD(lr=1.0).to_dict(), config=TrainConfig(), placement_digest="d")
+    assert store.wait_initialized(0.01) is True
+
+
+def test_by_hand_a_store_whose_every_worker_failed_fails_at_once_before_the_chief_initialized_it() -> None:
+    store = ParameterStore(shard=0, num_workers=2)
+    store.expect(TrainConfig(lost_worker_timeout_s=60.0), by_hand=True)
+    store.worker_done(0, 0, failed="ConfigError: bad flag")
+    store.worker_done(1, 0, failed="ConfigError: bad flag too")
+    (fail,) = store.tick(0.0)  # nobody restarts them: no wait of 60 s for the same end
+    assert fail.act.name == "FAIL" and fail.reason.startswith("ps:0 has no worker left to serve")
+
+
+def test_a_shrink_completes_the_sync_step_held_for_the_retired_worker_and_applies_it() -> None:
+    store = _store("sync", workers=2)
+    store.push(0, 0, _ONES)
+    assert store.version == 0  # held for worker:1
+    store.resize(1)
+    assert store.num_workers == 1 and store.version == 1
+    assert torch.equal(store.values["w"], -torch.ones(2))  # worker:0's gradient alone, lr 1
