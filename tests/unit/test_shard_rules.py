@@ -125,6 +125,23 @@ def test_the_sync_wait_message_names_the_missing_workers() -> None:
         "restart it, add backup workers, or raise sync_timeout_s.")
 
 
+def test_the_sync_wait_message_with_every_worker_lost_and_backups_says_none_is_missing() -> None:
+    r = rules(n=1, m=2, workers=2)
+    r.worker_lost(0), r.worker_lost(1)
+    assert r.sync_wait_message(1, 1.0) == (
+        "Sync step 0 on ps shard 0 waited 1.0 s for version 1: has 0 of 1 gradients; missing none. A worker is dead or "
+        "stalled: restart it, add backup workers, or raise sync_timeout_s.")
+
+
+def test_a_step_held_for_a_worker_that_never_connected_says_so() -> None:
+    r = rules(workers=2)
+    r.push(0, 0)
+    r.never_connected(1, 10.0)
+    message = r.lost_hold_message(1.0)
+    assert message is not None and message.startswith(
+        "worker:1 lost its connection to ps shard 0 without finishing (never connected), and sync training")
+
+
 # -- the lost-worker deadline, time passed in ----------------------------------------------------------
 
 
@@ -189,6 +206,10 @@ def test_an_ssp_wait_that_runs_out_fails_with_the_clocks() -> None:
         "worker:0 at clock 2 waited 0.5 s for the slowest worker (clocks {0: 2}, staleness 1). "
         "A worker is stalled or dead; raise sync_timeout_s or restart it.")
     assert r.held == set()
+    assert (fail.workers, fail.clock) == ((0,), 2)
+    expired = [e for e in r.log or [] if isinstance(e, Event) and e.on is On.CLOCK_EXPIRED]
+    assert [(e.worker, e.value, e.seconds) for e in expired] == [(0, 2, 0.5)]  # a backup replays the same failure
+    assert ShardRules.replay(0, 2, r.log or []).state() == r.state()
     assert r.clock(1, 1)[-1].act is Act.RELEASE and len(r.clock(1, 1)) == 1  # nobody left to release
 
 
