@@ -184,3 +184,23 @@ def test_resizes_replay_and_export_to_the_same_state(ops: list[tuple[str, int, i
         assert all(w < r.num_workers for w, _ in r.held)
     assert r.log is not None and ShardRules.replay(0, 2, r.log).state() == r.state()
     assert ShardRules.restore(0, 2, json.loads(json.dumps(r.export()))).state() == r.state()
+
+
+def test_a_restored_copy_keeps_the_launch_size_and_the_shard_it_names() -> None:
+    r = ShardRules(3, 2, keep_log=True)
+    r.configure(RuleSettings(mode="sync", replicas_to_aggregate=1, total_num_replicas=2), 0)
+    r.resize(3)
+    r.join(2)
+    back = ShardRules.restore(3, 3, json.loads(json.dumps(r.export())))
+    assert back.state() == r.state() and (back.num_workers, back.launch_workers) == (3, 2)
+    assert back.sync_wait_message(1, 1.0) == r.sync_wait_message(1, 1.0)  # "... on ps shard 3 ..."
+
+
+def test_a_state_exported_before_scaling_restores_with_the_shards_own_size() -> None:
+    r = ShardRules(0, 2, keep_log=True)
+    r.configure(RuleSettings(mode="sync"), 0)
+    r.push(0, 0)
+    data = json.loads(json.dumps(r.export()))
+    for key in ("num_workers", "launch_workers", "joining", "failed", "never", "staying"):
+        del data[key]
+    assert ShardRules.restore(0, 2, data).state() == r.state()

@@ -133,6 +133,17 @@ def test_the_sync_wait_message_with_every_worker_lost_and_backups_says_none_is_m
         "stalled: restart it, add backup workers, or raise sync_timeout_s.")
 
 
+def test_a_step_held_for_two_lost_workers_names_each_and_its_cause() -> None:
+    r = rules(workers=3)
+    r.push(0, 0)
+    r.worker_lost(1), r.worker_failed(2, 0, "ValueError: x")
+    message = r.lost_hold_message(1.0)
+    assert message is not None and message.startswith(
+        "worker:1, worker:2 lost its connection to ps shard 0 without finishing (killed or crashed?; stopped on an "
+        "error: ValueError: x), and sync training without backup workers (replicas_to_aggregate = "
+        "total_num_replicas = 3)")
+
+
 def test_a_step_held_for_a_worker_that_never_connected_says_so() -> None:
     r = rules(workers=2)
     r.push(0, 0)

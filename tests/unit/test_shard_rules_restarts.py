@@ -132,6 +132,15 @@ def test_ssp_a_worker_that_died_ahead_resumes_at_its_own_clock_never_behind_it()
     assert r.join(1, 1)[0].clock == 3
 
 
+def test_ssp_a_resumed_clock_counts_only_the_other_live_workers_and_starts_at_0() -> None:
+    r = rules("ssp", workers=3, staleness=10)
+    assert r.resume_clock(1) == 0  # nobody clocked yet
+    r.clock(0, 5), r.clock(2, 1)
+    r.worker_lost(1)
+    r.clock(1, 2)  # a late clock of the lost worker: it holds nobody back, and sets nobody's start
+    assert r.resume_clock(2) == 5  # the slowest other live clock, ahead of its own 1
+
+
 def test_ssp_the_earlier_attempts_held_wait_ends_when_a_newer_attempt_joins() -> None:
     r = rules("ssp", workers=2, staleness=0)
     r.clock(0, 0)
