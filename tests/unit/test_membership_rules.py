@@ -6,6 +6,7 @@ refused, and replay / export reproduce it. See psflow.ps.membership and psflow.p
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -105,6 +106,28 @@ def test_every_member_done_after_a_shrink_ends_the_shard() -> None:
     assert r.done == {0} and len(r.done) >= r.num_workers
 
 
+def test_a_retired_workers_done_does_not_count_for_the_shards_end() -> None:
+    r = rules("async", 3)
+    r.worker_done(0), r.worker_done(2)
+    r.resize(2)
+    assert r.done == {0} and not r.is_finished()  # worker:1 still trains
+
+
+def test_a_second_grow_before_the_first_new_member_joined_waits_for_both() -> None:
+    r = rules("sync", 2)
+    r.resize(3)
+    r.resize(4)
+    assert r.joining == {2, 3}
+    r.push(0, 0), r.push(1, 0)
+    assert r.version == 1  # neither new member counts before it is ready
+
+
+def test_a_resize_to_no_replica_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=re.escape(
+            "A ps shard needs at least one training replica; a resize to 0 was asked.")):
+        rules("async", 2).resize(0)
+
+
 # -- ssp ------------------------------------------------------------------------------------------------
 
 
@@ -129,6 +152,7 @@ def test_ssp_retired_worker_waiting_is_ended() -> None:
     assert r.is_held(1, 1)
     out = r.resize(1)
     assert acts(out)[0] == ("RETIRED", (1,)) and out[0].clock == 1 and not r.is_held(1, 1)
+    assert out[0].reason == "worker index 1 was waiting at clock 1 on ps shard 0 when a scale request retired it."
 
 
 def test_ssp_joining_worker_starts_at_the_slowest_live_clock() -> None:
@@ -191,9 +215,24 @@ def test_a_restored_copy_keeps_the_launch_size_and_the_shard_it_names() -> None:
     r.configure(RuleSettings(mode="sync", replicas_to_aggregate=1, total_num_replicas=2), 0)
     r.resize(3)
     r.join(2)
+    r.worker_done(1, stays=True), r.worker_done(2), r.worker_lost(0)
+    r.tick(5.0)  # waiting for the lost worker:0 only
+    assert r.staying == {1} and r.lost_wait_since == 5.0
     back = ShardRules.restore(3, 3, json.loads(json.dumps(r.export())))
     assert back.state() == r.state() and (back.num_workers, back.launch_workers) == (3, 2)
     assert back.sync_wait_message(1, 1.0) == r.sync_wait_message(1, 1.0)  # "... on ps shard 3 ..."
+
+
+def test_an_export_is_plain_json_data_already() -> None:
+    r = ShardRules(0, 3)
+    r.configure(RuleSettings(mode="ssp", staleness=0), 0)
+    r.join(1, 1), r.clock(0, 0), r.clock(1, 0, 1)
+    r.worker_lost(0)
+    r.clock(1, 1, 1)  # held: worker:2 has no clock yet
+    data = r.export()
+    assert (data["lost_at"], data["clocks"], data["lost_clocks"], data["attempts"], data["held"]) == (
+        {"0": 0}, {"1": 1}, {"0": 0}, {"1": 1}, [[1, 1]])
+    assert json.loads(json.dumps(data)) == data  # string keys, lists: what crosses the wire is what was made
 
 
 def test_a_state_exported_before_scaling_restores_with_the_shards_own_size() -> None:
