@@ -115,6 +115,66 @@ def test_a_never_connected_worker_lost_with_every_other_done_fails_at_once() -> 
                                   "the ps's start, and every other worker has finished.")
 
 
+def test_never_connected_changes_nothing_for_a_finished_lost_joining_or_unknown_worker() -> None:
+    r = rules(workers=4)
+    r.worker_done(0), r.worker_lost(1)
+    r.resize(5)  # worker:4 joins once it is ready
+    seq = r.seq
+    for worker in (0, 1, 4, 5):
+        assert r.never_connected(worker, 10.0) == []
+    assert r.seq == seq and r.never == set() and r.lost == {1}
+    r.never_connected(2, 10.0)
+    (event,) = [e for e in r.log or [] if isinstance(e, Event) and e.value == NEVER_CONNECTED]
+    assert (event.on, event.worker, event.seconds) == (On.LOST, 2, 10.0)
+
+
+def test_the_lost_worker_waits_are_recorded_ticks_a_copy_replays_alike() -> None:
+    r = rules(workers=3, lost_worker_timeout_s=10.0)
+    r.worker_done(0), r.worker_lost(1), r.worker_lost(2)
+    (wait,) = r.tick(100.0)
+    assert wait.reason == (
+        "waiting for worker:1, worker:2 to finish (worker:1 at global step 0: its connection closed without PS_DONE: "
+        "killed or crashed?; worker:2 at global step 0: its connection closed without PS_DONE: killed or crashed?); "
+        "every other worker has finished. Giving up in 10 s unless it reconnects (lost_worker_timeout_s).")
+    r.worker_back(1)
+    assert r.tick(101.0) == [] and r.lost_wait_since is None  # the reset: a record too
+    r.worker_lost(1)
+    r.tick(102.0)
+    (fail,) = r.tick(112.0)
+    assert fail.reason == (
+        "ps:0 waited 10.0 s for worker:1, worker:2 to come back (worker:1 at global step 0: its connection closed "
+        "without PS_DONE: killed or crashed?; worker:2 at global step 0: its connection closed without PS_DONE: "
+        "killed or crashed?); every other worker has finished. Restart a lost worker within lost_worker_timeout_s "
+        "(10 s; --lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG by hand), or see its log for why it stopped.")
+    ticks = [e.seconds for e in r.log or [] if isinstance(e, Event) and e.on is On.TICK]
+    assert ticks == [100.0, 101.0, 102.0, 112.0]
+    copy = ShardRules.replay(0, 3, r.log or [])
+    assert copy.state() == r.state() and copy.log == r.log
+
+
+def test_workers_that_never_connected_and_nobody_finished_fail_at_once_naming_each() -> None:
+    r = rules(workers=2)
+    r.never_connected(0, 10.0), r.never_connected(1, 10.0)
+    (fail,) = r.tick(11.0)
+    assert fail.reason == (
+        "ps:0 gave up on worker:0, worker:1: never connected within lost_worker_timeout_s (10 s) of the ps's start. "
+        "Start it with the same cluster flags (is its host or port right?), or raise lost_worker_timeout_s "
+        "(--lost-worker-timeout, or in PSFLOW_TRAIN_CONFIG by hand).")
+    assert [e.seconds for e in r.log or [] if isinstance(e, Event) and e.on is On.TICK] == [11.0]
+    assert ShardRules.replay(0, 2, r.log or []).log == r.log
+
+
+def test_by_hand_a_failed_worker_and_one_that_never_connected_fail_at_once_naming_both() -> None:
+    r = rules(by_hand=True)
+    r.never_connected(1, 10.0)
+    r.worker_failed(0, 0, "ValueError: x")
+    (fail,) = r.tick(11.0)
+    assert fail.reason == (
+        "ps:0 has no worker left to serve: every one stopped without finishing, and no launcher restarts them. In "
+        "the order they stopped (the first is the root cause): worker:0 at global step 0: stopped on an error: "
+        "ValueError: x; worker:1 at global step 0: never connected. Fix the cause, then start the job again.")
+
+
 def test_a_never_connected_worker_that_comes_after_all_is_back() -> None:
     r = rules()
     r.never_connected(1, 10.0)

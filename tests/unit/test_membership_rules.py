@@ -131,6 +131,18 @@ def test_a_resize_to_no_replica_is_refused_naming_it() -> None:
 # -- ssp ------------------------------------------------------------------------------------------------
 
 
+def test_ssp_a_new_members_first_clock_admits_it_and_a_retired_ones_is_refused_naming_it() -> None:
+    r = rules("ssp", 2, staleness=5)
+    r.clock(0, 3)
+    r.resize(3)
+    assert acts(r.clock(2, 4)) == [("REJOINED", (2,)), ("RELEASE", (2,))]
+    assert r.joining == set() and r.clocks == {0: 3, 2: 4}
+    r.resize(2)
+    (refused,) = r.clock(2, 5)
+    assert refused.act is Act.RETIRED and refused.reason.startswith(
+        "ps shard 0 refused a clock of worker index 2: a scale request retired it (the job has 2 training replicas now")
+
+
 def test_ssp_retired_worker_no_longer_holds_the_others_back() -> None:
     r = rules("ssp", 3, staleness=1)
     r.clock(0, 0)

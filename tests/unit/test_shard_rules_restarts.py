@@ -59,9 +59,17 @@ def test_a_lost_worker_that_joins_with_its_own_attempt_is_back() -> None:
 def test_an_older_attempts_clock_and_done_are_refused_too() -> None:
     r = rules("ssp")
     r.join(1, 1)
-    assert [d.act for d in r.clock(1, 3, attempt=0)] == [Act.SUPERSEDED]
+    (refused,) = r.clock(1, 3, attempt=0)
+    assert refused.act is Act.SUPERSEDED and refused.reason.startswith(
+        "ps shard 0 dropped a clock of worker:1 attempt 0: attempt 1 of worker:1 has joined since")
     assert [d.act for d in r.worker_done(1, attempt=0)] == [Act.SUPERSEDED]
     assert r.done == set() and 3 not in r.clocks.values()
+
+
+def test_an_ssp_clock_of_a_newer_attempt_without_readiness_joins_it_first() -> None:
+    r = rules("ssp", staleness=5)
+    assert acts(r.clock(1, 0, attempt=1)) == [("REJOINED", (1,)), ("RELEASE", (1,))]
+    assert r.attempts == {1: 1} and r.clocks == {1: 0}
 
 
 def test_a_push_of_a_newer_attempt_without_readiness_joins_it_first() -> None:
