@@ -101,8 +101,10 @@ def test_state_dict_is_plain_ints_under_stable_names() -> None:
 
 def test_a_state_missing_keys_or_with_other_settings_is_refused_saying_what_to_pass() -> None:
     it = _ds().batches(2)
-    with pytest.raises(ConfigError, match=re.escape("Pass a mapping returned by BatchIterator.state_dict().")):
-        it.load_state_dict({"epoch": 0})
+    with pytest.raises(ConfigError) as missing:
+        it.load_state_dict({"epoch": 0, "seed": 0})
+    assert str(missing.value) == ("Iterator state lacks ['batch_index', 'batch_size', 'drop_last', 'num_examples', 'shuffle']. "
+                                  "Received: {'epoch': 0, 'seed': 0}. Pass a mapping returned by BatchIterator.state_dict().")
     with pytest.raises(ConfigError, match=re.escape("Iterator state 'epoch' must be an integer. Received: 'x'.")):
         it.load_state_dict({**it.state_dict(), "epoch": "x"})
     other = {**it.state_dict(), "seed": 9}
