@@ -57,14 +57,14 @@ def test_meta_that_is_not_json_is_quoted_up_to_64_bytes() -> None:
 
 def test_a_tensor_named_twice_is_refused_saying_names_must_be_unique() -> None:
     meta = encode_head(1, {"t": [["a", "float32", [1]], ["a", "float32", [1]]]}, 8)[HEADER.size:]
-    with pytest.raises(FrameError, match=re.escape(
-            "Frame names the same tensor twice; every tensor in a frame needs a unique name.")):
+    with pytest.raises(FrameError, match="^" + re.escape(
+            "Frame names the same tensor twice; every tensor in a frame needs a unique name.") + "$"):
         decode_meta(meta, 8, Limits())
 
 
 def test_a_non_contiguous_tensor_is_refused_saying_what_to_call() -> None:
-    with pytest.raises(TransportError, match=re.escape(
-            "Tensor is not contiguous; call .contiguous() before sending.")):
+    with pytest.raises(TransportError, match="^" + re.escape(
+            "Tensor is not contiguous; call .contiguous() before sending.") + "$"):
         byte_view(torch.zeros(3, 2).t())
 
 
@@ -91,3 +91,14 @@ def test_a_shape_whose_dimensions_overflow_is_refused_even_when_it_holds_no_elem
                                                    "dimensions multiply to")):
         decode_meta(meta, 0, Limits())
     assert decode_meta(orjson.dumps({"t": [["e", "float32", [0, 1000]]]}), 0, Limits())[1][0].shape == (0, 1000)
+
+
+def test_an_empty_tensor_may_spread_as_far_as_the_payload_limit_and_not_a_byte_further() -> None:
+    """Its dimensions other than the 0 multiply to at most the bytes a full tensor could hold."""
+    limits = Limits(max_payload_bytes=4000)
+    assert decode_meta(orjson.dumps({"t": [["w", "float32", [0, 1000]]]}), 0, limits)[1][0].shape == (0, 1000)
+    assert decode_meta(orjson.dumps({"t": [["w", "int8", [4000, 0]]]}), 0, limits)[1][0].shape == (4000, 0)
+    with pytest.raises(FrameError, match="^" + re.escape(
+            "Tensor 'w' has a shape [0, 1001] whose dimensions multiply to 4004 bytes of float32, past the payload "
+            "limit of 4000 bytes (Limits.max_payload_bytes), even where one is 0.") + "$"):
+        decode_meta(orjson.dumps({"t": [["w", "float32", [0, 1001]]]}), 0, limits)
