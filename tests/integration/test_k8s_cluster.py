@@ -86,6 +86,15 @@ def test_a_run_succeeds_on_the_cluster(tmp_path):
 
 
 @needs_pods
+def test_a_killed_worker_is_started_again_by_the_job_controller_and_the_run_succeeds(tmp_path):
+    done, status = run_k8s(tmp_path, "--ps", "1", "--workers", "2", "--restart", "on-failure",
+                           "--fail-at", "worker:1@step=20:kill", "examples/mnist_softmax.py", "--", "--epochs", "1")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "worker:1: Kubernetes restarted it as attempt 1" in done.stdout + done.stderr
+    assert {t: v["attempt"] for t, v in status["tasks"].items()} == {"ps:0": 0, "worker:0": 0, "worker:1": 1}
+
+
+@needs_pods
 def test_a_killed_ps_with_one_copy_rolls_every_task_back_and_the_run_succeeds(tmp_path):
     done, status = run_k8s(tmp_path, "--ps", "2", "--workers", "2", "--restart", "on-failure",
                            "--fail-at", "ps:1@step=30:kill", "examples/mnist_softmax.py", "--", "--epochs", "1")

@@ -11,13 +11,18 @@ psflow renders): a failed pod's index is retried as a new pod (annotation
 ``podFailurePolicy`` ``FailIndex`` rule matches its exit code; more failed indexes than
 ``maxFailedIndexes`` fail the Job; without ``backoffLimitPerIndex``, more failures than
 ``backoffLimit`` fail it; a failed Job's running pods are terminated; every index succeeded ->
-``Complete``; a pod deleted through the API ends with 143 (SIGTERM) and counts as a failure of its index (no ``DisruptionTarget``: a plain delete is not an
-eviction); a pod the test ``disrupts`` (preempted, evicted: it ends with 137 and a ``DisruptionTarget``
+``Complete``; as the real controller does, a retried index's next pod comes ``backoff_steps`` steps
+later, doubling per failure of the index (Kubernetes: 10 s doubling to 10 min), and a Job that succeeds or fails
+shows ``SuccessCriteriaMet``/``FailureTarget`` first and ``Complete``/``Failed`` one step later
+(``tests/integration/test_k8s_cluster.py`` saw both against kube-apiserver and kube-controller-manager
+1.36: ``docs/kubernetes.md``); a pod deleted through the API ends with 143 (SIGTERM) and counts as a
+failure of its index (no ``DisruptionTarget``: a plain delete is not an eviction);
+a pod the test ``disrupts`` (preempted, evicted: it ends with 137 and a ``DisruptionTarget``
 condition) is replaced with the same failure count, uncounted, where a ``podFailurePolicy`` ``Ignore``
 rule names that condition. Time moves one step per ``list_namespaced_pod``: a pod is Pending, then Running, then
 its container ends, ``runs_for`` steps after it was made (per task or job type, default 2), with the exit code
 the test scripted for its (task, attempt) (default 0); a ps pod ends cleanly only once no chief or
-worker pod is left running, as a psflow ps exits when the workers are done (a scripted failure ends it
+worker pod is left running or due, as a psflow ps exits when the workers are done (a scripted failure ends it
 at its time).
 """
 
@@ -48,6 +53,7 @@ from kubernetes.client.exceptions import ApiException
 INDEX = "batch.kubernetes.io/job-completion-index"
 FAILURES = "batch.kubernetes.io/job-index-failure-count"
 SCHEMA = kubernetes_validate.latest_version()
+_FINAL = {"SuccessCriteriaMet": "Complete", "FailureTarget": "Failed"}  # interim condition -> the final one
 
 
 def _api_error(status: int, reason: str, message: str) -> ApiException:
@@ -68,13 +74,16 @@ class FakeCluster:
     def __init__(self, exits: dict[tuple[str, int], int] | None = None, messages: dict[tuple[str, int], str] | None = None,
                  reason: dict[tuple[str, int], str] | None = None,
                  waiting: dict[tuple[str, int], tuple[str, str]] | None = None,
-                 runs_for: dict[str, int] | None = None, disrupts: set[tuple[str, int]] | None = None) -> None:
+                 runs_for: dict[str, int] | None = None, disrupts: set[tuple[str, int]] | None = None,
+                 backoff_steps: int = 2) -> None:
         self.exits = exits or {}
         self.messages = messages or {}
         self.reasons = reason or {}
         self.waiting = waiting or {}  # (task, attempt) -> (reason, message): its container never starts
         self.runs_for = runs_for or {}  # task or job type -> steps from its pod's creation to its exit
         self.disrupts = set(disrupts or ())  # (task, attempt): its first pod is disrupted at its time
+        self.backoff_steps = backoff_steps  # a failed index's next pod: this many steps later, doubling per failure
+        self.due: list[tuple[int, str, int, int]] = []  # (step, job, index, failures): pods the controller makes then
         self.objects: dict[str, dict[str, dict[str, Any]]] = {"Secret": {}, "Service": {}, "Job": {},
                                                               "PodDisruptionBudget": {}}
         self.jobs: dict[str, dict[str, Any]] = {}  # name -> controller state
@@ -98,7 +107,7 @@ class FakeCluster:
         self.objects[kind][name] = body
         if kind == "Job":
             self.jobs[name] = {"failures": {}, "succeeded": set(), "failed_indexes": set(), "total_failures": 0,
-                               "condition": None}
+                               "condition": None, "finished_at": 0}
             for i in range(body["spec"]["completions"]):
                 self._new_pod(name, i, 0)
         return body
@@ -130,8 +139,16 @@ class FakeCluster:
 
     def advance(self) -> None:
         self.step += 1
+        for due in [d for d in self.due if d[0] <= self.step]:
+            self.due.remove(due)
+            if due[1] in self.jobs and self.jobs[due[1]]["condition"] is None:
+                self._new_pod(*due[1:])
+        for state in self.jobs.values():  # Complete/Failed follow their interim condition a step later
+            if state["condition"] is not None and state["condition"][0] in _FINAL and state["finished_at"] < self.step:
+                state["condition"] = (_FINAL[state["condition"][0]], *state["condition"][1:])
         training_left = any(p["phase"] in ("Pending", "Running") and p["labels"]["psflow.io/job"] in ("chief", "worker")
-                            for p in self.pods.values())
+                            for p in self.pods.values()) or any(
+            self.objects["Job"][job]["metadata"]["labels"]["psflow.io/job"] in ("chief", "worker") for _, job, _, _ in self.due)
         for pod in list(self.pods.values()):
             if pod["phase"] == "Pending" and (self.task_of(pod), pod["attempt"]) in self.waiting:
                 continue
@@ -166,7 +183,7 @@ class FakeCluster:
         if code == 0:
             state["succeeded"].add(pod["index"])
             if len(state["succeeded"]) == spec["completions"]:
-                state["condition"] = ("Complete", "", "")
+                state["condition"], state["finished_at"] = ("SuccessCriteriaMet", "CompletionsReached", ""), self.step
             return
         state["total_failures"] += 1
         fails = state["failures"][pod["index"]] = state["failures"].get(pod["index"], 0) + 1
@@ -177,7 +194,7 @@ class FakeCluster:
             if state["total_failures"] > spec.get("backoffLimit", 6):
                 self._fail(job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
             else:
-                self._new_pod(job, pod["index"], 0)
+                self._retry(job, pod["index"], 0, state["total_failures"])
             return
         if fail_index or fails > per_index:
             state["failed_indexes"].add(pod["index"])
@@ -187,7 +204,12 @@ class FakeCluster:
         if state["total_failures"] > spec.get("backoffLimit", 1 << 30):
             self._fail(job, "BackoffLimitExceeded", "Job has reached the specified backoff limit")
             return
-        self._new_pod(job, pod["index"], fails)
+        self._retry(job, pod["index"], fails, fails)
+
+    def _retry(self, job: str, index: int, failures: int, backoffs: int) -> None:
+        """The Job controller makes the index's next pod after its back-off: 10 s doubling per failure
+        of the index (per failure of the Job without ``backoffLimitPerIndex``), ``backoff_steps`` here."""
+        self.due.append((self.step + self.backoff_steps * 2 ** (backoffs - 1), job, index, failures))
 
     def delete_pod(self, name: str, grace_period_seconds: int | None) -> None:
         if name not in self.pods:
@@ -199,7 +221,7 @@ class FakeCluster:
             self._terminate(pod, 143)  # SIGTERM, which a psflow task does not outlive by its grace
 
     def _fail(self, job: str, reason: str, message: str) -> None:
-        self.jobs[job]["condition"] = ("Failed", reason, message)
+        self.jobs[job]["condition"], self.jobs[job]["finished_at"] = ("FailureTarget", reason, message), self.step
         for pod in self.pods.values():
             if pod["job"] == job and pod["phase"] in ("Pending", "Running"):
                 pod["phase"], pod["code"] = "Failed", 143  # terminated by the Job controller (SIGTERM)
@@ -227,7 +249,9 @@ class FakeCluster:
 
     def job_model(self, name: str) -> V1Job:
         cond = self.jobs[name]["condition"]
-        conditions = [V1JobCondition(type=cond[0], status="True", reason=cond[1] or None, message=cond[2] or None)] if cond else None
+        interim = {final: first for first, final in _FINAL.items()}.get(cond[0]) if cond else None
+        conditions = [V1JobCondition(type=t, status="True", reason=cond[1] or None, message=cond[2] or None)
+                      for t in (interim, cond[0]) if t] if cond else None
         body = self.objects["Job"][name]
         return V1Job(metadata=V1ObjectMeta(name=name, labels=body["metadata"]["labels"]),
                      status=V1JobStatus(conditions=conditions))

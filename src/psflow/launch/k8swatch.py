@@ -10,7 +10,8 @@ client (``pip install 'psflow[k8s]'``), and a pure core that reads what the API 
   which does not run yet and why (an image that cannot be pulled, no node that fits), which exited
   (exit code, OOM kill, its error report from the termination message) and which attempt is a
   restart Kubernetes made, and after what;
-- :func:`outcome` reads the Jobs' conditions: every Job ``Complete`` -> succeeded; one ``Failed``.
+- :func:`outcome` reads the Jobs' conditions: every Job ``Complete`` (or ``SuccessCriteriaMet``, which
+  comes first) -> succeeded; one ``Failed`` (or ``FailureTarget``) -> failed.
 
 The seam (:class:`psflow.launch.backend.Backend`): ``open`` submits the objects; the Jobs make every
 attempt's pod, and ``start`` binds the runner's attempt to it (its handle: the pod's name); ``poll``
@@ -255,14 +256,20 @@ class PodTracker:
                 if code != 0 and (task, attempt) not in self._disrupted]
 
 
+# The Job controller's verdict: the interim condition (set as it decides; 1.31+ for success) or the final one
+# (set once every pod is terminal, a second or more later; a launcher that ended in between must not read
+# "not finished" and delete a succeeded run's Jobs).
+_FAILED, _SUCCEEDED = ("FailureTarget", "Failed"), ("SuccessCriteriaMet", "Complete")
+
+
 def outcome(jobs: Iterable[Any]) -> tuple[str | None, str]:
     """``("succeeded" | "failed" | None, why)`` from the run's ``V1Job`` objects' conditions."""
     jobs = list(jobs)
     for job in jobs:
         for c in (job.status.conditions or []) if job.status is not None else []:
-            if c.type == "Failed" and c.status == "True":
+            if c.type in _FAILED and c.status == "True":
                 return "failed", f"Job {job.metadata.name} failed ({c.reason or 'no reason'}: {c.message or ''})".rstrip(": )") + ")"
-    done = [j for j in jobs if any(c.type == "Complete" and c.status == "True"
+    done = [j for j in jobs if any(c.type in _SUCCEEDED and c.status == "True"
                                    for c in ((j.status.conditions or []) if j.status is not None else []))]
     if jobs and len(done) == len(jobs):
         return "succeeded", "every Job completed"
