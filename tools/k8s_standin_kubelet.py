@@ -112,6 +112,7 @@ class Kubelet:
         self.containers: dict[str, Container] = {}  # pod uid -> its container
         self.root = Path(tempfile.mkdtemp(prefix="standin-kubelet-"))
         self.logs: dict[tuple[str, str], Path] = {}  # (namespace, pod) -> its log file
+        self.removed: set[str] = set()  # uids of the pods this kubelet deleted for good
         self._beat = 0.0
 
     # -- the node ------------------------------------------------------------------------------
@@ -174,6 +175,11 @@ class Kubelet:
     def sync(self, pod: Any) -> None:
         c = self.containers.get(pod.metadata.uid)
         phase = pod.status.phase if pod.status else None
+        if phase in ("Succeeded", "Failed") and pod.metadata.deletion_timestamp is not None:
+            if pod.metadata.uid not in self.removed:  # ended, then deleted (its Job went): gone now
+                self.removed.add(pod.metadata.uid)
+                self.remove(pod)
+            return
         if c is None:
             if phase in ("Succeeded", "Failed"):
                 return
@@ -337,9 +343,8 @@ class Kubelet:
     def remove(self, pod: Any) -> None:
         """The kubelet's last word on a deleted pod: gone now (its finalizers, if any, hold it still)."""
         try:
-            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0,
-                                            body=client.V1DeleteOptions(preconditions=client.V1Preconditions(
-                                                uid=pod.metadata.uid)))
+            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, body=client.V1DeleteOptions(
+                grace_period_seconds=0, preconditions=client.V1Preconditions(uid=pod.metadata.uid)))  # the body's wins
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
