@@ -51,15 +51,23 @@ def test_the_api_server_takes_every_object_under_strict_field_validation(clients
     from psflow.launch.k8s import K8sSettings, render_run
     from psflow.launch.plan import make_plan
     from psflow.launch.restart import RestartPolicy
+    from psflow.taskenv import TaskEnv
 
     core, batch, policy = clients
     monkeypatch.chdir(ROOT)
-    settings = K8sSettings(image=IMAGE or "registry.example.com/psflow:0.1.0", volume_claim=CLAIM or "psflow-logs",
+    image = IMAGE or "registry.example.com/psflow:0.1.0"
+    claim = K8sSettings(image=image, volume_claim=CLAIM or "psflow-logs",
                            namespace=NAMESPACE, gpus_per_worker=1, memory="1Gi", tolerations=("nvidia.com/gpu:NoSchedule",),
                            node_selector=("kubernetes.io/os=linux",))
-    for restart in ("never", "on-failure", "exit-code,ps=on-failure"):
+    # no claim: each pod's emptyDir, the checkpoints in an object store, the user's Secret as environment
+    to_s3 = K8sSettings(image=image, volume_claim=None, namespace=NAMESPACE, env_secret="aws-credentials",
+                        service_account="trainer", image_pull_secrets=("registry-credentials",), image_pull_policy="Always")
+    s3 = TaskEnv(checkpoint_dir="s3://psflow-runs/mnist").render()
+    for restart, settings, evaluator, extra_env in (("never", claim, True, None), ("on-failure", claim, False, None),
+                                                    ("exit-code,ps=on-failure", claim, False, None),
+                                                    ("always", to_s3, False, s3)):
         plan = make_plan("examples/mnist_softmax.py", ["--epochs", "1"], num_ps=2, num_workers=2, chief=True,
-                         logdir="runs/k8s-dry", restart=RestartPolicy.parse(restart))
+                         evaluator=evaluator, logdir="runs/k8s-dry", restart=RestartPolicy.parse(restart), extra_env=extra_env)
         plan = replace(plan, run_id=f"it-{uuid.uuid4().hex[:8]}")
         create = {"Secret": core.create_namespaced_secret, "Service": core.create_namespaced_service,
                   "PodDisruptionBudget": policy.create_namespaced_pod_disruption_budget,

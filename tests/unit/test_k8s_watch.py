@@ -15,7 +15,7 @@ from k8s_fake import FakeCluster
 
 from psflow.errors import ClusterError
 from psflow.launch.k8s import K8sSettings
-from psflow.launch.k8swatch import K8sBackend, PodTracker, PodView, load_clients, parse_report
+from psflow.launch.k8swatch import K8sBackend, PodTracker, PodView, load_clients, outcome, parse_report
 from psflow.launch.plan import make_plan
 from psflow.launch.restart import RestartPolicy
 from psflow.launch.runner import Runner
@@ -191,6 +191,19 @@ def test_tracker_says_each_start_restart_and_exit_once_in_order():
     assert t.last_failure() is None  # it was started again
     assert t.update([replace(a1, phase="Failed", exit_code=1)])[0].code == 1
     assert t.last_failure() == ("worker:0", 1, 1)
+
+
+def test_outcome_takes_the_job_controllers_interim_verdict_before_complete_or_failed():
+    from kubernetes.client import V1Job, V1JobCondition, V1JobStatus, V1ObjectMeta
+
+    def job(name, *types):
+        return V1Job(metadata=V1ObjectMeta(name=name), status=V1JobStatus(conditions=[
+            V1JobCondition(type=t, status="True", reason="FailedIndexes" if "F" in t else None) for t in types] or None))
+
+    # a real controller sets SuccessCriteriaMet/FailureTarget first, Complete/Failed once every pod is terminal
+    assert outcome([job("ps", "SuccessCriteriaMet"), job("worker", "SuccessCriteriaMet", "Complete")])[0] == "succeeded"
+    assert outcome([job("ps"), job("worker", "FailureTarget")]) == ("failed", "Job worker failed (FailedIndexes)")
+    assert outcome([job("ps", "SuccessCriteriaMet"), job("worker")]) == (None, "")
 
 
 def test_a_termination_message_that_is_not_json_is_kept_as_the_message():
