@@ -301,13 +301,15 @@ def run_here(spec: LaunchSpec, *, live: bool | None = None, runs_root: Path | No
     with hold_run(plan.logdir, plan.logdir_url, plan.run_id, wait_for_run=spec.restarted_from,
                   wait_s=spec.after_timeout_s if spec.restarted_from else 0.0, queued=queued):
         if plan.logdir_url is None:
-            return plan, _runner(spec, plan, live=live).run(plan)
+            run = _assembled(spec, plan, live=live)
+            return run.plan, run.runner.run(run.plan)
         from psflow.launch.urllogdir import LogdirSyncer, check_url
 
         check_url(plan.logdir_url)  # before any task starts
         Path(plan.logdir).mkdir(parents=True, exist_ok=True)
         with LogdirSyncer(Path(plan.logdir), plan.logdir_url, warn=lambda m: print(f"psflow: warning: {m}", file=sys.stderr)):
-            return plan, _runner(spec, plan, live=live).run(plan)
+            run = _assembled(spec, plan, live=live)
+            return run.plan, run.runner.run(run.plan)
 
 
 def queue_restart(spec: LaunchSpec) -> LogdirLock:
@@ -325,14 +327,15 @@ def queue_restart(spec: LaunchSpec) -> LogdirLock:
     return lock
 
 
-def _runner(spec: LaunchSpec, plan: LaunchPlan, *, live: bool | None) -> Any:
-    """The runner of ``plan`` on the spec's backend, recorded in the job store."""
+def _assembled(spec: LaunchSpec, plan: LaunchPlan, *, live: bool | None) -> Any:
+    """``plan`` on the spec's backend, recorded in the job store: the runner, and the plan as it runs there
+    (the one to run: on Kubernetes without the hang watchdog, see :func:`psflow.launch.assemble.assemble_run`)."""
     from psflow.launch.assemble import assemble_run
     from psflow.platform.recording import backend_settings, recording
 
     options = backend_options(spec, live=live)
     return assemble_run(plan, options, store=lambda b: recording(b, restarted_from=spec.restarted_from,
-                                                                 settings=backend_settings(options))).runner
+                                                                 settings=backend_settings(options)))
 
 
 def start_detached(spec: LaunchSpec, *, runs_root: Path | None = None, env: Mapping[str, str] | None = None,
