@@ -175,6 +175,15 @@ def test_by_hand_a_failed_worker_and_one_that_never_connected_fail_at_once_namin
         "ValueError: x; worker:1 at global step 0: never connected. Fix the cause, then start the job again.")
 
 
+def test_a_lost_worker_is_waited_for_at_the_step_it_was_lost_at() -> None:
+    r = rules(workers=2)
+    r.worker_lost(1)
+    for step in range(3):
+        r.push(0, step)
+    r.worker_done(0)
+    assert r.version == 3 and r.waiting_only_for_lost() == {1: 0}
+
+
 def test_a_never_connected_worker_that_comes_after_all_is_back() -> None:
     r = rules()
     r.never_connected(1, 10.0)

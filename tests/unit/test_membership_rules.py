@@ -122,6 +122,29 @@ def test_a_second_grow_before_the_first_new_member_joined_waits_for_both() -> No
     assert r.version == 1  # neither new member counts before it is ready
 
 
+def test_sync_grown_before_the_new_member_joined_keeps_the_launch_quorum() -> None:
+    r = rules("sync", 2, n=1, m=2)  # one backup
+    r.resize(3)
+    assert r.quorum() == (1, 2) and acts(r.push(0, 0)) == [("HOLD", (0,)), ("APPLY", (0,))]
+    r = rules("sync", 2)
+    r.resize(3)
+    r.worker_done(1)
+    assert r.needed() == 1 and acts(r.push(0, 0)) == [("HOLD", (0,)), ("APPLY", (0,))]  # the only member left
+
+
+def test_a_new_member_done_before_it_said_ready_is_no_longer_joining() -> None:
+    r = rules("sync", 2)
+    r.resize(3)
+    r.worker_done(2)
+    assert r.joining == set() and r.done == {2}
+    assert acts(r.push(0, 0)) == [("HOLD", (0,))]  # the two launched members make the step
+
+
+def test_sync_with_m_below_the_workers_and_n_equal_to_m_has_no_backups() -> None:
+    r = rules("sync", 3, n=2, m=2)
+    assert r.quorum() == (2, 2) and not r.has_backups()
+
+
 def test_a_resize_to_no_replica_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match=re.escape(
             "A ps shard needs at least one training replica; a resize to 0 was asked.")):

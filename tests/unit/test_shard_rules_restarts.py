@@ -72,6 +72,18 @@ def test_an_ssp_clock_of_a_newer_attempt_without_readiness_joins_it_first() -> N
     assert r.attempts == {1: 1} and r.clocks == {1: 0}
 
 
+def test_a_done_without_an_attempt_is_attempt_0_and_an_older_attempts_is_refused_naming_it() -> None:
+    r = rules("async", workers=3)
+    assert r.worker_done(3) == [] and r.done == set()  # not a member
+    r.worker_done(0)
+    assert r.join(0) == [] and r.attempts.get(0, 0) == 0  # its own attempt: nothing new
+    r.join(1, 2)
+    (refused,) = r.worker_done(1, 1)
+    assert refused.reason.startswith("ps shard 0 dropped a PS_DONE of worker:1 attempt 1: attempt 2 of worker:1 has "
+                                     "joined since")
+    assert ShardRules.replay(0, 3, r.log or []).log == r.log
+
+
 def test_a_push_of_a_newer_attempt_without_readiness_joins_it_first() -> None:
     r = rules("async")
     assert acts(r.push(1, 0, attempt=1)) == [("REJOINED", (1,)), ("APPLY", (1,))]
