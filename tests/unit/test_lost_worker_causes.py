@@ -184,6 +184,27 @@ def test_a_lost_worker_is_waited_for_at_the_step_it_was_lost_at() -> None:
     assert r.version == 3 and r.waiting_only_for_lost() == {1: 0}
 
 
+def test_a_worker_lost_again_after_it_was_back_is_waited_for_at_the_later_step() -> None:
+    r = rules(workers=2)
+    r.worker_lost(1)
+    r.worker_back(1)
+    r.push(0, 0), r.push(1, 1)
+    r.worker_lost(1)
+    r.worker_done(0)
+    assert r.waiting_only_for_lost() == {1: 2}
+
+
+def test_ssp_a_worker_back_keeps_its_clock_and_a_done_one_has_none() -> None:
+    r = rules("ssp", workers=2)
+    r.clock(0, 2), r.clock(1, 4)
+    r.worker_lost(1)
+    assert r.clocks == {0: 2} and r.lost_clocks == {1: 4}
+    r.worker_back(1)
+    assert r.clocks == {0: 2, 1: 4} and r.lost_clocks == {}
+    r.worker_done(0)
+    assert r.clocks == {1: 4}
+
+
 def test_a_never_connected_worker_that_comes_after_all_is_back() -> None:
     r = rules()
     r.never_connected(1, 10.0)
