@@ -4,6 +4,8 @@ batches skipped, and a backup that ends in its primary's state (what ``ShardRule
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -98,7 +100,12 @@ def test_a_backup_fed_the_primarys_batches_ends_in_its_state(mode: str) -> None:
     primary.push(0, primary.version, {"w": torch.full((3,), 2.0)}, position=position, attempt=1, push_seq=1)
     if mode == "async":  # a restarted attempt's redone batch: DUPLICATE on the backup too
         assert primary.stats.duplicates == 2
+    primary.push(1, 0, {"w": torch.ones(3)}, position={"epoch": 0, "batch_index": 7}, push_seq=5)  # sync: stale
+    with pytest.raises(TrainingError):
+        primary.push(0, primary.version, {"w": torch.ones(3)}, push_seq=9)  # attempt 0: superseded by attempt 1
     primary.worker_lost(1)
+    assert primary.rules.pending == ({0} if mode == "sync" else set())
+    primary.worker_lost(0)  # sync: its held gradient (attempt 1's) leaves with it, and its position
     batch = cap.outbox.take()
     assert batch is not None and all(e.on is not On.CONFIGURE for e in batch.events)
     if mode == "sync":  # after aggregation: one update per step, not one per push
@@ -107,8 +114,11 @@ def test_a_backup_fed_the_primarys_batches_ends_in_its_state(mode: str) -> None:
     assert torch.equal(backup.values["w"], primary.values["w"]) and backup.version == primary.version
     assert backup.rules.state() == primary.rules.state()
     assert backup.progress.positions_now() == primary.progress.positions_now()
+    assert backup.progress.export()[0] == primary.progress.export()[0]  # held positions too
+    assert backup.stats.to_dict() == primary.stats.to_dict()  # pushes, stale, duplicates, superseded, applied
     assert backup.follow(batch) == primary.seq  # resent after a reconnect: held already, nothing applied twice
     assert torch.equal(backup.values["w"], primary.values["w"])
+    assert backup.stats.to_dict() == primary.stats.to_dict()
 
 
 def test_a_backup_refuses_a_batch_past_a_gap() -> None:
@@ -120,6 +130,22 @@ def test_a_backup_refuses_a_batch_past_a_gap() -> None:
     with pytest.raises(TrainingError, match="records are missing"):
         backup.follow(cap.outbox.take())  # type: ignore[arg-type]
     assert backup.version == 0
+
+
+def test_a_backup_refuses_an_apply_without_its_update_and_a_batch_that_ends_elsewhere() -> None:
+    cap = Capture()
+    primary = _store("async", cap)
+    primary.push(0, 0, {"w": torch.ones(3)})
+    batch = cap.outbox.take()
+    assert batch is not None
+    with pytest.raises(TrainingError, match=re.escape(
+            "The backup of ps shard 0 decided to apply version 1 (event 2), but the primary sent no update for it: the "
+            "copies diverged; re-sync it.")):
+        _store("async").follow(Batch(batch.events, batch.positions, {}, batch.last_seq))
+    with pytest.raises(TrainingError, match=re.escape(
+            f"The backup of ps shard 0 is at record {batch.last_seq} after a batch the primary ended at "
+            f"{batch.last_seq + 1}: its rules decided differently. The copies diverged; re-sync it.")):
+        _store("async").follow(Batch(batch.events, batch.positions, batch.updates, batch.last_seq + 1))
 
 
 def test_ps_replicas_is_1_or_2_and_2_needs_a_second_ps() -> None:
