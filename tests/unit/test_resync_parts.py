@@ -115,6 +115,48 @@ def test_a_full_state_loads_the_values_as_they_are_even_non_finite_ones() -> Non
     assert torch.equal(copy.values["w"], primary.values["w"])
 
 
+class _Recorder:
+    """A stand-in for the Forwarder: what the store hands it, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def start(self, init_seq, init=None) -> None:  # noqa: ANN001
+        self.calls.append(("start", init_seq, init))
+
+    def add(self, events, last_seq, positions, updates) -> None:  # noqa: ANN001
+        self.calls.append(("add", [e.seq for e in events], last_seq))
+
+    def replace(self) -> None:
+        self.calls.append(("replace",))
+
+    def drop(self, why: str) -> None:
+        self.calls.append(("drop", why))
+
+
+def test_a_resync_forwards_from_the_full_state_on_to_the_new_backup_and_a_stop_forwards_nothing() -> None:
+    store = _store()
+    grads = {"w": torch.ones(3), "b": torch.ones(2)}
+    store.push(0, 0, grads)
+    old, new = _Recorder(), _Recorder()
+    seq = store.replicate_to(old, {"epoch": 1})  # type: ignore[arg-type]
+    ((call, at, (meta, tensors)),) = old.calls
+    assert (call, at, seq) == ("start", store.seq, store.seq)
+    assert meta == {**store.transfer_state()[0], "epoch": 1} and [k for k, _ in tensors] == [
+        k for k, _ in store.transfer_state()[1]]
+    store.push(1, 0, grads)  # completes step 1: recorded after the state, so forwarded
+    assert old.calls[1] == ("add", [seq + 1], store.seq)
+    again = store.replicate_to(new, {})  # type: ignore[arg-type]
+    assert old.calls[2:] == [("replace",)] and new.calls[0][:2] == ("start", again) and store.forwarder is new
+    store.push(0, 1, grads)
+    assert new.calls[1] == ("add", [again + 1], store.seq) and len(old.calls) == 3
+    store.stop_forwarding("the view has no backup")
+    assert new.calls[2:] == [("drop", "the view has no backup")] and store.forwarder is None
+    assert store.rules.log is None  # records are kept no more
+    store.push(1, 1, grads)
+    assert len(new.calls) == 3 and store.version == 2
+
+
 def test_a_state_loads_only_into_an_empty_copy() -> None:
     primary = _store()
     meta, tensors = primary.transfer_state()
