@@ -166,6 +166,16 @@ def test_ssp_a_new_members_first_clock_admits_it_and_a_retired_ones_is_refused_n
         "ps shard 0 refused a clock of worker index 2: a scale request retired it (the job has 2 training replicas now")
 
 
+def test_a_retired_workers_readiness_is_refused_naming_it_and_its_loss_changes_nothing() -> None:
+    r = rules("sync", 3)
+    r.resize(2)
+    (refused,) = r.join(2)
+    assert refused.act is Act.RETIRED and refused.reason.startswith(
+        "ps shard 0 refused a readiness request of worker index 2: a scale request retired it")
+    seq = r.seq
+    assert r.worker_lost(2) == [] and r.seq == seq and r.lost == set()
+
+
 def test_ssp_retired_worker_no_longer_holds_the_others_back() -> None:
     r = rules("ssp", 3, staleness=1)
     r.clock(0, 0)

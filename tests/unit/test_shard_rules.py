@@ -296,6 +296,30 @@ def test_replay_refuses_a_log_with_a_gap_or_other_decisions() -> None:
         ShardRules.replay(0, 2, r.log)
 
 
+def test_replay_refusals_say_what_the_log_holds_and_what_replay_needs() -> None:
+    r = ShardRules(0, 2, keep_log=True)
+    r.configure(RuleSettings("sync"))
+    r.push(0, 0), r.push(1, 0)
+    assert r.log is not None
+    with pytest.raises(ValueError) as wrong:
+        ShardRules.replay(0, 3, r.log)  # a step of 3 gradients: the second push is held, not applied
+    assert re.search(r"decided \[Decision\(seq=5, act=<Act.HOLD: 'hold'>.*\]; the log holds \[Decision\(seq=5, "
+                     r"act=<Act.HOLD: 'hold'>.*, Decision\(seq=6, act=<Act.APPLY: 'apply'>.*\]\. The log is not a "
+                     r"shard's whole log, or not one of a shard with 3 workers\.$", str(wrong.value))
+    with pytest.raises(ValueError) as late:
+        ShardRules.replay(0, 2, r.log[1:])
+    assert str(late.value).startswith("Replay expected the event numbered 1; the log has Event(seq=2, ")
+    assert str(late.value).endswith(". Replay needs a shard's whole log, in order, from its first record.")
+
+
+def test_a_replay_of_a_shard_started_after_a_scale_keeps_its_launch_size() -> None:
+    r = ShardRules(0, 3, keep_log=True, launch_workers=2)  # a ps restarted after a grow from 2 to 3
+    r.configure(RuleSettings("sync", 1, 2))  # one backup, written for the 2 launched
+    assert r.quorum() == (2, 3)
+    r.push(0, 0), r.push(1, 0)
+    assert ShardRules.replay(0, 3, r.log or [], launch_workers=2).state() == r.state()
+
+
 def test_a_shard_without_a_log_decides_the_same() -> None:
     quiet = ShardRules(0, 2)
     loud = ShardRules(0, 2, keep_log=True)
