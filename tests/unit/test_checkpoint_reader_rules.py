@@ -222,3 +222,15 @@ def test_a_symlinked_checkpoint_directory_is_refused_naming_where_it_points(tmp_
             f"checkpoint directory {link} is a symlink (to {str(elsewhere)!r}); checkpoints are refused unless they "
             "are real directories under the checkpoint root"))):
         read_checkpoint(link)
+
+
+def test_a_symlinked_shard_is_refused_naming_where_it_points(tmp_path: Path) -> None:
+    final = _two_shards(tmp_path / "root")
+    shard = final / "shard-00001-of-00002.safetensors"
+    outside = tmp_path / "elsewhere.safetensors"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+
+    with pytest.raises(CheckpointError, match=_not_usable(final, (
+            f"{shard} is a symlink (to {str(outside)!r}); a checkpoint holds only regular files, so it is refused"))):
+        read_checkpoint(final)

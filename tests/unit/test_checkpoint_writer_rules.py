@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from psflow.checkpoint import commit, write_shard, writer
+from psflow.checkpoint import commit, read_checkpoint, write_shard, writer
 from psflow.errors import CheckpointError, ConfigError
 
 _T = {"a": torch.zeros(1)}
@@ -248,3 +248,13 @@ def test_pruning_a_root_where_no_checkpoint_is_whole_removes_nothing(tmp_path: P
     writer._prune(tmp_path, keep=1)
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000000.partial", "ckpt-0000000005"]
+
+
+def test_tensors_sharing_memory_at_any_offset_and_size_are_saved_by_value(tmp_path: Path) -> None:
+    base = torch.arange(12.0)
+    tensors = {"w": base, "tail": base[8:], "last": base[11], "empty": base[4:4], "pair": base[2:4]}
+
+    commit(tmp_path, 1, [write_shard(tmp_path, 1, 0, 1, tensors)], meta={})
+
+    loaded = read_checkpoint(tmp_path / "ckpt-0000000001").load_all()
+    assert {k: v.tolist() for k, v in loaded.items()} == {k: v.tolist() for k, v in tensors.items()}
