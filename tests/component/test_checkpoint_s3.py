@@ -95,6 +95,15 @@ def test_commit_refuses_a_missing_or_short_shard_object(root):
     assert checkpoint.list_checkpoints(root) == []  # no manifest was written
 
 
+def test_commit_refuses_records_that_are_missing_or_name_a_tensor_twice(root):
+    records = [checkpoint.write_shard(root, 100, k, 2, {"same": torch.ones(4)}) for k in range(2)]
+    with pytest.raises(CheckpointError, match=r"Cannot commit step 100: no record for shard 1 of 2"):
+        checkpoint.commit(root, 100, records[:1], meta={})
+    with pytest.raises(CheckpointError, match=r"Tensor name 'same' is in both shard 0 and shard 1 of step 100\."):
+        checkpoint.commit(root, 100, records, meta={})
+    assert checkpoint.list_checkpoints(root) == []
+
+
 def test_a_corrupt_shard_is_skipped_for_the_previous_checkpoint_with_a_warning_naming_it(root):
     save(root, 100)
     records = save(root, 200)

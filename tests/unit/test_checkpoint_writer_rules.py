@@ -51,7 +51,7 @@ def test_a_shard_files_header_records_the_users_metadata_and_its_step_and_shard(
         assert f.metadata() == {"model": "mlp", "psflow.step": "7", "psflow.shard": "1", "psflow.num_shards": "2"}
 
 
-@pytest.mark.parametrize("shard,num_shards", [(0, 0), ("0", 2), (2, 2), (-1, 2)])
+@pytest.mark.parametrize("shard,num_shards", [(0, 0), ("0", 2), (2, 2), (-1, 2), (0, True), (0, 2.0)])
 def test_a_shard_index_outside_the_shards_is_refused(tmp_path: Path, shard, num_shards) -> None:
     with pytest.raises(ConfigError, match=_msg(
             f"shard must be in [0, num_shards) with num_shards >= 1. Received: shard={shard!r}, num_shards={num_shards!r}.")):
@@ -258,3 +258,11 @@ def test_tensors_sharing_memory_at_any_offset_and_size_are_saved_by_value(tmp_pa
 
     loaded = read_checkpoint(tmp_path / "ckpt-0000000001").load_all()
     assert {k: v.tolist() for k, v in loaded.items()} == {k: v.tolist() for k, v in tensors.items()}
+
+
+def test_a_tensor_name_on_two_shards_is_refused_naming_the_step(tmp_path: Path) -> None:
+    records = [write_shard(tmp_path, 7, k, 2, {"same": torch.zeros(2)}) for k in range(2)]
+
+    with pytest.raises(CheckpointError, match=_msg(
+            "Tensor name 'same' is in both shard 0 and shard 1 of step 7. Every tensor must live on exactly one shard.")):
+        commit(tmp_path, 7, records, meta={})
