@@ -2,7 +2,8 @@
 
 An in-process cluster (tests/component/inproc.py) with two ps, each the backup of the other's
 shard. The primary of shard 0 is killed mid-run by closing its server abruptly (every connection
-drops, as SIGKILL does; its forwarder's connection too). What is proven, in async and sync:
+drops, as SIGKILL does; its forwarder's connection too). What is proven, in async (also with the
+pipeline: steps in flight at the kill) and sync:
 
 - training goes on with no error reaching the trainers' callers and reaches the stop step;
 - the global step a worker sees never goes back;
@@ -31,9 +32,11 @@ MAX_STEPS = 16
 KILL_AT = 5
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("mode", ["async", "sync", "async-pipeline"])
 def test_a_dead_primary_loses_no_acknowledged_update(mode: str) -> None:
-    with InprocCluster(2, 2, TrainConfig(mode=mode, ps_replicas=2)) as c:
+    # async-pipeline: the kill finds steps in flight (pushes sent, replies read on their own thread)
+    config = TrainConfig(mode=mode.split("-")[0], ps_replicas=2, pipeline=mode.endswith("pipeline"))
+    with InprocCluster(2, 2, config) as c:
         for s in c.services:
             s.failover_s = 1.0  # the survivor stops waiting for its dead backup within a second
         models = [make_model() for _ in range(2)]
@@ -65,7 +68,7 @@ def test_a_dead_primary_loses_no_acknowledged_update(mode: str) -> None:
     assert version == MAX_STEPS
     for s in seen:
         assert s == sorted(s), f"the global step went back: {s}"
-    if mode == "async":
+    if mode.startswith("async"):
         # Every acknowledged applied push was applied once on the surviving copy, and nothing else was.
         assert ledgers[0].applied() + ledgers[1].applied() == applied_updates == MAX_STEPS
     else:
