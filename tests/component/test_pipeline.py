@@ -41,6 +41,13 @@ def test_every_pipelined_push_is_applied_once_and_the_model_ends_with_the_ps_val
     with InprocCluster(2, 1, PIPELINE) as c:
         model = mlp()
         trainer = c.trainer(0, model, optim.SGD(lr=0.1, momentum=0.9))
+        send_push, order = trainer.client.send_push, []
+
+        def recording(shard, *args, **kwargs):
+            order.append((kwargs["seq"], shard))
+            return send_push(shard, *args, **kwargs)
+
+        trainer.client.send_push = recording
         for i in range(steps):
             trainer.step(loss, batch=batch(i))
         assert trainer.local_step <= steps - 1  # the last step's replies are still on their way
@@ -55,6 +62,8 @@ def test_every_pipelined_push_is_applied_once_and_the_model_ends_with_the_ps_val
     assert stats["pipelined_steps"] == steps - 1 and stats["pipeline_staleness"] == 1
     for a, b in zip(mine, model.parameters()):
         assert torch.equal(a, b)  # after flush the model held the newest values, as a plain step leaves it
+    # steps in order, and in each one shard 0 (the data position) last
+    assert order == [(seq, shard) for seq in range(1, steps + 1) for shard in (1, 0)]
 
 
 def test_the_next_step_computes_while_the_last_ones_replies_are_held():
