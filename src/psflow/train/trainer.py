@@ -348,7 +348,7 @@ class Trainer(TrainerBase):
                           tl: timeline.Timeline | None, *, wait: bool = True) -> tuple[float, set[int]]:
         """Forward and backward, and the gradients' half of the step's one round trip per shard.
         Returns the loss and the shards sent to. ``wait`` False (the pipeline): the sends are queued,
-        not waited for; on an error the replies of the shards sent are read on the push thread.
+        not waited for; on an error the replies of the shards sent are read on the reply thread.
 
         A shard's gradients leave as soon as backward has produced all of them (see _on_grad), on
         the sender's thread (:mod:`psflow.train.sender`), so the transfer to one shard overlaps the
