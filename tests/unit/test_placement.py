@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -256,3 +257,60 @@ def test_contiguous_places_a_split_parameter_on_distinct_shards():
     params = [ParamInfo("a", (2,)), ParamInfo("big", (9, 4)), ParamInfo("c", (2,))]
     pl = place(params, 3, strategy="contiguous", split_bytes=16)
     assert sorted(pc.shard for pc in pl.pieces_of("big")) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: ParamInfo("", (2,)), "A parameter name must be a non-empty string. Received: ''."),
+    (lambda: ParamInfo(3, (2,)), "A parameter name must be a non-empty string. Received: 3."),  # type: ignore[arg-type]
+    (lambda: ParamInfo("w", "2x3"), "Parameter 'w' has an invalid shape. Received: '2x3'. Pass a sequence of non-negative ints."),  # type: ignore[arg-type]
+    (lambda: ParamInfo("w", b"23"), "Parameter 'w' has an invalid shape. Received: b'23'."),  # type: ignore[arg-type]
+    (lambda: ParamInfo("w", 6), "Parameter 'w' has an invalid shape. Received: 6."),  # type: ignore[arg-type]
+    (lambda: ParamInfo("w", (2, True)), "Parameter 'w' has an invalid shape. Received: (2, True)."),
+    (lambda: ParamInfo("w", (2.0,)), "Parameter 'w' has an invalid shape. Received: (2.0,)."),  # type: ignore[arg-type]
+    (lambda: ParamInfo("w", (2,), torch.float32), "Unknown parameter dtype. Received: torch.float32. Use a torch dtype "  # type: ignore[arg-type]
+     "name such as 'float32', 'float16' or 'bfloat16'."),
+    (lambda: ParamInfo("w", (2,), "Tensor"), "Unknown parameter dtype. Received: 'Tensor'."),
+    (lambda: place([("w", (2,))], 1), "place() takes ParamInfo objects. Received: ('w', (2,))."),  # type: ignore[list-item]
+])
+def test_a_bad_parameter_description_is_refused_with_the_value(make, message: str) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError) as refused:
+        make()
+    assert str(refused.value).startswith(message)
+
+
+def test_a_parameter_of_zero_rows_or_no_dims_is_described_and_placed_whole() -> None:
+    assert (ParamInfo("s", ()).numel, ParamInfo("s", ()).nbytes, ParamInfo("e", (0, 3)).nbytes) == (1, 4, 0)
+    assert ParamInfo("h", (2, 3), "float16").nbytes == 12
+    pl = place([ParamInfo("s", ()), ParamInfo("e", (0, 3))], 2, strategy="round_robin", split_bytes=0)
+    assert [p.key for p in pl.pieces] == ["s", "e"]
+
+
+@pytest.mark.parametrize("pieces", [
+    [Piece("w", 0), Piece("w", 1, (0, 2))],  # whole and a range at once
+    [Piece("s", 0, (0, 1)), Piece("s", 1, (1, 2))],  # rows of a tensor without dim 0
+])
+def test_pieces_mixing_whole_and_rows_or_rows_of_a_scalar_are_refused(pieces: list[Piece]) -> None:
+    params = (ParamInfo("w", (2, 2)),) if pieces[0].param == "w" else (ParamInfo("s", ()),)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"Parameter {params[0].name!r} of shape {params[0].shape} has inconsistent pieces: {[p.key for p in pieces]}. "
+            "Use one whole piece or row ranges covering dim 0.")):
+        Placement(2, params, tuple(pieces))
+
+
+def test_a_placement_refuses_a_parameter_without_pieces_and_a_piece_of_an_unknown_one() -> None:
+    with pytest.raises(ConfigError, match=re.escape("Placement has no piece of parameter 'b'.")):
+        Placement(1, (ParamInfo("w", (2,)), ParamInfo("b", (2,))), (Piece("w", 0),))
+    with pytest.raises(ConfigError, match=re.escape(
+            "Placement has a piece of an unknown parameter. Received: Piece(param='v', shard=0, rows=None). "
+            "Known parameters: ['b', 'w'].")):
+        Placement(1, (ParamInfo("w", (2,)), ParamInfo("b", (2,))), (Piece("w", 0), Piece("b", 0), Piece("v", 0)))
+    with pytest.raises(ConfigError, match=re.escape("Piece 'w' is on shard True, outside [0, 2).")):
+        Placement(2, (ParamInfo("w", (2,)),), (Piece("w", True),))  # type: ignore[arg-type]
+
+
+def test_split_tensor_takes_the_last_rows_and_refuses_a_scalar() -> None:
+    t = torch.arange(4.0)
+    assert split_tensor(t, Piece("w", 1, (2, 4))).tolist() == [2.0, 3.0]
+    with pytest.raises(ConfigError, match=re.escape(
+            "Cannot take rows 0:1 of 'w': the tensor has shape (). Pass the full tensor that the placement was computed for.")):
+        split_tensor(torch.tensor(1.0), Piece("w", 0, (0, 1)))
