@@ -252,3 +252,20 @@ def test_a_sync_step_counts_each_held_gradient_under_its_attempt():
     assert store.stats.applied_by == {}  # held, not applied yet
     store.push(1, 0, grads(1), attempt=0, push_seq=1)
     assert store.stats.applied_by == {0: {2: 1}, 1: {0: 1}}
+
+
+def test_gradients_that_do_not_match_are_refused_naming_at_most_five_keys_each_way_and_the_dtypes():
+    store = ParameterStore(shard=2, num_workers=1)
+    store.initialize({k: torch.zeros(2) for k in "abcdefg"}, optimizer=SGD().to_dict(), config=TrainConfig(),
+                     placement_digest="d")
+    with pytest.raises(ConfigError) as refused:
+        store.push(0, 0, {k: torch.zeros(2) for k in "uvwxyz"})
+    assert str(refused.value) == (
+        "Gradients for ps shard 2 do not match its parameters (missing ['a', 'b', 'c', 'd', 'e'], unexpected "
+        "['u', 'v', 'w', 'x', 'y']). Every worker must build the same model with the same placement.")
+    grads = {k: torch.zeros(2) for k in "abcdefg"}
+    grads["c"] = torch.zeros(2, dtype=torch.float64)
+    with pytest.raises(ConfigError) as refused:
+        store.push(0, 0, grads)
+    assert str(refused.value) == "Gradient 'c' has shape (2,) torch.float64; the parameter is (2,) torch.float32."
+    assert store.version == 0 and store.stats.pushes == 0
