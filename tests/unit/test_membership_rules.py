@@ -170,8 +170,9 @@ def test_a_retired_workers_readiness_is_refused_naming_it_and_its_loss_changes_n
     r = rules("sync", 3)
     r.resize(2)
     (refused,) = r.join(2)
-    assert refused.act is Act.RETIRED and refused.reason.startswith(
-        "ps shard 0 refused a readiness request of worker index 2: a scale request retired it")
+    assert refused.act is Act.RETIRED and refused.reason == (
+        "ps shard 0 refused a readiness request of worker index 2: a scale request retired it (the job has 2 training "
+        "replicas now, 0..1). A retired worker stops; nothing is lost (its shard is not read while it is retired).")
     seq = r.seq
     assert r.worker_lost(2) == [] and r.seq == seq and r.lost == set()
 

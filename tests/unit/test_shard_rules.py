@@ -320,6 +320,21 @@ def test_a_replay_of_a_shard_started_after_a_scale_keeps_its_launch_size() -> No
     assert ShardRules.replay(0, 3, r.log or [], launch_workers=2).state() == r.state()
 
 
+def test_a_recorded_event_without_its_worker_or_value_is_refused() -> None:
+    r = rules(workers=2)
+    for on in (On.PUSH, On.CLOCK, On.DONE, On.LOST, On.BACK):
+        with pytest.raises(ValueError, match=re.escape(
+                "A recorded push, clock, done, lost or back event has no worker or value.")):
+            r.step(Event(r.seq + 1, on, value=None if on is not On.PUSH else 0))
+
+
+def test_a_new_shard_assumes_a_launcher_restarts_failed_workers() -> None:
+    r = ShardRules(0, 2)
+    r.configure(RuleSettings("async"))
+    r.worker_failed(0, 0, "ValueError: a"), r.worker_failed(1, 0, "ValueError: b")
+    assert [d.act for d in r.tick(1.0)] == [Act.WAIT_LOST]  # not by hand: waited for, not failed at once
+
+
 def test_a_shard_without_a_log_decides_the_same() -> None:
     quiet = ShardRules(0, 2)
     loud = ShardRules(0, 2, keep_log=True)
