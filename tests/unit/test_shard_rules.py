@@ -60,8 +60,9 @@ def test_a_second_push_of_a_worker_in_the_same_step_is_stale() -> None:
 def test_a_push_from_a_version_the_shard_has_not_reached_fails_naming_both() -> None:
     r = rules(workers=2)
     (fail,) = r.push(1, 5)
-    assert fail.act is Act.FAIL and fail.reason.startswith(
-        "worker:1 pushed gradients for version 5, but ps shard 0 is at version 0.")
+    assert fail.act is Act.FAIL and fail.workers == (1,) and fail.reason == (
+        "worker:1 pushed gradients for version 5, but ps shard 0 is at version 0. The worker pulled from a different "
+        "job or a restarted ps; restart the worker.")
     assert r.pending == set() and r.version == 0
 
 
@@ -114,6 +115,10 @@ def test_events_that_change_nothing_are_not_recorded() -> None:
     seq = r.seq
     assert r.worker_lost(1) == [] and r.seq == seq  # lost after done: nothing
     assert r.tick(5.0) == [] and r.seq == seq  # nobody lost: no wait to start
+    r.worker_done(0)
+    seq = r.seq
+    assert r.tick(6.0) == [] and r.tick(100.0) == [] and r.seq == seq  # every worker done, none stays: no wait
+    assert r.is_finished()
 
 
 def test_the_sync_wait_message_names_the_missing_workers() -> None:
@@ -333,6 +338,18 @@ def test_a_new_shard_assumes_a_launcher_restarts_failed_workers() -> None:
     r.configure(RuleSettings("async"))
     r.worker_failed(0, 0, "ValueError: a"), r.worker_failed(1, 0, "ValueError: b")
     assert [d.act for d in r.tick(1.0)] == [Act.WAIT_LOST]  # not by hand: waited for, not failed at once
+
+
+def test_a_replay_keeps_the_start_version_and_times_of_0_s() -> None:
+    r = ShardRules(0, 3, keep_log=True)
+    r.configure(RuleSettings("ssp", staleness=0), 10)  # restored from a checkpoint at step 10
+    assert [d.act for d in r.clock(0, 1)] == [Act.HOLD]  # nobody else has a clock yet
+    r.clock_expired(0, 1, 0.0)
+    r.never_connected(2, 0.0)
+    r.worker_lost(1), r.worker_done(0)
+    assert [d.act for d in r.tick(0.0)] == [Act.WAIT_LOST] and r.lost_wait_since == 0.0
+    copy = ShardRules.replay(0, 3, r.log or [])
+    assert copy.state() == r.state() and copy.log == r.log and copy.version == 10
 
 
 def test_a_shard_without_a_log_decides_the_same() -> None:
