@@ -121,13 +121,74 @@ def test_a_backup_fed_the_primarys_batches_ends_in_its_state(mode: str) -> None:
     assert backup.stats.to_dict() == primary.stats.to_dict()
 
 
+def _sync_store(forwarder: Capture | None = None) -> ParameterStore:
+    s = ParameterStore(0, 2)
+    s.initialize({"w": torch.ones(3)}, optimizer={"name": "sgd", "lr": 0.5}, placement_digest="d",
+                 config=TrainConfig(mode="sync", replicas_to_aggregate=1, total_num_replicas=2),  # one backup
+                 forwarder=forwarder)  # type: ignore[arg-type]
+    return s
+
+
+def test_a_sync_backup_with_a_backup_worker_keeps_the_primarys_counters_and_positions() -> None:
+    cap = Capture()
+    primary, backup = _sync_store(cap), _sync_store()
+    ones = {"w": torch.ones(3)}
+    for step in range(2):  # each push a step of one: without worker:1
+        primary.push(0, primary.version, ones, position={"batch_index": step}, push_seq=step + 1)
+    first = cap.outbox.take()
+    primary.join(0, 1)  # a restarted worker:0
+    primary.push(0, 0, ones, position={"batch_index": 5}, attempt=1, push_seq=1)  # stale: from step 0
+    for seq in (7, 8):
+        with pytest.raises(TrainingError):
+            primary.push(0, primary.version, ones, push_seq=seq)  # attempt 0 twice: superseded
+    second = cap.outbox.take()
+    assert first is not None and second is not None
+    assert backup.follow(first) == first.last_seq and backup.follow(second) == primary.seq
+    assert backup.follow(first) == primary.seq  # an older batch resent late: held already, nothing raised
+    assert backup.stats.to_dict() == primary.stats.to_dict() and backup.stats.steps_without_all == 2
+    assert backup.stats.superseded == 2
+    assert backup.progress.export()[0] == primary.progress.export()[0]
+
+
+def test_a_sync_backup_drops_the_position_of_a_held_gradient_its_rejoined_worker_left_and_keeps_a_done_ones() -> None:
+    cap = Capture()
+    primary, backup = _store("sync", cap), _store("sync")
+    ones = {"w": torch.ones(3)}
+    primary.push(0, 0, ones, position={"batch_index": 3}, push_seq=1)  # held for worker:1
+    primary.join(0, 1)  # restarted: its held gradient and position leave
+    primary.push(1, 0, ones, position={"batch_index": 4}, push_seq=1)  # held
+    primary.worker_done(1)  # finished with its gradient held: a step of that one gradient
+    assert primary.version == 1 and primary.progress.positions_now() == {"1": {"batch_index": 4}}
+    batch = cap.outbox.take()
+    assert batch is not None
+    backup.follow(batch)
+    assert backup.version == 1 and backup.progress.export()[0] == primary.progress.export()[0]
+    assert backup.progress.positions_now() == primary.progress.positions_now()
+
+
+def test_a_backup_applies_the_new_records_of_a_batch_that_holds_some_already() -> None:
+    cap = Capture()
+    primary, backup = _store("async", cap), _store("async")
+    primary.push(0, 0, {"w": torch.ones(3)})
+    first = cap.outbox.take()
+    primary.push(1, 1, {"w": torch.ones(3)})
+    second = cap.outbox.take()
+    assert first is not None and second is not None
+    backup.follow(first)
+    both = Batch(first.events + second.events, {**first.positions, **second.positions},
+                 {**first.updates, **second.updates}, second.last_seq)  # resent together after a reconnect
+    assert backup.follow(both) == primary.seq and backup.version == 2
+    assert torch.equal(backup.values["w"], primary.values["w"])
+
+
 def test_a_backup_refuses_a_batch_past_a_gap() -> None:
     cap = Capture()
     primary, backup = _store("async", cap), _store("async")
     primary.push(0, 0, {"w": torch.ones(3)})
     cap.outbox.take()  # lost
     primary.push(1, 1, {"w": torch.ones(3)})
-    with pytest.raises(TrainingError, match="records are missing"):
+    with pytest.raises(TrainingError, match="The backup of ps shard 0 holds its records up to 1 and received event 4: "
+                                            "2 records are missing"):
         backup.follow(cap.outbox.take())  # type: ignore[arg-type]
     assert backup.version == 0
 
