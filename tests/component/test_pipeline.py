@@ -66,6 +66,30 @@ def test_every_pipelined_push_is_applied_once_and_the_model_ends_with_the_ps_val
     assert order == [(seq, shard) for seq in range(1, steps + 1) for shard in (1, 0)]
 
 
+def test_a_pipelined_step_computes_from_the_values_one_own_update_old():
+    """One worker, plain SGD: step t's gradient is taken at w[t-1] (w[0] for the first two steps),
+    and the ps applies it to w[t]: delayed SGD with a delay of exactly one step, and nothing else."""
+    steps, lr = 6, 0.1
+    model = mlp()
+    reference = [[p.detach().clone() for p in model.parameters()]]
+    with InprocCluster(1, 1, TrainConfig(mode="async", pipeline=True)) as c:
+        trainer = c.trainer(0, model, optim.SGD(lr=lr))
+        for i in range(steps):
+            trainer.step(loss, batch=batch(i))
+        trainer.flush()
+        trainer.close()
+    check = mlp()
+    for i in range(steps):
+        with torch.no_grad():
+            for p, v in zip(check.parameters(), reference[max(i - 1, 0)]):
+                p.copy_(v)
+        check.zero_grad()
+        loss(check, *batch(i)).backward()
+        reference.append([w - lr * p.grad for w, p in zip(reference[-1], check.parameters())])
+    for got, want in zip(model.parameters(), reference[-1]):
+        torch.testing.assert_close(got.detach(), want)
+
+
 def test_the_next_step_computes_while_the_last_ones_replies_are_held():
     """The ps's replies are held back (a slow link): with the pipeline two steps still compute and
     return; the third waits for the first one's values. Fails without the pipeline (the first
