@@ -129,3 +129,12 @@ def test_a_run_that_succeeded_without_a_training_step_says_it_trained_0_steps(tm
                                     "global_step=0 ")
     trained = _summary(tmp_path, {"worker:0": {"trainer": {"local_step": 3, "examples": 30, "train_time_s": 1.0}}})
     assert trained["trained_steps"] == 3 and "trained 0 steps" not in final_line(trained)
+
+
+def test_a_run_whose_tasks_reported_nothing_to_the_launcher_says_so_not_0_steps(tmp_path):
+    """On Kubernetes the pods report to no coordinator: the launcher has no figures, which is not "trained 0 steps"."""
+    s = _summary(tmp_path, {})
+    assert s["trained_steps"] is None
+    line = final_line(s)
+    assert "trained 0 steps" not in line and "no task's figures reached the launcher" in line, line
+

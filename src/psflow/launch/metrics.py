@@ -114,9 +114,12 @@ def final_line(summary: Mapping[str, Any]) -> str:
 def _nothing_trained(summary: Mapping[str, Any]) -> str:
     """The final line's warning for a run that ended well without a training step (an exit 0 is no proof
     of training: a loop over no data, a script that never called step)."""
-    if summary.get("status") != "succeeded" or summary.get("trained_steps", 1) or summary.get("examples"):
+    if summary.get("status") != "succeeded" or summary.get("examples"):
         return ""
-    return "trained 0 steps (no task took a training step: see its log) "
+    if "trained_steps" in summary and summary["trained_steps"] is None:
+        return ("no task's figures reached the launcher (on Kubernetes they are in the logdir on the volume claim: "
+                "psflow status LOGDIR where it is mounted) ")
+    return "" if summary.get("trained_steps", 1) else "trained 0 steps (no task took a training step: see its log) "
 
 
 def _is_real(v: object) -> bool:

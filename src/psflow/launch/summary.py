@@ -63,8 +63,9 @@ def build_summary(
         "metrics_by_task": metrics_by_task,
         **({"test_accuracy": metrics["test_accuracy"], "test_accuracy_by_task": accs} if accs else {}),
         "examples": sum(int(f.get("examples") or 0) for f in figures.values()),
-        # steps the training tasks took in this run (0: none did, whatever the step it started from)
-        "trained_steps": sum(int(f.get("local_step") or 0) for f in figures.values()),
+        # steps the training tasks took in this run (0: none did, whatever the step it started from; None: no
+        # task reported to the launcher, as on Kubernetes, where the figures are on the volume claim)
+        "trained_steps": sum(int(f.get("local_step") or 0) for f in figures.values()) if reports else None,
         "examples_per_sec": job_rate(figures.values()),  # wall-clock (see psflow.launch.metrics)
         "step_examples_per_sec": job_rate(figures.values(), "train_time_s"),
         "wall_s": round(wall_s, 3),
