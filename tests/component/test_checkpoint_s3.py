@@ -68,6 +68,16 @@ def test_a_checkpoint_round_trips_through_s3_bit_for_bit(root):
     assert [u.name for u in checkpoint.list_checkpoints(root)] == ["ckpt-0000000100"]
 
 
+def test_a_shard_objects_header_records_the_users_metadata_and_its_step_and_shard(root):
+    from safetensors import safe_open
+
+    rec = checkpoint.write_shard(root, 7, 1, 2, {"w": torch.ones(2)}, metadata={"model": "mlp"})
+    checkpoint.commit(root, 7, [checkpoint.write_shard(root, 7, 0, 2, {"v": torch.ones(2)}), rec], meta={})
+    ckpt = checkpoint.read_checkpoint(f"{root}/ckpt-0000000007")
+    with safe_open(str(ckpt.path / rec.file), "pt") as f:
+        assert f.metadata() == {"model": "mlp", "psflow.step": "7", "psflow.shard": "1", "psflow.num_shards": "2"}
+
+
 def test_shards_without_their_manifest_are_no_checkpoint(root):
     save(root, 100)
     for k in range(2):  # step 200: every ps wrote its shard, the chief died before committing
