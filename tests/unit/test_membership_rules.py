@@ -166,6 +166,18 @@ def test_ssp_a_new_members_first_clock_admits_it_and_a_retired_ones_is_refused_n
         "ps shard 0 refused a clock of worker index 2: a scale request retired it (the job has 2 training replicas now")
 
 
+def test_a_new_members_first_push_admits_it_and_a_retired_ones_is_refused_naming_it() -> None:
+    r = rules("async", 2)
+    r.resize(3)
+    joined, applied = r.push(2, 0)
+    assert (joined.act, joined.workers, joined.attempt, joined.clock) == (Act.REJOINED, (2,), 0, None)
+    assert applied.act is Act.APPLY and r.joining == set()
+    r.resize(2)
+    (refused,) = r.push(2, 1)
+    assert (refused.act, refused.workers) == (Act.RETIRED, (2,)) and refused.reason.startswith(
+        "ps shard 0 refused a push of worker index 2: a scale request retired it")
+
+
 def test_a_retired_workers_readiness_is_refused_naming_it_and_its_loss_changes_nothing() -> None:
     r = rules("sync", 3)
     r.resize(2)

@@ -166,11 +166,33 @@ def test_ssp_the_earlier_attempts_held_wait_ends_when_a_newer_attempt_joins() ->
     r.clock(0, 0)
     assert acts(r.clock(1, 1)) == [("HOLD", (1,))]  # too far ahead of worker:0
     superseded, joined = r.join(1, 1)
-    assert (superseded.act, superseded.clock, superseded.attempt) == (Act.SUPERSEDED, 1, 0)
+    assert (superseded.act, superseded.workers, superseded.clock, superseded.attempt) == (Act.SUPERSEDED, (1,), 1, 0)
+    assert superseded.reason == "worker:1 attempt 0 was waiting at clock 1 when attempt 1 joined: it was restarted."
     assert (joined.act, joined.clock) == (Act.REJOINED, 1) and r.held == set()
     # The new attempt at the same clock is held again by the bound, as its own wait.
     assert acts(r.clock(1, 1, attempt=1)) == [("HOLD", (1,))]
     assert acts(r.clock(0, 1)) == [("RELEASE", (0,)), ("RELEASE", (1,))]
+
+
+def test_a_restart_forgets_the_earlier_attempts_push_numbers_and_says_whom_it_refuses() -> None:
+    r = rules("async")
+    r.push(1, 0, 0, push_seq=4)
+    (joined,) = r.join(1, 1)
+    assert (joined.act, joined.workers, joined.attempt, joined.clock) == (Act.REJOINED, (1,), 1, None)
+    assert r.state()["last_push"] == {}  # they left with the earlier attempt
+    (refused,) = r.push(1, 1, 0, push_seq=5)
+    assert (refused.act, refused.workers) == (Act.SUPERSEDED, (1,))
+    (redone,) = r.push(1, 1, 1, push_seq=1, redone=True)
+    assert (redone.act, redone.workers, redone.outcome) == (Act.DUPLICATE, (1,), Act.APPLY)
+
+
+def test_ssp_a_restarted_worker_that_was_not_lost_resumes_at_the_others_clock_and_releases_who_waited() -> None:
+    r = rules("ssp", workers=2, staleness=0)
+    r.clock(0, 0), r.clock(1, 0)
+    assert acts(r.clock(0, 1)) == [("HOLD", (0,))]  # worker:1 is at 0
+    joined, release = r.join(1, 1)  # restarted without being counted lost: resumes at worker:0's clock
+    assert (joined.act, joined.clock, release.act, release.workers) == (Act.REJOINED, 1, Act.RELEASE, (0,))
+    assert r.clocks == {0: 1, 1: 1}
 
 
 # -- duplicate pushes (resent after a reconnect) ---------------------------------------------------------
@@ -180,7 +202,7 @@ def test_a_resent_push_is_decided_once_and_numbers_start_again_with_each_attempt
     r = rules("async")
     assert acts(r.push(0, 0, 0, push_seq=1)) == [("APPLY", (0,))]
     (dup,) = r.push(0, 0, 0, push_seq=1)
-    assert (dup.act, dup.outcome, r.version) == (Act.DUPLICATE, Act.APPLY, 1)
+    assert (dup.act, dup.workers, dup.outcome, r.version) == (Act.DUPLICATE, (0,), Act.APPLY, 1)
     assert acts(r.push(0, 1, 0, push_seq=2)) == [("APPLY", (0,))]
     assert [d.act for d in r.push(0, 0, 0, push_seq=1)] == [Act.DUPLICATE]  # an even older one
     assert acts(r.push(0, 2, attempt=1, push_seq=1)) == [("REJOINED", (0,)), ("APPLY", (0,))]
