@@ -205,6 +205,13 @@ def test_ssp_a_worker_back_keeps_its_clock_and_a_done_one_has_none() -> None:
     assert r.clocks == {1: 4}
 
 
+def test_any_first_request_counts_a_worker_heard() -> None:
+    r = rules("ssp", workers=3)
+    r.push(0, 0)
+    r.clock(1, 2)  # a clock numbered like a never-connected loss: heard all the same
+    assert r.unheard() == [2]
+
+
 def test_a_never_connected_worker_that_comes_after_all_is_back() -> None:
     r = rules()
     r.never_connected(1, 10.0)

@@ -229,6 +229,22 @@ def test_an_ssp_wait_that_runs_out_fails_with_the_clocks() -> None:
     assert r.clock(1, 1)[-1].act is Act.RELEASE and len(r.clock(1, 1)) == 1  # nobody left to release
 
 
+def test_ssp_the_chiefs_settings_release_a_clock_held_under_the_defaults_before_them() -> None:
+    r = ShardRules(0, 2, keep_log=True)
+    r.settings = RuleSettings("ssp", staleness=4)  # before PS_INIT
+    assert acts(r.clock(0, 6)) == [("HOLD", (0,))]  # worker:1 has no clock: 6 ahead
+    (release,) = r.configure(RuleSettings("ssp", staleness=10))
+    assert (release.act, release.workers, release.clock, release.slowest) == (Act.RELEASE, (0,), 6, 0)
+
+
+def test_ssp_a_lost_workers_held_wait_is_released_once_nobody_is_left_to_wait_for() -> None:
+    r = rules("ssp", workers=2, staleness=0)
+    assert acts(r.clock(0, 1)) == [("HOLD", (0,))]
+    assert r.worker_lost(0) == []  # still held: worker:1 has no clock yet
+    (release,) = r.worker_done(1)
+    assert (release.act, release.workers, release.slowest) == (Act.RELEASE, (0,), 1)
+
+
 def test_ssp_applies_every_push() -> None:
     r = rules("ssp", workers=2)
     assert acts(r.push(0, 0) + r.push(0, 0)) == [("APPLY", (0,)), ("APPLY", (0,))]
