@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "training": [],
     "apply": ["--quick"],  # the ps's optimizer step, fused against for-loop kernels: seconds
     "checkpoint": ["--quick"],
+    "s3_checkpoint": ["--quick"],  # a 1 MB checkpoint to moto's S3 against a local directory: seconds
     "cnn": ["--quick"],
     "placement": ["--quick"],
     "ui": ["--quick"],

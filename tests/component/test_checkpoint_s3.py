@@ -183,10 +183,9 @@ def test_psflow_checkpoints_and_export_take_a_url_logdir_as_they_take_a_local_on
     assert empty.exit_code == 0 and empty.output.startswith("psflow: no checkpoints under s3://"), empty.output
 
 
-def test_a_1mb_checkpoint_saves_in_under_half_a_second_with_one_client_per_process(root, monkeypatch):
-    import statistics
-    import time
-
+def test_checkpoints_under_s3_make_one_client_per_process(root, monkeypatch):
+    """The per-save setup (a new s3fs client per call, 5-7 a save) is gone; the save's time is a
+    figure of benchmarks/bench_s3_checkpoint.py, not an assert."""
     import fsspec
 
     from psflow.checkpoint import remote
@@ -196,13 +195,9 @@ def test_a_1mb_checkpoint_saves_in_under_half_a_second_with_one_client_per_proce
     monkeypatch.setattr(fsspec.core, "url_to_fs", lambda url, **kw: made.append(url) or real(url, **kw))
     monkeypatch.setattr(remote, "_clients", {})
     tensors = {"w": torch.zeros(256 * 1024)}  # 1 MB
-    took = []
     for step in range(1, 6):
-        t0 = time.perf_counter()
         checkpoint.commit(root, step, [checkpoint.write_shard(root, step, 0, 1, tensors)], meta={}, keep=3)
-        took.append(time.perf_counter() - t0)
-    assert len(made) == 1, made  # the per-save setup (a new s3fs client per call, 5-7 a save) is gone
-    assert statistics.median(took) < 0.5, took
+    assert len(made) == 1, made
     assert [u.name for u in checkpoint.list_checkpoints(root)] == [f"ckpt-000000000{s}" for s in (5, 4, 3)]
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "psflow-test-2")  # a changed environment: a new client
     checkpoint.list_checkpoints(root)
