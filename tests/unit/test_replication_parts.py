@@ -100,6 +100,8 @@ def test_a_backup_fed_the_primarys_batches_ends_in_its_state(mode: str) -> None:
     primary.push(0, primary.version, {"w": torch.full((3,), 2.0)}, position=position, attempt=1, push_seq=1)
     if mode == "async":  # a restarted attempt's redone batch: DUPLICATE on the backup too
         assert primary.stats.duplicates == 2
+    primary.push(0, primary.version, {"w": torch.ones(3)}, position={"epoch": 0, "batch_index": 3}, attempt=1,
+                 push_seq=2)  # async: its next batch, applied under attempt 1; sync: a second push of the step, stale
     primary.push(1, 0, {"w": torch.ones(3)}, position={"epoch": 0, "batch_index": 7}, push_seq=5)  # sync: stale
     with pytest.raises(TrainingError):
         primary.push(0, primary.version, {"w": torch.ones(3)}, push_seq=9)  # attempt 0: superseded by attempt 1

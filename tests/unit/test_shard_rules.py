@@ -344,8 +344,8 @@ def test_a_replay_of_a_shard_started_after_a_scale_keeps_its_launch_size() -> No
 def test_a_recorded_event_without_its_worker_or_value_is_refused() -> None:
     r = rules(workers=2)
     for on in (On.PUSH, On.CLOCK, On.DONE, On.LOST, On.BACK):
-        with pytest.raises(ValueError, match=re.escape(
-                "A recorded push, clock, done, lost or back event has no worker or value.")):
+        with pytest.raises(ValueError, match="^" + re.escape(
+                "A recorded push, clock, done, lost or back event has no worker or value.") + "$"):
             r.step(Event(r.seq + 1, on, value=None if on is not On.PUSH else 0))
 
 
