@@ -265,7 +265,7 @@ def test_contiguous_places_a_split_parameter_on_distinct_shards():
     (lambda: ParamInfo("w", "2x3"), "Parameter 'w' has an invalid shape. Received: '2x3'. Pass a sequence of non-negative ints."),  # type: ignore[arg-type]
     (lambda: ParamInfo("w", b"23"), "Parameter 'w' has an invalid shape. Received: b'23'."),  # type: ignore[arg-type]
     (lambda: ParamInfo("w", 6), "Parameter 'w' has an invalid shape. Received: 6."),  # type: ignore[arg-type]
-    (lambda: ParamInfo("w", (2, True)), "Parameter 'w' has an invalid shape. Received: (2, True)."),
+    (lambda: ParamInfo("w", (2, True)), "Parameter 'w' has an invalid shape. Received: (2, True). Pass a sequence of non-negative ints."),
     (lambda: ParamInfo("w", (2.0,)), "Parameter 'w' has an invalid shape. Received: (2.0,)."),  # type: ignore[arg-type]
     (lambda: ParamInfo("w", (2,), torch.float32), "Unknown parameter dtype. Received: torch.float32. Use a torch dtype "  # type: ignore[arg-type]
      "name such as 'float32', 'float16' or 'bfloat16'."),
@@ -306,6 +306,20 @@ def test_a_placement_refuses_a_parameter_without_pieces_and_a_piece_of_an_unknow
         Placement(1, (ParamInfo("w", (2,)), ParamInfo("b", (2,))), (Piece("w", 0), Piece("b", 0), Piece("v", 0)))
     with pytest.raises(ConfigError, match=re.escape("Piece 'w' is on shard True, outside [0, 2).")):
         Placement(2, (ParamInfo("w", (2,)),), (Piece("w", True),))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=re.escape("Piece 'w' is on shard 2, outside [0, 2).")):
+        Placement(2, (ParamInfo("w", (2,)),), (Piece("w", 2),))
+
+
+@pytest.mark.parametrize("rows", [[(0, 0), (0, 2)], [(0, 1), (1, 2.0)]])
+def test_an_empty_or_non_int_row_range_is_refused(rows) -> None:  # noqa: ANN001
+    pieces = tuple(Piece("w", i, r) for i, r in enumerate(rows))
+    with pytest.raises(ConfigError, match=re.escape("Pieces of 'w' must cover rows [0, 2) in order, each once.")):
+        Placement(2, (ParamInfo("w", (2, 3)),), pieces)
+
+
+def test_a_piece_keeps_its_rows_as_a_tuple_whatever_it_was_given() -> None:
+    piece = Piece("w", 0, [0, 2])  # type: ignore[arg-type]  # as JSON gives them
+    assert piece.rows == (0, 2) and hash(piece) == hash(Piece("w", 0, (0, 2)))
 
 
 def test_split_tensor_takes_the_last_rows_and_refuses_a_scalar() -> None:
