@@ -99,7 +99,14 @@ def test_start_watch_read_a_log_survive_a_dashboard_restart_and_stop_from_the_br
                                " return r && Number(r.cells[1].textContent) > 0 && r.cells[3].textContent !== ''; })()")
         page.screenshot(path=str(artifacts / "03-run-training.png"), full_page=True)
 
-        page.click('#cluster .task[data-task="worker:1"]')
+        # A click whose press and release straddle a live update still opens the task's log (the card is
+        # updated in place, not replaced: a replaced one would lose the click).
+        card = '#cluster .task[data-task="worker:1"]'
+        box, before = page.locator(card).bounding_box(), page.locator(card).text_content()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.mouse.down()
+        page.wait_for_function("([card, before]) => document.querySelector(card).textContent !== before", arg=[card, before])
+        page.mouse.up()
         page.wait_for_selector('#log-view[data-task="worker:1"]')
         page.wait_for_function("document.querySelector('#log-view').textContent.includes('worker:1')")
         page.screenshot(path=str(artifacts / "04-worker-log.png"), full_page=True)

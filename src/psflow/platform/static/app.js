@@ -419,20 +419,29 @@ function openLog(task) {
   for (const b of document.querySelectorAll("#cluster .task")) b.classList.toggle("selected", b.dataset.task === task);
 }
 
+// The cluster's task cards are drawn once per set of tasks and updated in place on every live update:
+// a card replaced between a press and its release would lose the click (and the keyboard focus).
 function drawCluster(run) {
   const jobs = {};
   for (const [name, t] of Object.entries(run.tasks)) (jobs[name.split(":")[0]] = jobs[name.split(":")[0]] || []).push([name, t]);
-  document.getElementById("cluster").innerHTML = Object.entries(jobs).map(([job, tasks]) => `
-    <div class="job"><div class="job-name">${esc(job)}</div><div class="tasks">${tasks.map(([name, t]) => `
-      <button class="task ${t.exit_code && t.state !== "retired" ? "failed-exit" : ""} ${name === view.logTask ? "selected" : ""}" data-task="${esc(name)}" data-state="${esc(t.state)}">
-        <div class="name">${esc(name)}</div>
-        <div class="detail">${esc(t.state)} · attempt ${esc(t.attempt)}</div>
-        <div class="detail">${esc(t.address || "")}${t.pid ? " · pid " + esc(t.pid) : ""}${t.scheduler_id ? " · " + esc(t.scheduler_id) : ""}</div>
-        <div class="detail">${t.metrics && t.metrics.global_step !== undefined ? "step " + num(t.metrics.global_step) : ""}
-          ${t.exit_cause ? esc(t.exit_cause) : ""}</div>
-      </button>`).join("")}</div></div>`).join("");
-  for (const b of document.querySelectorAll("#cluster .task")) {
-    b.onclick = () => { view.logTask = b.dataset.task; view.logChosen = true; view.logOffset = null; view.logText = ""; refreshLog(view.runId); drawCluster(run); };
+  const el = document.getElementById("cluster");
+  const layout = JSON.stringify(Object.entries(jobs).map(([job, tasks]) => [job, tasks.map(([name]) => name)]));
+  if (el.dataset.layout !== layout) {
+    el.innerHTML = Object.entries(jobs).map(([job, tasks]) => `
+      <div class="job"><div class="job-name">${esc(job)}</div><div class="tasks">${tasks.map(([name]) => `
+        <button class="task" data-task="${esc(name)}"><div class="name">${esc(name)}</div><div class="detail"></div>` +
+        `<div class="detail"></div><div class="detail"></div></button>`).join("")}</div></div>`).join("");
+    el.dataset.layout = layout;
+    for (const b of el.querySelectorAll(".task")) b.onclick = () => openLog(b.dataset.task);
+  }
+  for (const b of el.querySelectorAll(".task")) {
+    const name = b.dataset.task, t = run.tasks[name];
+    b.className = `task ${t.exit_code && t.state !== "retired" ? "failed-exit" : ""} ${name === view.logTask ? "selected" : ""}`;
+    b.dataset.state = t.state;
+    const lines = [`${t.state} · attempt ${t.attempt}`,
+      `${t.address || ""}${t.pid ? " · pid " + t.pid : ""}${t.scheduler_id ? " · " + t.scheduler_id : ""}`,
+      `${t.metrics && t.metrics.global_step !== undefined ? "step " + num(t.metrics.global_step) : ""} ${t.exit_cause || ""}`.trim()];
+    b.querySelectorAll(".detail").forEach((d, i) => { if (d.textContent !== lines[i]) d.textContent = lines[i]; });
   }
 }
 
