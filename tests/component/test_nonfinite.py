@@ -15,6 +15,7 @@ Real servers and Trainers on 127.0.0.1 (tests/component/inproc.py). What is prov
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -45,11 +46,16 @@ def test_nan_pushes_are_refused_and_the_job_trains_on(mode: str, caplog: pytest.
             t.prepare()
         calls = 0
         x, y = batch_for(1)
+        # async: worker:0 starts once worker:1 is past its NaN calls, or on a busy machine it could take the
+        # job to its stop step first (sync steps both in lockstep)
+        poisoned_done = threading.Event()
 
         def poisoned(t):  # noqa: ANN001, ANN202 - worker:1's loop, its loss NaN on NAN_CALLS
             def loss() -> torch.Tensor:
                 nonlocal calls
                 calls += 1
+                if calls > max(NAN_CALLS):
+                    poisoned_done.set()
                 value = F.cross_entropy(models[1](x), y)
                 return value * float("nan") if calls in NAN_CALLS else value
             while not t.stopped:
@@ -57,8 +63,9 @@ def test_nan_pushes_are_refused_and_the_job_trains_on(mode: str, caplog: pytest.
             t.close()
 
         with caplog.at_level(logging.WARNING):
-            run_threads([lambda: train(trainers[0], models[0], 0, max_steps=MAX_STEPS), lambda: poisoned(trainers[1])],
-                        timeout_s=WAIT_S)
+            run_threads([lambda: (mode == "sync" or poisoned_done.wait(WAIT_S),
+                                  train(trainers[0], models[0], 0, max_steps=MAX_STEPS)),
+                         lambda: poisoned(trainers[1])], timeout_s=WAIT_S)
         statuses = c.status()
         c.settle()
         for shard, service in enumerate(c.services):
