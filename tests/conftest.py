@@ -12,12 +12,42 @@ Without xdist (``pytest tests/unit/...``) nothing changes: the groups are only r
 
 This file is a conftest outside any package, as tests/integration/conftest.py is: pytest loads this
 one first and replaces ``sys.modules["conftest"]`` with the integration one when it gets there, so
-the integration tests' ``from conftest import ...`` still reads theirs. Keep helpers out of here.
+the integration tests' ``from conftest import ...`` still reads theirs. Keep helpers out of here:
+only fixtures, which pytest hands to every test below tests/ without an import (``webhook_receiver``).
 """
 
 from __future__ import annotations
 
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
 import pytest
+
+
+@pytest.fixture
+def webhook_receiver() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A real HTTP server on 127.0.0.1 that records each POST: ``(url, got)``, ``got`` holding each
+    body's JSON object with the request's ``path`` and ``type`` (its Content-Type) added. Answers 204."""
+    got: list[dict[str, Any]] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            got.append({"path": self.path, "type": self.headers["Content-Type"], **json.loads(body)})
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
+    server.shutdown()
+    server.server_close()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -5,10 +5,7 @@ dashboard's while one runs)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from conftest import PSFLOW, ROOT, SOFTMAX, log_tails, task_env
@@ -17,35 +14,14 @@ from dashboard import start_dashboard, wait_for
 pytestmark = [pytest.mark.timeout(300), pytest.mark.long]  # runs that restart, fail and stall for the alerts, 30-40 s each: make test-long
 
 
-@pytest.fixture
-def receiver():
-    got: list[dict] = []
-
-    class Hook(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            got.append({"path": self.path, "type": self.headers["Content-Type"], **json.loads(body)})
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
-    server.shutdown()
-    server.server_close()
-
-
 def _run(home, logdir, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([PSFLOW, "run", "--ps", "1", "--no-live", "--logdir", str(logdir), *flags, SOFTMAX, "--",
                            "--epochs", "2", "--init", "zeros"], capture_output=True, text=True, timeout=240,
                           env=task_env(PSFLOW_HOME=str(home)), cwd=ROOT)
 
 
-def test_a_restart_a_failure_and_a_stall_reach_the_webhook(tmp_path, receiver):
-    url, got = receiver
+def test_a_restart_a_failure_and_a_stall_reach_the_webhook(tmp_path, webhook_receiver):
+    url, got = webhook_receiver
     ui = start_dashboard(tmp_path / "home", tmp_path / "runs", extra=("--alert-webhook", url, "--alert-stall", "2"))
     try:
         wait_for(lambda: "".join(ui.output), lambda out: f"alerts (failed, stalled for 2 s, restarted) go to {url}" in out,
@@ -81,8 +57,8 @@ def test_a_restart_a_failure_and_a_stall_reach_the_webhook(tmp_path, receiver):
     assert [a["kind"] for a in got].count("failed") == 1 and [a["kind"] for a in got].count("restarted") == 1
 
 
-def test_the_launcher_alerts_with_no_dashboard_and_a_dashboard_beside_it_does_not_tell_twice(tmp_path, receiver):
-    url, got = receiver
+def test_the_launcher_alerts_with_no_dashboard_and_a_dashboard_beside_it_does_not_tell_twice(tmp_path, webhook_receiver):
+    url, got = webhook_receiver
     home = tmp_path / "home"
     flaky = ("--workers", "2", "--restart", "on-failure", "--max-restarts", "1",
              "--fail-at", "worker:1@step=30,worker:1@step=5@attempt=1")  # fails, restarts once, fails again: the run fails

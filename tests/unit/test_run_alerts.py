@@ -6,13 +6,9 @@ Runner on the fake Kubernetes cluster (tests/unit/k8s_fake.py)."""
 
 from __future__ import annotations
 
-import json
-import threading
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import pytest
 from k8s_fake import FakeCluster
 
 from psflow.launch.k8s import K8sSettings
@@ -29,26 +25,6 @@ from psflow.platform.uifile import write_ui
 DASHBOARD = "http://127.0.0.1:8899/"
 
 
-@pytest.fixture
-def receiver():
-    got: list[dict] = []
-
-    class Hook(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
-            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
-    server.shutdown()
-    server.server_close()
-
-
 def _failing_run(tmp_path: Path, monkeypatch, run_id: str) -> str:
     """worker:1 fails, is restarted once, fails again: the run fails. Recorded as psflow run records it."""
     monkeypatch.chdir(tmp_path)
@@ -63,8 +39,8 @@ def _failing_run(tmp_path: Path, monkeypatch, run_id: str) -> str:
     return run_id
 
 
-def test_the_dashboards_webhook_is_told_by_the_runs_launcher_once_per_alert(tmp_path, monkeypatch, receiver) -> None:
-    url, got = receiver
+def test_the_dashboards_webhook_is_told_by_the_runs_launcher_once_per_alert(tmp_path, monkeypatch, webhook_receiver) -> None:
+    url, got = webhook_receiver
     home = tmp_path / "home"
     monkeypatch.setenv("PSFLOW_HOME", str(home))
     monkeypatch.delenv("PSFLOW_ALERT_WEBHOOK", raising=False)
@@ -90,8 +66,8 @@ def test_the_dashboards_webhook_is_told_by_the_runs_launcher_once_per_alert(tmp_
     assert sorted((a["run_id"], a["kind"]) for a in got) == [(run_b, "failed"), (run_b, "restarted")], got
 
 
-def test_without_a_webhook_of_its_own_or_a_dashboards_nothing_is_told(tmp_path, monkeypatch, receiver) -> None:
-    url, got = receiver
+def test_without_a_webhook_of_its_own_or_a_dashboards_nothing_is_told(tmp_path, monkeypatch, webhook_receiver) -> None:
+    url, got = webhook_receiver
     home = tmp_path / "home"
     monkeypatch.setenv("PSFLOW_HOME", str(home))
     monkeypatch.delenv("PSFLOW_ALERT_WEBHOOK", raising=False)
