@@ -118,6 +118,26 @@ def test_a_recorded_run_gives_the_same_plan_again_as_a_new_run_in_its_logdir(tmp
     assert relative.script == str(script)  # relative to where it was launched, whatever the cwd now
 
 
+@pytest.mark.parametrize("policy, said", [
+    ({"kind": "on-failure", "max_restart": 2}, "RestartPolicy has no setting 'max_restart' (received 2). Known: kind, "
+                                               "max_restarts, max_restarts_per_run, backoff_base_s, backoff_max_s, by_job."),
+    ({"kind": "sometimes"}, "kind must be 'never', 'on-failure', 'always' or 'exit-code'; received 'sometimes'"),
+    ({"max_restarts": -1}, "max_restarts must be >= 0; received -1 (restarts allowed per task)"),
+    ({"max_restarts": "3"}, "max_restarts must be a valid integer; received '3'"),
+    ({"backoff_base_s": 30.0, "backoff_max_s": 10.0}, "received backoff_base_s=30.0, backoff_max_s=10.0"),
+    ({"by_job": [["launcher", "never"]]}, "Restart policy for job 'launcher': no such job"),
+])
+def test_a_bad_recorded_restart_policy_is_refused_naming_the_field_the_value_and_what_to_do(tmp_path, policy, said):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    spec = spec_of_run({**_record(), "script": str(script), "logdir": str(tmp_path / "run"), "restart_policy": policy})
+    with pytest.raises(ConfigError) as e:
+        plan_of(spec)
+    message = str(e.value)
+    assert message.startswith("The launch's restart_policy: ") and said in message, message
+    assert "start the run again with psflow run --restart SPEC" in message, message
+
+
 def test_a_spec_that_psflow_run_would_refuse_is_refused_before_anything_starts(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("")

@@ -4,6 +4,9 @@ restarted), stepped by hand."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 from test_controller import GRACE_S, exit_, running
 
@@ -117,3 +120,16 @@ def test_a_restart_the_runs_budget_does_not_allow_says_so() -> None:
     c.handle(TaskStarted("worker:0", 1, at=1.0, handle=200))
     exit_(c, "worker:1", 1, at=2.0)
     assert c.records["worker:1"].exits[-1].not_restarted == "the run's restart budget is spent (1 of 1 per run)"
+
+
+@pytest.mark.parametrize("fields, said", [
+    (["on-failure"], "A restart policy must be a mapping of RestartPolicy's fields (kind, max_restarts, "),
+    ({"kind": "always", "backoff_max_s": float("inf")}, "A restart policy: RestartPolicy: backoff_max_s must be "
+                                                        "a finite number; received inf"),
+])
+def test_a_policy_read_back_from_a_dict_is_checked_as_the_constructor_checks_it(fields: object, said: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        RestartPolicy.from_dict(fields, fix="Do this.")
+    assert said in str(e.value) and str(e.value).endswith(" Do this."), str(e.value)
+    policy = RestartPolicy.parse("on-failure,ps=never", max_restarts=2)
+    assert RestartPolicy.from_dict(json.loads(json.dumps(asdict(policy)))) == policy  # as a job store reads it back

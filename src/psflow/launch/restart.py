@@ -90,6 +90,33 @@ class RestartPolicy:
         return self
 
     @classmethod
+    def from_dict(cls, fields: object, *, what: str = "A restart policy", fix: str = "") -> RestartPolicy:
+        """The policy whose fields ``fields`` names (``dataclasses.asdict`` of one, read back from JSON:
+        a job store's record, a launch spec), checked as the constructor checks them.
+
+        Args:
+            fields: ``{"kind": ..., "max_restarts": ..., ...}``; a field left out keeps its default.
+            what: where ``fields`` came from, as the user knows it (the error starts with it).
+            fix: a sentence that ends the error: what to do.
+
+        Example:
+            >>> RestartPolicy.from_dict({"kind": "on-failure", "by_job": [["ps", "never"]]}).kind_for("ps")
+            'never'
+
+        Raises:
+            ConfigError: ``fields`` is not a mapping, names a field RestartPolicy does not have, or
+                holds a value out of its field's bounds: the field, the value received, what is allowed.
+        """
+        if not isinstance(fields, Mapping):
+            known = ", ".join(cls.__pydantic_fields__)  # type: ignore[attr-defined]
+            raise ConfigError(f"{what} must be a mapping of RestartPolicy's fields ({known}); received "
+                              f"{fields!r}.{f' {fix}' if fix else ''}")
+        try:
+            return cls(**fields)
+        except ConfigError as e:
+            raise ConfigError(f"{what}: {e}{f' {fix}' if fix else ''}") from e
+
+    @classmethod
     def parse(cls, spec: str | None, **budgets: Any) -> RestartPolicy:
         """The policy of ``psflow run --restart SPEC`` with the given budgets and backoff.
 

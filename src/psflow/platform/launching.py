@@ -194,6 +194,11 @@ def seed_checkpoint(checkpoint_dir: Path, logdir: Path) -> Path:
     return final
 
 
+_POLICY_FIX = ("A restarted run's policy is the one its job store record holds: start the run again with psflow run "
+               "--restart SPEC instead, or give restart_policy as RestartPolicy's fields, e.g. "
+               '{"kind": "on-failure", "max_restarts": 3}.')
+
+
 def plan_of(spec: LaunchSpec, *, runs_root: Path | None = None) -> LaunchPlan:
     """The launch plan of ``spec``, checked as ``psflow run`` checks its options (pure).
 
@@ -211,7 +216,7 @@ def plan_of(spec: LaunchSpec, *, runs_root: Path | None = None) -> LaunchPlan:
     defaults = TrainConfig().to_dict()  # a recorded run holds every setting: only those off their default count as given
     given = {k for k, v in spec.config.items() if defaults.get(k) != v} | {"num_ps"}
     check_launch_settings(config, given, num_replicas=spec.num_workers + int(spec.chief), num_ps=spec.num_ps)
-    policy = RestartPolicy(**_policy_fields(spec.restart_policy))
+    policy = RestartPolicy.from_dict(spec.restart_policy, what="The launch's restart_policy", fix=_POLICY_FIX)
     plan = make_plan(spec.script, list(spec.args), num_ps=spec.num_ps, num_workers=spec.num_workers, chief=spec.chief,
                      evaluator=spec.evaluator, logdir=logdir, config=config, threads=spec.threads, restart=policy,
                      hangs=HangPolicy(**spec.hangs), extra_env=_url_env(spec.logdir_url))
@@ -276,14 +281,6 @@ def _url_env(logdir_url: str | None) -> dict[str, str] | None:
     from psflow.taskenv import TaskEnv
 
     return TaskEnv(checkpoint_dir=checkpoint_url(logdir_url)).render()
-
-
-def _policy_fields(d: Mapping[str, Any]) -> dict[str, Any]:
-    known = {f.name for f in dataclasses.fields(RestartPolicy)}
-    unknown = set(d) - known
-    if unknown:
-        raise ConfigError(f"Unknown restart policy field(s) {sorted(unknown)}. Known: {sorted(known)}.")
-    return dict(d)
 
 
 def run_here(spec: LaunchSpec, *, live: bool | None = None, runs_root: Path | None = None,
