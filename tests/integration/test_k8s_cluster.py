@@ -99,6 +99,8 @@ def test_a_killed_worker_is_started_again_by_the_job_controller_and_the_run_succ
                            "--fail-at", "worker:1@step=20:kill", "examples/mnist_softmax.py", "--", "--epochs", "1")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "worker:1: Kubernetes restarted it as attempt 1" in done.stdout + done.stderr
+    # the Job controller's own back-off, which the launcher says and waits for (not its --restart-backoff)
+    assert "Kubernetes' Job controller replaces it as attempt 1 in ~10 s" in done.stdout + done.stderr
     assert {t: v["attempt"] for t, v in status["tasks"].items()} == {"ps:0": 0, "worker:0": 0, "worker:1": 1}
 
 

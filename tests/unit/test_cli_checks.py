@@ -148,6 +148,9 @@ def test_the_restart_policy_reaches_the_plan(script, tmp_path, monkeypatch):
         def __init__(self, **kwargs: object) -> None:
             self.console = Console()
 
+        def restart_backoff(self, policy):  # the launcher's own, as every backend's but Kubernetes'
+            return policy.backoff
+
     def record(self, plan):
         seen["plan"], seen["store"] = plan, self.make_store
         raise SystemExit(0)

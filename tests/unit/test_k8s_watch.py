@@ -14,7 +14,7 @@ import pytest
 from k8s_fake import FakeCluster
 
 from psflow.errors import ClusterError
-from psflow.launch.k8s import K8sSettings
+from psflow.launch.k8s import POD_FAILURE_BACKOFF, K8sSettings
 from psflow.launch.k8swatch import K8sBackend, PodTracker, PodView, load_clients, outcome, parse_report
 from psflow.launch.plan import make_plan
 from psflow.launch.restart import RestartPolicy
@@ -35,9 +35,13 @@ def make(tmp_path, monkeypatch, restart="never", **kw):
     return replace(plan, run_id="20260101-120000-abc123")
 
 
+# The fake Job controller's back-off is counted in listings, not seconds: the launcher need not wait 10 s for it.
+FAST = replace(POD_FAILURE_BACKOFF, base_s=0.0, max_s=0.0)
+
+
 def backend(cluster, **kw):
     return K8sBackend(SETTINGS, core=cluster.core, batch=cluster.batch, policy=cluster.policy, poll_s=0.001,
-                      echo=kw.pop("echo", lambda s: None), **kw)
+                      echo=kw.pop("echo", lambda s: None), pod_backoff=kw.pop("pod_backoff", FAST), **kw)
 
 
 def run(b, plan, store=file_store):
@@ -71,7 +75,8 @@ def test_a_failed_pod_is_restarted_by_kubernetes_per_policy_and_the_run_store_re
     plan = make(tmp_path, monkeypatch, restart="on-failure")
     cluster = FakeCluster(exits={("worker:1", 0): 1}, messages={("worker:1", 0): json.dumps(
         {"task": "worker:1", "exception": "RuntimeError", "message": "boom"})})
-    result = run(backend(cluster), plan)
+    said: list[str] = []
+    result = run(backend(cluster, echo=said.append, pod_backoff=replace(POD_FAILURE_BACKOFF, base_s=0.05)), plan)
     assert result.exit_code == 0, result.summary
     pods = sorted((cluster.task_of(p), p["attempt"], p["phase"]) for p in cluster.pods.values())
     assert ("worker:1", 0, "Failed") in pods and ("worker:1", 1, "Succeeded") in pods
@@ -79,6 +84,10 @@ def test_a_failed_pod_is_restarted_by_kubernetes_per_policy_and_the_run_store_re
     assert tasks["worker:1"]["attempt"] == 1 and tasks["worker:0"]["attempt"] == 0
     restarts = [e for e in events_of(tmp_path) if e["event"] == "restart"]
     assert [(e["task"], e["attempt"], e["reason"]) for e in restarts] == [("worker:1", 1, "exit code 1")]
+    assert [e["after_s"] for e in restarts] == [0.05]  # Kubernetes' back-off, not the policy's (0 here)
+    assert any("Kubernetes' Job controller replaces it as attempt 1 in ~0.05 s (its own back-off; restart 1 of 2" in line
+               for line in said), said
+    assert not any("restarting it as attempt" in line for line in said), said
     exits = [(e["task"], e["attempt"], e["code"]) for e in events_of(tmp_path) if e["event"] == "task_exited"]
     assert ("worker:1", 0, 1) in exits and ("worker:1", 1, 0) in exits
     report = json.loads((tmp_path / "runs/k/errors/worker-1.json").read_text())
@@ -246,16 +255,22 @@ def test_psflow_run_backend_k8s_submits_follows_and_exits_with_the_runs_code(tmp
     monkeypatch.setattr(k8swatch, "load_clients", lambda: (cluster.core, cluster.batch, cluster.policy))
     monkeypatch.setattr(K8sBackend, "__init__", _fast_init(K8sBackend.__init__))
     r = CliRunner().invoke(main, ["run", "--backend", "k8s", "--image", "train:1", "--volume-claim", "logs", "--restart",
-                                  "on-failure", "--logdir", "runs/cli", "train.py"])
+                                  "on-failure", "--restart-backoff", "5", "--logdir", "runs/cli", "train.py"])
     assert r.exit_code == 0, r.output
     assert "Kubernetes restarted it as attempt 1 (attempt 0: exit code 1)" in r.output
+    # --restart-backoff is the launcher's: said not to apply, and the banner and each restart give Kubernetes' own
+    assert "--restart-backoff and --restart-backoff-max are not applied on --backend k8s: Kubernetes' Job controller" in r.output
+    assert "up to 3 restarts per task, Kubernetes' Job controller's backoff: 0.05 s doubling to 600 s" in r.output
+    assert "Kubernetes' Job controller replaces it as attempt 1 in ~0.05 s" in r.output
+    helped = " ".join(CliRunner().invoke(main, ["run", "--help"]).output.split())
+    assert "Not on --backend k8s: Kubernetes' Job controller replaces a failed pod after its own back-off" in helped
     assert f"created Job {next(iter(cluster.objects['Job']))}" in r.output
     assert json.loads((tmp_path / "runs/cli/summary.json").read_text())["status"] == "succeeded"
 
 
 def _fast_init(init):
     def fast(self, settings, **kw):
-        init(self, settings, **{**kw, "poll_s": 0.001})
+        init(self, settings, **{**kw, "poll_s": 0.001, "pod_backoff": replace(POD_FAILURE_BACKOFF, base_s=0.05)})
     return fast
 
 

@@ -77,9 +77,11 @@ from psflow.modes import Mode
 @click.option("--max-restarts-per-run", type=click.IntRange(min=0), default=None,
               help="With --restart: restarts allowed for all tasks together (default: no cap).")
 @click.option("--restart-backoff", "backoff_base_s", type=click.FloatRange(min=0), default=None,
-              help="With --restart: seconds before a task's first restart, doubled for each later one (default 1).")
+              help="With --restart: seconds before a task's first restart, doubled for each later one (default 1). "
+                   "Not on --backend k8s: Kubernetes' Job controller replaces a failed pod after its own back-off "
+                   "(10 s, doubled per failure of the pod's index, up to 10 min).")
 @click.option("--restart-backoff-max", "backoff_max_s", type=click.FloatRange(min=0), default=None,
-              help="With --restart: the longest wait before a restart, in seconds (default 60).")
+              help="With --restart: the longest wait before a restart, in seconds (default 60; not on --backend k8s).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Torch threads per task (default: the cores shared evenly by the tasks); a script's own "
                    "torch.set_num_threads still wins.")
@@ -163,7 +165,8 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     except PsflowError as e:
         raise click.ClickException(str(e)) from e
     jobs = tuple(dict.fromkeys(t.split(":")[0] for t in plan.task_names()))
-    restarts = f"restart={policy.describe(jobs)}; " if policy.describe(jobs) != "never" else ""
+    described = policy.describe(jobs, assembled.backend.restart_backoff(policy))  # Kubernetes': its own backoff
+    restarts = f"restart={described}; " if described != "never" else ""
     watchdog = f"watchdog: {hangs.describe()}; " if hangs.enabled else ""
     click.echo(f"psflow: run {plan.run_id}: {', '.join(plan.task_names())}; mode={config.mode}; "
                f"threads={plan.threads} per task ({plan.cores} cores{'' if threads else ', --threads N to change'}); "

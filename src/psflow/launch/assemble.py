@@ -24,6 +24,7 @@ from typing import Any
 from psflow.errors import ConfigError
 from psflow.launch.backend import Backend
 from psflow.launch.plan import LaunchPlan
+from psflow.launch.restart import JOBS, RestartPolicy
 from psflow.launch.runner import Runner
 from psflow.launch.runstore import RunStore
 from psflow.launch.watchdog import HangPolicy
@@ -73,7 +74,7 @@ class AssembledRun:
 def assemble_run(plan: LaunchPlan, options: BackendOptions, *, store: Callable[[Backend], StoreFactory] | None = None,
                  register_timeout_s: float = 120.0) -> AssembledRun:
     """The backend of ``options`` and the runner of ``plan`` on it; ``plan`` as it runs there (Kubernetes: no
-    watchdog, its pods send no heartbeats).
+    watchdog, its pods send no heartbeats; a restart backoff given is said to be Kubernetes' instead).
 
     Args:
         store: makes the run-store factory for the backend (the platform's ``recording``); None: the
@@ -88,6 +89,12 @@ def assemble_run(plan: LaunchPlan, options: BackendOptions, *, store: Callable[[
         # Pods report to no coordinator (the launcher may be outside the cluster): no heartbeat to watch.
         backend.console.warn("--hang-timeout is not applied on Kubernetes: the pods send the launcher no heartbeats.")
         plan = dataclasses.replace(plan, hangs=HangPolicy())
+    backoff = backend.restart_backoff(plan.restart)
+    if backoff.by is not None and plan.restart.backoff != RestartPolicy().backoff and \
+            any(plan.restart.restarts(job) for job in JOBS):
+        backend.console.warn(f"--restart-backoff and --restart-backoff-max are not applied on --backend {options.name}: {backoff.by} "
+                             f"starts a failed task again after its own backoff ({backoff.base_s:g} s doubling to "
+                             f"{backoff.max_s:g} s); the restart budgets still apply.")
     runner = Runner(backend, register_timeout_s=register_timeout_s, store=store(backend) if store else None)
     return AssembledRun(plan, backend, runner)
 

@@ -35,6 +35,7 @@ from psflow import errorreport
 from psflow.launch.console import Console
 from psflow.launch.controller import TaskExited
 from psflow.launch.plan import LaunchPlan, TaskPlan
+from psflow.launch.restart import Backoff, RestartPolicy
 from psflow.launch.watchdog import StackDump
 from psflow.rundir import RunDir
 
@@ -92,6 +93,12 @@ class Backend(ABC):
         """``(task, why)`` once, when the place the tasks run in failed the run from outside in a way
         no restart mends (a Slurm allocation lost with a node); ``task`` is blamed. Default: never."""
         return None
+
+    def restart_backoff(self, policy: RestartPolicy) -> Backoff:
+        """The wait before each restart, and who starts the task again after it: the policy's own (the
+        launcher) unless the backend's place restarts tasks by its own rule (Kubernetes' Job controller).
+        The run controller records and says this wait; the restart budgets stay the policy's."""
+        return policy.backoff
 
     def scale_refusal(self, workers: int | None = None) -> str | None:
         """Why this backend cannot add or retire workers of a running run (``psflow scale``), or cannot

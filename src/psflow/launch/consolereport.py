@@ -1,10 +1,11 @@
 """What the launcher's console says about a run's state: one more subscriber of the run controller.
 
 :class:`ConsoleReport` learns a run's changes as the stores do (:mod:`psflow.launch.subscribers`)
-and says them to the user: a task restarted (how its attempt ended, which attempt comes next and
-when, the budget), not restarted (which budget is spent), retired; and, at the run's end, the final
-table, each restarted task's attempts, the root cause (the failed task's exit, its error report or
-its log's last lines, then the others' errors; or the ledger's finding), the ledger's other findings,
+and says them to the user: a task restarted (how its attempt ended, which attempt comes next, when
+and by whom: the launcher, or Kubernetes' Job controller after its own back-off; the budget), not
+restarted (which budget is spent), retired; and, at the run's end, the final table, each restarted
+task's attempts, the root cause (the failed task's exit, its error report or its log's last lines,
+then the others' errors; or the ledger's finding), the ledger's other findings,
 the final line (status, global step, the script's metrics such as accuracy, rate, wall time) and
 where the summary and the logs are. The runner prints none of it.
 """
@@ -55,8 +56,12 @@ class ConsoleReport(RunSubscriber):
             self.exit_order.append((c.task, c.exit))
         elif c.state == "restarting" and self.exits.get(c.task):
             why = f"; {c.group} restarts from its newest checkpoint after {c.trigger}" if c.group else ""
-            self.console.warn(f"{ended(c.task, self.exits[c.task][-1])}{why}; restarting it as attempt {c.attempt} in "
-                              f"{c.after_s or 0.0:.1f} s (restart {c.attempt} of {self.max_restarts} for this task).")
+            budget = f"restart {c.attempt} of {self.max_restarts} for this task"
+            if c.by:  # the backend's place starts it again, after its own back-off (Kubernetes' Job controller)
+                how = f"{c.by} replaces it as attempt {c.attempt} in ~{c.after_s or 0.0:g} s (its own back-off; {budget})"
+            else:
+                how = f"restarting it as attempt {c.attempt} in {c.after_s or 0.0:.1f} s ({budget})"
+            self.console.warn(f"{ended(c.task, self.exits[c.task][-1])}{why}; {how}.")
         elif c.state == "not_restarted" and c.exit is not None:
             self.console.warn(f"{ended(c.task, c.exit)}; not restarted: {c.reason}.")
         elif c.state == "retired":

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from psflow.launch.restart import TRAINING_JOBS, RestartGroup, RestartPolicy
+from psflow.launch.restart import TRAINING_JOBS, Backoff, RestartGroup, RestartPolicy
 from psflow.launch.rootcause import TaskExit, root_cause
 from psflow.launch.subscribers import RunSubscriber, TaskChange
 from psflow.launch.watchdog import Hang, HangPolicy, StackDump, Watchdog
@@ -299,7 +299,9 @@ class TaskRecord:
 
 
 class RunController:
-    """The rules of one run over ``tasks`` (plan order: the root-cause tie-break).
+    """The rules of one run over ``tasks`` (plan order: the root-cause tie-break). ``backoff``: the wait
+    before each restart where it is not the policy's own (the backend's place restarts the tasks by its
+    rule: :meth:`psflow.launch.backend.Backend.restart_backoff`); the budgets are the policy's either way.
 
     Example:
         >>> c = RunController(["ps:0", "worker:0"], grace_s=5, ps_exit_timeout_s=60)
@@ -315,7 +317,8 @@ class RunController:
 
     def __init__(self, tasks: Sequence[str], *, grace_s: float, ps_exit_timeout_s: float,
                  policy: RestartPolicy | None = None, hangs: HangPolicy | None = None,
-                 group: RestartGroup | None = None, subscriber: RunSubscriber | None = None) -> None:
+                 group: RestartGroup | None = None, subscriber: RunSubscriber | None = None,
+                 backoff: Backoff | None = None) -> None:
         if not tasks:
             raise ValueError("A run needs at least one task; received none.")
         self.names = list(tasks)
@@ -323,6 +326,7 @@ class RunController:
         self.grace_s = grace_s
         self.ps_exit_timeout_s = ps_exit_timeout_s
         self.policy = policy or RestartPolicy()
+        self.backoff = backoff or self.policy.backoff
         self.records = {t: TaskRecord(t) for t in self.names}
         self.phase = "new"  # new | running | draining | stopping | finished
         self.now = -math.inf
@@ -589,21 +593,22 @@ class RunController:
         if self.policy.max_restarts_per_run is not None and self.restarts >= self.policy.max_restarts_per_run:
             return self._not_restarted(rec, exit_, f"the run's restart budget is spent ({self.restarts} of "
                                                    f"{self.policy.max_restarts_per_run} per run)")
-        after_s = self.policy.backoff_s(self._quick_exits(rec))
+        after_s = self.backoff.wait_s(self._quick_exits(rec) if self.backoff.resets else rec.attempt + 1)
         exit_.restarted = True
         self.restarts += 1
         rec.state, rec.attempt, rec.restart_due = "backoff", rec.attempt + 1, self.now + after_s
-        self._tell(TaskChange(rec.task, "restarting", rec.attempt, self.now, after_s=after_s, reason=exit_.cause))
+        self._tell(TaskChange(rec.task, "restarting", rec.attempt, self.now, after_s=after_s, reason=exit_.cause,
+                              by=self.backoff.by))
         return RestartTask(rec.task, rec.attempt, after_s, describe_exit(exit_.code))
 
     def _quick_exits(self, rec: TaskRecord) -> int:
         """The backoff's exponent: this is the n-th restart since ``rec``'s last healthy attempt (one
-        that ran at least ``backoff_max_s``; one whose start was not seen counts as quick). So the
-        restart of a healthy attempt waits ``backoff_base_s`` again, and the quick deaths after it double it."""
+        that ran at least the longest wait; one whose start was not seen counts as quick). So the
+        restart of a healthy attempt waits the first backoff again, and the quick deaths after it double it."""
         n = 0
         for x in reversed(rec.exits):
             n += 1
-            if x.ran_s is not None and x.ran_s >= self.policy.backoff_max_s:
+            if x.ran_s is not None and x.ran_s >= self.backoff.max_s:
                 break
         return max(1, n)
 
@@ -647,12 +652,12 @@ class RunController:
         for rec in members:
             if rec.state != "exited":
                 continue  # waiting for its own restart already (a worker's), or never started
-            after_s = self.policy.backoff_s(rec.attempt + 1)
+            after_s = self.backoff.wait_s(rec.attempt + 1)
             rec.exits[-1].restarted = True
             self.restarts += 1
             rec.state, rec.attempt, rec.restart_due = "backoff", rec.attempt + 1, self.now + after_s
             self._tell(TaskChange(rec.task, "restarting", rec.attempt, self.now, after_s=after_s,
-                                  reason=rec.exits[-1].cause, group=self.group.what, trigger=cause))
+                                  reason=rec.exits[-1].cause, group=self.group.what, trigger=cause, by=self.backoff.by))
             out.append(RestartTask(rec.task, rec.attempt, after_s, cause, group=self.group.what))
         return out
 

@@ -9,8 +9,8 @@ submits what this module renders and watches it) and by ``psflow k8s tfjob``. Th
 - one indexed Job per job type: the pod of index *i* is task ``<type>:<i>``, named in ``TF_CONFIG``
   (its index from the downward API); a task binds every interface of its pod;
 - restarts are Kubernetes' (:func:`restart_fields` maps the run's policy per job; every attempt is a
-  pod of its own), ``max_restarts_per_run`` held across the run by the launcher's run controller
-  (:class:`psflow.launch.k8swatch.K8sBackend` is driven by the runner as every backend is);
+  pod of its own, after :data:`POD_FAILURE_BACKOFF`), ``max_restarts_per_run`` held across the run
+  by the launcher's run controller (:class:`psflow.launch.k8swatch.K8sBackend`, driven by the runner);
 - a failing task's error report is its container's termination message (``/dev/termination-log``);
 - the log dir is one ReadWriteMany claim mounted at ``/psflow`` (or each pod's ``emptyDir`` where the
   checkpoints go to an object store, ``env_secret`` then the pods' environment);
@@ -41,7 +41,7 @@ from typing import Any
 
 from psflow.errors import ConfigError
 from psflow.launch.plan import LaunchPlan, TaskPlan
-from psflow.launch.restart import RestartPolicy
+from psflow.launch.restart import Backoff, RestartPolicy
 
 SECRET_DIR = "/var/run/psflow/secret"
 SECRET_KEY = "secret"
@@ -62,6 +62,9 @@ _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 MIN_KUBERNETES = "1.29"
+# The Job controller's wait before a failed index's next pod (DefaultJobPodFailureBackOff, MaxJobPodFailureBackOff):
+# 10 s doubling per failure of the index, at most 10 min, never reset by a long healthy run (the failure count only grows).
+POD_FAILURE_BACKOFF = Backoff(10.0, 600.0, resets=False, by="Kubernetes' Job controller")
 DEFAULT_UID = 10001  # the Dockerfile's user: runAsNonRoot needs a numeric one to check
 # psflow's variables the manifests set themselves, per pod, instead of the plan's (which are the launcher's view).
 _REPLACED = ("PSFLOW_TASK", "PSFLOW_LOGDIR", "PSFLOW_ERROR_FILE", "PSFLOW_SECRET", "PSFLOW_SECRET_FILE",

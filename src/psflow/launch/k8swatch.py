@@ -47,6 +47,7 @@ from psflow.launch.k8s import (
     FAILURE_COUNT_ANNOTATION,
     INDEX_ANNOTATION,
     JOB_LABEL,
+    POD_FAILURE_BACKOFF,
     RUN_LABEL,
     K8sSettings,
     job_name,
@@ -56,7 +57,7 @@ from psflow.launch.k8s import (
     to_yaml,
 )
 from psflow.launch.plan import LaunchPlan, TaskPlan
-from psflow.launch.restart import restart_group
+from psflow.launch.restart import Backoff, RestartPolicy, restart_group
 from psflow.rundir import RunDir
 
 # ------------------------------------------------------------------------------------ pure core
@@ -314,6 +315,8 @@ class K8sBackend(Backend):
             run is stopped (:meth:`ended_by`) and its objects deleted.
         secret: the job secret the pods read (default: a fresh random one per run).
         keep_logs: logs of earlier runs into the same log dir kept per task.
+        pod_backoff: the Job controller's wait before a failed index's next pod
+            (:data:`psflow.launch.k8s.POD_FAILURE_BACKOFF`; a test against a fake controller gives its own).
 
     Example:
         >>> Runner(K8sBackend(K8sSettings(image="registry/train:1", volume_claim="psflow-logs"))).run(plan).exit_code
@@ -322,7 +325,7 @@ class K8sBackend(Backend):
 
     def __init__(self, settings: K8sSettings, *, core: Any = None, batch: Any = None, policy: Any = None,
                  poll_s: float = 2.0, run_timeout_s: float | None = None, echo: Callable[[str], None] | None = None,
-                 secret: str | None = None, keep_logs: int = 5) -> None:
+                 secret: str | None = None, keep_logs: int = 5, pod_backoff: Backoff = POD_FAILURE_BACKOFF) -> None:
         super().__init__(Console(echo, live=False))
         self.settings = settings
         self._core, self._batch, self._policy = core, batch, policy
@@ -330,6 +333,7 @@ class K8sBackend(Backend):
         self.run_timeout_s = run_timeout_s
         self.secret = secret
         self.keep_logs = keep_logs
+        self.pod_backoff = pod_backoff
         self._stop_reason: str | None = None
         self._wake = threading.Event()
         self._reset(None)
@@ -352,6 +356,10 @@ class K8sBackend(Backend):
     def script(self, plan: LaunchPlan) -> str:
         """The run's manifests as YAML (``psflow run --backend k8s --dry-run``), with a fresh secret."""
         return to_yaml(render_run(plan, self.settings, self.secret or secrets.token_hex(32)))
+
+    def restart_backoff(self, policy: RestartPolicy) -> Backoff:
+        """Kubernetes' wait, whatever the policy's backoff: the Job controller makes a failed index's next pod."""
+        return self.pod_backoff
 
     def request_stop(self, reason: str) -> None:
         """Stop the run from another thread: the runner takes it through :meth:`ended_by`."""

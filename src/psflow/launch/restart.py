@@ -22,7 +22,8 @@ per-task one); a restart the budgets do not allow fails the run. A task's restar
 ``backoff_base_s * 2**(n-1)``, at most ``backoff_max_s``, where n counts its latest attempts in a row
 that ended before running ``backoff_max_s``: an attempt that outlived the longest wait was healthy,
 and its restart waits ``backoff_base_s`` again (so a task killed now and then, hours apart, is not
-kept waiting a minute each time).
+kept waiting a minute each time). Where the backend's place restarts the tasks itself (Kubernetes),
+its own :class:`Backoff` stands in for the policy's.
 
 ``--restart`` syntax: comma-separated items, each ``POLICY`` (every job not named otherwise) or
 ``JOB=POLICY``: ``on-failure``, ``worker=on-failure,ps=never``, ``on-failure,ps=never``.
@@ -169,12 +170,14 @@ class RestartPolicy:
         status = 128 - code if code < 0 else code  # exit-code: killed by signal N reads as 128 + N
         return 128 <= status <= 255
 
-    def backoff_s(self, restart: int) -> float:
-        """The wait before a task's ``restart``-th restart (1 for the first)."""
-        return min(self.backoff_max_s, self.backoff_base_s * 2.0 ** (restart - 1))
+    @property
+    def backoff(self) -> Backoff:
+        """The launcher's own wait before each restart (``backoff_base_s`` doubling to ``backoff_max_s``)."""
+        return Backoff(self.backoff_base_s, self.backoff_max_s)
 
-    def describe(self, jobs: tuple[str, ...] = JOBS) -> str:
-        """One line for the launcher's banner: ``worker: on-failure, ps: never; up to 3 restarts per task ...``."""
+    def describe(self, jobs: tuple[str, ...] = JOBS, backoff: Backoff | None = None) -> str:
+        """One line for the launcher's banner: ``worker: on-failure, ps: never; up to 3 restarts per task ...``;
+        ``backoff``: the wait that applies where it is not the policy's (the backend's, :class:`Backoff`)."""
         kinds = {j: self.kind_for(j) for j in jobs}
         if not any(k != "never" for k in kinds.values()):
             return "never"
@@ -183,8 +186,37 @@ class RestartPolicy:
             by_kind.setdefault(kind, []).append(job)
         shown = ", ".join(f"{'/'.join(js)}: {k}" for k, js in by_kind.items())
         run_cap = f", {self.max_restarts_per_run} per run" if self.max_restarts_per_run is not None else ""
-        return (f"{shown}; up to {self.max_restarts} restarts per task{run_cap}, backoff {self.backoff_base_s:g} s "
-                f"doubling to {self.backoff_max_s:g} s")
+        return f"{shown}; up to {self.max_restarts} restarts per task{run_cap}, {(backoff or self.backoff).describe()}"
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The wait before a task's restart: ``base_s * 2**(n-1)``, at most ``max_s``, before its n-th restart.
+
+    ``resets``: the launcher's rule (:attr:`RestartPolicy.backoff`): n counts only the task's latest
+    attempts in a row that ended before running ``max_s`` (an attempt that outlived the longest wait
+    was healthy). Without it, n counts every restart of the task, as Kubernetes' Job controller counts
+    every failure of a pod's index. ``by``: who starts the task again after the wait (None: the
+    launcher; else the backend's place, by its own rule whatever the policy's backoff says).
+
+    Example:
+        >>> [Backoff(10.0, 600.0, resets=False).wait_s(n) for n in (1, 2, 7)]
+        [10.0, 20.0, 600.0]
+    """
+
+    base_s: float
+    max_s: float
+    resets: bool = True
+    by: str | None = None
+
+    def wait_s(self, n: int) -> float:
+        """The wait before the ``n``-th restart (1 for the first)."""
+        return min(self.max_s, self.base_s * 2.0 ** min(n - 1, 64))  # bounded: a float power past 2**1023 overflows
+
+    def describe(self) -> str:
+        """``backoff 1 s doubling to 60 s``, or whose it is: ``Kubernetes' Job controller's backoff: 10 s ...``."""
+        whose = f"{self.by}'s backoff:" if self.by else "backoff"
+        return f"{whose} {self.base_s:g} s doubling to {self.max_s:g} s"
 
 
 def _kind(value: str, spec: str | None) -> str:

@@ -153,7 +153,8 @@ class Runner:
             policy = self.policy or plan.restart
             subscribers = Subscribers(self.subscribers(plan, store, policy), warn=self.console.warn)
             controller = RunController(plan.task_names(), grace_s=plan.grace_s, ps_exit_timeout_s=plan.ps_exit_timeout_s,
-                                       policy=policy, hangs=plan.hangs, group=group, subscriber=subscribers)
+                                       policy=policy, hangs=plan.hangs, group=group, subscriber=subscribers,
+                                       backoff=self.backend.restart_backoff(policy))
             launcher = TaskEnv(coordinator=address, secret_file=str(secret_file)).render()
             envs = {tp.task: {**dict(tp.env), **launcher} for tp in plan.tasks}
             self._scaling = _Scaling(plan, coord, envs, launcher)
@@ -166,7 +167,7 @@ class Runner:
         findings, finished = read_ledger(finished, coord.reports, self._scaling.plan)
         failure = failure_in_words(controller, finished.root_cause)
         summary = build_summary(self._scaling.plan, coord.reports, coord.addresses, controller.records, time.time() - t0,
-                                finished.status, finished.root_cause, findings, failure=failure)
+                                finished.status, finished.root_cause, findings, failure=failure, backoff=controller.backoff)
         if plan.config.timeline:  # every task has exited: merge their spans into one trace
             write_trace(plan.logdir)
         subscribers.on_run_end(RunOutcome(finished.status, finished.exit_code, finished.root_cause, failure, summary))

@@ -38,7 +38,8 @@ class TaskChange:
     ``state``: ``started`` (``handle``: the backend's id, a pid), ``exited`` (``exit``: the attempt's
     exit record: code, cause, hang), ``hung`` (``hang``: the watchdog's finding, where the stacks
     went), ``restarting`` (``after_s``; ``reason``: how the attempt before ended; ``group``: the restart
-    group it restarts with, ``trigger``: the exit that restarts the group), ``not_restarted`` (the
+    group it restarts with, ``trigger``: the exit that restarts the group; ``by``: who starts it again
+    after ``after_s``, None for the launcher, ``"Kubernetes' Job controller"``), ``not_restarted`` (the
     policy would restart the exit ``exit`` but a budget is spent: ``reason``), ``added`` (a scale
     request added the task) or ``retired`` (a scale request retired it).
     """
@@ -54,6 +55,7 @@ class TaskChange:
     reason: str | None = None
     group: str | None = None
     trigger: str | None = None
+    by: str | None = None
 
     def __post_init__(self) -> None:
         if self.state not in TASK_STATES:

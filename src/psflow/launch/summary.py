@@ -15,6 +15,7 @@ from psflow.launch.controller import TaskRecord, signal_name
 from psflow.launch.copies import Finding, backup_workers, shard_copies
 from psflow.launch.metrics import job_rate, run_metrics, task_metrics, trainer_figures
 from psflow.launch.plan import LaunchPlan
+from psflow.launch.restart import Backoff
 from psflow.rundir import RunDir
 from psflow.timeline import job_shares
 
@@ -22,7 +23,7 @@ from psflow.timeline import job_shares
 def build_summary(
     plan: LaunchPlan, reports: Mapping[str, Mapping[str, Any]], addresses: Mapping[str, str],
     records: Mapping[str, TaskRecord], wall_s: float, status: str, root_cause: str | None,
-    findings: Sequence[Finding] = (), *, failure: Mapping[str, Any] | None = None,
+    findings: Sequence[Finding] = (), *, failure: Mapping[str, Any] | None = None, backoff: Backoff | None = None,
 ) -> dict[str, Any]:
     """The run's summary.json.
 
@@ -37,6 +38,7 @@ def build_summary(
         findings: the ledger's findings over the ps's shard copies (:func:`psflow.launch.copies.check_copies`).
         failure: the root cause in words (:func:`psflow.errorreport.describe_root_cause`), as
             the runner put it once for every reader.
+        backoff: the wait before each restart where it is not the policy's (the backend's: Kubernetes').
     """
     # A task stopped or killed has no final report: its last live progress counts (see launch.metrics).
     figures = trainer_figures(reports)
@@ -77,7 +79,7 @@ def build_summary(
         "restarts": sum(1 for r in records.values() for x in r.exits if x.restarted),
         **({"ledger": {"copies": [c.row() for cs in copies.values() for c in cs], "findings": [f.to_dict() for f in findings],
                        "agree": not any(f.fails for f in findings)}} if (copies := shard_copies(reports)) or findings else {}),
-        "restart_policy": plan.restart.describe(tuple(dict.fromkeys(t.split(":")[0] for t in plan.task_names()))),
+        "restart_policy": plan.restart.describe(tuple(dict.fromkeys(t.split(":")[0] for t in plan.task_names())), backoff),
         "tasks": [task_entry(plan, r, addresses.get(t)) for t, r in records.items() if r.started],
         "reports": reports,
         **({"timeline": shares} if (shares := job_shares(reports)) else {}),  # psflow run --timeline
