@@ -232,29 +232,12 @@ class PodTracker:
         self._exited[key], self._causes[key] = code, cause
         return Exited(view.task, view.attempt, code, False, None, view.name)
 
-    def tasks(self) -> list[dict[str, Any]]:
-        """Each task's attempts and exits so far, for the run's summary."""
-        out: dict[str, dict[str, Any]] = {}
-        for task, attempt in sorted(self._started):
-            t = out.setdefault(task, {"task": task, "attempts": 0, "exits": []})
-            t["attempts"] = max(t["attempts"], attempt + 1)
-            if (task, attempt) in self._exited:
-                t["exits"].append({"attempt": attempt, "code": self._exited[(task, attempt)],
-                                   "cause": self._causes[(task, attempt)]})
-        return list(out.values())
-
     def last_failure(self) -> tuple[str, int, int] | None:
         """(task, attempt, code) of the first failed exit whose task was not started again: the root cause."""
         for (task, attempt), code in self._exited.items():
             if code != 0 and (task, attempt + 1) not in self._started and (task, attempt) not in self._disrupted:
                 return task, attempt, code
         return None
-
-    def failures(self) -> list[tuple[str, int, int]]:
-        """Every failed exit seen, (task, attempt, code), in the order seen: each one a restart asked
-        of the run's budget (Kubernetes restarts it if its own per-index budget allows)."""
-        return [(task, attempt, code) for (task, attempt), code in self._exited.items()
-                if code != 0 and (task, attempt) not in self._disrupted]
 
 
 # The Job controller's verdict: the interim condition (set as it decides; 1.31+ for success) or the final one
