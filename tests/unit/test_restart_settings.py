@@ -54,6 +54,25 @@ def test_an_ssh_run_restarts_on_its_hosts_and_a_slurm_run_on_its_nodes(tmp_path)
         spec_of_run(_recorded(tmp_path, BackendOptions(name="slurm", nodes=2), "slurm-4"), {"partition": "gpu"})
 
 
+def test_a_slurm_runs_sbatch_options_are_recorded_and_its_restart_submits_with_them(tmp_path):
+    options = BackendOptions(name="slurm", nodes=2, sbatch_args=("--partition=gpu", "--time=02:00:00",
+                                                                 "--export=ALL,API_TOKEN=abc123"))
+    run = _recorded(tmp_path, options, "slurm-sb")
+    assert run["launch"]["backend_settings"]["sbatch_args"] == ["--partition=gpu", "--time=02:00:00"]
+    assert "abc123" not in str(run)  # an option naming a credential is never kept
+    spec = spec_of_run(run)
+    assert spec.sbatch_args == ("--partition=gpu", "--time=02:00:00")
+    assert LaunchSpec.from_json(spec.to_json()) == spec  # the detached launcher reads it back from JSON
+    script = make_backend(backend_options(spec)).script(plan_of(spec))
+    assert "#SBATCH --partition=gpu\n#SBATCH --time=02:00:00\n" in script  # used to be lost on restart
+    # psflow restart RUN --sbatch-arg / the API's body: the whole list in place of the recorded one
+    again = spec_of_run(_recorded(tmp_path, options, "slurm-sb2"), {"sbatch_args": ("--partition=cpu",)})
+    assert again.sbatch_args == ("--partition=cpu",)
+    assert spec_of_run(_recorded(tmp_path, BackendOptions(name="slurm"), "slurm-none")).sbatch_args == ()
+    with pytest.raises(ConfigError, match="--sbatch-arg is for --backend slurm; this run is local"):
+        plan_of(dataclasses.replace(spec, backend="local", nodes=None))
+
+
 def test_a_k8s_run_keeps_its_image_and_options_but_never_a_secret(tmp_path):
     k8s = {"image": "reg.example/train:1", "namespace": "ml", "volume_claim": "runs", "memory": "4Gi",
            "env_secret": "wandb-key", "image_pull_secrets": ("regcred",), "gpus_per_worker": 1}
@@ -91,6 +110,10 @@ def test_the_apis_restart_reuses_the_recorded_settings_and_its_body_overrides_th
                         headers={"Authorization": "Bearer t"})
     assert client.post("/api/runs/slurm-run/restart").status_code == 409
     assert client.post("/api/runs/slurm-run/restart", json={"nodes": 3}).status_code == 409
-    assert [(s.backend, s.nodes) for s in launched] == [("slurm", 2), ("slurm", 3)]
+    assert client.post("/api/runs/slurm-run/restart", json={"sbatch_args": "--qos=high '--comment=a b'"}).status_code == 409
+    assert [(s.backend, s.nodes, s.sbatch_args) for s in launched] == [("slurm", 2, ()), ("slurm", 3, ()),
+                                                                        ("slurm", 2, ("--qos=high", "--comment=a b"))]
+    refused = client.post("/api/runs/slurm-run/restart", json={"sbatch_args": "-p gpu"})
+    assert refused.status_code == 422 and "--sbatch-arg '-p' is not one sbatch option" in refused.text
     refused = client.post("/api/runs/slurm-run/restart", json={"hosts": "node1:2"})
     assert refused.status_code == 422 and "hosts is for the ssh backend" in refused.text

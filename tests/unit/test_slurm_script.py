@@ -137,10 +137,36 @@ def test_dry_run_prints_the_batch_script_and_starts_nothing(tmp_path):
     assert not logdir.exists()  # nothing written, nothing submitted
 
 
+def test_sbatch_args_from_the_cli_go_into_the_batch_script_after_psflows_own(tmp_path):
+    r = CliRunner().invoke(main, ["run", "--backend", "slurm", "--sbatch-arg", "--partition=gpu", "--sbatch-arg=--time=02:00:00",
+                                  "--sbatch-arg", "--gres=gpu:2", "--dry-run", "--logdir", str(tmp_path / "dry"), SOFTMAX])
+    assert r.exit_code == 0, r.output
+    assert sbatch_options(r.output)[-3:] == ["--partition=gpu", "--time=02:00:00", "--gres=gpu:2"]
+
+
+@pytest.mark.parametrize("arg, says", [
+    ("-p gpu", "--sbatch-arg '-p gpu' is not one sbatch option: give sbatch's long form, starting with --, on one line"),
+    ("partition=gpu", "--sbatch-arg 'partition=gpu' is not one sbatch option"),
+    ("--partition=gpu\nrm -rf /", "is not one sbatch option"),  # a newline would start a line of the script
+    ("--nodes=4", "--sbatch-arg '--nodes=4': psflow writes --nodes into the batch script itself (give psflow run --nodes K)"),
+    ("--cpus-per-task 8", "psflow writes --cpus-per-task into the batch script itself (give psflow run --threads N)"),
+])
+def test_a_bad_sbatch_arg_is_one_usage_error_naming_it_and_what_to_write(tmp_path, arg, says):
+    r = CliRunner().invoke(main, ["run", "--backend", "slurm", f"--sbatch-arg={arg}", "--dry-run", SOFTMAX])
+    assert r.exit_code == 2 and says in " ".join(r.output.split()), r.output
+    with pytest.raises(ConfigError, match="sbatch"):
+        SlurmSettings(sbatch_args=(arg,))
+
+
 @pytest.mark.parametrize("option", [["--nodes", "2"], ["--dry-run"]])
 def test_slurm_options_on_a_local_run_are_usage_errors(tmp_path, option):
     r = CliRunner().invoke(main, ["run", *option, "--logdir", str(tmp_path / "x"), SOFTMAX])
     assert r.exit_code == 2 and f"{option[0]} is for --backend slurm; this run is local." in r.output
+
+
+def test_sbatch_args_on_another_backend_are_a_usage_error(tmp_path):
+    r = CliRunner().invoke(main, ["run", "--sbatch-arg=--partition=gpu", "--logdir", str(tmp_path / "x"), SOFTMAX])
+    assert r.exit_code == 2 and "--sbatch-arg is for --backend slurm; this run is local." in r.output
 
 
 def test_a_signal_to_a_task_is_scancel_of_its_step_by_name():

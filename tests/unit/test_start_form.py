@@ -27,6 +27,8 @@ def test_each_backend_takes_its_own_fields_and_refuses_the_others():
     assert launch_fields("local", {}, 2) == {"hosts": None, "coordinator_host": None, "nodes": None, "k8s": {},
                                              "gpus_per_worker": 2}
     assert launch_fields("slurm", {"nodes": 4, "coordinator_host": "head-1"}, 0)["nodes"] == 4
+    slurm = launch_fields("slurm", {"sbatch_args": "--partition=gpu  --comment='two words'"}, 0)
+    assert slurm["sbatch_args"] == ("--partition=gpu", "--comment=two words")
     k8s = launch_fields("k8s", {"image": "reg.example/train:1", "namespace": "ml", "volume_claim": "runs"}, 1)
     assert k8s["k8s"] == {"image": "reg.example/train:1", "namespace": "ml", "volume_claim": "runs", "gpus_per_worker": 1}
     assert k8s["gpus_per_worker"] == 0  # Kubernetes places a pod's GPUs, not psflow
@@ -38,7 +40,10 @@ def test_each_backend_takes_its_own_fields_and_refuses_the_others():
                ("ssh", {"hosts": "-oProxyCommand=touch /tmp/x:1"}, "hosts", "is not HOST or HOST:SLOTS"),
                ("ssh", {"hosts": "node1:two"}, "hosts", "is not HOST or HOST:SLOTS"),
                ("ssh", {"hosts": "a:1", "coordinator_host": "-x"}, "coordinator_host", "is not a host name"),
-               ("k8s", {"image": "x", "namespace": "Bad_Name"}, "namespace", "is not a Kubernetes name")]
+               ("k8s", {"image": "x", "namespace": "Bad_Name"}, "namespace", "is not a Kubernetes name"),
+               ("slurm", {"sbatch_args": "--partition=gpu -t 10"}, "sbatch_args", "'-t' is not one sbatch option"),
+               ("slurm", {"sbatch_args": "--comment='open"}, "sbatch_args", "No closing quotation"),
+               ("local", {"sbatch_args": "--partition=gpu"}, "sbatch_args", "sbatch_args is for the slurm backend")]
     for backend, given, field, says in refused:
         with pytest.raises(FormError, match="") as e:
             launch_fields(backend, given, 0)
@@ -48,7 +53,7 @@ def test_each_backend_takes_its_own_fields_and_refuses_the_others():
 def test_the_form_offers_every_backend_and_says_which_field_is_wrong(client):
     form = client.get("/openapi.json").json()["components"]["schemas"]["StartRun"]["properties"]
     assert form["backend"]["enum"] == ["local", "slurm", "ssh", "k8s"]
-    assert {"nodes", "hosts", "coordinator_host", "image", "namespace", "volume_claim"} <= set(form)
+    assert {"nodes", "hosts", "coordinator_host", "sbatch_args", "image", "namespace", "volume_claim"} <= set(form)
     base = {"script": "train.py", "ps": 1, "workers": 2}
     for body, field, says in (
             ({"backend": "ssh"}, "hosts", "The ssh backend needs hosts"),

@@ -151,13 +151,15 @@ def _scalable_run(ref: Any) -> Any:
 @click.option("--hosts", default=None, metavar="HOST:SLOTS,...", help="ssh: other hosts than the recorded ones.")
 @click.option("--nodes", type=click.IntRange(min=1), default=None, help="Slurm: another node count than the recorded one.")
 @click.option("--coordinator-host", default=None, help="Slurm, ssh: another address the nodes reach the launcher at.")
+@click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="--OPTION=VALUE",
+              help="Slurm: #SBATCH options in place of the recorded ones (repeatable; given once, none is kept).")
 def restart(run: str, detach: bool, timeout_s: float, live: bool | None, hosts: str | None, nodes: int | None,
-            coordinator_host: str | None) -> None:
+            coordinator_host: str | None, sbatch_args: tuple[str, ...]) -> None:
     """Stop RUN if it still runs, then launch the same plan again as a new run in the same log
     directory, so training resumes from the newest checkpoint (what Kubeflow users do by deleting and
     re-creating a TFJob). Script, arguments, cluster shape, mode, policies and backend settings (ssh
-    hosts, Slurm nodes, Kubernetes image, ...) are the recorded ones, less what --hosts, --nodes or
-    --coordinator-host give; fault injection (--fail-at) is not repeated. The new run names the old
+    hosts, Slurm nodes and sbatch options, Kubernetes image, ...) are the recorded ones, less what
+    --hosts, --nodes, --coordinator-host or --sbatch-arg give; fault injection (--fail-at) is not repeated. The new run names the old
     one (restarted_from)."""
     from psflow.logdirlock import run_lock
     from psflow.platform import views
@@ -167,7 +169,8 @@ def restart(run: str, detach: bool, timeout_s: float, live: bool | None, hosts: 
 
     with _store_errors():
         ref = _stored_run(views.find(run), "restart")
-        spec = spec_of_run(ref.run, {"hosts": hosts, "nodes": nodes, "coordinator_host": coordinator_host})
+        spec = spec_of_run(ref.run, {"hosts": hosts, "nodes": nodes, "coordinator_host": coordinator_host,
+                                     "sbatch_args": sbatch_args or None})
         # refused before the run is asked to stop: a run other than it holds the logdir, or another restart waits
         run_lock(str(spec.logdir), spec.logdir_url, str(spec.run_id)).check(after_run=spec.restarted_from)
         with JobStore(ref.db_path) as db:

@@ -96,6 +96,10 @@ from psflow.modes import Mode
 @click.option("--coordinator-host", default=None, metavar="ADDRESS",
               help="slurm, --hosts: the address the nodes reach this launcher at (default: this host's address on "
                    "the nodes' network).")
+@click.option("--sbatch-arg", "sbatch_args", multiple=True, metavar="--OPTION=VALUE",
+              help="slurm: one more #SBATCH option for the job, in sbatch's long form; repeat it for each: "
+                   "--sbatch-arg=--partition=gpu --sbatch-arg=--time=02:00:00 (--account, --qos, --gres ...). "
+                   "Kept in the run's record: psflow restart submits with the same.")
 @click.option("--dry-run", is_flag=True, help="slurm: print the sbatch script; k8s: print the manifests (YAML); and exit.")
 @_k8s_options
 @click.option("--checkpoint-dir", default=None, metavar="DIR|URL",
@@ -123,6 +127,7 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
     alert_webhook = settings.pop("alert_webhook", None)
     k8s_given = k8s_more(settings)  # --memory, --toleration, ...: K8sSettings' fields
     coordinator_host = settings.pop("coordinator_host", None)
+    sbatch_args = tuple(settings.pop("sbatch_args", ()))
     if alert_webhook is not None:
         from psflow.home import ALERT_WEBHOOK_ENV
         from psflow.platform.alerts import check_webhook
@@ -148,7 +153,8 @@ def run(num_ps: int, num_workers: int, chief: bool, evaluator: bool, logdir: str
         from psflow.platform.recording import backend_settings, recording
 
         options = BackendOptions(name=backend, hosts=hosts, ssh_config=ssh_config, nodes=nodes,
-                                 coordinator_host=coordinator_host, preload=preload, live=live, dry_run=dry_run, k8s=k8s)
+                                 coordinator_host=coordinator_host, preload=preload, live=live, dry_run=dry_run, k8s=k8s,
+                                 sbatch_args=sbatch_args)
         assembled = assemble_run(plan, options, store=lambda b: recording(b, settings=backend_settings(options)))
     except PsflowError as e:
         raise click.UsageError(str(e)) from e

@@ -47,6 +47,7 @@ class BackendOptions:
         live: the live table of the tasks (None: when printing to a terminal).
         dry_run: only the batch script or manifests are wanted (Slurm, Kubernetes).
         k8s: Kubernetes settings (:class:`psflow.launch.k8s.K8sSettings`' fields: ``image``, ``volume_claim``, ...).
+        sbatch_args: Slurm: more ``#SBATCH`` options (``--sbatch-arg``; :func:`psflow.launch.slurm.check_sbatch_args`).
         echo: where the backend's console lines go (None: stdout).
     """
 
@@ -60,6 +61,7 @@ class BackendOptions:
     dry_run: bool = False
     k8s: Mapping[str, Any] = field(default_factory=dict)
     echo: Callable[[str], None] | None = None
+    sbatch_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,12 +106,14 @@ def make_backend(options: BackendOptions) -> Backend:
 
     Raises:
         ConfigError: --hosts with another backend or --dry-run, --ssh-config without --hosts, a Slurm
-            option (--nodes, --dry-run) for a local run, a Kubernetes option for another backend,
+            option (--nodes, --dry-run, --sbatch-arg) for another backend, a bad --sbatch-arg, a Kubernetes option for another backend,
             --coordinator-host where nothing listens off this host, a bad --hosts or Kubernetes setting.
     """
     o = options
     if o.name not in BACKEND_NAMES:
         raise ConfigError(f"Backend {o.name!r} is not one of {', '.join(BACKEND_NAMES)}.")
+    if o.sbatch_args and (o.name != "slurm" or o.hosts is not None):
+        raise ConfigError(f"--sbatch-arg is for --backend slurm; this run is {'ssh (--hosts)' if o.hosts else o.name}.")
     if o.hosts is not None or o.ssh_config is not None:
         return _ssh_backend(o)
     if o.coordinator_host is not None and o.name != "slurm":
@@ -124,7 +128,8 @@ def make_backend(options: BackendOptions) -> Backend:
     if o.name == "slurm":
         from psflow.launch.slurm import SlurmBackend
 
-        return SlurmBackend(nodes=o.nodes or 1, live=o.live, coordinator_host=o.coordinator_host, echo=o.echo)
+        return SlurmBackend(nodes=o.nodes or 1, live=o.live, coordinator_host=o.coordinator_host, echo=o.echo,
+                            sbatch_args=o.sbatch_args)
     if o.nodes is not None or o.dry_run:
         raise ConfigError(f"{'--nodes' if o.nodes is not None else '--dry-run'} is for --backend slurm; this run is local."
                           + ("" if o.nodes is not None else " (--backend k8s --dry-run prints Kubernetes manifests.)"))

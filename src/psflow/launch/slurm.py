@@ -74,8 +74,9 @@ class SlurmSettings:
         hold_timeout_s: the batch script releases the allocation once the launcher's heartbeat has
             stood still this long.
         sbatch_args: more ``#SBATCH`` options, as written on sbatch's command line
-            (``("--partition=gpu", "--time=01:00:00")``). sbatch's own environment (SBATCH_PARTITION,
-            SBATCH_ACCOUNT, SBATCH_TIMELIMIT) applies too.
+            (``("--partition=gpu", "--time=01:00:00")``; ``psflow run --sbatch-arg``), checked by
+            :func:`check_sbatch_args`. sbatch's own environment (SBATCH_PARTITION, SBATCH_ACCOUNT,
+            SBATCH_TIMELIMIT) applies too.
     """
 
     nodes: int = 1
@@ -83,10 +84,48 @@ class SlurmSettings:
     sbatch_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sbatch_args", check_sbatch_args(self.sbatch_args))
         if not isinstance(self.nodes, int) or self.nodes < 1:
             raise ConfigError(f"--nodes must be a positive number of Slurm nodes; received {self.nodes!r}.")
         if not self.hold_timeout_s > 0:
             raise ConfigError(f"hold_timeout_s must be a positive number of seconds; received {self.hold_timeout_s!r}.")
+
+
+# sbatch options the batch script sets from the run's own settings: given again, they would contradict them.
+_OWN_OPTIONS = {
+    "--job-name": "the run's id names the job", "--nodes": "give psflow run --nodes K",
+    "--ntasks": "psflow sizes the job from the run's tasks", "--ntasks-per-node": "psflow sizes the job from the run's tasks",
+    "--cpus-per-task": "give psflow run --threads N", "--output": "the job's output goes to LOGDIR/slurm",
+    "--chdir": "the job runs where psflow run runs", "--requeue": "a requeued job would hold nodes no task runs on",
+}
+
+
+def check_sbatch_args(args: Sequence[str]) -> tuple[str, ...]:
+    """``args`` as ``#SBATCH`` lines take them: each one long sbatch option, on one line, that psflow
+    does not set itself (``--partition=gpu``, ``--time=02:00:00``, ``--account=ml``, ``--qos=high``,
+    ``--gres=gpu:2``).
+
+    Example:
+        >>> check_sbatch_args(["--partition=gpu", "--gres=gpu:2"])
+        ('--partition=gpu', '--gres=gpu:2')
+
+    Raises:
+        ConfigError: naming the value and what to write instead: one that does not start with ``--``
+            (a short option, a bare word), one holding a newline or another control character (it
+            would end the ``#SBATCH`` line and start a line of the script), one psflow sets itself.
+    """
+    if isinstance(args, str):
+        args = (args,)
+    for arg in args:
+        if not isinstance(arg, str) or not arg.startswith("--") or len(arg) < 3 or any(ord(c) < 32 for c in arg):
+            raise ConfigError(f"--sbatch-arg {arg!r} is not one sbatch option: give sbatch's long form, starting with "
+                              "--, on one line, one option per --sbatch-arg, e.g. --sbatch-arg=--partition=gpu "
+                              "--sbatch-arg=--time=02:00:00 (not -p gpu).")
+        name = arg.split("=", 1)[0].split()[0]
+        if name in _OWN_OPTIONS:
+            raise ConfigError(f"--sbatch-arg {arg!r}: psflow writes {name} into the batch script itself "
+                              f"({_OWN_OPTIONS[name]}); leave it out.")
+    return tuple(args)
 
 
 def slurm_dir(plan: LaunchPlan) -> Path:

@@ -123,6 +123,8 @@ class StartRun(BaseModel):
     coordinator_host: str | None = Field(None, max_length=253, description="slurm, ssh: the address the nodes reach "
                                                                            "the launcher at")
     hosts: str | None = Field(None, max_length=4096, description="ssh (required): HOST:SLOTS,..., filled in order")
+    sbatch_args: str | None = Field(None, max_length=4096, description="slurm: more #SBATCH options, as on sbatch's "
+                                                                       "command line: --partition=gpu --time=02:00:00")
     image: str | None = Field(None, max_length=1024, description="k8s (required): the container image")
     namespace: str | None = Field(None, max_length=253, description="k8s: the namespace (default 'default')")
     volume_claim: str | None = Field(None, max_length=253, description="k8s: a ReadWriteMany claim for the log dir")
@@ -138,6 +140,8 @@ class RestartSettings(BaseModel):
     coordinator_host: str | None = Field(None, max_length=253, description="slurm, ssh: the address the nodes reach "
                                                                            "the launcher at")
     hosts: str | None = Field(None, max_length=4096, description="ssh: HOST:SLOTS,..., filled in order")
+    sbatch_args: str | None = Field(None, max_length=4096, description="slurm: #SBATCH options in place of the recorded "
+                                                                       "ones: --partition=gpu --time=02:00:00")
     image: str | None = Field(None, max_length=1024, description="k8s: the container image")
     namespace: str | None = Field(None, max_length=253, description="k8s: the namespace")
     volume_claim: str | None = Field(None, max_length=253, description="k8s: a ReadWriteMany claim for the log dir")

@@ -80,6 +80,7 @@ class LaunchSpec:
             uploaded there and the checkpoints are read and written at ``URL/checkpoints``.
         hosts: ssh: ``HOST:SLOTS,...``, the hosts the tasks go to (``psflow run --hosts``).
         nodes: slurm: the nodes to allocate.
+        sbatch_args: slurm: more ``#SBATCH`` options (``--partition=gpu``; ``psflow run --sbatch-arg``).
         coordinator_host: slurm, ssh: the address the nodes reach the launcher at.
         k8s: k8s: :class:`psflow.launch.k8s.K8sSettings`' fields (``image``, ``namespace``, ``volume_claim``, ...).
         after_run, after_request, after_timeout_s: a restart's launcher waits up to ``after_timeout_s``
@@ -113,6 +114,7 @@ class LaunchSpec:
     nodes: int | None = None
     coordinator_host: str | None = None
     k8s: dict[str, Any] = field(default_factory=dict)
+    sbatch_args: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -131,7 +133,7 @@ def spec_of_run(run: Mapping[str, Any], overrides: Mapping[str, Any] | None = No
     """The launch of a recorded run (a job store record, :meth:`JobStore.run`), to launch it again:
     same script, arguments, shape, settings, backend settings (hosts, nodes, Kubernetes image, ...),
     logdir; a new id, naming the old one. ``overrides``: backend settings that replace the recorded
-    ones (``hosts``, ``nodes``, ``coordinator_host``; ``k8s``: merged, key by key).
+    ones (``hosts``, ``nodes``, ``coordinator_host``, ``sbatch_args``: the whole list; ``k8s``: merged, key by key).
 
     Raises:
         ConfigError: the record lacks what a launch needs (a run recorded before psflow kept it), or
@@ -166,6 +168,7 @@ def _backend_settings(recorded: Mapping[str, Any], overrides: Mapping[str, Any])
     out = {k: recorded.get(k) for k in BACKEND_SETTINGS if k != "k8s"}
     out.update({k: v for k, v in overrides.items() if k != "k8s" and v is not None})
     out["k8s"] = {**dict(recorded.get("k8s") or {}), **dict(overrides.get("k8s") or {})}
+    out["sbatch_args"] = tuple(out.get("sbatch_args") or ())  # a run recorded without any: none
     return out
 
 
@@ -231,7 +234,8 @@ def backend_options(spec: LaunchSpec, *, live: bool | None = None) -> Any:
 
     ssh = spec.backend == "ssh"
     return BackendOptions(name="local" if ssh else spec.backend, hosts=spec.hosts if ssh else None, nodes=spec.nodes,
-                          coordinator_host=spec.coordinator_host, live=live, k8s=dict(spec.k8s))
+                          coordinator_host=spec.coordinator_host, live=live, k8s=dict(spec.k8s),
+                          sbatch_args=tuple(spec.sbatch_args))
 
 
 def _check_backend(spec: LaunchSpec, plan: LaunchPlan) -> None:

@@ -54,7 +54,8 @@ def backend_settings(options: Any) -> dict[str, Any]:
     """The settings of a :class:`psflow.launch.assemble.BackendOptions` that a run's record keeps
     (:func:`psflow.platform.sqlrunstore.recordable_settings` drops the credential-like ones)."""
     return {"hosts": options.hosts, "nodes": options.nodes, "coordinator_host": options.coordinator_host,
-            "k8s": dict(options.k8s) if options.name == "k8s" else {}}  # psflow run passes defaults for every backend
+            "k8s": dict(options.k8s) if options.name == "k8s" else {},  # psflow run passes defaults for every backend
+            "sbatch_args": list(options.sbatch_args)}
 
 
 def recording(backend: Any, *, policy: RestartPolicy | None = None, restarted_from: str | None = None,

@@ -84,20 +84,24 @@ def run_record(plan: LaunchPlan, *, backend: str, restart_policy: Any = None,
     }
 
 
-BACKEND_SETTINGS = ("hosts", "nodes", "coordinator_host", "k8s")
+BACKEND_SETTINGS = ("hosts", "nodes", "coordinator_host", "k8s", "sbatch_args")
 _CREDENTIAL_LIKE = re.compile(r"secret|token|password|passwd|credential|auth", re.IGNORECASE)
 
 
 def recordable_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The backend ``settings`` a run's record keeps: those of :data:`BACKEND_SETTINGS` that are set,
     the Kubernetes ones less any that names a secret or credential (``env_secret``,
-    ``image_pull_secrets``: a restart asked of the dashboard never carries them).
+    ``image_pull_secrets``: a restart asked of the dashboard never carries them), and Slurm's
+    ``sbatch_args`` less any that does (``--export=...,API_TOKEN=...``).
 
     Example:
         >>> recordable_settings({"hosts": "n1:2", "nodes": None, "k8s": {"image": "i", "env_secret": "s"}})
         {'hosts': 'n1:2', 'k8s': {'image': 'i'}}
     """
-    out = {k: settings[k] for k in BACKEND_SETTINGS if k != "k8s" and settings.get(k) not in (None, "")}
+    out = {k: settings[k] for k in BACKEND_SETTINGS if k not in ("k8s", "sbatch_args") and settings.get(k) not in (None, "")}
+    sbatch_args = [a for a in settings.get("sbatch_args") or () if not _CREDENTIAL_LIKE.search(a)]
+    if sbatch_args:
+        out["sbatch_args"] = sbatch_args
     k8s = {k: v for k, v in dict(settings.get("k8s") or {}).items()
            if not _CREDENTIAL_LIKE.search(k) and v not in (None, "", ())}
     if k8s:

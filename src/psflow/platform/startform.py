@@ -1,7 +1,8 @@
 """The start form's backend fields: which backend needs which, and what they become in a launch.
 
 Each backend takes its own fields (the rest of the form is every backend's): ``local`` GPUs per
-worker; ``slurm`` nodes and the coordinator's address; ``ssh`` hosts (``HOST:SLOTS,...``, required)
+worker; ``slurm`` nodes, the coordinator's address and more ``#SBATCH`` options (one text field,
+split as a shell would: ``--partition=gpu --time=02:00:00``); ``ssh`` hosts (``HOST:SLOTS,...``, required)
 and the coordinator's address; ``k8s`` an image (required), a namespace, a volume claim and GPUs per
 worker pod. A field given for another backend, a required one missing, or a host name that is not
 one (a name starting with ``-`` would reach ssh as an option) is refused naming the field; what
@@ -17,12 +18,13 @@ Pure: :func:`launch_fields`, :func:`restart_overrides`, :func:`field_of`. Used b
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
 # each backend field: the backends it is for
 FIELDS: dict[str, tuple[str, ...]] = {
-    "nodes": ("slurm",), "coordinator_host": ("slurm", "ssh"), "hosts": ("ssh",),
+    "nodes": ("slurm",), "coordinator_host": ("slurm", "ssh"), "hosts": ("ssh",), "sbatch_args": ("slurm",),
     "image": ("k8s",), "namespace": ("k8s",), "volume_claim": ("k8s",),
 }
 REQUIRED = {"ssh": ("hosts", "HOST:SLOTS,... (e.g. node1:2,node2:2): the hosts the tasks are started on over ssh"),
@@ -57,7 +59,8 @@ def launch_fields(backend: str, given: Mapping[str, Any], gpus_per_worker: int) 
     if backend == "k8s":
         k8s["gpus_per_worker"] = gpus_per_worker  # a pod's nvidia.com/gpu: Kubernetes places them
     return {"hosts": set_.get("hosts"), "coordinator_host": set_.get("coordinator_host"), "nodes": set_.get("nodes"),
-            "k8s": k8s, "gpus_per_worker": 0 if backend == "k8s" else gpus_per_worker}
+            "k8s": k8s, "gpus_per_worker": 0 if backend == "k8s" else gpus_per_worker,
+            **({"sbatch_args": set_["sbatch_args"]} if "sbatch_args" in set_ else {})}
 
 
 def restart_overrides(backend: str, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,7 +75,7 @@ def restart_overrides(backend: str, given: Mapping[str, Any]) -> dict[str, Any]:
         {'nodes': 4}
     """
     set_ = _checked(backend, given)
-    out = {k: set_[k] for k in ("hosts", "coordinator_host", "nodes") if k in set_}
+    out = {k: set_[k] for k in ("hosts", "coordinator_host", "nodes", "sbatch_args") if k in set_}
     k8s = {k: set_[k] for k in ("image", "namespace", "volume_claim") if k in set_}
     return {**out, "k8s": k8s} if k8s else out
 
@@ -89,11 +92,30 @@ def _checked(backend: str, given: Mapping[str, Any]) -> dict[str, Any]:
     if "coordinator_host" in set_ and not _HOST.fullmatch(str(set_["coordinator_host"])):
         raise FormError("coordinator_host", f"coordinator_host {set_['coordinator_host']!r} is not a host name or "
                                             "address: letters, digits, '.', '-' and '_', not starting with '-'.")
+    if "sbatch_args" in set_:
+        set_["sbatch_args"] = _sbatch_args(str(set_["sbatch_args"]))
     for name in ("namespace", "volume_claim"):
         if name in set_ and not _K8S_NAME.fullmatch(str(set_[name])):
             raise FormError(name, f"{name} {set_[name]!r} is not a Kubernetes name: lowercase letters, digits, '-' "
                                   "and '.', starting and ending with a letter or digit.")
     return set_
+
+
+def _sbatch_args(text: str) -> tuple[str, ...]:
+    """The sbatch options of the form's text field (``--partition=gpu --time=02:00:00``), each checked
+    as ``psflow run --sbatch-arg`` checks it (:func:`psflow.launch.slurm.check_sbatch_args`)."""
+    from psflow.errors import ConfigError
+    from psflow.launch.slurm import check_sbatch_args
+
+    try:
+        args = shlex.split(text)
+    except ValueError as e:  # an unclosed quote
+        raise FormError("sbatch_args", f"sbatch_args {text!r}: {e}; write the options as on sbatch's command line, "
+                                       "e.g. --partition=gpu --time=02:00:00.") from e
+    try:
+        return check_sbatch_args(args)
+    except ConfigError as e:
+        raise FormError("sbatch_args", str(e)) from e
 
 
 def _check_hosts(hosts: str) -> None:
@@ -109,7 +131,7 @@ def field_of(message: str) -> str:
     """The form field a launch check's message is about (its ``psflow run`` option), else ``form``."""
     for option, field in (("--hosts", "hosts"), ("hosts:", "hosts"), ("--image", "image"), ("--nodes", "nodes"),
                           ("--coordinator-host", "coordinator_host"), ("--volume-claim", "volume_claim"),
-                          ("--namespace", "namespace")):
+                          ("--namespace", "namespace"), ("--sbatch-arg", "sbatch_args")):
         if option in message:
             return field
     return "form"

@@ -782,6 +782,8 @@ function startPage() {
         <option>ssh</option><option>k8s</option></select><div class="field-error" data-for="backend"></div></div>
       <label for="f-nodes" data-backends="slurm">nodes</label><div data-backends="slurm"><input id="f-nodes" name="nodes" type="number" min="1" placeholder="1">
         <div class="field-error" data-for="nodes"></div></div>
+      <label for="f-sbatch" data-backends="slurm">sbatch options</label><div data-backends="slurm"><input id="f-sbatch" name="sbatch_args" type="text" placeholder="--partition=gpu --time=02:00:00" style="width:100%">
+        <div class="muted">more #SBATCH options, as on sbatch's command line (optional)</div><div class="field-error" data-for="sbatch_args"></div></div>
       <label for="f-hosts" data-backends="ssh">hosts</label><div data-backends="ssh"><input id="f-hosts" name="hosts" type="text" placeholder="node1:2,node2:2" style="width:100%">
         <div class="muted">HOST:SLOTS,...: the tasks are started over ssh on these hosts, filled in order</div><div class="field-error" data-for="hosts"></div></div>
       <label for="f-coordinator" data-backends="slurm ssh">coordinator host</label><div data-backends="slurm ssh"><input id="f-coordinator" name="coordinator_host" type="text" placeholder="this host's address">
