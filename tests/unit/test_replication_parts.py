@@ -27,6 +27,7 @@ def test_events_cross_the_wire_unchanged_and_configure_never_does() -> None:
     rules = ShardRules(0, 2, keep_log=True)
     rules.configure(RuleSettings(mode="sync"), 0)
     rules.push(0, 0, attempt=1, push_seq=3)
+    rules.clock(0, 1, attempt=1, ahead=2)
     rules.worker_lost(1)
     rules.tick(12.5)
     events = [r for r in rules.log or [] if isinstance(r, Event)]

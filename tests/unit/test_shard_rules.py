@@ -229,6 +229,23 @@ def test_an_ssp_wait_that_runs_out_fails_with_the_clocks() -> None:
     assert r.clock(1, 1)[-1].act is Act.RELEASE and len(r.clock(1, 1)) == 1  # nobody left to release
 
 
+def test_ssp_counts_a_clocks_pipelined_steps_against_the_bound_and_a_copy_decides_the_same() -> None:
+    """``ahead``: the steps past its clock a pipelined worker computes from the values it reads next."""
+    r = rules("ssp", workers=2, staleness=2)
+    r.clock(1, 0)
+    (first,) = r.clock(0, 0, ahead=2)
+    assert (first.act, first.slowest) == (Act.RELEASE, 0)  # 0 + 2 is within 2 of worker:1's 0
+    assert acts(r.clock(0, 1, ahead=2)) == [("HOLD", (0,))]  # 1 + 2 is not: without ahead it would go
+    assert r.clocks == {0: 1, 1: 0}  # the others' bound sees the clock, not the steps ahead
+    (fail,) = ShardRules.restore(0, 2, r.export()).clock_expired(0, 1, 0.5)  # a copy knows the steps ahead
+    assert fail.reason.startswith("worker:0 at clock 1 (and 2 pipelined steps ahead) waited 0.5 s")
+    copy = ShardRules.replay(0, 2, r.log or [])
+    _own, release = r.clock(1, 1)
+    assert (release.act, release.workers, release.clock, release.slowest) == (Act.RELEASE, (0,), 1, 1)
+    assert copy.clock(1, 1)[1:] == [release]
+    assert acts(r.clock(1, 2, ahead=1)) == [("RELEASE", (1,))]  # 2 + 1 is within 2 of worker:0's 1
+
+
 def test_ssp_the_chiefs_settings_release_a_clock_held_under_the_defaults_before_them() -> None:
     r = ShardRules(0, 2, keep_log=True)
     r.settings = RuleSettings("ssp", staleness=4)  # before PS_INIT

@@ -537,8 +537,12 @@ class PsClient:
             self._send_push_now(shard, *unanswered)
             return self.conns[shard].recv(alloc=lambda spec: dest.get(spec.name))  # type: ignore[union-attr]
 
-    def clock(self, worker: int, clock: int, timeout_s: float, *, attempt: int = 0) -> int:
+    def clock(self, worker: int, clock: int, timeout_s: float, *, attempt: int = 0, ahead: int = 0) -> int:
+        """Ssp: every step before ``clock`` is applied; wait (on shard 0) until ``clock + ahead`` is
+        within staleness of the slowest worker. Returns the slowest clock."""
         meta = {"worker": worker, "clock": clock, "timeout_s": timeout_s, "attempt": attempt}
+        if ahead:
+            meta["ahead"] = ahead
         return int(self._all(Op.PS_CLOCK, [meta], wait_s=timeout_s, shards=[0])[0].meta["slowest"])
 
     def done(self, worker: int, *, attempt: int = 0, failed: str | None = None, stays: bool = False) -> None:

@@ -104,6 +104,8 @@ def event_to_dict(ev: Event) -> dict[str, Any]:
          "attempt": ev.attempt, "push_seq": ev.push_seq}
     if ev.redone:
         d["redone"] = True
+    if ev.ahead:
+        d["ahead"] = ev.ahead
     return d
 
 
@@ -114,7 +116,7 @@ def event_from_dict(d: Mapping[str, Any]) -> Event:
             raise ValueError("CONFIGURE")
         return Event(int(d["seq"]), on, _opt_int(d.get("worker")), _opt_int(d.get("value")),
                      None if d.get("seconds") is None else float(d["seconds"]), None, int(d.get("attempt", 0)),
-                     _opt_int(d.get("push_seq")), d.get("redone") is True)
+                     _opt_int(d.get("push_seq")), d.get("redone") is True, ahead=int(d.get("ahead", 0)))
     except (KeyError, TypeError, ValueError) as e:
         raise PsflowError(f"A replicated event is malformed ({e!r}); received {dict(d)!r}. The primary and its "
                           "backup must run the same psflow version.") from None

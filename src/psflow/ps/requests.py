@@ -65,7 +65,7 @@ SCHEMAS: dict[int, tuple[Field, ...]] = {
     ),
     Op.PS_CLOCK: (
         Field("worker", REPLICA, required=True), Field("clock", INT, required=True), Field("timeout_s", SECONDS),
-        Field("attempt", INT),
+        Field("attempt", INT), Field("ahead", INT),  # ahead: the pipeline's steps past the clock (psflow.ps.rules)
     ),
     # failed: the worker stopped on this error without finishing (it is lost, not done: it may be restarted);
     # stays: its training is over, its final duties are not (the chief's final checkpoint): a PS_DONE follows

@@ -10,7 +10,8 @@ Events (``ShardRules`` methods; each records an :class:`Event`)::
 
     configure(settings, version)   the chief's PS_INIT: mode, N and M, staleness, stop step, start version
     push(worker, step, attempt, push_seq)   a gradient computed from version ``step``
-    clock(worker, clock, attempt)  ssp: ``worker`` starts clock ``clock`` (once per local step)
+    clock(worker, clock, attempt, ahead)   ssp: ``worker`` has every step before ``clock`` applied and
+                                   computes up to step ``clock + ahead`` from the values it reads next
     clock_expired(worker, clock, waited_s)   ssp: a held worker's wait ran out
     worker_done(worker, attempt, stays)   PS_DONE: the worker finished (stays: its training, but it
                                    has duties left: the chief's final checkpoint; a PS_DONE without follows)
@@ -122,6 +123,7 @@ class Event:
     # LOST of a failed worker: its error, for messages only (decisions never depend on it; a backup copy,
     # whose records carry no text, says "see its log" instead)
     note: str = ""
+    ahead: int = 0  # CLOCK: the steps past ``value`` the worker computes before it reads fresher values
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +181,7 @@ class ShardRules:
         self.lost_at: dict[int, int] = {}  # lost worker -> the version when it was lost
         self.clocks: dict[int, int] = {}  # ssp: each live worker's latest clock
         self.held: set[tuple[int, int]] = set()  # ssp: (worker, clock) waiting for the slowest
+        self.ahead: dict[int, int] = {}  # ssp: each worker's ``ahead`` of its latest clock (the pipeline: 1 or 2)
         self.lost_clocks: dict[int, int] = {}  # ssp: a lost worker's last clock (where a new attempt resumes)
         self.attempts: dict[int, int] = {}  # worker -> its newest attempt seen (absent: 0)
         self.last_push: dict[int, tuple[int, int, Act]] = {}  # worker -> (attempt, push_seq, outcome) of its last push
@@ -248,15 +251,19 @@ class ShardRules:
             out.append(self._decide(ev, Act.HOLD, workers=(worker,)))
             out.extend(self._maybe_complete_step(ev))
 
-    def clock(self, worker: int, clock: int, attempt: int = 0) -> list[Decision]:
-        ev = self._event(On.CLOCK, worker, clock, attempt=attempt)
+    def clock(self, worker: int, clock: int, attempt: int = 0, ahead: int = 0) -> list[Decision]:
+        """``worker`` has every step before ``clock`` applied (the clock the others' bound sees) and will
+        compute steps up to ``clock + ahead`` from values read after the release (0 without the pipeline;
+        see psflow.train.pipeline): released once ``clock + ahead`` is within staleness of the slowest."""
+        ev = self._event(On.CLOCK, worker, clock, attempt=attempt, ahead=ahead)
         refused = self._retired(ev, worker, "clock") or self._superseded(ev, worker, attempt, "clock")
         if refused is not None:
             return self._decided(ev, [refused])
         joined = self._admit(ev, worker) + self._join(ev, worker, attempt)
         self.clocks[worker] = clock
+        self.ahead[worker] = ahead
         slowest = self._slowest(clock)
-        if clock - slowest <= self.settings.staleness:
+        if clock + ahead - slowest <= self.settings.staleness:
             out = [self._decide(ev, Act.RELEASE, workers=(worker,), clock=clock, slowest=slowest)]
         else:
             self.held.add((worker, clock))
@@ -266,8 +273,10 @@ class ShardRules:
     def clock_expired(self, worker: int, clock: int, waited_s: float) -> list[Decision]:
         ev = self._event(On.CLOCK_EXPIRED, worker, clock, seconds=waited_s)
         self.held.discard((worker, clock))
+        ahead = self.ahead.get(worker, 0)
+        counted = f" (and {ahead} pipelined step{'s' if ahead > 1 else ''} ahead)" if ahead else ""
         return self._decided(ev, [self._decide(ev, Act.FAIL, workers=(worker,), clock=clock, reason=(
-            f"worker:{worker} at clock {clock} waited {waited_s:.1f} s for the slowest worker "
+            f"worker:{worker} at clock {clock}{counted} waited {waited_s:.1f} s for the slowest worker "
             f"(clocks {dict(sorted(self.clocks.items()))}, staleness {self.settings.staleness}). A worker is stalled "
             "or dead; raise sync_timeout_s or restart it."))])
 
@@ -498,7 +507,7 @@ class ShardRules:
         if on is On.PUSH:
             return self.push(_int(w), _int(v), event.attempt, event.push_seq, event.redone)
         if on is On.CLOCK:
-            return self.clock(_int(w), _int(v), event.attempt)
+            return self.clock(_int(w), _int(v), event.attempt, event.ahead)
         if on is On.CLOCK_EXPIRED:
             return self.clock_expired(_int(w), _int(v), event.seconds or 0.0)
         if on is On.DONE:
@@ -624,7 +633,8 @@ class ShardRules:
             "settings": self.settings, "configured": self.configured, "version": self.version,
             "pending": sorted(self.pending), "done": sorted(self.done), "lost": sorted(self.lost),
             "lost_at": dict(sorted(self.lost_at.items())), "clocks": dict(sorted(self.clocks.items())),
-            "held": sorted(self.held), "lost_wait_since": self.lost_wait_since, "seq": self.seq,
+            "held": sorted(self.held), "ahead": dict(sorted(self.ahead.items())),
+            "lost_wait_since": self.lost_wait_since, "seq": self.seq,
             "lost_clocks": dict(sorted(self.lost_clocks.items())), "attempts": dict(sorted(self.attempts.items())),
             "last_push": dict(sorted(self.last_push.items())),
             "num_workers": self.num_workers, "launch_workers": self.launch_workers, "joining": sorted(self.joining),
@@ -638,7 +648,7 @@ class ShardRules:
         return {
             **st, "settings": dataclasses.asdict(self.settings),
             "lost_at": _keyed(self.lost_at), "clocks": _keyed(self.clocks), "lost_clocks": _keyed(self.lost_clocks),
-            "attempts": _keyed(self.attempts), "held": [list(h) for h in sorted(self.held)],
+            "attempts": _keyed(self.attempts), "held": [list(h) for h in sorted(self.held)], "ahead": _keyed(self.ahead),
             "last_push": {str(w): [a, s, act.value] for w, (a, s, act) in sorted(self.last_push.items())},
         }
 
@@ -653,6 +663,7 @@ class ShardRules:
         rules.lost_at, rules.clocks, rules.lost_clocks, rules.attempts = (
             {int(w): int(v) for w, v in data[k].items()} for k in ("lost_at", "clocks", "lost_clocks", "attempts"))
         rules.held = {(int(w), int(c)) for w, c in data["held"]}
+        rules.ahead = {int(w): int(a) for w, a in (data.get("ahead") or {}).items()}
         rules.num_workers = int(data.get("num_workers", num_workers))
         rules.launch_workers = int(data.get("launch_workers", rules.launch_workers))
         rules.joining = {int(w) for w in data.get("joining", ())}
@@ -677,7 +688,7 @@ class ShardRules:
         out = []
         for worker, clock in sorted(self.held):
             slowest = self._slowest(clock)
-            if clock - slowest <= self.settings.staleness:
+            if clock + self.ahead.get(worker, 0) - slowest <= self.settings.staleness:
                 self.held.discard((worker, clock))
                 out.append(self._decide(ev, Act.RELEASE, workers=(worker,), clock=clock, slowest=slowest))
         return out
@@ -763,11 +774,11 @@ class ShardRules:
 
     def _event(self, on: On, worker: int | None = None, value: int | None = None, *, seconds: float | None = None,
                settings: RuleSettings | None = None, attempt: int = 0, push_seq: int | None = None,
-               redone: bool = False, note: str = "") -> Event:
+               redone: bool = False, note: str = "", ahead: int = 0) -> Event:
         self.seq += 1
         if worker is not None and not (on is On.LOST and value == NEVER_CONNECTED):
             self.heard.add(worker)
-        return Event(self.seq, on, worker, value, seconds, settings, attempt, push_seq, redone, note)
+        return Event(self.seq, on, worker, value, seconds, settings, attempt, push_seq, redone, note, ahead)
 
     def _decide(self, ev: Event, act: Act, **fields: Any) -> Decision:
         self.seq += 1

@@ -441,7 +441,7 @@ class PsService(ShardCopies):
         store = self._store_for(req)
         slowest = store.clock(
             int(req.meta["worker"]), int(req.meta["clock"]), timeout_s=float(req.meta.get("timeout_s", self.default_wait_s)),
-            attempt=int(req.meta.get("attempt", 0)),
+            attempt=int(req.meta.get("attempt", 0)), ahead=int(req.meta.get("ahead", 0)),
         )
         self._acked(store)
         return Reply({"slowest": slowest})

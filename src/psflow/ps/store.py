@@ -64,7 +64,8 @@ class StoreStats:
     superseded: int = 0  # requests of an attempt older than its worker's newest: dropped
     init_requests: int = 0  # PS_INIT received; only the first initializes (a restarted chief sends none)
     wait_s: float = 0.0  # time workers spent blocked in sync/ssp waits on this shard
-    clock_log: list[tuple[int, int, int]] = field(default_factory=list)  # ssp: (worker, clock, slowest clock) at release
+    # ssp: (worker, the last step its release lets it compute: clock + ahead, the slowest clock) at each release
+    clock_log: list[tuple[int, int, int]] = field(default_factory=list)
     # The ledger's ps side: worker -> attempt -> pushes of that attempt this shard applied (sync: held
     # gradients that went into a step). Compared by `psflow chaos` with what each attempt was acknowledged.
     applied_by: dict[int, dict[int, int]] = field(default_factory=dict)
@@ -390,9 +391,10 @@ class ParameterStore:
         self._cond.notify_all()
 
     # -- bounded staleness -----------------------------------------------------------------
-    def clock(self, worker: int, clock: int, *, timeout_s: float, attempt: int = 0) -> int:
-        """Record ``worker`` at ``clock``; wait until the slowest live worker is within staleness.
-        Returns the slowest live clock when it was released.
+    def clock(self, worker: int, clock: int, *, timeout_s: float, attempt: int = 0, ahead: int = 0) -> int:
+        """Record ``worker`` at ``clock``; wait until ``clock + ahead`` (the last step it computes from
+        the values it reads next: ``ahead`` > 0 with the pipeline) is within staleness of the slowest
+        live worker. Returns the slowest live clock when it was released.
 
         Raises:
             TrainingError: the wait ran out; or ``attempt`` is older than the worker's newest
@@ -400,7 +402,7 @@ class ParameterStore:
         """
         key = (worker, clock, attempt)
         with self._cond, self._recorded():
-            decisions = self.rules.clock(worker, clock, attempt)
+            decisions = self.rules.clock(worker, clock, attempt, ahead)
             self._raise_superseded(decisions)
             self._act(decisions)
 
@@ -415,7 +417,7 @@ class ParameterStore:
                 raise TrainingError(f"worker:{worker} attempt {attempt} was waiting at clock {clock} on ps shard "
                                     f"{self.shard} when a newer attempt of it joined: this attempt is superseded.")
             slowest = self._released.pop(key)
-            self.stats.clock_log.append((worker, clock, slowest))
+            self.stats.clock_log.append((worker, clock + ahead, slowest))
             return slowest
 
     # -- lifecycle -------------------------------------------------------------------------
