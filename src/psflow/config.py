@@ -33,6 +33,9 @@ PLACEMENTS = ("balanced", "round_robin", "greedy", "contiguous")
 NONFINITE = ("refuse", "fail", "apply")
 
 Count = Annotated[int, Field(ge=1)]
+# ssp with the pipeline: a step's push reply brings the values the step two later computes from, so
+# the clock that precedes the push counts two steps past it against the bound (psflow.train.pipeline).
+PIPELINE_SSP_AHEAD = 2
 
 
 def _seconds(default: float, meaning: str) -> Any:
@@ -80,8 +83,8 @@ class TrainConfig:
     compress: str = "none"
     compress_pull: bool = Field(False, description="true or false: pulled values come back in fp16/bf16 too")
     pipeline: bool = Field(False, description=(
-        "true or false, async only: a worker computes its next step while this step's gradients and values "
-        "travel (from values one own update old; psflow.train.pipeline)"))
+        "true or false, async or ssp (staleness >= 2): a worker computes its next step while this step's gradients "
+        "and values travel (from values one own update old; psflow.train.pipeline)"))
     timeline: bool = Field(False, description=(
         "true or false: every task records where its time goes, merged into LOGDIR/timeline.json"))
     # The same check covers the chief's initial values (psflow.ps.finite).
@@ -100,10 +103,15 @@ class TrainConfig:
         if self.compress_pull and compression.pull_dtype() is None:
             raise ConfigError(f"compress_pull sends the parameters back in the gradients' precision, which compress="
                               f"{self.compress!r} does not have. Use compress fp16 or bf16 with it, or drop compress_pull.")
-        if self.pipeline and (self.mode != Mode.ASYNC or self.strategy != "ps"):
+        if self.pipeline and (self.mode == Mode.SYNC or self.strategy != "ps"):
             raise ConfigError(f"pipeline computes a step from values that lack the worker's previous update, which "
-                              f"only async mode with parameter servers allows; received mode={self.mode.value!r}, "
-                              f"strategy={self.strategy!r}. Drop --pipeline, or use --mode async --strategy ps.")
+                              f"only async or ssp mode with parameter servers allows; received mode={self.mode.value!r}, "
+                              f"strategy={self.strategy!r}. Drop --pipeline, or use --mode async|ssp --strategy ps.")
+        if self.pipeline and self.mode == Mode.SSP and self.staleness < PIPELINE_SSP_AHEAD:
+            raise ConfigError(f"pipeline under ssp counts {PIPELINE_SSP_AHEAD} steps against the staleness bound (a step "
+                              "computes from the values that came back with the push two steps before it), so it needs "
+                              f"staleness >= {PIPELINE_SSP_AHEAD}; received staleness={self.staleness}. Raise --staleness, "
+                              "or drop --pipeline.")
         if self.compress != "none" and self.strategy != "ps":
             raise ConfigError(f"compress={self.compress!r} applies to --strategy ps (gradients pushed to parameter "
                               "servers); all-reduce sends them uncompressed. Drop --compress, or use --strategy ps.")

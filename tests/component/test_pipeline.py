@@ -1,5 +1,6 @@
-"""The async pipeline (TrainConfig.pipeline): a step computes while the one before travels, and
-every push is still applied exactly once, in order, with failures raised on the training thread."""
+"""The pipeline (TrainConfig.pipeline): a step computes while the one before travels, and every push
+is still applied exactly once, in order, with failures raised on the training thread; under ssp a
+pipelined worker's lead over the slowest, its steps in flight counted, stays within the staleness."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from inproc import CuttingProxy, InprocCluster, wait_until
+from inproc import CuttingProxy, InprocCluster, ThreadGroup, wait_until
 
 from psflow import optim, timeline
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
-from psflow.errors import RemoteError
+from psflow.errors import RemoteError, TrainingError
 from psflow.train.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(60)
@@ -258,9 +259,102 @@ def test_a_pipelined_push_whose_connection_drops_is_resent_and_applied_exactly_o
     assert st["stats"]["duplicates"] == (1 if direction == "reply" else 0)
 
 
-@pytest.mark.parametrize("mode", ["sync", "ssp"])
-def test_the_pipeline_is_refused_outside_async_mode(mode: str):
+def test_the_pipeline_is_refused_in_sync_mode_and_under_ssp_below_staleness_2():
     from psflow.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="only async mode"):
-        TrainConfig(mode=mode, pipeline=True)
+    with pytest.raises(ConfigError, match="only async or ssp mode"):
+        TrainConfig(mode="sync", pipeline=True)
+    for staleness in (0, 1):
+        with pytest.raises(ConfigError, match=f"needs staleness >= 2; received staleness={staleness}"):
+            TrainConfig(mode="ssp", staleness=staleness, pipeline=True)
+    assert TrainConfig(mode="ssp", staleness=2, pipeline=True).pipeline
+
+
+# -- ssp: the bound counts the pipeline's steps -------------------------------------------------
+
+WAIT_S = 10.0
+
+
+def held_clocks(c: InprocCluster, worker: int) -> tuple[list[int], dict[int, int]]:
+    """ps:0's held clocks of ``worker`` and every worker's clock, read under the store's lock."""
+    store = c.services[0].store
+    with store._cond:
+        return sorted(k for w, k in store.rules.held if w == worker), dict(store.rules.clocks)
+
+
+@pytest.mark.parametrize("staleness", [2, 3])
+@pytest.mark.parametrize("held_at", [0, 2])
+def test_under_ssp_a_pipelined_worker_leads_the_slowest_by_at_most_staleness_steps(staleness: int, held_at: int):
+    """2 pipelined workers under ssp. worker:1 stops inside its step ``held_at`` (a gate): its clock
+    is ``held_at`` (its steps before are applied, none after). worker:0 runs on until the bound holds
+    its push thread at some clock k; its training thread then computes step k + 1 from the values of
+    step k - 1 and waits for step k's. The largest step it computes while worker:1 is held must be
+    exactly held_at + staleness: one more where the bound missed a pipelined step, two without them."""
+    steps = held_at + staleness + 4
+    cfg = TrainConfig(mode="ssp", staleness=staleness, pipeline=True, sync_timeout_s=3 * WAIT_S)
+    released = threading.Event()
+    computed: list[tuple[int, bool]] = []  # worker:0's steps: (step, whether worker:1 was released by then)
+    with InprocCluster(1, 2, cfg) as c:
+        trainers = [c.trainer(w, mlp(), optim.SGD(lr=0.1)) for w in range(2)]
+        for t in trainers:
+            t.prepare()
+
+        def work(w: int) -> None:
+            for i in range(steps):
+                def closure(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, i: int = i) -> torch.Tensor:
+                    if w == 0:
+                        computed.append((i, released.is_set()))
+                    if w == 1 and i == held_at:
+                        assert released.wait(WAIT_S), "worker:1 was never released"
+                    return loss(m, x, y)
+
+                trainers[w].step(closure, batch=batch(i))
+            trainers[w].close()
+
+        group = ThreadGroup({"worker:0": lambda: work(0), "worker:1": lambda: work(1)}).start()
+        try:
+            held: list[int] = []
+
+            def worker0_waits_at_the_bound() -> bool:
+                nonlocal held
+                held, clocks = held_clocks(c, 0)
+                return clocks.get(1) == held_at and len(held) == 1 and len(computed) == held[0] + 2
+
+            wait_until(worker0_waits_at_the_bound, WAIT_S, "worker:0 held at the bound, its last step computed")
+            lead = max(i for i, after in computed) - held_at
+        finally:
+            released.set()
+        group.join(timeout_s=WAIT_S)
+        (st,) = c.status(clock_log=True)
+    assert lead == staleness, (held, computed)
+    assert max(i for i, after in computed if not after) == held_at + staleness
+    assert st["version"] == st["stats"]["applied_updates"] == 2 * steps  # every push applied once
+    assert st["stats"]["duplicates"] == 0
+    assert all(step - slowest <= staleness for _, step, slowest in st["clock_log"]), st["clock_log"]
+    # released at the bound: its clock + 2 pipelined steps exactly staleness past worker:1 once that moved on
+    assert (0, held_at + staleness + 1, held_at + 1) in [tuple(e) for e in st["clock_log"]], st["clock_log"]
+
+
+def test_under_ssp_a_pipelined_worker_whose_bound_runs_out_fails_at_its_next_step_and_pushes_nothing_past_it():
+    """staleness 2, worker:1 never takes a step: worker:0's push thread may send steps 0 (clock 0 + 2
+    pipelined steps <= 2), not step 1. Its training thread computes steps 0-2 and raises the bound's
+    error at step 3, which waits for step 1's values."""
+    cfg = TrainConfig(mode="ssp", staleness=2, pipeline=True, sync_timeout_s=1.0)
+    computed: list[int] = []
+    with InprocCluster(1, 2, cfg) as c:
+        trainers = [c.trainer(w, mlp(), optim.SGD(lr=0.1)) for w in range(2)]
+        for t in trainers:
+            t.prepare()
+
+        def closure(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            computed.append(len(computed))
+            return loss(m, x, y)
+
+        with pytest.raises((TrainingError, RemoteError)) as err:
+            for i in range(6):
+                trainers[0].step(closure, batch=batch(i))
+        trainers[0].close()
+        (st,) = c.status(clock_log=True)
+    assert "worker:0 at clock 1 (and 2 pipelined steps ahead) waited 1.0 s" in str(err.value)
+    assert computed == [0, 1, 2] and trainers[0].local_step == 1
+    assert st["version"] == 1 and all(step - slowest <= 2 for _, step, slowest in st["clock_log"])

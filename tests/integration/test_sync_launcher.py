@@ -61,12 +61,16 @@ def test_sync_with_a_backup_worker_reports_its_counters(tmp_path: Path) -> None:
     assert sum(ps["stale_by_worker"].values()) == ps["stale_dropped"]
 
 
-def test_ssp_job_applies_every_push(tmp_path: Path) -> None:
-    s = launch(tmp_path / "ssp", "--mode", "ssp", "--staleness", "2")
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipeline"])
+def test_ssp_job_applies_every_push(tmp_path: Path, pipeline: bool) -> None:
+    s = launch(tmp_path / "ssp", "--mode", "ssp", "--staleness", "2", *(["--pipeline"] if pipeline else []))
     trainers = trainer_reports(s)
     ps = s["reports"]["ps:0"]["ps_stats"]
     assert s["mode"] == "ssp" and {t["mode"] for t in trainers.values()} == {"ssp"}
     assert [t["local_step"] for t in trainers.values()] == [STEPS_PER_WORKER] * 2
+    # with the pipeline, a step computes while the one before travels (not the first, nor one after a flush)
+    pipelined = [t["pipelined_steps"] for t in trainers.values()]
+    assert all(STEPS_PER_WORKER // 2 < n < STEPS_PER_WORKER for n in pipelined) if pipeline else pipelined == [0, 0]
     assert s["global_step"] == ps["applied_updates"] == ps["pushes"] == 2 * STEPS_PER_WORKER
     assert s["counters"]["stale_dropped"] == 0
 

@@ -18,9 +18,11 @@ from psflow.train.modes import MODES, AsyncMode, SspMode, SyncMode, UpdateMode, 
 class RecordingClient:
     def __init__(self) -> None:
         self.clocks: list[tuple[int, int, float, int]] = []
+        self.ahead: list[int] = []
 
-    def clock(self, worker: int, clock: int, timeout_s: float, *, attempt: int = 0) -> int:
+    def clock(self, worker: int, clock: int, timeout_s: float, *, attempt: int = 0, ahead: int = 0) -> int:
         self.clocks.append((worker, clock, timeout_s, attempt))
+        self.ahead.append(ahead)
         return clock
 
 
@@ -36,6 +38,10 @@ class Host:
     local_step: int = 0
     waits: list[str] = field(default_factory=list)
     inside: list[str] = field(default_factory=list)
+
+    @property
+    def clock(self) -> int:
+        return self.clock_base + self.local_step
 
     @contextlib.contextmanager
     def waiting(self, what: str) -> Iterator[None]:
@@ -93,3 +99,20 @@ def test_ssp_reports_its_clock_under_the_bound_and_pulls_from_the_second_step_on
         assert host.inside == []
     assert mode.reply_waits_for == "ps reply"
     assert mode.steps_wait_for_workers  # the slowest worker's clock bounds the others
+    assert host.client.ahead == [0, 0]
+
+
+def test_ssp_with_the_pipeline_counts_its_steps_in_flight_against_the_bound() -> None:
+    host = Host(config=TrainConfig(mode="ssp", staleness=2, pipeline=True, sync_timeout_s=7.5))
+    mode = mode_of(host.config)
+    # nothing in flight: the values pulled after the wait serve this step and the next one
+    assert mode.before_compute(host) is True
+    gate = mode.before_pipelined_push(host)
+    assert gate is not None and host.client.clocks == [(2, 10, 7.5, 1)]  # taken now, run on the push thread
+    host.local_step = 5
+    gate()
+    # the push's reply brings the values of the step two later: 2 steps ahead of the clock taken
+    assert host.client.clocks == [(2, 10, 7.5, 1)] * 2 and host.client.ahead == [1, 2]
+    assert host.waits == ["the ssp staleness bound"] * 2
+    for other in ("async", "sync"):
+        assert mode_of(TrainConfig(mode=other)).before_pipelined_push(host) is None

@@ -49,8 +49,9 @@ from psflow.modes import Mode
 @click.option("--compress-pull", "compress_pull", is_flag=True, default=None,
               help="With --compress fp16|bf16: the parameters come back in that precision too.")
 @click.option("--pipeline", is_flag=True, default=None,
-              help="async: each worker computes its next step while this one's gradients and values travel "
-                   "(its values lack its own last update; docs/performance.md).")
+              help="async or ssp: each worker computes its next step while this one's gradients and values travel "
+                   "(its values lack its own last update; under ssp the bound counts these steps, so --staleness "
+                   "must be 2 or more; docs/performance.md).")
 @click.option("--timeline", is_flag=True, default=None,
               help="Record where every step's time goes into LOGDIR/timeline.json (Perfetto, chrome://tracing).")
 @click.option("--allow-unauthenticated-allreduce", is_flag=True, default=None,

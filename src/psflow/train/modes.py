@@ -9,6 +9,9 @@ where the modes differ and never test its name, as Flower's server loop asks its
          that step is applied (N gradients averaged) and carries the next version's values.
 - ssp:   before computing step c, report clock c, wait until the slowest worker is within s, then
          pull (the push-pull reply of step c - 1 predates the wait, so it may be staler than s).
+         With the pipeline (:mod:`psflow.train.pipeline`) step c computes from the reply to step
+         c - 2's push: the push thread reports clock c once step c - 1's replies are in, and sends
+         step c's push once c + 2 (the step that computes from its reply) is within s of the slowest.
 
 Each mode is one stateless object, shared by every trainer; :func:`mode_of` picks it by
 ``TrainConfig.mode`` (a :class:`psflow.modes.Mode`; the ps's side of each mode is there too). This
@@ -18,12 +21,12 @@ module imports no torch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from psflow import timeline
-from psflow.config import TrainConfig
+from psflow.config import PIPELINE_SSP_AHEAD, TrainConfig
 from psflow.modes import Mode
 
 if TYPE_CHECKING:
@@ -37,8 +40,11 @@ class ModeHost(Protocol):
     config: TrainConfig
     worker: int  # the replica index the ps know this worker by
     attempt: int  # the launcher's restart count
-    clock_base: int  # ssp: the clock this attempt starts at
     local_step: int
+
+    @property
+    def clock(self) -> int:  # ssp: the clock of the step about to start
+        ...
 
     def waiting(self, what: str) -> AbstractContextManager[None]: ...
 
@@ -62,6 +68,12 @@ class UpdateMode:
     def awaiting_replies(self, host: ModeHost) -> AbstractContextManager[None]:
         """Around the wait for the step's push replies."""
         return contextlib.nullcontext()
+
+    def before_pipelined_push(self, host: ModeHost) -> Callable[[], None] | None:
+        """The pipeline: what the push thread does before it sends the pushes of the step about to
+        start (at ``host.clock``), once every reply of the step before is in (None: nothing). Taken
+        on the training thread, run on the push thread."""
+        return None
 
 
 class AsyncMode(UpdateMode):
@@ -88,15 +100,27 @@ class SspMode(UpdateMode):
     name = Mode.SSP
 
     def before_compute(self, host: ModeHost) -> bool:
+        # The pipeline asks only with nothing in flight (its first step, after a flush): the values
+        # pulled now serve this step and the next, which computes while this one travels.
+        pipelined = host.config.pipeline
+        self._wait(host, host.clock, ahead=1 if pipelined else 0)
+        # ssp bounds the staleness of the values a step computes from, and the last reply predates the
+        # wait (as the values pulled at prepare() do for the pipeline's next step)
+        return host.local_step > 0 or pipelined
+
+    def before_pipelined_push(self, host: ModeHost) -> Callable[[], None]:
+        # Step c's reply brings the values step c + 2 computes from: counted against the bound now.
+        clock = host.clock
+        return lambda: self._wait(host, clock, ahead=PIPELINE_SSP_AHEAD)
+
+    @staticmethod
+    def _wait(host: ModeHost, clock: int, *, ahead: int) -> None:
         tl = timeline.ACTIVE
         start = tl.now() if tl is not None else 0.0
         with host.waiting("the ssp staleness bound"):
-            host.client.clock(host.worker, host.clock_base + host.local_step, host.config.sync_timeout_s,
-                              attempt=host.attempt)
+            host.client.clock(host.worker, clock, host.config.sync_timeout_s, attempt=host.attempt, ahead=ahead)
         if tl is not None:
-            tl.add("wait", "wait (ssp bound)", start, tl.now())
-        # ssp bounds the staleness of the values a step computes from, and the last reply predates the wait
-        return host.local_step > 0
+            tl.add("wait", "wait (ssp bound)", start, tl.now(), clock=clock, ahead=ahead)
 
 
 MODES: Mapping[Mode, UpdateMode] = {m.name: m for m in (AsyncMode(), SyncMode(), SspMode())}

@@ -12,8 +12,13 @@ the worker's link sends step t+1's first shard while step t's last reply is stil
 
 The price is staleness: step t+1 computes from values that lack this worker's own update t (one
 step; the other workers' updates as in any async step), counted in the stats (``pipelined_steps``,
-``pipeline_staleness``). Async mode only: a sync step waits for the quorum by definition, and the
-ssp bound counts clocks the pipeline would run past unseen, so ``TrainConfig`` refuses it there.
+``pipeline_staleness``). A sync step waits for the quorum by definition: ``TrainConfig`` refuses it.
+
+Under ssp the bound keeps its meaning (step c computes from values holding every worker's steps
+before c - s) with the pipeline's steps counted: step c computes from step c - 2's reply, so the
+push thread reports clock c - 2 once the replies before are in and sends that push once c is within
+s of the slowest clock (:meth:`Exchanges.gate`; ``ahead`` in :mod:`psflow.ps.rules`). A worker held
+there computes one more step and waits, so its lead stays <= s; s must be >= 2 (docs/performance.md).
 
 What stays as without it: each push is applied once and in order (one request at a time per
 connection: a shard's push waits for its last reply, so the client's resend-once after a reconnect
@@ -88,6 +93,7 @@ class Exchanges:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-reply")
         self._last_reply: dict[int, Future[dict[str, Any]]] = {}  # shard -> its latest push's reply
         self._step: dict[int, Future[dict[str, Any]]] = {}  # this step's replies by shard
+        self._gate: Future[None] | None = None  # this step's gate (ssp: its clock), before its sends
         self._failed = False  # a send or reply failed: later sends are skipped until reset()
 
     def send(self, shard: int, send: Callable[[], None], buffer: int) -> None:
@@ -96,6 +102,17 @@ class Exchanges:
         sent = self._sender.submit(self._send, previous, send)
         reply = self._reader.submit(self._read, sent, shard, buffer)
         self._last_reply[shard] = self._step[shard] = reply
+
+    def gate(self, call: Callable[[], None]) -> None:
+        """Queue ``call`` before this step's sends: it runs on the send thread once every shard's last
+        reply is in (the connections are idle: ``call`` may use them). Its failure skips the step's
+        sends and is raised at the step's end."""
+        self._gate = self._sender.submit(self._pass_gate, list(self._last_reply.values()), call)
+
+    def _pass_gate(self, previous: Sequence[Future[dict[str, Any]]], call: Callable[[], None]) -> None:
+        for reply in previous:
+            reply.exception()
+        self._send(None, call)
 
     def _send(self, previous: Future[dict[str, Any]] | None, send: Callable[[], None]) -> None:
         if previous is not None:
@@ -120,7 +137,8 @@ class Exchanges:
         """This step's replies, shard by shard, once all are read. ``complete`` False (the step's
         compute failed): None once the shards it reached answered. Raises the step's first failure."""
         replies, self._step = self._step, {}
-        return self._reader.submit(_gather, replies, num_shards, complete)
+        gate, self._gate = self._gate, None
+        return self._reader.submit(_gather, replies, num_shards, complete, gate)
 
     def reset(self) -> None:
         """The caller has taken the failure: later sends go out again."""
@@ -131,9 +149,12 @@ class Exchanges:
         self._reader.shutdown(wait=True)
 
 
-def _gather(replies: Mapping[int, Future[dict[str, Any]]], num_shards: int, complete: bool) -> Replies:
-    """Every shard's reply meta in shard order (each future is done: it ran before on this thread)."""
-    errors = [e for f in replies.values() if (e := f.exception()) is not None]
+def _gather(replies: Mapping[int, Future[dict[str, Any]]], num_shards: int, complete: bool,
+            gate: Future[None] | None) -> Replies:
+    """Every shard's reply meta in shard order (each future is done: it ran before on this thread;
+    the step's gate ran before its sends, or is waited for where the step sent nothing)."""
+    futures = [*([gate] if gate is not None else []), *replies.values()]
+    errors = [e for f in futures if (e := f.exception()) is not None]
     first = next((e for e in errors if not isinstance(e, NotSent)), errors[0] if errors else None)
     if first is not None:
         raise first

@@ -139,6 +139,14 @@ class Trainer(TrainerBase):
         self.pipelined_steps = 0  # steps computed from values that lacked this worker's previous update
         self._install_grad_hooks()
 
+    @property
+    def clock(self) -> int:
+        """Ssp: the clock of the step about to start, the attempt's first clock plus its steps before
+        it: those counted (without the pipeline: a refused step is redone at the same clock) or, with
+        the pipeline, those begun (by the time its push thread reports the clock, each one's replies
+        are in, or it reached no shard)."""
+        return self.clock_base + (self._push_seq if self._exchanges is not None else self.local_step)
+
     def _log_placement(self) -> None:
         if self.task.is_chief:
             print(self.placement.format_table(), flush=True)
@@ -291,12 +299,17 @@ class Trainer(TrainerBase):
         # The previous step stays in flight: this one overlaps it. A pull goes on the connections
         # the pipeline's threads use, so it waits for every step in flight.
         self._settle_flights(keep=0 if self._holds_averages else 1, tl=tl)
-        if self._holds_averages:
+        # With nothing in flight (the first step, after a flush) the connections are idle: the mode
+        # asks what a step without the pipeline would (ssp: the bound, and a pull after it).
+        if (not self._flights and self.mode.before_compute(self)) or self._holds_averages:
             self._pull_values(tl)
         if self._flights:
             self.pipelined_steps += 1
         assert self._reply_buffers is not None and self._exchanges is not None
         self._buffer = self._reply_buffers.take()
+        gate = self.mode.before_pipelined_push(self)
+        if gate is not None:
+            self._exchanges.gate(gate)
         value, sent = self._compute_and_push(closure, batch, batches, tl, wait=False)
         early, self._late = len(sent - self._late), set()
         n = batch_size if batch_size is not None else batch_examples(batch, batches)
