@@ -130,8 +130,11 @@ def test_mnist_softmax_trains_on_three_slurm_nodes_to_its_accuracy(slurm_conf, t
 
 def test_a_failing_worker_fails_the_slurm_run_with_its_error_as_root_cause(slurm_conf, tmp_path):
     logdir = tmp_path / "fail"
-    r = run_on_slurm(slurm_conf, logdir, "--fail-at", "worker:1@step=5", SOFTMAX, "--", "--epochs", "1", "--init", "zeros")
+    r = run_on_slurm(slurm_conf, logdir, "--fail-at", "worker:1@step=5", "--sbatch-arg=--time=00:07:00",
+                     "--sbatch-arg=--comment=psflow \"sbatch-arg\"", SOFTMAX, "--", "--epochs", "1", "--init", "zeros")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    job = slurm(slurm_conf, "scontrol", "-o", "show", "job", job_id_of(r.stdout))  # --sbatch-arg reached sbatch
+    assert "TimeLimit=00:07:00" in job and 'Comment=psflow "sbatch-arg"' in job, job
     root_line = r.stdout.index("Root cause: worker:1 exited with code 1")
     assert "Injected failure in worker:1 at step 5" in r.stdout[root_line:]
     s = read_summary(logdir)

@@ -22,6 +22,7 @@ from psflow.launch.slurm import (
     node_of,
     parse_job_id,
     parse_scontrol_job,
+    sbatch_line,
     signal_argv,
     step_argv,
     step_name,
@@ -142,6 +143,14 @@ def test_sbatch_args_from_the_cli_go_into_the_batch_script_after_psflows_own(tmp
                                   "--sbatch-arg", "--gres=gpu:2", "--dry-run", "--logdir", str(tmp_path / "dry"), SOFTMAX])
     assert r.exit_code == 0, r.output
     assert sbatch_options(r.output)[-3:] == ["--partition=gpu", "--time=02:00:00", "--gres=gpu:2"]
+
+
+def test_an_sbatch_option_holding_a_space_or_a_quote_is_written_as_sbatch_reads_it_back():
+    # sbatch splits an #SBATCH line at whitespace outside double quotes and takes a backslash as an escape:
+    # unquoted, "--comment=a b" makes sbatch refuse the script ("Invalid directive found in batch script: b")
+    assert sbatch_line("--partition=gpu") == "#SBATCH --partition=gpu"
+    assert sbatch_line("--comment=a b") == '#SBATCH "--comment=a b"'
+    assert sbatch_line('--comment=say "hi" \\o/') == '#SBATCH "--comment=say \\"hi\\" \\\\o/"'
 
 
 @pytest.mark.parametrize("arg, says", [

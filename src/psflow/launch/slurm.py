@@ -128,6 +128,19 @@ def check_sbatch_args(args: Sequence[str]) -> tuple[str, ...]:
     return tuple(args)
 
 
+def sbatch_line(arg: str) -> str:
+    """The ``#SBATCH`` line of one option, as sbatch reads it back: it splits a directive's line at
+    whitespace outside double quotes and takes a backslash as an escape, so both are escaped and an
+    option holding a space is quoted whole.
+
+    Example:
+        >>> sbatch_line("--comment=two words")
+        '#SBATCH "--comment=two words"'
+    """
+    escaped = arg.replace("\\", "\\\\").replace('"', '\\"')
+    return f'#SBATCH "{escaped}"' if any(c.isspace() for c in arg) else f"#SBATCH {escaped}"
+
+
 def slurm_dir(plan: LaunchPlan) -> Path:
     """Where the run's Slurm files lie: the batch script, its output, the heartbeat (absolute: the
     batch script and the steps read them on the nodes)."""
@@ -181,7 +194,7 @@ def batch_script(plan: LaunchPlan, settings: SlurmSettings, *, cwd: str | None =
         f"#SBATCH --chdir={cwd}",
         "#SBATCH --no-kill",  # a lost node ends its own tasks, not the job: the rest goes on (restarts move)
         "#SBATCH --no-requeue",  # a requeued job would come back later holding nodes with no task on them
-        *(f"#SBATCH {a}" for a in settings.sbatch_args),
+        *(sbatch_line(a) for a in settings.sbatch_args),
         "#",
         f"# psflow run {plan.run_id}: this job holds the allocation; the launcher (psflow run --backend slurm)",
         "# starts each task as a step of it, and restarts one alone under the run's restart policy:",
