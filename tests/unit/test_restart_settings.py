@@ -73,6 +73,27 @@ def test_a_slurm_runs_sbatch_options_are_recorded_and_its_restart_submits_with_t
         plan_of(dataclasses.replace(spec, backend="local", nodes=None))
 
 
+def test_psflow_restart_sbatch_arg_replaces_the_recorded_options(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from psflow.cli import main
+    from psflow.platform import launching
+
+    monkeypatch.setenv("PSFLOW_HOME", str(tmp_path))  # the job store _recorded writes: tmp_path/jobs.db
+    _recorded(tmp_path, BackendOptions(name="slurm", sbatch_args=("--partition=gpu",)), "slurm-cli")
+    with JobStore(tmp_path / "jobs.db") as db, db.transaction():
+        db.finish_run("slurm-cli", "failed", 1.0)
+    launched: list[LaunchSpec] = []
+
+    def run_here(spec, **_):  # the launch as it would run (nothing is submitted to Slurm)
+        launched.append(spec)
+        raise ConfigError("stopped here by the test")
+    monkeypatch.setattr(launching, "run_here", run_here)
+    for extra in ([], ["--sbatch-arg=--partition=cpu", "--sbatch-arg=--qos=low"]):
+        CliRunner().invoke(main, ["restart", "slurm-cli", *extra])
+    assert [s.sbatch_args for s in launched] == [("--partition=gpu",), ("--partition=cpu", "--qos=low")]
+
+
 def test_a_k8s_run_keeps_its_image_and_options_but_never_a_secret(tmp_path):
     k8s = {"image": "reg.example/train:1", "namespace": "ml", "volume_claim": "runs", "memory": "4Gi",
            "env_secret": "wandb-key", "image_pull_secrets": ("regcred",), "gpus_per_worker": 1}
