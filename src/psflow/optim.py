@@ -606,6 +606,12 @@ def _params_in_order(opt: torch.optim.Optimizer, names: Sequence[str]) -> list[t
     return params
 
 
+# Every per-parameter state slot the optimizers above keep (the union of _required_state_keys): the
+# slot names a ps admits in a PS_INIT's optimizer state (psflow.ps.bounds). ``step`` is a scalar.
+STATE_SLOTS = frozenset({"momentum_buffer", "step", "sum", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg",
+                         "grad_avg"})
+
+
 def _required_state_keys(opt: torch.optim.Optimizer, group: Mapping[str, Any]) -> set[str] | None:
     """State keys a known torch optimizer keeps per parameter once it has stepped."""
     if isinstance(opt, torch.optim.SGD):

@@ -243,12 +243,12 @@ class Server:
         with self._lock:
             self._handshaking -= 1
 
-    def _refuse(self, conn: Connection, message: str) -> None:
+    def _refuse(self, conn: Connection, message: str, kind: str = "refused") -> None:
         self.refused += 1
         log.warning("%s refused %s: %s", self.task, conn.peer, message)
         try:
             conn.set_timeout(1.0)
-            conn.send(Op.ERROR, {"error": message, "kind": "refused"})
+            conn.send(Op.ERROR, {"error": message, "kind": kind})
         except (TransportError, OSError):
             pass
 
@@ -306,7 +306,7 @@ class Server:
             if tl is not None:
                 tl.add("receive", f"receive {_op_name(frame.op)}", conn.header_us, tl.now(), peer=conn.peer)
         except FrameError as e:
-            self._refuse(conn, str(e))
+            self._refuse(conn, str(e), e.kind)
             conn.drain_and_close(_DRAIN_S)  # the peer may still be sending the payload: let it read why
             return False
         except TransportError:

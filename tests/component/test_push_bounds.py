@@ -61,8 +61,8 @@ def hostile(c: InprocCluster, task: str = "worker:1") -> Connection:
 
 
 def declare_and_stream(conn: Connection, tensors: list, meta: dict, payload_len: int,
-                       stream_bytes: int) -> tuple[int, float, bytes]:
-    """Send a push's head declaring ``tensors`` and ``payload_len`` bytes, then stream zeros until
+                       stream_bytes: int, op: int = Op.PS_PUSH) -> tuple[int, float, bytes]:
+    """Send a request's head (``op``: a push by default) declaring ``tensors`` and ``payload_len`` bytes, then stream zeros until
     ``stream_bytes`` went or the ps closed the connection, while a thread reads what the ps sends.
     Returns (bytes streamed, seconds from the head to the ps's first answer, what the ps sent)."""
     sock = conn.sock
@@ -81,7 +81,7 @@ def declare_and_stream(conn: Connection, tensors: list, meta: dict, payload_len:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     t0 = time.monotonic()
-    sock.sendall(encode_head(int(Op.PS_PUSH), {**meta, "t": tensors}, payload_len))
+    sock.sendall(encode_head(int(op), {**meta, "t": tensors}, payload_len))
     chunk, sent = memoryview(bytearray(1 << 20)), 0
     try:
         while sent < stream_bytes:

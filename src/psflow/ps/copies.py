@@ -26,6 +26,7 @@ from psflow.checkpoint.keys import split_state
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, NotServingError, PsflowError, RemoteError, StaleTermError, TrainingError, TransportError
+from psflow.ps import bounds, requests
 from psflow.ps.authority import ViewClient
 from psflow.ps.progress import StepPlan
 from psflow.ps.replication import Applier, Batch, Forwarder, Role, Send, backup_of, not_serving, pair_other, shards_held
@@ -33,6 +34,7 @@ from psflow.ps.store import ParameterStore
 from psflow.ps.views import Lease, ShardView, Sync, Verdict, accepts_records, initial_views, keeps_serving, takes_over
 from psflow.server import Reply, Request, Server
 from psflow.wire.conn import Connection, Resolve, connect
+from psflow.wire.frame import FrameError, TensorSpec
 from psflow.wire.ops import Op
 
 log = logging.getLogger("psflow.ps")
@@ -331,13 +333,7 @@ class ShardCopies:
         while self.partitioned and not self._shutdown.is_set():  # psflow chaos: a cut link answers nothing
             time.sleep(0.05)
         shard, kind = int(req.meta["shard"]), req.meta["kind"]
-        num_ps = self.cluster.num_tasks("ps")
-        held = shard < num_ps and shard in shards_held(self.shard, num_ps) and shard in self.views
-        other = pair_other(shard, self.shard, num_ps) if held else None
-        if other is None or req.peer != f"ps:{other}" or (kind == "init" and backup_of(shard, num_ps) != self.shard):
-            raise ConfigError(f"PS_REPLICATE {kind!r} from {req.peer} for shard {shard} refused: ps:{self.shard} holds "
-                              f"copies of shards {shards_held(self.shard, num_ps)} only, each shared with the other ps "
-                              "of its pair, and only that ps sends its records.")
+        other = self._replicator(shard, kind, req.peer)
         term = int(req.meta.get("term", 0))
         if kind == "resync":
             return self._resync_peer(shard, other, term)
@@ -350,12 +346,14 @@ class ShardCopies:
             raise StaleTermError(f"ps:{self.shard} refuses ps:{other}'s {kind} of shard {shard} in term {term}: its view "
                                  f"of the shard is term {v.term}, serving {ps_name(v.serving)}, backup {ps_name(v.backup)}. "
                                  f"ps:{other} must ask the launcher for the shard's view.")
+        what = f"PS_REPLICATE {kind!r} from {req.peer} for shard {shard}"
+        if kind in ("init", "state"):
+            self._check_tensors(what, req.meta, bounds.declared(req.tensors.items()))
         if kind == "init":
             with self._takeover_lock:
                 return self._backup_init(shard, req)
         if kind == "state":
             return self._load_state(shard, other, term, req)
-        batch = Batch.from_wire(req.meta, req.tensors)
         with self._takeover_lock:  # held with the view: a takeover drains every batch held before it
             if accepts_records(self.views[shard], self.shard, other, term) is not Verdict.ACCEPT:
                 raise StaleTermError(f"ps:{self.shard} refuses ps:{other}'s records of shard {shard} in term {term}: its "
@@ -365,7 +363,92 @@ class ShardCopies:
             if store is None or not store.initialized or role is not Role.BACKUP:
                 raise TrainingError(f"ps:{self.shard} received records of shard {shard} before its init or state: the "
                                     "serving copy must send that first (it re-syncs this backup).")
-            return Reply({"seq": self._applier(shard, store).hold(batch)})
+            self._check_tensors(what, req.meta, bounds.declared(req.tensors.items()))
+            return Reply({"seq": self._applier(shard, store).hold(Batch.from_wire(req.meta, req.tensors))})
+
+    def _replicator(self, shard: int, kind: str, peer: str) -> int:
+        """The ps that may send ``shard``'s records to this one: ``peer``, if it is the other ps of the
+        shard's pair (and, for an ``init``, this ps holds the shard's backup).
+
+        Raises:
+            ConfigError: another sender, or a shard this ps holds no copy of.
+        """
+        num_ps = self.cluster.num_tasks("ps")
+        held = 0 <= shard < num_ps and shard in shards_held(self.shard, num_ps) and shard in self.views
+        other = pair_other(shard, self.shard, num_ps) if held else None
+        if other is None or peer != f"ps:{other}" or (kind == "init" and backup_of(shard, num_ps) != self.shard):
+            raise ConfigError(f"PS_REPLICATE {kind!r} from {peer} for shard {shard} refused: ps:{self.shard} holds "
+                              f"copies of shards {shards_held(self.shard, num_ps)} only, each shared with the other ps "
+                              "of its pair, and only that ps sends its records.")
+        return other
+
+    def _admit_replicate(self, peer: str, meta: dict[str, Any], specs: list[TensorSpec]) -> None:
+        """A PS_REPLICATE's tensors, before their bytes are received: from the other ps of the shard's
+        pair, each a tensor this ps's copy of the shard holds (:mod:`psflow.ps.bounds`): an ``init`` or
+        ``state`` a state of it (its values once initialized, before that the placement the request
+        declares), a ``batch`` updates of its values. A batch for a copy not initialized yet is refused
+        whatever it holds; of an older term as stale (kind StaleTermError, as the handler answers it:
+        the sender then asks for the new view).
+
+        Raises:
+            FrameError: what is refused; the server answers ERROR and closes the connection, nothing
+                received or changed.
+        """
+        try:
+            requests.check(self.cluster, Op.PS_REPLICATE, peer, meta)
+            shard, kind = meta["shard"], meta["kind"]
+            other = self._replicator(shard, kind, peer)
+            store = self._copies().get(shard)
+            if kind == "batch" and (store is None or not store.initialized):
+                self._admit_records_term(shard, other, meta.get("term", 0))
+                raise ConfigError(f"PS_REPLICATE 'batch' from {peer} for shard {shard} refused: ps:{self.shard}'s copy "
+                                  "of the shard is not initialized: the serving copy must send its init or state first.")
+            self._check_tensors(f"PS_REPLICATE {kind!r} from {peer} for shard {shard}", meta, bounds.declared(specs))
+        except ConfigError as e:
+            log.warning("ps:%d: %s", self.shard, e)
+            raise FrameError(f"{e} (Refused before its payload was received; the connection is closed.)") from e
+
+    def _admit_records_term(self, shard: int, other: int, term: object) -> None:
+        """Refuse a batch of an older term than this ps's view of ``shard`` as the handler would
+        (StaleTermError: the sender asks for the new view at once), asking the authority first for a newer term.
+
+        Raises:
+            ConfigError: ``term`` is not an integer.
+            FrameError: of kind StaleTermError, the term is not the view's.
+        """
+        if not isinstance(term, int) or isinstance(term, bool):
+            raise ConfigError(f"PS_REPLICATE 'batch' from ps:{other} refused: field 'term' must be an integer; received {term!r}.")
+        verdict = accepts_records(self.views[shard], self.shard, other, term)
+        if verdict is Verdict.ASK:
+            self._ask_quietly("get")
+            verdict = accepts_records(self.views[shard], self.shard, other, term)
+        if verdict is not Verdict.ACCEPT:
+            v = self.views[shard]
+            raise _StaleRecords(f"ps:{self.shard} refuses ps:{other}'s batch of shard {shard} in term {term}: its view of "
+                                f"the shard is term {v.term}, serving {ps_name(v.serving)}, backup {ps_name(v.backup)}. "
+                                f"ps:{other} must ask the launcher for the shard's view.")
+
+    def _check_tensors(self, what: str, meta: dict[str, Any], tensors: list[bounds.Declared]) -> None:
+        """Raises ConfigError unless ``tensors`` fit this ps's copy of the shard (see :meth:`_admit_replicate`)."""
+        shard, kind = int(meta["shard"]), meta["kind"]
+        store = self._copies().get(shard)
+        if store is not None and store.initialized:
+            layout = bounds.Layout.of_values(shard, store.values)
+        elif kind in ("init", "state"):
+            layout = bounds.Layout.of_request(shard, meta, self.cluster.num_tasks("ps"), what)
+        else:
+            layout = bounds.Layout(shard, {}, "now")
+        if kind == "batch":
+            events = meta.get("events")
+            bounds.check_updates(what, layout, tensors, len(events) if isinstance(events, list) else 0)
+        elif kind == "state":
+            progress = meta.get("progress")
+            held = progress.get("held") if isinstance(progress, dict) else None
+            bounds.check_state(what, layout, bounds.check_held(what, layout, tensors, held))
+        elif kind == "init":
+            bounds.check_state(what, layout, tensors)
+        elif tensors:
+            raise ConfigError(f"{what} refused: a {kind!r} request carries no tensors; this one declares {len(tensors)}.")
 
     def _applier(self, shard: int, store: ParameterStore) -> Applier:
         """The thread that applies ``store``'s held records (one per copy: a loaded state starts a new one)."""
@@ -514,6 +597,12 @@ class ShardCopies:
 
 
 NO_VIEW = ShardView(-1, 0, None, None, Sync.LOST)
+
+
+class _StaleRecords(FrameError):
+    """A batch of an older term, refused on its head as the handler refuses it (its tensors unread)."""
+
+    kind = "StaleTermError"
 
 
 def ps_name(ps: int | None) -> str:

@@ -26,7 +26,7 @@ from psflow import timeline
 from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
 from psflow.errors import ConfigError, PsflowError, TrainingError
-from psflow.ps import requests
+from psflow.ps import bounds, requests
 from psflow.ps.authority import ViewClient
 from psflow.ps.copies import NO_VIEW, ShardCopies, initialize_store, ps_name
 from psflow.ps.latency import LatencyBook
@@ -135,11 +135,12 @@ class PsService(ShardCopies):
             Op.PS_SAVE: self._save,
             Op.PS_REPLICATE: self._replicate,
         }
+        # Requests that carry tensors are bounded by what the shard holds before their bytes are received.
+        admits = {Op.PS_PUSH: self._admit_push, Op.PS_INIT: self._admit_init, Op.PS_REPLICATE: self._admit_replicate}
         for op, fn in routes.items():
             # A push's gradients are applied (async) or copied (sync) before the handler returns, so
             # the connection's receive buffers can be reused: no fresh allocation (and page faults) per step.
-            server.register(op, self._checked(op, fn), reuse_buffers=op == Op.PS_PUSH,
-                            admit=self._admit_push if op == Op.PS_PUSH else None)
+            server.register(op, self._checked(op, fn), reuse_buffers=op == Op.PS_PUSH, admit=admits.get(op))
 
     def _checked(self, op: Op, handler: Callable[[Request], Reply]) -> Callable[[Request], Reply]:
         """``handler`` behind the op's request schema: a request it does not admit gets a clean
@@ -208,6 +209,31 @@ class PsService(ShardCopies):
             raise FrameError(f"PS_PUSH from {peer} refused before its payload was received: tensor {spec.name!r} "
                              f"{what}{'' if kind == 'none' else f' (compress={kind})'}. Nothing was applied and the "
                              "connection is closed. Every worker must build the same model with the same placement.")
+
+    def _admit_init(self, peer: str, meta: dict[str, Any], specs: list[TensorSpec]) -> None:
+        """A PS_INIT's tensors, before their bytes are received: from the chief, a state of what this
+        shard holds (:func:`psflow.ps.bounds.check_state`: its values once initialized, before that the
+        placement the request declares).
+
+        Raises:
+            FrameError: another sender than the chief, or a tensor the shard does not hold as declared
+                (or a value missing); the server answers ERROR and closes the connection, nothing
+                received or changed.
+        """
+        try:
+            requests.check(self.cluster, Op.PS_INIT, peer, meta, workers=self.admitted_workers)
+            self._check_init(f"PS_INIT from {peer}", meta, bounds.declared(specs))
+        except ConfigError as e:
+            log.warning("ps:%d: %s", self.shard, e)
+            raise FrameError(f"{e} (Refused before its payload was received; the connection is closed.)") from e
+
+    def _check_init(self, what: str, meta: dict[str, Any], tensors: list[bounds.Declared]) -> None:
+        """Raises ConfigError unless ``tensors`` are a state of what this shard holds (see :meth:`_admit_init`)."""
+        if self.store.initialized:
+            layout = bounds.Layout.of_values(self.shard, self.store.values)
+        else:
+            layout = bounds.Layout.of_request(self.shard, meta, self.cluster.num_tasks("ps"), what)
+        bounds.check_state(what, layout, tensors)
 
     def _maybe_new_member(self, peer: str) -> bool:
         """``peer`` is a worker this ps does not count (yet): one a scale request may have added."""
@@ -346,6 +372,7 @@ class PsService(ShardCopies):
         if config.ps_replicas == 2 and not self.views:
             raise ConfigError(f"The chief asks for ps_replicas=2, but ps:{self.shard} was started with one copy per shard "
                               "(its own ps_replicas is 1). Start every task with the same TrainConfig.")
+        self._check_init(f"PS_INIT from {req.peer}", req.meta, bounds.declared(req.tensors.items()))
         forwarder = None
         view = self.views.get(self.shard)
         if view is not None and view.backup is not None and view.state is Sync.SYNCED and not self.store.initialized:

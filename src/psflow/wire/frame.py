@@ -73,6 +73,8 @@ def __getattr__(name: str) -> Any:
 class FrameError(TransportError):
     """A frame violates the protocol; the connection that sent it is closed."""
 
+    kind = "refused"  # the ERROR reply's kind; a route's admission may refuse as its handler would (StaleTermError)
+
 
 @dataclass(frozen=True)
 class Limits:
