@@ -171,8 +171,9 @@ def test_sync_chief_killed_under_a_supervisor_is_waited_for_and_takes_over_at_it
     assert assert_the_chief_took_over(logdir, s, out) == (40, [100, 200, 300]), out
 
 
-def test_ssp_worker_killed_is_restarted_and_the_job_finishes(tmp_path: Path) -> None:
-    out, s = launch(tmp_path / "ssp", *RESTART, "--mode", "ssp", "--staleness", "4",
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipeline"])
+def test_ssp_worker_killed_is_restarted_and_the_job_finishes(tmp_path: Path, pipeline: bool) -> None:
+    out, s = launch(tmp_path / "ssp", *RESTART, "--mode", "ssp", "--staleness", "4", *(["--pipeline"] if pipeline else []),
                     "--fail-at", "worker:1@step=30:kill", epochs=2)
     assert_worker_1_was_killed_once_and_restarted(s, out)
     assert s["mode"] == "ssp" and s["counters"]["stale_dropped"] == 0 and s["test_accuracy"] > 0.8, out
