@@ -63,6 +63,7 @@ from psflow.train.modes import mode_of
 from psflow.wire.conn import ConnectStopped
 
 if TYPE_CHECKING:
+    from psflow.task import SupervisedTask
     from psflow.train.base import SupervisedTrainer
 
 log = logging.getLogger("psflow")
@@ -191,7 +192,7 @@ class Supervisor:
 
     def __init__(
         self,
-        task: Any = None,
+        task: SupervisedTask | None = None,
         *,
         logdir: str | os.PathLike[str] | None = None,
         trainer: SupervisedTrainer | None = None,
@@ -228,7 +229,7 @@ class Supervisor:
         self.trainer: SupervisedTrainer = trainer
         self._choose_dirs(logdir, checkpoint_dir)
         # Resuming is deliberate: asked for, or implied by naming the logdir (as the launcher's --logdir does).
-        self.resume = resume if resume is not None else getattr(task, "resume", None)
+        self.resume = resume if resume is not None else task.resume
         self.save_model_secs = save_model_secs
         self.save_model_steps = save_model_steps
         self.keep_checkpoints = keep_checkpoints
@@ -269,7 +270,7 @@ class Supervisor:
         self.logdir = Path(named) if named else new_logdir()
         check_logdir(self.logdir, what="logdir")  # before any task waits on this one
         self._logdir_named = bool(named)
-        where = checkpoint_dir or getattr(self.task, "checkpoint_dir", None)
+        where = checkpoint_dir or self.task.checkpoint_dir
         self._checkpoint_dir_named = where is not None
         if where is not None and checkpoint.is_url(str(where)):
             self.checkpoint_dir: Path | str = checkpoint.UrlPath(str(where))
@@ -303,7 +304,7 @@ class Supervisor:
         """A chief started by hand holds its logdir while it runs, as a launcher does for its run
         (:mod:`psflow.logdirlock`): a second job writing there is refused. Under a launcher the
         launcher holds it. A logdir nobody named is held once it is settled (:meth:`_settle_logdir`)."""
-        if not self.is_chief or getattr(self.task, "coordinator", None) or self._held_logdir:
+        if not self.is_chief or self.task.coordinator or self._held_logdir:
             return
         self._held_logdir = True
         from psflow.logdirlock import BY_HAND, LOCK_FILE, hold
@@ -338,7 +339,7 @@ class Supervisor:
             self.restored_from = ckpt.path
             self._say(f"restored from {ckpt.path} at step {self.start_step}")
         elif self.took_over:
-            self._say(f"took over as chief (attempt {getattr(self.task, 'attempt', 0)}) at step {self.start_step}: the parameter "
+            self._say(f"took over as chief (attempt {self.task.attempt}) at step {self.start_step}: the parameter "
                       "servers kept training; not initializing or restoring them")
         elif self.is_chief:
             self._say(f"initialized at step {self.start_step}")
@@ -663,7 +664,7 @@ class Supervisor:
         """Chief, sync or ssp over parameter servers with other workers: their steps wait for this
         one's gradient or clock, so it must tell the ps when it takes no more (:meth:`_end_training`)."""
         return (not self._allreduce and self._mode.steps_wait_for_workers
-                and int(getattr(self.task, "num_replicas", 1)) > 1)
+                and self.task.num_replicas > 1)
 
     def _end_training(self) -> None:
         """Chief, sync or ssp, once: tell the ps it takes no more steps (they count it done for every

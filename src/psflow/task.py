@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from psflow import errorreport, timeline
 from psflow.cluster import ClusterSpec, TaskId, is_loopback_host, parse_address
@@ -58,7 +58,31 @@ log = logging.getLogger("psflow")
 _current: Task | None = None
 
 
-class Task:
+class SupervisedTask(Protocol):
+    """What the Supervisor (:mod:`psflow.supervisor`) uses of a task. :class:`Task` derives it, and a
+    stand-in (a test's in-process task) defines each member too, so the Supervisor reads them
+    directly and never asks a task what it has (as :class:`psflow.train.base.SupervisedTrainer`
+    does for trainers)."""
+
+    trainers: list[Any]  # the trainers made on this task; the Supervisor supervises the first unless given one
+    logdir: str | None  # PSFLOW_LOGDIR: the Supervisor's logdir unless it names one
+    checkpoint_dir: str | None  # PSFLOW_CHECKPOINT_DIR: where checkpoints go unless the Supervisor names it
+    resume: bool | None  # PSFLOW_RESUME; None: the Supervisor decides (a named logdir resumes)
+    attempt: int  # PSFLOW_ATTEMPT: 0 on the first start, n after the n-th restart
+    coordinator: str | None  # the launcher's address; None: a task started by hand
+
+    @property
+    def task_id(self) -> TaskId: ...
+    @property
+    def cluster(self) -> ClusterSpec: ...
+    @property
+    def is_chief(self) -> bool: ...
+    @property
+    def num_replicas(self) -> int: ...
+    def report(self, **metrics: Any) -> None: ...
+
+
+class Task(SupervisedTask):
     """This process's place in the job (its :class:`~psflow.identity.TaskIdentity`) and what it runs
     there: its server, its trainers, its reports to the launcher. Created by :func:`init`."""
 

@@ -45,7 +45,8 @@ SECRET = b"inproc-job-secret"
 
 @dataclass
 class InprocTask:
-    """What the Trainer needs of a task, for a worker running as a thread in this process."""
+    """What the Trainer and the Supervisor (:class:`psflow.task.SupervisedTask`) need of a task, for a
+    worker running as a thread in this process."""
 
     cluster: ClusterSpec
     task_id: TaskId
@@ -58,6 +59,8 @@ class InprocTask:
     attempt: int = 0  # the restart count (a launched task's PSFLOW_ATTEMPT)
     logdir: str | None = None  # where a Supervisor writes checkpoints and summaries
     resume: bool | None = None
+    checkpoint_dir: str | None = None  # a launched task's PSFLOW_CHECKPOINT_DIR (None: the logdir's)
+    coordinator: str | None = None  # no launcher here: the Supervisor holds a named logdir itself
     reports: dict[str, Any] = field(default_factory=dict)  # what task.report() sent (no launcher here)
 
     @property

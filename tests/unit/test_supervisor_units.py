@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -251,9 +252,25 @@ def test_nan_guard_with_finite_parameters_blames_the_loss_and_lets_finite_losses
 # -------------------------------------------------------------------- argument checks
 
 
+def fake_task(**members: Any) -> SimpleNamespace:
+    """A stand-in for a task with every member the Supervisor uses (psflow.task.SupervisedTask):
+    worker:0, the chief of a job of one replica started by hand, no logdir; ``members`` replace them."""
+    defaults = {"task_id": "worker:0", "cluster": SimpleNamespace(num_tasks=lambda job: 0), "is_chief": True,
+                "num_replicas": 1, "trainers": [], "logdir": None, "checkpoint_dir": None, "resume": None, "attempt": 0,
+                "coordinator": None, "report": lambda **_: None}
+    return SimpleNamespace(**{**defaults, **members})
+
+
+def test_the_fake_task_has_every_member_of_a_supervised_task() -> None:
+    from psflow.task import SupervisedTask, Task
+
+    members = set(SupervisedTask.__annotations__) | {n for n in vars(SupervisedTask) if not n.startswith("_")}
+    assert members == set(vars(fake_task())), "fake_task must stand in for every member the Supervisor uses"
+    assert SupervisedTask in Task.__mro__  # explicitly, not only by shape
+
+
 def task_with_trainer(ema_decay=None):
-    trainer = SimpleNamespace(ema_decay=ema_decay)
-    return SimpleNamespace(task_id="worker:0", trainers=[trainer], logdir=None, is_chief=True)
+    return fake_task(trainers=[SimpleNamespace(ema_decay=ema_decay)])
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -270,7 +287,7 @@ def test_bad_supervisor_settings_are_rejected_with_the_value(kwargs, message):
 
 
 def test_supervisor_without_a_trainer_says_to_create_one_first():
-    task = SimpleNamespace(task_id="worker:1", trainers=[], logdir=None)
+    task = fake_task(task_id="worker:1", is_chief=False)
     with pytest.raises(ConfigError, match=r"worker:1 has no Trainer.*pf.Trainer\(model"):
         Supervisor(task)
 
@@ -463,8 +480,7 @@ class FakeTrainer:
 
 def chief_task(logdir, *, resume=None, index=0):
     trainer = FakeTrainer()
-    return SimpleNamespace(task_id=f"worker:{index}", trainers=[trainer], logdir=logdir, is_chief=index == 0, resume=resume,
-                           report=lambda **_: None, cluster=SimpleNamespace(num_tasks=lambda job: 0))
+    return fake_task(task_id=f"worker:{index}", trainers=[trainer], logdir=logdir, is_chief=index == 0, resume=resume)
 
 
 def corrupt(path: Path) -> Path:
