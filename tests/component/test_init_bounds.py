@@ -172,3 +172,39 @@ def test_a_ps_replicate_whose_tensors_do_not_fit_the_copy_is_refused_and_the_bac
         c.settle()
         assert backup.version == c.services[0].store.version == 2
         assert all(torch.equal(backup.values[k], v) for k, v in c.services[0].store.values.items())
+
+
+def test_a_batch_of_an_older_term_for_a_copy_not_loaded_yet_is_refused_as_stale_before_its_bytes() -> None:
+    """A restarted ps holds its copies empty until it re-syncs: a batch for one is refused on its head
+    (its tensors not received), as stale when its term is older than the ps's view (kind StaleTermError,
+    as the handler answers it: a serving copy that sent it asks for the new view)."""
+    from psflow.wire.frame import HEADER_SIZE, Limits, decode_header, decode_meta
+
+    with InprocCluster(2, 1, TrainConfig(mode="async", ps_replicas=2, primary_failover_s=1.0, backup_failover_s=1.0)) as c:
+        model = make_model()
+        t = c.trainer(0, model, optim.SGD(lr=0.1))
+        t.prepare()
+        x, y = batch_for(0)
+        t.step(lambda: F.cross_entropy(model(x), y))
+        key = sorted(c.services[0].store.values)[0]
+        c.services[0].partition()  # ps:0 sends no ps its state until healed: ps:1's copies stay empty meanwhile
+        c.kill_ps(1)
+        restarted = c.restart_ps(1)  # the authority moved shard 0's view past term 0 when ps:1 went down
+        conn = connect(c.cluster.address(TaskId("ps", 1)), secret=SECRET, task="ps:0", peer="ps:1", deadline_s=WAIT_S)
+        declared = 64 << 20
+        try:
+            _, answered_s, received = declare_and_stream(
+                conn, [[f"1/{key}", "float32", [declared // 4]]], {"kind": "batch", "shard": 0, "term": 0, "events": [{}]},
+                declared, 16 << 20, op=Op.PS_REPLICATE)
+        finally:
+            conn.close()
+        op, _, meta_len, _ = decode_header(received[:HEADER_SIZE], Limits())
+        reply = decode_meta(received[HEADER_SIZE:HEADER_SIZE + meta_len], 0, Limits())[0]
+        assert op == Op.ERROR and reply["kind"] == "StaleTermError", reply
+        assert "ps:1 refuses ps:0's batch of shard 0 in term 0" in reply["error"], reply
+        assert answered_s < 5.0 and not restarted.backups[0].initialized
+        c.services[0].partition()  # healed
+        restarted.resync(30.0)  # the ps goes on: it loads its copies from the serving ps
+        t.step(lambda: F.cross_entropy(model(x), y))
+        c.settle()
+        assert restarted.backups[0].version == c.services[0].store.version == 2
