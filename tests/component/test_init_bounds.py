@@ -9,8 +9,9 @@ declared and what the shard holds, and the process does not grow while the clien
 a PS_INIT whose tensors are not the shard's (a wrong shape or dtype, a key it does not hold, a slot
 no optimizer keeps, a value missing) is refused the same way, before the shard is initialized (by
 the placement the request declares) and after (by its values); a PS_REPLICATE ``init``, ``state``
-or ``batch`` the same against the backup copy's shard. Each time the shard's values are unchanged
-and the ps keeps serving the job.
+or ``batch`` the same against the backup copy's shard, and a batch of an older term for a restarted
+ps's empty copy as stale (the kind its handler gives). Each time the shard's values are unchanged and
+the ps keeps serving the job.
 """
 
 from __future__ import annotations
