@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from psflow import optim
 from psflow.errors import ConfigError
 from psflow.ps.bounds import Layout, check_held, check_state, check_updates, declared
 from psflow.ps.placement import ParamInfo, place
@@ -80,3 +81,14 @@ def test_declared_reads_frame_specs_and_received_tensors_alike() -> None:
 
     spec = TensorSpec("w", torch.float16, (2,))
     assert declared([spec]) == declared([("w", torch.zeros(2, dtype=torch.float16))]) == [("w", "float16", (2,))]
+
+
+
+@pytest.mark.parametrize("spec", [optim.SGD(lr=0.1, momentum=0.9), optim.Adagrad(lr=0.1), optim.Adam(lr=0.1, amsgrad=True),
+                                  optim.RMSprop(lr=0.1, momentum=0.9, centered=True)], ids=lambda s: type(s).__name__)
+def test_every_slot_a_psflow_optimizer_keeps_is_one_a_ps_admits(spec: optim.OptimizerSpec) -> None:
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = spec.build([w])
+    w.grad = torch.ones(3)
+    opt.step()
+    assert set(opt.state[w]) <= optim.STATE_SLOTS, set(opt.state[w]) - optim.STATE_SLOTS
