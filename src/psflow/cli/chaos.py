@@ -83,7 +83,7 @@ _PLAN_OPTIONS = ("num_ps", "num_workers", "chief", "evaluator", "logdir", "scrip
                  "max_restarts_per_run", "backoff_base_s", "backoff_max_s", "checkpoint_dir")
 # Chaos runs on this machine: the options of other backends are not its.
 _OTHER_BACKENDS = ("backend", "nodes", "dry_run", "k8s_image", "k8s_volume_claim", "k8s_namespace", "gpus_per_worker",
-                   "k8s_ttl_s", "hosts", "ssh_config")
+                   "k8s_ttl_s", "hosts", "ssh_config", "sbatch_args")
 chaos.params.extend(p for p in run.params if p.name not in (*_OTHER_BACKENDS, "alert_webhook")  # no alerts in chaos
                      and not (p.name or "").startswith("k8s_"))
 
