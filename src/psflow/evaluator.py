@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from psflow.checkpoint import CHECKPOINTS_DIR, state_dict_from
 from psflow.errors import CheckpointError, ConfigError
 from psflow.summary import EventWriter
 from psflow.supervisor import DONE_FILE
+
+if TYPE_CHECKING:
+    from psflow.task import SupervisedTask
 
 _STALE_DONE_MARGIN_S = 1.0  # file times come from a coarser clock than time.time()
 
@@ -59,7 +62,7 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None
 
 
 def run_evaluator(
-    task: Any,
+    task: SupervisedTask,
     model_fn: Callable[[], torch.nn.Module],
     eval_fn: Callable[[torch.nn.Module], Mapping[str, float]],
     logdir: str | os.PathLike[str] | None = None,
@@ -72,7 +75,9 @@ def run_evaluator(
     """Evaluate each new checkpoint of the run until the chief says the job is done.
 
     Args:
-        task: this evaluator task (``pf.init()``); its id names the summary directory.
+        task: this evaluator task (``pf.init()``; what it uses of it: :class:`psflow.task.SupervisedTask`);
+            its id names the summary directory; its ``checkpoint_dir`` (``PSFLOW_CHECKPOINT_DIR``), if
+            set, is where the checkpoints are read instead of ``logdir/checkpoints``.
         model_fn: builds a fresh model of the trained architecture.
         eval_fn: ``model -> {metric: number}``, e.g. ``{"accuracy": 0.91}``.
         logdir: the run's logdir; default ``task.logdir``. An evaluator started by hand names it
@@ -103,7 +108,7 @@ def run_evaluator(
             "psflow run --evaluator does this for you."
         )
     base = Path(logdir or task.logdir)
-    where = getattr(task, "checkpoint_dir", None)  # the run's --checkpoint-dir: a directory or a URL
+    where = task.checkpoint_dir  # the run's --checkpoint-dir: a directory or a URL
     root: Path | str = (where if checkpoint.is_url(where) else Path(where)) if where else base / CHECKPOINTS_DIR
     done_file = base / DONE_FILE
     started_unix, started = time.time(), time.monotonic()
@@ -142,7 +147,7 @@ def _newest_step(root: Path | str) -> int:
     return int(found[0].name.split("-", 1)[1]) if found else -1
 
 
-def _evaluate(task: Any, ckpt: checkpoint.Checkpoint, model_fn: Callable[[], torch.nn.Module],
+def _evaluate(task: SupervisedTask, ckpt: checkpoint.Checkpoint, model_fn: Callable[[], torch.nn.Module],
               eval_fn: Callable[[torch.nn.Module], Mapping[str, float]], writer: EventWriter, averages: bool | None) -> dict[str, float]:
     model = model_fn()
     load_into(model, state_dict_from(ckpt, averages=averages))

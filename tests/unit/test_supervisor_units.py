@@ -371,9 +371,9 @@ def test_event_writer_writes_scalars_and_histograms_per_task_and_skips_nan_histo
 # ------------------------------------------------------------------------- evaluator
 
 
-def eval_task(tmp_path):
+def eval_task(tmp_path, **members):
     reports: dict = {}
-    return SimpleNamespace(task_id="evaluator:0", logdir=str(tmp_path), report=lambda **m: reports.update(m)), reports
+    return fake_task(task_id="evaluator:0", logdir=str(tmp_path), report=lambda **m: reports.update(m), **members), reports
 
 
 def accuracy_of(model: torch.nn.Module) -> dict[str, float]:
@@ -392,6 +392,17 @@ def test_evaluator_evaluates_the_newest_checkpoint_reports_and_writes_events(tmp
     assert reports["eval"] == {"step": 30, **expected}
     acc = read_events(tmp_path / "summaries" / "evaluator-0")
     assert [e.step for e in acc.Scalars("eval/w_sum")] == [30]
+
+
+def test_evaluator_reads_the_checkpoints_of_the_task_s_checkpoint_dir_not_the_logdir_s(tmp_path):
+    full = tiny_model_tensors()
+    write_checkpoint(tmp_path / "logdir" / "checkpoints", 5, tiny_model_tensors(), 1)  # not the run's: never read
+    write_checkpoint(tmp_path / "elsewhere", 40, full, 2)
+    task, _ = eval_task(tmp_path / "logdir", checkpoint_dir=str(tmp_path / "elsewhere"))
+
+    results = run_evaluator(task, Tiny, accuracy_of, poll_s=0.05, once=True)
+
+    assert results == {40: {"w_sum": pytest.approx(float(full["w"].sum())), "b0": pytest.approx(float(full["b"][0]))}}
 
 
 def test_evaluator_exits_on_a_done_file_written_after_it_started(tmp_path):
@@ -583,7 +594,7 @@ def test_resuming_is_deliberate_and_says_from_which_checkpoint_and_step(tmp_path
 
 
 def test_an_evaluator_that_names_no_logdir_is_refused(tmp_path):
-    task = SimpleNamespace(task_id="evaluator:0", logdir=None, report=lambda **_: None)
+    task = fake_task(task_id="evaluator:0", logdir=None)
     with pytest.raises(ConfigError, match=r"evaluator:0 has no logdir to follow.*PSFLOW_LOGDIR=DIR"):
         run_evaluator(task, Tiny, accuracy_of, poll_s=0.05, once=True)
 

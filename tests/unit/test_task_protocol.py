@@ -1,11 +1,15 @@
-"""Every task the Supervisor is given is a SupervisedTask: psflow's Task derives it and sets each
-member, so the Supervisor reads a task's members directly and never asks a task what it has (the
+"""Every task the Supervisor or the evaluator is given is a SupervisedTask: psflow's Task derives it
+and sets each member, so they read a task's members directly and never ask a task what it has (the
 tests' stand-ins define each member too: test_supervisor_units.fake_task, inproc.InprocTask)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
+import textwrap
+
+import pytest
 
 from psflow.task import SupervisedTask, Task
 
@@ -14,17 +18,33 @@ MEMBERS = sorted(n for n, v in vars(SupervisedTask).items()
 ATTRIBUTES = sorted(SupervisedTask.__annotations__)
 
 
-def test_the_supervisor_asks_no_task_what_it_has():
+def users():
+    """The modules given a SupervisedTask, and the part of each that reads it."""
+    import psflow.evaluator as evaluator
     import psflow.supervisor as supervisor
 
-    source = inspect.getsource(supervisor)
-    assert not re.findall(r"(hasattr|getattr)\((self\.)?task\b", source)
+    return [(supervisor, supervisor.Supervisor), (evaluator, evaluator)]
 
 
-def test_the_protocol_holds_what_the_supervisor_uses_of_a_task():
-    import psflow.supervisor as supervisor
+def is_task(node: ast.AST) -> bool:
+    """``task`` or ``self.task``: the code's names for the task it was given."""
+    return (isinstance(node, ast.Name) and node.id == "task") or (isinstance(node, ast.Attribute) and node.attr == "task")
 
-    used = set(re.findall(r"\btask\.(\w+)", inspect.getsource(supervisor.Supervisor)))
+
+def tree_of(obj: object) -> ast.AST:
+    return ast.parse(textwrap.dedent(inspect.getsource(obj)))  # code only: a docstring's example is no use of a task
+
+
+@pytest.mark.parametrize("module, reader", users(), ids=["supervisor", "evaluator"])
+def test_no_user_of_a_supervised_task_asks_it_what_it_has(module, reader):
+    asks = [ast.unparse(n) for n in ast.walk(tree_of(module)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            and n.func.id in ("getattr", "hasattr") and n.args and is_task(n.args[0])]
+    assert not asks
+
+
+@pytest.mark.parametrize("module, reader", users(), ids=["supervisor", "evaluator"])
+def test_the_protocol_holds_what_each_user_reads_of_a_task(module, reader):
+    used = {n.attr for n in ast.walk(tree_of(reader)) if isinstance(n, ast.Attribute) and is_task(n.value)}
     assert used and used - set(MEMBERS) - set(ATTRIBUTES) == set()
 
 
