@@ -25,11 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
 import torch  # noqa: E402
-from bench_transport import SECRET, TINY_LR, client_of  # noqa: E402
+from bench_transport import SECRET, client_of, init_meta  # noqa: E402
 
 from psflow.cluster import ClusterSpec  # noqa: E402
-from psflow.config import TrainConfig  # noqa: E402
-from psflow.optim import SGD  # noqa: E402
 from psflow.ps import service as service_module  # noqa: E402
 from psflow.ps.latency import LatencyBook  # noqa: E402
 from psflow.ps.service import PsService  # noqa: E402
@@ -65,8 +63,7 @@ class Worker:
     def __init__(self, address: str, nbytes: int) -> None:
         self.client = client_of(address, 0)
         n = max(1, nbytes // 4)
-        self.client.initialize([{"w": torch.zeros(n)}], {"optimizer": SGD(lr=TINY_LR).to_dict(),
-                                                         "config": TrainConfig().to_dict(), "placement_digest": "bench"})
+        self.client.initialize([{"w": torch.zeros(n)}], init_meta(n))
         self.dest, self.grad, self.version = torch.empty(n), torch.zeros(n), 0
 
     def pull(self) -> None:

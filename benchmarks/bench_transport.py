@@ -55,6 +55,7 @@ from psflow.cluster import ClusterSpec, TaskId
 from psflow.config import TrainConfig
 from psflow.optim import SGD
 from psflow.ps.client import PsClient
+from psflow.ps.placement import ParamInfo, place
 from psflow.ps.service import PsService
 from psflow.ps.update import DirectStep
 from psflow.server import Server
@@ -272,10 +273,7 @@ class PsRoundTrip:
         self.client = client_of(address, 0)
         n = nbytes // 4
         self.initial = torch.arange(n, dtype=torch.float32)
-        self.client.initialize(
-            [{"w": self.initial}],
-            {"optimizer": SGD(lr=TINY_LR).to_dict(), "config": TrainConfig().to_dict(), "placement_digest": "bench"},
-        )
+        self.client.initialize([{"w": self.initial}], init_meta(n))
         self.dest = torch.empty(n, dtype=torch.float32)
         self.grad = torch.zeros(n, dtype=torch.float32)
         self.version = 0
@@ -318,6 +316,14 @@ def client_of(ps_address: str, worker: int) -> PsClient:
     """A worker's PsClient for a one-shard cluster (the worker's own address is never dialled)."""
     cluster = ClusterSpec.from_dict({"ps": [ps_address], "worker": ["127.0.0.1:1", "127.0.0.1:2"]})
     return PsClient(cluster, TaskId("worker", worker), SECRET)
+
+
+def init_meta(n: int) -> dict[str, Any]:
+    """A PS_INIT's meta for one float32 parameter ``w`` of ``n`` values on one shard, as the chief's
+    trainer sends it (the ps admits only the tensors its ``meta.placement`` puts on the shard)."""
+    placement = place([ParamInfo("w", (n,))], 1).to_dict()
+    return {"optimizer": SGD(lr=TINY_LR).to_dict(), "config": TrainConfig().to_dict(), "placement_digest": "bench",
+            "meta": {"placement": placement}}
 
 
 def gbs(nbytes: int, t: float) -> float:
