@@ -97,11 +97,12 @@ def connect(ps: PsProcesses, logdir: Path, model: torch.nn.Module) -> tuple[Any,
     """The chief's Task and Trainer against ``ps`` (the ps are initialized by the Supervisor)."""
     import psflow as pf
     from psflow.cluster import ClusterSpec, TaskId
+    from psflow.identity import TaskIdentity
     from psflow.server import Server
     from psflow.task import Task
 
     cluster = ClusterSpec.from_dict({"ps": ps.addresses, "worker": ["127.0.0.1:1"]})
-    task = Task(TaskId("worker", 0), cluster, secret=SECRET, server=Server("worker:0", secret=SECRET),
+    task = Task(TaskIdentity(TaskId("worker", 0), cluster), secret=SECRET, server=Server("worker:0", secret=SECRET),
                 config=pf.TrainConfig(), argv=[], coordinator=None, logdir=str(logdir), connect_timeout_s=60.0)
     trainer = pf.Trainer(model, pf.optim.SGD(lr=TINY_LR), task, split_bytes=4 * MIB)
     return task, trainer
