@@ -275,7 +275,8 @@ class CuttingProxy:
     reply to the request in flight, which the server received and carried out) instead of
     forwarding them; ``cut_next("request")`` drops the next bytes a client sends before the server
     gets them. Both sides of that connection are closed, as when a connection drops; later
-    connections pass untouched. ``cuts`` counts the connections it dropped. ``hold_replies()`` keeps
+    connections pass untouched; ``cut_all()`` drops every connection open now. ``cuts`` counts the
+    connections it dropped. ``hold_replies()`` keeps
     every byte from the server back, on every connection, until ``release_replies()``.
     """
 
@@ -297,6 +298,17 @@ class CuttingProxy:
 
     def release_replies(self) -> None:
         self._replies_flow.set()
+
+    def cut_all(self) -> None:
+        """Drop every connection open now, both sides, whatever is in flight on it."""
+        with self._lock:
+            socks, self._socks = self._socks, []
+            self.cuts += len(socks) // 2
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def cut_next(self, direction: str) -> None:
         assert direction in ("request", "reply")

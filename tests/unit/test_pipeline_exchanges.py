@@ -1,5 +1,5 @@
 """The pipeline's two threads (psflow.train.pipeline.Exchanges): sends in order, a shard's next push
-only once its last reply is in, replies gathered per step; after a failure later sends are skipped
+only once the reply before its last is in (two in flight), replies gathered per step; after a failure later sends are skipped
 until reset. And the two reply buffers, used in turn."""
 
 from __future__ import annotations
@@ -33,27 +33,31 @@ class FakeShards:
         return {"shard": shard, "buffer": buffer}
 
 
-def test_a_shards_next_push_waits_for_its_own_reply_only():
+def _wait_for(cond, what: str) -> None:
+    """A polling wait with a deadline (5 s)."""
+    tick = threading.Event()
+    for _ in range(500):
+        if cond() or tick.wait(0.01):
+            return
+    raise AssertionError(what)
+
+
+def test_two_pushes_per_shard_in_flight_the_third_waits_for_the_first_reply():
     shards = FakeShards()
     ex = Exchanges("t", shards.receive)
     shards.hold[0].clear()  # shard 0's replies are late
-    ex.send(1, shards.send(1), 0)
-    ex.send(0, shards.send(0), 0)
-    first = ex.end_step(2, complete=True)
-    ex.send(1, shards.send(1), 1)  # may go once shard 1's first reply is in
-    ex.send(0, shards.send(0), 1)  # waits for shard 0's first reply
-    second = ex.end_step(2, complete=True)
-    sent_twice = threading.Event()
-    for _ in range(500):  # a polling wait with a deadline (5 s) for shard 1's second push
-        if shards.log.count(("send", 1)) == 2 or sent_twice.wait(0.01):
-            break
-    assert shards.log.count(("send", 1)) == 2, shards.log
-    assert ("reply", 0) not in shards.log and shards.log.count(("send", 0)) == 1  # shard 0's second push waits
+    steps = []
+    for buffer in (0, 1, 0):
+        ex.send(1, shards.send(1), buffer)
+        ex.send(0, shards.send(0), buffer)
+        steps.append(ex.end_step(2, complete=True))
+    _wait_for(lambda: shards.log.count(("send", 0)) == 2, f"shard 0's second push, sent with its first reply held: {shards.log}")
+    _wait_for(lambda: shards.log.count(("send", 1)) == 3, f"shard 1's third push (its replies flow): {shards.log}")
+    assert ("reply", 0) not in shards.log and shards.log.count(("send", 0)) == 2  # shard 0's third waits
     shards.hold[0].set()
-    assert first.result(10) == [{"shard": 0, "buffer": 0}, {"shard": 1, "buffer": 0}]
-    assert second.result(10) == [{"shard": 0, "buffer": 1}, {"shard": 1, "buffer": 1}]
-    second_send_0 = [i for i, e in enumerate(shards.log) if e == ("send", 0)][1]
-    assert shards.log.index(("reply", 0)) < second_send_0  # one request at a time per connection
+    assert [r.result(10) for r in steps] == [[{"shard": 0, "buffer": b}, {"shard": 1, "buffer": b}] for b in (0, 1, 0)]
+    third_send_0 = [i for i, e in enumerate(shards.log) if e == ("send", 0)][2]
+    assert shards.log.index(("reply", 0)) < third_send_0  # at most two pushes in flight per connection
     ex.close()
 
 

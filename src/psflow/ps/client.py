@@ -15,6 +15,15 @@ has already decided and does not apply it again (see :mod:`psflow.ps.rules`, DUP
 without one raises the loss to the caller (its gradient may have been applied). Without
 ``resolve`` (cluster from flags or TF_CONFIG) a lost connection raises, as it always did.
 
+Pushes in flight: a shard's pushes not answered yet are kept in order (the async pipeline has two
+per connection: one thread sends the next while another reads the reply to the last). The ps
+serves a connection's requests one after the other, so their replies come in that order. A
+connection made again, by whichever thread finds it lost, first carries every push still
+unanswered, oldest first, each once (the ps answers those it had as DUPLICATEs); both happen
+under the shard's lock, which a send holds too. A thread that finds a connection lost shuts it
+down (the other thread's blocked send or receive returns) and only then closes it under the lock,
+so a socket is never closed while another thread uses it.
+
 The whole design note: ``docs/design/ps-client.md``.
 """
 
@@ -22,8 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +54,17 @@ log = logging.getLogger("psflow")
 # Requests a shard may receive twice without harm: sent again after a lost connection (with a resolver).
 _REPEATABLE = frozenset({Op.PS_PULL, Op.PS_STATUS, Op.PS_READY, Op.PS_CLOCK, Op.PS_DONE})
 _NOT_SERVING = "NotServingError"  # the ERROR kind of a ps that does not serve the shard now (retry at the other)
+
+
+@dataclass
+class _Unanswered:
+    """A push sent and not answered yet: what resends it on a fresh connection (``resendable``:
+    it carries a ``seq`` the ps deduplicates, and the client reconnects)."""
+
+    meta: dict[str, Any]
+    grads: Sequence[tuple[str, torch.Tensor]]
+    resendable: bool
+    sent_on: Connection | None = None  # the connection it was last sent on
 
 
 class PsClient:
@@ -79,7 +102,7 @@ class PsClient:
         self.pull_dtype = compression.pull_dtype() if compress_pull else None
         self._retired_bytes = [0, 0]  # sent, received over connections closed since
         self.waiting_for = "ps reply"  # what a push's reply waits for, as the timeline names it (sync: the quorum)
-        self._awaited: int | None = None  # the shard the caller is blocked on now (see ``awaiting``)
+        self._awaited: dict[int, int] = {}  # thread -> the shard it is blocked on now (see ``awaiting``)
         self.replicas = replicas  # 2: each shard has a backup on the next ps (failover)
         self.failover_s = failover_s  # replicas=2: how long a lost primary may not answer before its backup serves
         self.routes: dict[int, int] = {}  # shard -> the ps serving it in place of its dead primary
@@ -99,9 +122,14 @@ class PsClient:
         # task is stopping and the ps did not answer: no later request waits for it again (each would
         # cost a handshake's timeout), so what the task still does without it is done within its grace.
         self._given_up: dict[int, ConnectStopped] = {}
-        # Pushes sent and not answered yet that the ps deduplicates (they carry ``seq``): shard ->
-        # (meta, gradients), resent once on a fresh connection if the connection drops before the reply.
-        self._unanswered: dict[int, tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]]] = {}
+        # Pushes sent and not answered yet, oldest first (a pipelined worker has up to two per shard
+        # in flight): shard -> its pushes, resent in order on a fresh connection if the connection
+        # drops before their replies (those that carry ``seq``, which the ps deduplicates).
+        self._unanswered: dict[int, deque[_Unanswered]] = {}
+        # A shard's connection is made again, and its pushes sent, under the shard's lock: a push may
+        # be sent on one thread while the reply to the push before is read on another, and the one
+        # that makes the connection again resends every push still unanswered, exactly once there.
+        self._locks = [threading.RLock() for _ in range(self.num_shards)]
         self.conns: list[Connection | None] = []
         try:
             for i in range(self.num_shards):
@@ -115,16 +143,21 @@ class PsClient:
     def awaiting(self) -> str | None:
         """The ps the caller is blocked on now (``"ps:1"``: the ps serving that shard), None between
         requests. Read by the task's heartbeat thread (:meth:`psflow.task.Task.heartbeat_payload`)."""
-        shard = self._awaited
+        shard = next(iter(self._awaited.values()), None)
         return None if shard is None else f"ps:{self.routes.get(shard, shard)}"
 
     @contextlib.contextmanager
     def _awaiting(self, shard: int) -> Iterator[None]:
-        previous, self._awaited = self._awaited, shard
+        me = threading.get_ident()
+        previous = self._awaited.get(me)
+        self._awaited[me] = shard
         try:
             yield
         finally:
-            self._awaited = previous
+            if previous is None:
+                self._awaited.pop(me, None)
+            else:
+                self._awaited[me] = previous
 
     def traffic(self) -> tuple[int, int]:
         """Bytes sent and received to and from the ps over this client's life (frames, handshakes)."""
@@ -224,11 +257,14 @@ class PsClient:
     def _reroute(self, shard: int) -> int:
         """Route ``shard`` to the other ps of its pair; returns it. Its connection is made again there."""
         other = pair_other(shard, self.routes.get(shard, shard), self.num_shards)
-        self.routes[shard] = other
         conn = self.conns[shard] if shard < len(self.conns) else None
         if conn is not None:
-            self._retire(conn)
-            self.conns[shard] = None
+            conn.shutdown()  # a send blocked on it (another thread, holding the lock) returns now
+        with self._locks[shard]:
+            self.routes[shard] = other
+            if conn is not None and self.conns[shard] is conn:
+                self._retire(conn)
+                self.conns[shard] = None
         return other
 
     def _refused(self, frame: Frame) -> bool:
@@ -247,13 +283,19 @@ class PsClient:
         if isinstance(term, int) and term > self.terms.get(shard, 0):
             self.terms[shard] = term
 
-    def _lost(self, shard: int, error: TransportError) -> None:
-        """Forget the shard's connection (it is out of step or dead): the next request reconnects."""
-        conn = self.conns[shard]
-        if conn is not None:
-            self._retire(conn)
-            self.conns[shard] = None
-            log.warning("%s: lost its connection for shard %d (%s); the next request reconnects.", self.task, shard, error)
+    def _lost(self, shard: int, error: TransportError, conn: Connection | None = None) -> None:
+        """Forget the shard's connection (``conn``, by default the one it has now: it is out of step
+        or dead): the next request reconnects."""
+        conn = conn if conn is not None else self.conns[shard]
+        if conn is None:
+            return
+        conn.shutdown()  # a send blocked on it (another thread, holding the lock) returns now
+        with self._locks[shard]:
+            if self.conns[shard] is conn:
+                self._retire(conn)
+                self.conns[shard] = None
+                log.warning("%s: lost its connection for shard %d (%s); the next request reconnects.",
+                            self.task, shard, error)
 
     def _all(
         self,
@@ -443,28 +485,52 @@ class PsClient:
         if position is not None:
             meta["position"] = position
         grads = self.encoder.encode(grads)  # once: a resent push carries the same bytes (top-k's residuals moved on)
-        self._unanswered.pop(shard, None)
         if seq is not None:
             meta["seq"] = seq
-            if self.reconnects:
-                self._unanswered[shard] = (meta, grads)
-        try:
-            self._send_push_now(shard, meta, grads)
-        except PeerLostError as e:
-            self._on_error(shard, e, None)
-            if shard not in self._unanswered:
-                raise  # not resendable: the caller learns of the loss now
+        push = _Unanswered(meta, grads, resendable=seq is not None and self.reconnects)
+        with self._locks[shard]:
+            pending = self._unanswered.setdefault(shard, deque())
+            pending.append(push)
+            try:
+                self._send_push_now(shard)
+            except PeerLostError as e:
+                if push.resendable:
+                    return  # whoever reads its reply finds the connection lost, makes it again and resends
+                pending.remove(push)
+                self._on_error(shard, e, None)
+                raise  # the caller learns of the loss now
+            except BaseException:
+                if push in pending:  # not sent, and its reply is not read: not resent either
+                    pending.remove(push)
+                raise
 
-    def _send_push_now(self, shard: int, meta: dict[str, Any], grads: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def _send_push_now(self, shard: int) -> Connection:
+        """Send the shard's unanswered pushes that its connection has not carried yet, oldest first
+        (the shard's lock held): the newest one, or on a connection made again every one of them, so
+        that each push is sent once per connection and in order. Returns the connection."""
+        pending = self._unanswered.get(shard, ())
         with self._awaiting(shard):
             conn = self._conn(shard)
-            conn.set_timeout(self.request_timeout_s + float(meta["timeout_s"]) + self.reply_margin_s)
+            todo = [p for p in pending if p.sent_on is not conn]
+            again = [p for p in todo if p.sent_on is not None]
+            if again:
+                if not all(p.resendable for p in again):
+                    raise PeerLostError(f"ps:{shard}: the connection was lost before the reply to a push that "
+                                        "cannot be resent (it carries no seq).")
+                log.warning("%s: resending push %s to ps:%d on a fresh connection (the ps drops what it had).",
+                            self.task, ", ".join(str(p.meta.get("seq")) for p in again), self.routes.get(shard, shard))
             try:
-                conn.send(Op.PS_PUSH, self._routed(shard, meta), grads)
+                for p in todo:
+                    conn.set_timeout(self.request_timeout_s + float(p.meta["timeout_s"]) + self.reply_margin_s)
+                    conn.send(Op.PS_PUSH, self._routed(shard, p.meta), p.grads)
+                    p.sent_on = conn
             except TransportError as e:
                 if not isinstance(e, PeerLostError):
                     self._on_error(shard, e, None)
+                else:
+                    conn.shutdown()  # the reader of its replies finds it lost
                 raise
+        return conn
 
     def recv_push_replies(self, shards: Iterable[int], dests: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, Any]]:
         """Receive the replies of requests sent with :meth:`send_push`, values straight into ``dests``.
@@ -475,14 +541,17 @@ class PsClient:
         tl = timeline.ACTIVE
         for shard in shards:
             dest = dests[shard]
-            unanswered = self._unanswered.pop(shard, None)
+            pending = self._unanswered.get(shard)
+            unanswered = pending[0] if pending else None
             start = tl.now() if tl is not None else 0.0
             try:
                 with self._awaiting(shard):
                     frame = self._recv_push_reply(shard, dest, unanswered)
             except TransportError as e:
+                self._answered(shard, unanswered)
                 lost = self._on_error(shard, e, lost)
                 continue
+            self._answered(shard, unanswered)
             if tl is not None:
                 conn = self.conns[shard]
                 arrived = max(start, conn.header_us) if conn is not None else start
@@ -500,42 +569,51 @@ class PsClient:
             raise first_error
         return metas
 
-    def _recv_push_reply(
-        self, shard: int, dest: Mapping[str, torch.Tensor],
-        unanswered: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]] | None,
-    ) -> Frame:
-        """The reply to the push sent to ``shard``; a push the ps deduplicates (``unanswered``) is
-        resent once on a fresh connection if the connection was lost before the reply, and to the
-        other ps of the shard's pair while a ps refuses it as not serving the shard."""
+    def _answered(self, shard: int, push: _Unanswered | None) -> None:
+        """``push`` (the shard's oldest unanswered) got its reply, or its loss was raised."""
+        if push is None:
+            return
+        with self._locks[shard]:
+            pending = self._unanswered.get(shard)
+            if pending and pending[0] is push:
+                pending.popleft()
+
+    def _recv_push_reply(self, shard: int, dest: Mapping[str, torch.Tensor], unanswered: _Unanswered | None) -> Frame:
+        """The reply to the shard's oldest unanswered push (``unanswered``); a push the ps
+        deduplicates is resent on a fresh connection if the connection was lost before the reply
+        (with the pushes sent after it), and to the other ps of the shard's pair while a ps refuses
+        it as not serving the shard."""
         frame = self._recv_push_reply_once(shard, dest, unanswered)
         deadline = time.monotonic() + self.connect_timeout_s
-        while unanswered is not None and self._refused(frame) and time.monotonic() < deadline:
+        while unanswered is not None and unanswered.resendable and self._refused(frame) and time.monotonic() < deadline:
             other = self._reroute(shard)
             log.warning("%s: refused: %s Resending push %s to ps:%d.", self.task, frame.meta.get("error"),
-                        unanswered[0].get("seq"), other)
-            self._send_push_now(shard, *unanswered)
-            frame = self._recv_push_reply_once(shard, dest, unanswered)
+                        unanswered.meta.get("seq"), other)
+            with self._locks[shard]:
+                conn = self._send_push_now(shard)
+            frame = self._recv_on(conn, dest)
             if self._refused(frame):
                 time.sleep(0.1)  # both copies refuse (one re-syncing): give the re-sync a moment
         return frame
 
-    def _recv_push_reply_once(
-        self, shard: int, dest: Mapping[str, torch.Tensor],
-        unanswered: tuple[dict[str, Any], Sequence[tuple[str, torch.Tensor]]] | None,
-    ) -> Frame:
+    def _recv_push_reply_once(self, shard: int, dest: Mapping[str, torch.Tensor], unanswered: _Unanswered | None) -> Frame:
         conn = self.conns[shard]
         try:
             if conn is None:  # lost while sending (with a resolver): there is no reply to read
                 raise PeerLostError(f"ps:{shard}: the connection was lost before its reply.")
-            return conn.recv(alloc=lambda spec: dest.get(spec.name))
+            return self._recv_on(conn, dest)
         except PeerLostError as e:
-            if unanswered is None:
+            if unanswered is None or not unanswered.resendable:
                 raise
-            self._lost(shard, e)
-            log.warning("%s: resending push %s to ps:%d on a fresh connection (the ps drops it if it had it).",
-                        self.task, unanswered[0].get("seq"), shard)
-            self._send_push_now(shard, *unanswered)
-            return self.conns[shard].recv(alloc=lambda spec: dest.get(spec.name))  # type: ignore[union-attr]
+            if conn is not None:
+                self._lost(shard, e, conn)
+            with self._locks[shard]:  # made again (here, or by a send since), carrying this push and those after it
+                conn = self._send_push_now(shard)
+            return self._recv_on(conn, dest)
+
+    @staticmethod
+    def _recv_on(conn: Connection, dest: Mapping[str, torch.Tensor]) -> Frame:
+        return conn.recv(alloc=lambda spec: dest.get(spec.name))
 
     def clock(self, worker: int, clock: int, timeout_s: float, *, attempt: int = 0, ahead: int = 0) -> int:
         """Ssp: every step before ``clock`` is applied; wait (on shard 0) until ``clock + ahead`` is

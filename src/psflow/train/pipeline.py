@@ -7,8 +7,8 @@ push thread (:mod:`psflow.train.sender`), whose replies land in one of two reply
 the model. The next step first waits for the step before the last one (step t-1 at step t+1),
 copies those values into the model and computes from them: a worker's step costs about
 max(compute, transfer) instead of their sum. Two threads carry the steps (:class:`Exchanges`):
-one sends, one reads replies, and a shard's next push leaves as soon as its last reply is in, so
-the worker's link sends step t+1's first shard while step t's last reply is still on its way.
+one sends, one reads replies; two pushes in flight per connection, so a ps has a worker's next
+push at hand while its reply to the last one travels.
 
 The price is staleness: step t+1 computes from values that lack this worker's own update t (one
 step; the other workers' updates as in any async step), counted in the stats (``pipelined_steps``,
@@ -20,10 +20,11 @@ push thread reports clock c - 2 once the replies before are in and sends that pu
 s of the slowest clock (:meth:`Exchanges.gate`; ``ahead`` in :mod:`psflow.ps.rules`). A worker held
 there computes one more step and waits, so its lead stays <= s; s must be >= 2 (docs/performance.md).
 
-What stays as without it: each push is applied once and in order (one request at a time per
-connection: a shard's push waits for its last reply, so the client's resend-once after a reconnect
-holds); shard 0, which records the data position, goes last in each step; a failed send or reply is raised on the training thread at the next step (or flush),
-and the steps queued behind it are not sent. After ``step()`` the model holds the values of the
+What stays as without it: each push is applied once and in order (a connection carries them in
+order, and one made again carries every push still unanswered, oldest first, which the ps
+deduplicates by ``seq``: :mod:`psflow.ps.client`); shard 0, which records the data position, goes last in each step; a
+failed send or reply is raised on the training thread at the next step (or flush), and the steps
+queued behind it are not sent. After ``step()`` the model holds the values of the
 step before, not its own update; :meth:`Trainer.flush` (and ``pull``, checkpoints,
 ``end_training``, ``close``) waits for every step in flight and lands the newest values.
 """
@@ -80,7 +81,7 @@ class ReplyBuffers:
 
 class Exchanges:
     """The pipeline's two threads: one sends each step's pushes in the order given (a shard's push
-    once its previous reply is in), one reads each push's reply in the order sent.
+    once the reply before its last is in), one reads each push's reply in the order sent.
 
     Args:
         name: the threads' name prefix (stacks, the timeline).
@@ -92,15 +93,20 @@ class Exchanges:
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-send")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-reply")
         self._last_reply: dict[int, Future[dict[str, Any]]] = {}  # shard -> its latest push's reply
+        self._before_last: dict[int, Future[dict[str, Any]]] = {}  # shard -> the reply to the push before
         self._step: dict[int, Future[dict[str, Any]]] = {}  # this step's replies by shard
         self._gate: Future[None] | None = None  # this step's gate (ssp: its clock), before its sends
         self._failed = False  # a send or reply failed: later sends are skipped until reset()
 
     def send(self, shard: int, send: Callable[[], None], buffer: int) -> None:
-        """Queue one shard's push of this step (``send``) and the reading of its reply into ``buffer``."""
-        previous = self._last_reply.get(shard)
-        sent = self._sender.submit(self._send, previous, send)
+        """Queue one shard's push of this step (``send``) and the reading of its reply into ``buffer``.
+        It leaves once the reply to the shard's push before the last is in: two pushes in flight per
+        connection, so the ps has the next push at hand while its reply to the last one travels."""
+        before_last = self._before_last.get(shard)
+        sent = self._sender.submit(self._send, before_last, send)
         reply = self._reader.submit(self._read, sent, shard, buffer)
+        if shard in self._last_reply:
+            self._before_last[shard] = self._last_reply[shard]
         self._last_reply[shard] = self._step[shard] = reply
 
     def gate(self, call: Callable[[], None]) -> None:
@@ -116,7 +122,7 @@ class Exchanges:
 
     def _send(self, previous: Future[dict[str, Any]] | None, send: Callable[[], None]) -> None:
         if previous is not None:
-            previous.exception()  # one request at a time per connection (a failure sets _failed)
+            previous.exception()  # at most two pushes in flight per connection (a failure sets _failed)
         if self._failed:
             raise NotSent("an earlier push or reply failed")
         try:

@@ -115,7 +115,8 @@ BUSY = "busy"  # the ERROR kind of a connection turned away before its handshake
 
 
 class Connection:
-    """One framed connection. Not thread-safe: one request at a time per connection."""
+    """One framed connection. One thread sends and one receives at a time (they may be two: a
+    pipelined client sends its next request while it reads the reply to the last)."""
 
     def __init__(self, sock: socket.socket, *, peer: str = "?", limits: Limits = Limits()) -> None:
         self.sock = sock
@@ -421,6 +422,15 @@ class Connection:
     def close(self) -> None:
         try:
             self.sock.close()
+        except OSError:
+            pass
+
+    def shutdown(self) -> None:
+        """End both directions without releasing the socket: another thread blocked sending or
+        receiving on it returns with an error now, and its descriptor cannot be reused under it
+        (as :meth:`close` from another thread could let happen)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
