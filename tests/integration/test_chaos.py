@@ -34,9 +34,11 @@ def chaos(logdir: Path, *args: str, epochs: int = EPOCHS) -> tuple[object, str]:
     return r, f"{r.stdout[-5000:]}\n{r.stderr[-2000:]}\n{log_tails(logdir, 30)}"
 
 
-def test_chaos_kills_and_stops_tasks_and_the_job_loses_nothing_acknowledged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipeline"])
+def test_chaos_kills_and_stops_tasks_and_the_job_loses_nothing_acknowledged(tmp_path: Path, pipeline: bool) -> None:
+    """With --pipeline the workers have two pushes in flight per connection when a fault lands."""
     logdir = tmp_path / "chaos"
-    r, context = chaos(logdir, "--max-faults", "4", "--seed", "3")
+    r, context = chaos(logdir, "--max-faults", "4", "--seed", "3", *(["--pipeline"] if pipeline else []))
     assert r.returncode == 0, context
     report = json.loads((logdir / "chaos.json").read_text())
     summary = read_summary(logdir)
