@@ -10,7 +10,7 @@ what it lost, counted from the run's own ledgers.
    the baseline's batches), whether every copy of every shard agrees, and the accuracy against the
    baseline (goal: within 0.5 point). Goodput with a fault a minute is ``bench_goodput.py``'s.
 
-Run: ``.venv/bin/python benchmarks/bench_nemesis.py [--for S] [--seed N] [--epochs N]``. Not part of
+Run: ``.venv/bin/python benchmarks/bench_nemesis.py [--for S] [--seed N] [--epochs N] [--pipeline]``. Not part of
 ``make bench`` (twice ``--for`` and more).
 The markdown report goes to stdout, progress to stderr. Nothing here asserts on a timing.
 """
@@ -58,6 +58,8 @@ def main() -> None:
     p.add_argument("--for", dest="seconds", type=float, default=600.0, help="seconds of faults (600)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--epochs", type=int, default=None, help="the job's epochs (default: enough to outlast --for)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="the workers run --pipeline (two pushes in flight per connection when a fault lands)")
     args = p.parse_args()
     # About 1,000 replicated steps a second on two cores: enough epochs that faults run for --for.
     epochs = args.epochs or max(4, int(args.seconds * 1000 / STEPS_PER_EPOCH) + 2)
@@ -66,7 +68,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="psflow-bench-nemesis-") as tmp_s:
         tmp = Path(tmp_s)
         for part, extra in (("nemesis", ("--kinds", "kill=1,stop=1,partition=1", "--targets", "chief,worker,ps",
-                                         "--every", "15", "--stall", "2-9")),):
+                                         "--every", "15", "--stall", "2-9",
+                                         *(["--pipeline"] if args.pipeline else []))),):
             load = "/".join(f"{x:.1f}" for x in os.getloadavg())
             report, summary, wall = chaos(tmp / part, args.seconds, epochs, args.seed, *extra)
             base = report.get("baseline") or {}
@@ -78,7 +81,8 @@ def main() -> None:
                          base.get("test_accuracy"), report.get("accuracy_delta"), report.get("goodput_ratio"),
                          f"{wall:.0f}", load])
             harness.log(f"{part}: {copies}")
-    print(f"### `psflow chaos` on the softmax, 2 ps x 2 copies + 3 workers, {args.seconds:g} s of faults, "
+    print(f"### `psflow chaos` on the softmax, 2 ps x 2 copies + 3 workers{' (--pipeline)' if args.pipeline else ''}, "
+          f"{args.seconds:g} s of faults, "
           f"{epochs} epochs, seed {args.seed}\n")
     print(harness.md_table(["part", "status", "faults", "survived", "acknowledged lost", "applied twice",
                             "every copy agrees", "batches", "accuracy", "baseline accuracy", "delta",
