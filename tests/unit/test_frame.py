@@ -314,3 +314,15 @@ def test_every_supported_dtype_has_a_matching_itemsize() -> None:
     for name, dtype in DTYPES.items():
         assert TensorSpec(name, dtype, (3,)).nbytes == 3 * torch.empty((), dtype=dtype).element_size()
     assert TensorSpec("s", torch.float64, ()).nbytes == 8  # a 0-dim spec is one element
+
+
+def test_integers_past_64_bits_in_the_meta_arrive_exact():
+    """orjson parses an integer past 64 bits as a float (hypothesis found -2**63 - 1 arriving as
+    -9.223372036854776e+18): such meta is parsed by the standard library."""
+    extra = {"low": -(2**63) - 1, "high": 2**64, "huge": -(10**30), "edge": 2**63, "text": "1234567890123456789012"}
+    wire = frame_bytes(1, [], extra)
+    _op, _flags, meta_len, payload_len = decode_header(wire[:HEADER_SIZE], LIMITS)
+    meta, _specs = decode_meta(wire[HEADER_SIZE : HEADER_SIZE + meta_len], payload_len, LIMITS)
+    assert {k: v for k, v in meta.items() if k != "t"} == extra
+    assert all(type(meta[k]) is int for k in ("low", "high", "huge", "edge"))
+

@@ -20,6 +20,7 @@ import ctypes
 import functools
 import json
 import math
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -202,22 +203,30 @@ def decode_handshake_meta(data: bytes) -> dict[str, Any]:
     return meta
 
 
+# 19 digits in a row: maybe an integer past 64 bits, which orjson parses as a float (it loses digits).
+_LONG_NUMBER = re.compile(rb"\d{19}")
+
+
 def _json_object(data: bytes | memoryview) -> dict[str, Any]:
-    # orjson: invalid UTF-8, NaN, deep nesting (past 1024 levels) and integers past 64 bits are all
-    # JSONDecodeError, a ValueError; the standard library parses what orjson cannot (big integers).
+    # orjson: invalid UTF-8, NaN and deep nesting (past 1024 levels) are JSONDecodeError, a
+    # ValueError; an integer past 64 bits it parses as a float, so meta with 19 digits in a row goes
+    # to the standard library, which keeps every integer exact.
     if data == b"{}" or not data:
         return {}
-    try:
-        meta = orjson.loads(data)
-    except orjson.JSONDecodeError:
+    if _LONG_NUMBER.search(data):
         meta = _stdlib_json(data)
+    else:
+        try:
+            meta = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            meta = _stdlib_json(data)
     if not isinstance(meta, dict):
         raise FrameError(f"Frame meta must be a JSON object; received {type(meta).__name__}.")
     return meta
 
 
 def _stdlib_json(data: bytes | memoryview) -> Any:
-    """What orjson refused, parsed by the standard library (integers past 64 bits), or a FrameError."""
+    """Meta orjson cannot parse exactly, parsed by the standard library, or a FrameError."""
     # ValueError covers JSONDecodeError and ints past Python's digit limit; RecursionError, deep nesting.
     try:
         return json.loads(bytes(data).decode("utf-8"))
