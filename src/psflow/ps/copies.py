@@ -337,15 +337,9 @@ class ShardCopies:
         term = int(req.meta.get("term", 0))
         if kind == "resync":
             return self._resync_peer(shard, other, term)
-        verdict = accepts_records(self.views[shard], self.shard, other, term)
-        if verdict is Verdict.ASK:
-            self._ask_quietly("get")
-            verdict = accepts_records(self.views[shard], self.shard, other, term)
-        if verdict is not Verdict.ACCEPT:
-            v = self.views[shard]
-            raise StaleTermError(f"ps:{self.shard} refuses ps:{other}'s {kind} of shard {shard} in term {term}: its view "
-                                 f"of the shard is term {v.term}, serving {ps_name(v.serving)}, backup {ps_name(v.backup)}. "
-                                 f"ps:{other} must ask the launcher for the shard's view.")
+        refusal = self._term_refusal(shard, other, term, kind)
+        if refusal is not None:
+            raise StaleTermError(refusal)
         what = f"PS_REPLICATE {kind!r} from {req.peer} for shard {shard}"
         if kind in ("init", "state"):
             self._check_tensors(what, req.meta, bounds.declared(req.tensors.items()))
@@ -418,15 +412,23 @@ class ShardCopies:
         """
         if not isinstance(term, int) or isinstance(term, bool):
             raise ConfigError(f"PS_REPLICATE 'batch' from ps:{other} refused: field 'term' must be an integer; received {term!r}.")
+        refusal = self._term_refusal(shard, other, term, "batch")
+        if refusal is not None:
+            raise _StaleRecords(refusal)
+
+    def _term_refusal(self, shard: int, other: int, term: int, what: str) -> str | None:
+        """None where the shard's view accepts ``other``'s records of ``term`` (asking the launcher
+        for the view once where it cannot tell), else why it refuses them."""
         verdict = accepts_records(self.views[shard], self.shard, other, term)
         if verdict is Verdict.ASK:
             self._ask_quietly("get")
             verdict = accepts_records(self.views[shard], self.shard, other, term)
-        if verdict is not Verdict.ACCEPT:
-            v = self.views[shard]
-            raise _StaleRecords(f"ps:{self.shard} refuses ps:{other}'s batch of shard {shard} in term {term}: its view of "
-                                f"the shard is term {v.term}, serving {ps_name(v.serving)}, backup {ps_name(v.backup)}. "
-                                f"ps:{other} must ask the launcher for the shard's view.")
+        if verdict is Verdict.ACCEPT:
+            return None
+        v = self.views[shard]
+        return (f"ps:{self.shard} refuses ps:{other}'s {what} of shard {shard} in term {term}: its view of the shard is "
+                f"term {v.term}, serving {ps_name(v.serving)}, backup {ps_name(v.backup)}. "
+                f"ps:{other} must ask the launcher for the shard's view.")
 
     def _check_tensors(self, what: str, meta: dict[str, Any], tensors: list[bounds.Declared]) -> None:
         """Raises ConfigError unless ``tensors`` fit this ps's copy of the shard (see :meth:`_admit_replicate`)."""
