@@ -21,8 +21,8 @@ Every configuration is the third seed's CNN (``examples/mnist_cnn.py``, 6.6 MB o
    averages: the example as a user runs it), one run per setting, on loopback; its test accuracy on
    ``--test_examples`` images and its wall time.
 
-Run: ``.venv/bin/python benchmarks/bench_compress.py [--quick] [--parts loopback,link,pair,accuracy]`` (as
-root for parts 2 and 3). The markdown
+Run: ``.venv/bin/python benchmarks/bench_compress.py [--quick | --smoke] [--parts loopback,link,pair,accuracy]`` (as
+root for parts 2 and 3; ``--smoke``: one warm-up and one timed step per worker, a check that it runs). The markdown
 report goes to stdout, progress to stderr. Nothing here asserts on a timing.
 """
 
@@ -185,17 +185,20 @@ def main() -> None:
     parser = harness.arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--parts", default="loopback,link,pair,accuracy",
                         help="which parts to run, comma-separated: loopback, link, pair, accuracy")
+    parser.add_argument("--smoke", action="store_true",
+                        help="as --quick, with one warm-up and one timed step per worker: a check that it runs, no figure")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    reps = harness.reps_of(args, full=3, quick=1)
-    steps, link_steps = (10, 4) if args.quick else (40, 10)
-    test_examples = 2000 if args.quick else 10000
+    reps = harness.reps_of(args, full=3, quick=1) if not args.smoke else 1
+    steps, link_steps = (1, 1) if args.smoke else (10, 4) if args.quick else (40, 10)
+    warmup, link_warmup = (1, 1) if args.smoke else (5, 2)
+    test_examples = 2000 if args.quick or args.smoke else 10000
     print("## Gradient compression on the CNN (1 ps + 2 workers, async)\n")
     print(f"Machine: {harness.machine()}.  \nCommand: `{harness.command_line()}`\n")
 
     if "loopback" in parts:
         log(f"part 1: loopback, {reps} interleaved rounds of {steps} steps per worker")
-        loop = harness.interleaved({n: (lambda f=f: throughput_case(f, 5, steps, None)) for n, f in SETTINGS.items()},
+        loop = harness.interleaved({n: (lambda f=f: throughput_case(f, warmup, steps, None)) for n, f in SETTINGS.items()},
                                    reps, warmup=0)
         print(f"### Loopback, no rate limit ({reps} rounds, {steps} timed steps per worker)\n")
         print(throughput_table(loop) + "\n")
@@ -205,7 +208,7 @@ def main() -> None:
         try:
             log(f"part 2: 100 Mbit/s, {reps} interleaved rounds of {link_steps} steps per worker")
             link = harness.interleaved(
-                {n: (lambda f=f: throughput_case(f, 2, link_steps, ns)) for n, f in SETTINGS.items()}, reps, warmup=0)
+                {n: (lambda f=f: throughput_case(f, link_warmup, link_steps, ns)) for n, f in SETTINGS.items()}, reps, warmup=0)
             print(f"### One shared 100 Mbit/s link (tc tbf on a namespace's loopback; {reps} rounds, "
                   f"{link_steps} timed steps per worker)\n")
             print(throughput_table(link) + "\n")
@@ -218,7 +221,7 @@ def main() -> None:
         try:
             log(f"two hosts: {reps} interleaved rounds of {link_steps} steps per worker")
             pair = harness.interleaved(
-                {n: (lambda f=f: pair_case(f, hosts, 2, link_steps)) for n, f in SETTINGS.items()}, reps, warmup=0)
+                {n: (lambda f=f: pair_case(f, hosts, link_warmup, link_steps)) for n, f in SETTINGS.items()}, reps, warmup=0)
             print(f"### Two hosts, 100 Mbit/s each way (the ps in one network namespace, both workers in another, "
                   f"tc tbf on each host's link; {reps} rounds, {link_steps} timed steps per worker)\n")
             print(throughput_table(pair) + "\n")

@@ -28,8 +28,8 @@
 Every chaos run also reports its ledger: acknowledged updates lost (must be 0).
 
 Run: ``.venv/bin/python benchmarks/bench_failover.py [--quick] [--reps N] [--parts cost,ps,worker]
-[--chaos-s S]`` (``--parts``: which of cost, ps, worker and cnncost to run, the first three by default; ``--chaos-s``: seconds of
-faults per chaos run, 90 by default, 30 with ``--quick``). The markdown report goes
+[--chaos-s S] [--epochs N]`` (``--parts``: which of cost, ps, worker and cnncost to run, the first three by default; ``--chaos-s``: seconds of
+faults per chaos run, 90 by default, 30 with ``--quick``; ``--epochs``: of each replication-cost run, 3, 2 with ``--quick``). The markdown report goes
 to stdout, progress to stderr. Nothing here asserts on a timing.
 """
 
@@ -200,12 +200,15 @@ def main() -> None:
     p.add_argument("--parts", default="cost,ps,worker",
                    help="which parts to run, comma-separated: cost, ps, worker, cnncost (not in the default)")
     p.add_argument("--chaos-s", type=float, default=None, help="seconds of faults per chaos run (90; 30 with --quick)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs of each replication-cost run (3; 2 with --quick)")
     args = p.parse_args()
     parts = set(args.parts.split(","))
     if not parts or parts - {"cost", "ps", "worker", "cnncost"}:
         raise SystemExit(f"--parts takes cost, ps, worker and cnncost, comma-separated; received {args.parts!r}.")
     reps = harness.reps_of(args, full=3, quick=1)
-    epochs = 2 if args.quick else 3
+    epochs = args.epochs if args.epochs is not None else (2 if args.quick else 3)
+    if epochs < 1:
+        raise SystemExit(f"--epochs must be at least 1; received {epochs}.")
     chaos_s = args.chaos_s if args.chaos_s is not None else (30.0 if args.quick else 90.0)
     chaos_epochs = int(chaos_s)
     print(f"## failover\n\n{harness.machine()}\n\n`{harness.command_line()}`\n")
