@@ -255,7 +255,6 @@ class ExitRecord:
     not_restarted: str | None = None  # why the policy would have restarted it but did not (a budget spent)
     hang: Hang | None = None  # the watchdog caught it: the hang is the cause, whatever the exit code
     retired: bool = False  # a scale request retired the task: an expected end, whatever its code
-    job_done: bool = False  # a worker's end after the ps had finished the job: no failure, whatever its code
 
     @property
     def cause(self) -> str:
@@ -281,7 +280,6 @@ class TaskRecord:
     started_at: float | None = None  # when the current attempt started
     exits: list[ExitRecord] = field(default_factory=list)
     hang: Hang | None = None  # the current attempt missed a deadline: stacks asked for, kill due
-    released: str | None = None  # why its restarted attempt is stopped: the ps finished the job meanwhile
 
     @property
     def job(self) -> str:
@@ -405,8 +403,6 @@ class RunController:
         self.watchdog.started(e.task, e.attempt)
         if self.phase == "stopping":  # it was being started when the run began to stop
             return [StopTasks((e.task,), self.grace_s, "the run is stopping")]
-        if rec.released is not None:  # the ps finished the job while it was being started
-            return [StopTasks((e.task,), self.grace_s, rec.released, warning=True)]
         if self._regroup is not None and self.group is not None and e.task in self.group.members:
             grace_s = self.grace_s if self.group.grace_s is None else self.group.grace_s
             return [StopTasks((e.task,), grace_s, f"{self.group.what} restarts ({self._regroup})")]
@@ -438,8 +434,6 @@ class RunController:
         self._tell(TaskChange(e.task, "exited", e.attempt, e.at, exit=exit_, hang=None if hang is None else hang.to_dict()))
         if stopped or (hang is not None and self.phase == "stopping"):
             return []
-        if code != 0 and self._after_job(rec):
-            return self._ended_after_job(rec, exit_)
         if self._regroup is not None and self.group is not None and e.task in self.group.members:
             exit_.stopped = True  # stopped for the group's restart (or ended by it): never a failure
             return self._regroup_when_exited()
@@ -454,67 +448,12 @@ class RunController:
                     return [restart]
         if code != 0:
             return self._fail(e.task, code, exit_.cause if hang is not None else None)
-        return (self._release_restarts() if rec.job == "ps" else []) + self._maybe_drain(e.at)
-
-    def _after_job(self, rec: TaskRecord) -> bool:
-        """``rec`` is a worker other than the chief, and every ps has exited 0: each one had every worker's
-        PS_DONE, so this worker's training was complete (a frozen worker killed after its PS_DONE, or its
-        restart that found no ps). Nothing of the run's result is left to it: its end is no failure."""
-        return (self.phase in ("running", "draining") and rec.job in TRAINING_JOBS and rec.task != self._chief()
-                and self._ps_finished())
-
-    def _ended_after_job(self, rec: TaskRecord, exit_: ExitRecord) -> list[Decision]:
-        """A worker ended after the ps finished the job: neither restarted nor a failure (a warning says so)."""
-        exit_.job_done = True
-        if rec.released is None:
-            self._not_restarted(rec, exit_, f"the job had finished ({self._finished_ps_words()}): its training was "
-                                            "complete, so its end does not fail the run")
-        return self._maybe_drain(exit_.at)
-
-    def _release_restarts(self) -> list[Decision]:
-        """Every ps finished the job (exited 0): a worker (not the chief) restarted before that has nothing
-        to train and would only wait for a ps that is gone. A restart still in its backoff is cancelled;
-        a restarted attempt is stopped (once its start is seen). Neither fails the run. The chief is left
-        to its own end: what it does after the job (its final evaluation) is part of the run's result.
-        Where the backend's place restarts the tasks itself (Kubernetes' Job controller), it is left too."""
-        if not self._ps_finished() or self.backoff.by is not None:  # the backend's place restarts it, not ours to take back
-            return []
-        why = f"the job finished while {{task}} was restarting ({self._finished_ps_words()}); stopping it"
-        live: list[str] = []
-        for rec in self.records.values():
-            restarting = rec.state == "backoff" or (rec.state in ("starting", "running") and rec.attempt > 0
-                                                    and bool(rec.exits) and rec.exits[-1].restarted)
-            if not restarting or not self._after_job(rec):
-                continue
-            if rec.state == "backoff":
-                rec.state, rec.attempt, rec.restart_due = "exited", rec.attempt - 1, None
-                last = rec.exits[-1]
-                last.restarted, last.job_done = False, True
-                self.restarts -= 1
-                self._not_restarted(rec, last, f"the job finished while it waited for its restart "
-                                                f"({self._finished_ps_words()})")
-                continue
-            rec.released = why.format(task=rec.task)
-            if rec.state == "running":
-                live.append(rec.task)
-        return [StopTasks((t,), self.grace_s, self.records[t].released or "", warning=True) for t in live]
-
-    def _ps_finished(self) -> bool:
-        ps = [r for r in self.records.values() if r.job == "ps"]
-        return bool(ps) and all(self._exited_cleanly(r) for r in ps)
-
-    def _finished_ps_words(self) -> str:
-        names = ", ".join(r.task for r in self.records.values() if r.job == "ps")
-        return f"{names} exited 0 once every worker had said it was done"
-
-    def _chief(self) -> str:
-        """``chief:0`` where the run has a chief job, else ``worker:0`` (:meth:`psflow.cluster.ClusterSpec.chief`)."""
-        return "chief:0" if "chief:0" in self.records else "worker:0"
+        return self._maybe_drain(e.at)
 
     def _maybe_drain(self, at: float) -> list[Decision]:
         """Every training task exited 0 (or was retired): the others get ``ps_exit_timeout_s`` to exit."""
         training = [r for r in self.records.values() if r.job in TRAINING_JOBS and r.state != "retired"]
-        if self.phase == "running" and all(self._exited_cleanly(r) or self._ended_after_job_for_good(r) for r in training):
+        if self.phase == "running" and all(self._exited_cleanly(r) for r in training):
             self._set_phase("draining")
             self._drain_deadline = at + self.ps_exit_timeout_s
             self._cancel_restarts()  # training is over: a ps waiting for its restart is not needed
@@ -551,7 +490,7 @@ class RunController:
                 self.records[task] = rec = TaskRecord(task)
                 self.names.append(task)
             else:
-                rec.attempt, rec.handle, rec.hang, rec.released = rec.attempt + 1, None, None, None
+                rec.attempt, rec.handle, rec.hang = rec.attempt + 1, None, None
             rec.state, rec.started_at = "starting", None
             self._tell(TaskChange(task, "added", rec.attempt, self.now))
             out.append(StartTask(task, rec.attempt))
@@ -776,7 +715,7 @@ class RunController:
         """The rule of :mod:`psflow.launch.rootcause` over each task's last attempt: its exits in
         the order seen, and its error reports. Falls back on the first task that failed."""
         final = self.final_exits()
-        exits = [TaskExit(t, x.code, x.at, stopped=x.stopped or x.job_done) for t, x in final]
+        exits = [TaskExit(t, x.code, x.at, stopped=x.stopped) for t, x in final]
         reports = {t: x.report for t, x in final if x.report is not None}
         return root_cause(self.names, exits, reports) or self.first_failure
 
@@ -819,7 +758,3 @@ class RunController:
     @staticmethod
     def _exited_cleanly(rec: TaskRecord) -> bool:
         return rec.state == "exited" and rec.exits[-1].code == 0
-
-    @staticmethod
-    def _ended_after_job_for_good(rec: TaskRecord) -> bool:
-        return rec.state == "exited" and rec.exits[-1].job_done

@@ -88,9 +88,8 @@ def build_summary(
 
 def task_entry(plan: LaunchPlan, record: TaskRecord, address: str | None) -> dict[str, Any]:
     """One task in the summary: its last attempt's pid, exit code and cause, and every attempt's exit
-    (code, signal, cause, how long it ran, whether it was restarted, or why not, the hang the
-    watchdog killed it for: kind, quiet time, where its stacks went, and ``job_done`` for a worker's
-    end after the ps had finished the job: no failure)."""
+    (code, signal, cause, how long it ran, whether it was restarted, or why not, and the hang the
+    watchdog killed it for: kind, quiet time, where its stacks went)."""
     last = record.exits[-1] if record.exits else None
     return {
         "task": record.task,
@@ -105,7 +104,6 @@ def task_entry(plan: LaunchPlan, record: TaskRecord, address: str | None) -> dic
                    "ran_s": None if x.ran_s is None else round(x.ran_s, 3), "stopped": x.stopped,
                    "restarted": x.restarted, **({"not_restarted": x.not_restarted} if x.not_restarted else {}),
                    **({"retired": True} if x.retired else {}),
-                   **({"job_done": True} if x.job_done else {}),
                    **({"hang": x.hang.to_dict()} if x.hang is not None else {})}
                   for x in record.exits],
         "log": str(RunDir(plan.logdir).log(record.task)),
