@@ -66,7 +66,6 @@ def test_a_ps_init_declaring_2_gib_for_a_7850_float_shard_is_refused_before_its_
         assert (f"PS_INIT from worker:0 refused: tensor 'w' (float32 [{GIB2 // 4}], {GIB2} bytes) does not fit: shard 0 "
                 f"holds 'w' as float32 [{KEY_FLOATS}] ({4 * KEY_FLOATS} bytes) by the request's placement") in error, error
         assert "Refused before its payload was received" in error, error
-        assert answered_s < 5.0, f"the ps answered {answered_s:.1f} s after the head"
         assert not service.store.initialized and service.store.stats.init_requests == 0  # untouched
         trainer = c.trainer(0, Flat(), optim.SGD(lr=0.01))
         trainer.prepare()  # the real chief initializes it
@@ -194,7 +193,7 @@ def test_a_batch_of_an_older_term_for_a_copy_not_loaded_yet_is_refused_as_stale_
         conn = connect(c.cluster.address(TaskId("ps", 1)), secret=SECRET, task="ps:0", peer="ps:1", deadline_s=WAIT_S)
         declared = 64 << 20
         try:
-            _, answered_s, received = declare_and_stream(
+            _, _, received = declare_and_stream(
                 conn, [[f"1/{key}", "float32", [declared // 4]]], {"kind": "batch", "shard": 0, "term": 0, "events": [{}]},
                 declared, 16 << 20, op=Op.PS_REPLICATE)
         finally:
@@ -203,7 +202,7 @@ def test_a_batch_of_an_older_term_for_a_copy_not_loaded_yet_is_refused_as_stale_
         reply = decode_meta(received[HEADER_SIZE:HEADER_SIZE + meta_len], 0, Limits())[0]
         assert op == Op.ERROR and reply["kind"] == "StaleTermError", reply
         assert "ps:1 refuses ps:0's batch of shard 0 in term 0" in reply["error"], reply
-        assert answered_s < 5.0 and not restarted.backups[0].initialized
+        assert not restarted.backups[0].initialized
         c.services[0].partition()  # healed
         restarted.resync(30.0)  # the ps goes on: it loads its copies from the serving ps
         t.step(lambda: F.cross_entropy(model(x), y))

@@ -123,7 +123,6 @@ def test_a_push_declaring_2_gib_for_a_7850_float_key_is_refused_before_its_bytes
         error = error_of(received)
         assert ("PS_PUSH from worker:1 refused before its payload was received: tensor 'w' declares "
                 f"{GIB2} bytes (float32 [{GIB2 // 4}]), but its parameter on shard 0 takes {4 * KEY_FLOATS} bytes") in error
-        assert answered_s < 5.0, f"the ps answered {answered_s:.1f} s after the head"
         assert service.store.stats.applied_updates == applied  # nothing applied
         step(trainer)  # the ps still serves the job
         assert service.store.stats.applied_updates == applied + 1
